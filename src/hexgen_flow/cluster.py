@@ -1,0 +1,157 @@
+"""Serving instances and clusters of them.
+
+An instance is one model replica on a tensor-parallel group of GPUs of one type: the unit
+the dispatcher chooses between. A cluster is an ordered list of instances; the first is the
+paper's baseline instance b.
+
+A cluster is written either inline, ``A100,A100,A6000,L40S`` (``A100x2`` repeats a type), or
+as a YAML file::
+
+    model: llama-3.1-70b          # optional, the default model of every instance
+    instances:
+      - gpu: A100
+        count: 2                  # optional, default 1
+      - gpu: A6000
+        kv_cache_tokens: 120000   # optional override of the derived KV-cache size
+        max_batch: 128            # optional override of vLLM's max_num_seqs (256)
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from hexgen_flow.errors import ConfigError
+from hexgen_flow.latency import LatencyModel, latency_model, resolve_model
+
+__all__ = ["DEFAULT_CLUSTER", "DEFAULT_MODEL", "Cluster", "InstanceSpec", "parse_cluster"]
+
+DEFAULT_MODEL = "llama-3.1-70b"
+DEFAULT_CLUSTER = "A100,A100,A6000,L40S"
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceSpec:
+    """One serving instance."""
+
+    index: int
+    """Position in the cluster; 0 is the baseline instance."""
+    gpu: str
+    """GPU type, e.g. "A100"."""
+    model: str
+    """Model served, e.g. "llama-3.1-70b"."""
+    kv_cache_tokens: int
+    """KV-cache slots: the sum of input+output tokens of the calls running together."""
+    max_batch: int
+    """Most calls running together."""
+    latency: LatencyModel
+    """Latency model of this (model, GPU type)."""
+
+    @property
+    def name(self) -> str:
+        return f"{self.gpu}#{self.index}"
+
+
+@dataclass(frozen=True, slots=True)
+class Cluster:
+    instances: tuple[InstanceSpec, ...]
+    description: str
+    """How the cluster was given (inline list or file name), for reports."""
+
+    def __len__(self) -> int:
+        return len(self.instances)
+
+    @property
+    def gpus(self) -> tuple[str, ...]:
+        return tuple(i.gpu for i in self.instances)
+
+    @classmethod
+    def build(cls, entries: Sequence[dict[str, Any]], description: str) -> Cluster:
+        instances: list[InstanceSpec] = []
+        for entry in entries:
+            model = resolve_model(str(entry.get("model", DEFAULT_MODEL))).name
+            lat = latency_model(model, str(entry["gpu"]))
+            where = f"instance {len(instances)} ({lat.gpu})"
+            kv = _int_setting(entry, "kv_cache_tokens", lat.kv_capacity_tokens, where)
+            max_batch = _int_setting(entry, "max_batch", lat.max_batch, where)
+            if kv <= 0:
+                raise ConfigError(
+                    f"{where}: {model} leaves no memory for the "
+                    "KV cache; give kv_cache_tokens or use a larger GPU"
+                )
+            if max_batch < 1:
+                raise ConfigError(f"instance {len(instances)}: max_batch must be >= 1")
+            instances.append(InstanceSpec(len(instances), lat.gpu, model, kv, max_batch, lat))
+        if not instances:
+            raise ConfigError("a cluster needs at least one instance")
+        return cls(tuple(instances), description)
+
+
+def _int_setting(entry: dict[str, Any], key: str, default: int, where: str) -> int:
+    value = entry.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{where}: {key} must be an integer, got {value!r}")
+    return value
+
+
+_REPEAT = re.compile(r"^(?P<gpu>[A-Za-z0-9_-]+?)(?:[x*](?P<count>\d+))?$")
+
+
+def parse_cluster(text: str, model: str = DEFAULT_MODEL) -> Cluster:
+    """Parse ``A100,A100,A6000,L40S`` / ``A100x2,A6000`` or the path of a YAML file."""
+    path = Path(text)
+    if text.endswith((".yaml", ".yml")) or path.is_file():
+        return _load_yaml(path, model)
+    entries: list[dict[str, Any]] = []
+    for part in text.split(","):
+        match = _REPEAT.match(part.strip())
+        if not match:
+            raise ConfigError(f"--cluster: cannot read {part!r}; write e.g. A100,A100,A6000,L40S")
+        count = int(match["count"] or 1)
+        if count < 1:
+            raise ConfigError(f"--cluster: {part.strip()!r}: the count after x must be >= 1")
+        entries.extend({"gpu": match["gpu"], "model": model} for _ in range(count))
+    return Cluster.build(entries, text)
+
+
+_FILE_KEYS = frozenset({"model", "instances"})
+_INSTANCE_KEYS = frozenset({"gpu", "count", "model", "kv_cache_tokens", "max_batch"})
+
+
+def _reject_unknown(item: dict[str, Any], known: frozenset[str], where: str) -> None:
+    # A misspelt optional key (kv_cache_tokns) would otherwise be ignored without a word.
+    unknown = sorted(str(k) for k in set(item) - known)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key {unknown[0]!r} (keys: {', '.join(sorted(known))})")
+
+
+def _load_yaml(path: Path, model: str) -> Cluster:
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"cluster file {path} does not exist") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"cluster file {path} is not valid YAML: {exc}") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("instances"), list):
+        raise ConfigError(f"cluster file {path}: expected a mapping with an 'instances' list")
+    _reject_unknown(doc, _FILE_KEYS, f"cluster file {path}")
+    default_model = str(doc.get("model", model))
+    entries: list[dict[str, Any]] = []
+    for n, item in enumerate(doc["instances"]):
+        if not isinstance(item, dict) or "gpu" not in item:
+            raise ConfigError(f"cluster file {path}: instances[{n}] needs a 'gpu' field")
+        _reject_unknown(item, _INSTANCE_KEYS, f"cluster file {path}: instances[{n}]")
+        count = item.get("count", 1)
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ConfigError(
+                f"cluster file {path}: instances[{n}].count must be an integer >= 1, got {count!r}"
+            )
+        entry = {k: v for k, v in item.items() if k != "count"}
+        entry.setdefault("model", default_model)
+        entries.extend(dict(entry) for _ in range(count))
+    return Cluster.build(entries, str(path))

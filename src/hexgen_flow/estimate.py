@@ -1,0 +1,120 @@
+"""Execution-time estimates that the policies plan with (ALGORITHM.md §2).
+
+Two granularities, chosen per policy by its ``estimate`` parameter:
+
+- ``step``: the paper's t_g(s), one latency per (GPU type, step type), measured at the step's
+  representative token counts. A step type the table does not know falls back to the call's
+  own tokens.
+- ``call``: the call's own single-request latency from its token counts ("Go further").
+
+Every policy in a run shares one `Estimator`, so comparisons between policies are never a
+comparison between estimates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+from hexgen_flow.cluster import Cluster
+from hexgen_flow.errors import ConfigError
+from hexgen_flow.workload import STANDARD_TEMPLATE, LLMCall, Workflow
+
+__all__ = ["REPRESENTATIVE_TOKENS", "EstimateMode", "Estimator", "WorkflowPlan"]
+
+EstimateMode = Literal["step", "call"]
+
+# Typical (input, output) tokens per CHESS step type (ALGORITHM.md §1).
+REPRESENTATIVE_TOKENS: dict[str, tuple[int, int]] = {
+    "information_retriever": (308, 5),
+    "extract_keywords": (667, 45),
+    "generate_candidate": (11748, 678),
+    "revise": (5963, 79),
+    "unit_tester": (275, 4),
+    "generate_unit_test": (1109, 103),
+    "evaluate": (961, 22),
+}
+
+TimeFn = Callable[[int, LLMCall], float]
+
+
+class WorkflowPlan:
+    """Cluster-mean time estimates over one workflow's DAG.
+
+    `stage_s[k]` is the estimate of stage k (its slowest call: a fan-out runs in parallel);
+    `tail_s[k]` is the longest path of estimates from stage k (included) to the end, i.e.
+    the least time the query still needs once stage k is released.
+    """
+
+    __slots__ = ("stage_s", "tail_s", "workflow")
+
+    def __init__(self, workflow: Workflow, stage_s: list[float]) -> None:
+        self.workflow = workflow  # keeps the object alive while its id() keys the cache
+        tail = list(stage_s)
+        for k in range(len(stage_s) - 1, -1, -1):
+            after = workflow.dependents[k]
+            if after:
+                tail[k] = stage_s[k] + max(tail[j] for j in after)
+        self.stage_s = tuple(stage_s)
+        self.tail_s = tuple(tail)
+
+
+class Estimator:
+    """Single-request time estimates for each instance of one cluster."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        self._models = [inst.latency for inst in cluster.instances]
+        self._n = len(self._models)
+        self._step_cache: dict[tuple[int, str], float] = {}
+        self._plans: dict[tuple[int, str], WorkflowPlan] = {}
+
+    def call_time(self, instance: int, call: LLMCall) -> float:
+        """Single-request latency of `call` on `instance` from its own token counts."""
+        return self._models[instance].single_s(call.input_tokens, call.output_tokens)
+
+    def step_time(self, instance: int, call: LLMCall) -> float:
+        """The paper's t_g(s): latency of the call's step type at its representative tokens."""
+        key = (instance, call.step)
+        cached = self._step_cache.get(key)
+        if cached is None:
+            tokens = REPRESENTATIVE_TOKENS.get(call.step)
+            if tokens is None:
+                cached = self.call_time(instance, call)
+                # Not cached: an unknown step's estimate depends on the call, not the step.
+                return cached
+            cached = self._models[instance].single_s(*tokens)
+            self._step_cache[key] = cached
+        return cached
+
+    def time_fn(self, mode: EstimateMode) -> TimeFn:
+        """The estimate function a policy configured with `mode` should call."""
+        if mode == "call":
+            return self.call_time
+        if mode == "step":
+            return self.step_time
+        raise ConfigError(f"estimate must be 'step' or 'call', got {mode!r}")
+
+    def mean_time(self, call: LLMCall, mode: EstimateMode) -> float:
+        """Cluster-mean estimate t̄ (mean over the cluster's instances)."""
+        fn = self.time_fn(mode)
+        return sum(fn(i, call) for i in range(self._n)) / self._n
+
+    def slo_base(self) -> float:
+        """SLO_base: the standard template's cluster-mean step times, summed (ALGORITHM.md §5)."""
+        return sum(
+            self.mean_time(LLMCall(step, *REPRESENTATIVE_TOKENS[step]), "step")
+            for step in STANDARD_TEMPLATE
+        )
+
+    def plan(self, workflow: Workflow, mode: EstimateMode) -> WorkflowPlan:
+        """The workflow's per-stage and remaining-path estimates (cached per workflow)."""
+        key = (id(workflow), mode)
+        plan = self._plans.get(key)
+        if plan is None:
+            stage_s = [
+                max(self.mean_time(call, mode) for call in stage.calls) for stage in workflow.stages
+            ]
+            plan = WorkflowPlan(workflow, stage_s)
+            self._plans[key] = plan
+        return plan

@@ -1,0 +1,201 @@
+"""Dispatch policies: which instance each released call goes to."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Literal
+
+from hexgen_flow.errors import ConfigError
+from hexgen_flow.estimate import EstimateMode
+from hexgen_flow.policies.base import Dispatcher
+from hexgen_flow.runtime import CallTicket, PolicyContext
+
+__all__ = [
+    "LeastWorkDispatcher",
+    "MarginalLatencyDispatcher",
+    "PowerOfTwoDispatcher",
+    "RoundRobinDispatcher",
+    "WorkloadBalancedDispatcher",
+]
+
+
+class RoundRobinDispatcher(Dispatcher):
+    """Instances in turn (vLLM's and most routers' default).
+
+    Reads: nothing but its own cursor. Skips instances whose KV cache cannot hold the call.
+    """
+
+    def __init__(self, ctx: PolicyContext) -> None:
+        super().__init__(ctx)
+        self._next = 0
+
+    def select(self, ticket: CallTicket, now: float) -> int:
+        load = self.ctx.load
+        n = len(load.kv_tokens)
+        for _ in range(n):
+            i = self._next
+            self._next = (i + 1) % n
+            if load.can_serve(i, ticket.call):
+                return i
+        return self.candidates(ticket)[0]  # raises: nothing can serve the call
+
+
+class PowerOfTwoDispatcher(Dispatcher):
+    """Ray Serve's power of two choices on in-flight calls.
+
+    Reads: `ClusterLoad.in_flight`. Samples two distinct candidates with the run's seeded
+    generator and keeps the one with fewer calls in flight (the lower index on a tie).
+    """
+
+    def select(self, ticket: CallTicket, now: float) -> int:
+        cands = self.candidates(ticket)
+        if len(cands) == 1:
+            return cands[0]
+        a, b = self.ctx.rng.sample(cands, 2)
+        in_flight = self.ctx.load.in_flight
+        if in_flight[a] != in_flight[b]:
+            return a if in_flight[a] < in_flight[b] else b
+        return min(a, b)
+
+
+class LeastWorkDispatcher(Dispatcher):
+    """Least outstanding estimated work (the LLF baseline's dispatcher).
+
+    Reads: `ClusterLoad.outstanding_s`, the summed single-request estimates of the calls in
+    flight on each instance, in that instance's own seconds. Ties: the lower index.
+    """
+
+    def select(self, ticket: CallTicket, now: float) -> int:
+        work = self.ctx.load.outstanding_s
+        return min(self.candidates(ticket), key=work.__getitem__)
+
+
+class WorkloadBalancedDispatcher(Dispatcher):
+    """The paper's workload-balanced score (ALGORITHM.md §3), with the "Go further" knobs.
+
+    With b the baseline instance (index 0), t_i the estimate of the call on instance i and
+    W_i the work charged to instance i::
+
+        score_i = alpha * t_b / t_i  -  (1 - alpha) * weight[gpu_i] * W_i / W_ref
+
+    and the call goes to the highest score (ties: the lower index).
+
+    Parameters:
+        alpha: 1 sends every call to its fastest GPU type, 0 balances work only.
+        estimate: "step" (the paper's per-step-type t_g(s)) or "call" (the call's tokens).
+        work: "cumulative" (the paper: W_i only grows, by t_i of every call dispatched) or
+            "outstanding" (`ClusterLoad.outstanding_s`: work in flight, freed on completion).
+        reference: "baseline" (the paper: W_ref = W_b, and an idle baseline takes the call)
+            or "mean" (W_ref = mean W over the candidates; all idle: speed alone decides).
+        load_weights: per-GPU-type multiplier of the load term (the May-2025 code's 0.5 for
+            A6000/L40S); types not listed weigh 1.
+    """
+
+    def __init__(
+        self,
+        ctx: PolicyContext,
+        *,
+        alpha: float = 0.5,
+        estimate: EstimateMode = "step",
+        work: Literal["cumulative", "outstanding"] = "cumulative",
+        reference: Literal["baseline", "mean"] = "baseline",
+        load_weights: Mapping[str, float] | None = None,
+    ) -> None:
+        super().__init__(ctx)
+        if not 0.0 <= alpha <= 1.0:
+            raise ConfigError(f"alpha must be in [0, 1], got {alpha}")
+        if work not in ("cumulative", "outstanding"):
+            raise ConfigError(f"work must be 'cumulative' or 'outstanding', got {work!r}")
+        if reference not in ("baseline", "mean"):
+            raise ConfigError(f"reference must be 'baseline' or 'mean', got {reference!r}")
+        self.alpha = alpha
+        self._time = ctx.estimator.time_fn(estimate)
+        self._cumulative = work == "cumulative"
+        self._baseline_ref = reference == "baseline"
+        weights = dict(load_weights or {})
+        self._weights = [float(weights.get(inst.gpu, 1.0)) for inst in ctx.cluster.instances]
+        self._work = [0.0] * len(ctx.cluster)
+
+    def select(self, ticket: CallTicket, now: float) -> int:
+        call = ticket.call
+        time = self._time
+        cands = self.candidates(ticket)
+        work = self._work if self._cumulative else self.ctx.load.outstanding_s
+        # b is instance 0 unless the call does not fit there; then the first that fits.
+        b = cands[0]
+        if self._baseline_ref:
+            ref = work[b]
+            if ref <= 0.0:
+                return self._charge(b, time(b, call))
+        else:
+            ref = sum(work[i] for i in cands) / len(cands)
+        alpha = self.alpha
+        t_b = time(b, call)
+        best, best_score, best_t = -1, float("-inf"), 0.0
+        for i in cands:
+            t_i = time(i, call)
+            score = alpha * t_b / t_i
+            if ref > 0.0:
+                score -= (1.0 - alpha) * self._weights[i] * work[i] / ref
+            if score > best_score:
+                best, best_score, best_t = i, score, t_i
+        return self._charge(best, best_t)
+
+    def _charge(self, instance: int, t: float) -> int:
+        self._work[instance] += t
+        return instance
+
+
+class MarginalLatencyDispatcher(Dispatcher):
+    """Workload balance on marginal latency: HexGen-Flow's dispatcher ("Go further", §3).
+
+    On a continuous-batching instance a call does not wait behind the work already there:
+    it joins the batch, decodes at the batch's pace and slows everyone else down. So the
+    speed-versus-load trade-off is scored in seconds, per call, from its own tokens. With B
+    the calls in flight on instance i (`ClusterLoad.in_flight`), f_i the instance's decode
+    slowdown at a batch size, p_i and d_i the call's prefill and batch-1 decode time on i::
+
+        own_i   = p_i + d_i * f_i(B + 1)                   # the call's own latency there
+        delay_i = (f_i(B + 1) - f_i(B)) * share * W_i      # everyone else's decode stretches
+                  + p_i * B                                # and pauses for its prefill
+        score_i = alpha * own_i + (1 - alpha) * delay_i    # lowest wins, ties: lower index
+
+    W_i is the outstanding work on i (`ClusterLoad.outstanding_s`); `share` is the part of
+    it still ahead when the call arrives (half, for calls uniformly far along).
+
+    Parameters:
+        alpha: 1 picks the instance where the call itself finishes first; 0 the one where it
+            delays the other calls least.
+        share: fraction of the outstanding work assumed still to run.
+    """
+
+    def __init__(self, ctx: PolicyContext, *, alpha: float = 0.5, share: float = 0.5) -> None:
+        super().__init__(ctx)
+        if not 0.0 <= alpha <= 1.0:
+            raise ConfigError(f"alpha must be in [0, 1], got {alpha}")
+        if not 0.0 <= share <= 1.0:
+            raise ConfigError(f"share must be in [0, 1], got {share}")
+        self.alpha = alpha
+        self._share = share
+        instances = ctx.cluster.instances
+        self._split = [inst.latency.split for inst in instances]
+        # One extra entry: B + 1 may exceed max_batch while calls queue.
+        self._slowdown = [inst.latency.slowdown_table(inst.max_batch + 1) for inst in instances]
+
+    def select(self, ticket: CallTicket, now: float) -> int:
+        call = ticket.call
+        load = self.ctx.load
+        in_flight, outstanding = load.in_flight, load.outstanding_s
+        alpha, share = self.alpha, self._share
+        best, best_score = -1, float("inf")
+        for i in self.candidates(ticket):
+            prefill, decode = self._split[i](call.input_tokens, call.output_tokens)
+            table = self._slowdown[i]
+            b = min(in_flight[i], len(table) - 2)
+            after = table[b + 1]
+            own = prefill + decode * after
+            delay = ((after - table[b]) * share * outstanding[i] + prefill * b) if b else 0.0
+            score = alpha * own + (1.0 - alpha) * delay
+            if score < best_score:
+                best, best_score = i, score
+        return best

@@ -1,0 +1,321 @@
+"""Local queue disciplines: the order in which one instance admits its waiting calls.
+
+Most disciplines order by a key fixed when the call is queued: least laxity
+``U = (now - a_r) + t - budget`` ranks calls the same way at every `now`, because `now` is
+common to all of them, so "recompute urgency at every scheduling point" is a heap on
+``a_r + budget - t``. VTC and QLM depend on state that moves, and keep their own structure.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from abc import abstractmethod
+from collections import deque
+
+from hexgen_flow.errors import ConfigError
+from hexgen_flow.estimate import EstimateMode
+from hexgen_flow.policies.base import LocalQueue
+from hexgen_flow.runtime import CallTicket, PolicyContext
+
+__all__ = [
+    "FcfsQueue",
+    "KeyedQueue",
+    "LeastLaxityQueue",
+    "QlmQueue",
+    "ShortestJobFirstQueue",
+    "UrgencyQueue",
+    "VirtualTokenCounterQueue",
+]
+
+
+class KeyedQueue(LocalQueue):
+    """A heap on (key(ticket), seq): the smallest key is admitted first."""
+
+    def __init__(self, ctx: PolicyContext, instance: int) -> None:
+        super().__init__(ctx, instance)
+        self._heap: list[tuple[float, int, CallTicket]] = []
+        self._members: set[int] = set()
+
+    @abstractmethod
+    def key(self, ticket: CallTicket) -> float:
+        """Ordering key, computed once when the ticket is queued."""
+
+    def push(self, ticket: CallTicket, now: float) -> None:
+        k = self.key(ticket)
+        ticket.key = k
+        heapq.heappush(self._heap, (k, ticket.seq, ticket))
+        self._members.add(ticket.seq)
+
+    def _top(self) -> tuple[float, int, CallTicket] | None:
+        heap, members = self._heap, self._members
+        while heap and heap[0][1] not in members:
+            heapq.heappop(heap)  # removed earlier; dropped lazily
+        return heap[0] if heap else None
+
+    def peek(self, now: float) -> CallTicket | None:
+        top = self._top()
+        return top[2] if top else None
+
+    def pop(self, now: float) -> CallTicket:
+        self._top()
+        ticket = heapq.heappop(self._heap)[2]
+        self._members.discard(ticket.seq)
+        return ticket
+
+    def remove(self, ticket: CallTicket) -> bool:
+        if ticket.seq not in self._members:
+            return False
+        self._members.discard(ticket.seq)
+        return True
+
+    def __len__(self) -> int:
+        return len(self._members)
+
+
+class FcfsQueue(LocalQueue):
+    """First come, first served (vLLM's default): release order, i.e. `ticket.seq`."""
+
+    def __init__(self, ctx: PolicyContext, instance: int) -> None:
+        super().__init__(ctx, instance)
+        self._queue: deque[CallTicket] = deque()
+
+    def push(self, ticket: CallTicket, now: float) -> None:
+        # Tickets reach one instance in release order, so appending keeps seq order.
+        self._queue.append(ticket)
+
+    def peek(self, now: float) -> CallTicket | None:
+        return self._queue[0] if self._queue else None
+
+    def pop(self, now: float) -> CallTicket:
+        return self._queue.popleft()
+
+    def remove(self, ticket: CallTicket) -> bool:
+        try:
+            self._queue.remove(ticket)
+        except ValueError:
+            return False
+        return True
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+
+class UrgencyQueue(KeyedQueue):
+    """The paper's urgency priority (ALGORITHM.md §4): least laxity against the stage budget.
+
+    Reads: `ticket.deadline_s` (a_r + SLO_stage, set by the run's StageBudget) and the
+    call's estimate t on this instance. U = (now - a_r) + t - SLO_stage; the largest U is
+    admitted first, i.e. the smallest ``deadline_s - t``.
+
+    Parameters:
+        estimate: "step" (the paper's t_g(s)) or "call" (the call's own tokens).
+    """
+
+    def __init__(
+        self, ctx: PolicyContext, instance: int, *, estimate: EstimateMode = "step"
+    ) -> None:
+        super().__init__(ctx, instance)
+        self._time = ctx.estimator.time_fn(estimate)
+
+    def key(self, ticket: CallTicket) -> float:
+        return ticket.deadline_s - self._time(self.instance, ticket.call)
+
+
+class LeastLaxityQueue(KeyedQueue):
+    """Query-level least laxity first (the LLF baseline).
+
+    Laxity = query deadline - now - (this call's estimate + the cluster-mean estimate of the
+    longest path of stages still after this one); smallest laxity first.
+    """
+
+    def __init__(self, ctx: PolicyContext, instance: int) -> None:
+        super().__init__(ctx, instance)
+        self._estimator = ctx.estimator
+
+    def key(self, ticket: CallTicket) -> float:
+        plan = self._estimator.plan(ticket.run.query.workflow, "call")
+        after = plan.tail_s[ticket.stage] - plan.stage_s[ticket.stage]
+        own = self._estimator.call_time(self.instance, ticket.call)
+        return ticket.run.deadline_s - own - after
+
+
+class ShortestJobFirstQueue(KeyedQueue):
+    """Shortest estimated call first (on this instance, from the call's tokens)."""
+
+    def key(self, ticket: CallTicket) -> float:
+        return self.ctx.estimator.call_time(self.instance, ticket.call)
+
+
+class VirtualTokenCounterQueue(LocalQueue):
+    """Virtual token counter fairness (VTC, Sheng et al., OSDI 2024).
+
+    Each client (the query, or its tenant) has a counter; the waiting call of the client
+    with the smallest counter goes first (FIFO within a client; ties on the client's
+    oldest waiting seq). Popping a call (the driver admits what it pops) adds
+    ``input_tokens + output_weight * output_tokens`` to its client's counter. A client that
+    had nothing waiting is lifted to the smallest counter among the clients that do, so
+    idling earns no credit.
+
+    Parameters:
+        client: "query" or "tenant".
+        output_weight: cost of an output token relative to an input token.
+    """
+
+    def __init__(
+        self,
+        ctx: PolicyContext,
+        instance: int,
+        *,
+        client: str = "query",
+        output_weight: float = 2.0,
+    ) -> None:
+        super().__init__(ctx, instance)
+        if client not in ("query", "tenant"):
+            raise ConfigError(f"client must be 'query' or 'tenant', got {client!r}")
+        self._by_tenant = client == "tenant"
+        self._output_weight = output_weight
+        self._counters: dict[object, float] = {}
+        self._waiting: dict[object, deque[CallTicket]] = {}
+        self._active: list[tuple[float, int, object]] = []
+        self._size = 0
+
+    def _client(self, ticket: CallTicket) -> object:
+        return ticket.run.query.tenant if self._by_tenant else ticket.run.index
+
+    def _valid_top(self) -> tuple[float, int, object] | None:
+        heap = self._active
+        while heap:
+            counter, first_seq, client = heap[0]
+            waiting = self._waiting.get(client)
+            if waiting and counter == self._counters[client] and waiting[0].seq == first_seq:
+                return heap[0]
+            heapq.heappop(heap)  # stale: counter moved, head changed or client went idle
+        return None
+
+    def push(self, ticket: CallTicket, now: float) -> None:
+        client = self._client(ticket)
+        waiting = self._waiting.get(client)
+        if waiting:
+            waiting.append(ticket)
+        else:
+            top = self._valid_top()
+            floor = top[0] if top else 0.0
+            self._counters[client] = max(self._counters.get(client, 0.0), floor)
+            self._waiting[client] = deque([ticket])
+            heapq.heappush(self._active, (self._counters[client], ticket.seq, client))
+        self._size += 1
+
+    def peek(self, now: float) -> CallTicket | None:
+        top = self._valid_top()
+        return self._waiting[top[2]][0] if top else None
+
+    def pop(self, now: float) -> CallTicket:
+        top = self._valid_top()
+        assert top is not None, "pop from an empty queue"
+        client = top[2]
+        waiting = self._waiting[client]
+        ticket = waiting.popleft()
+        call = ticket.call
+        self._counters[client] += call.input_tokens + self._output_weight * call.output_tokens
+        if waiting:
+            heapq.heappush(self._active, (self._counters[client], waiting[0].seq, client))
+        else:
+            del self._waiting[client]
+        self._size -= 1
+        return ticket
+
+    def remove(self, ticket: CallTicket) -> bool:
+        client = self._client(ticket)
+        waiting = self._waiting.get(client)
+        if not waiting or ticket not in waiting:
+            return False
+        head = waiting[0] is ticket
+        waiting.remove(ticket)
+        if not waiting:
+            del self._waiting[client]
+        elif head:
+            heapq.heappush(self._active, (self._counters[client], waiting[0].seq, client))
+        self._size -= 1
+        return True
+
+    def __len__(self) -> int:
+        return self._size
+
+
+class QlmQueue(LocalQueue):
+    """QLM-style request groups (Patke et al., SoCC 2024), as the paper's baseline uses it.
+
+    Calls are grouped by their query's deadline into buckets of `bucket_s` seconds. The
+    queue serves in arrival order while it is on time, and switches to earliest-deadline
+    group first when the estimated waiting time of the queue exceeds the time left of its
+    most urgent group. The waiting time is the summed estimates of the waiting calls
+    divided by `parallelism`, the batch the instance is assumed to decode at.
+    """
+
+    def __init__(
+        self,
+        ctx: PolicyContext,
+        instance: int,
+        *,
+        bucket_s: float = 10.0,
+        parallelism: float = 8.0,
+    ) -> None:
+        super().__init__(ctx, instance)
+        if bucket_s <= 0 or parallelism <= 0:
+            raise ConfigError("bucket_s and parallelism must be > 0")
+        self._bucket_s = bucket_s
+        self._parallelism = parallelism
+        self._fcfs: list[tuple[int, CallTicket]] = []
+        self._edf: list[tuple[int, int, CallTicket]] = []
+        self._members: set[int] = set()
+        self._queued_work_s = 0.0
+
+    def _group(self, ticket: CallTicket) -> int:
+        return math.floor(ticket.run.deadline_s / self._bucket_s)
+
+    def push(self, ticket: CallTicket, now: float) -> None:
+        work = self.ctx.estimator.call_time(self.instance, ticket.call)
+        ticket.key = work
+        self._queued_work_s += work
+        heapq.heappush(self._fcfs, (ticket.seq, ticket))
+        heapq.heappush(self._edf, (self._group(ticket), ticket.seq, ticket))
+        self._members.add(ticket.seq)
+
+    def _clean(self) -> None:
+        members = self._members
+        while self._fcfs and self._fcfs[0][0] not in members:
+            heapq.heappop(self._fcfs)
+        while self._edf and self._edf[0][1] not in members:
+            heapq.heappop(self._edf)
+
+    def _choose(self, now: float) -> CallTicket | None:
+        self._clean()
+        if not self._members:
+            return None
+        group = self._edf[0][0]
+        time_left = (group + 1) * self._bucket_s - now
+        if self._queued_work_s / self._parallelism > time_left:
+            return self._edf[0][2]
+        return self._fcfs[0][1]
+
+    def peek(self, now: float) -> CallTicket | None:
+        return self._choose(now)
+
+    def pop(self, now: float) -> CallTicket:
+        ticket = self._choose(now)
+        assert ticket is not None, "pop from an empty queue"
+        self.remove(ticket)
+        return ticket
+
+    def remove(self, ticket: CallTicket) -> bool:
+        if ticket.seq not in self._members:
+            return False
+        self._members.discard(ticket.seq)
+        self._queued_work_s -= ticket.key
+        if not self._members:
+            self._queued_work_s = 0.0
+        return True
+
+    def __len__(self) -> int:
+        return len(self._members)

@@ -1,0 +1,171 @@
+"""Runtime state that policies read: released calls, running queries, per-instance load.
+
+These are the few mutable objects the policies see. The simulator creates and updates them;
+the services will too. They are plain slotted classes, not dataclasses, because the
+simulator touches them on every call and attribute access is the hot path.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+from hexgen_flow.cluster import Cluster
+from hexgen_flow.estimate import Estimator
+from hexgen_flow.workload import LLMCall, Query
+
+__all__ = ["CallTicket", "ClusterLoad", "PolicyContext", "QueryRun"]
+
+
+class QueryRun:
+    """A query being executed: its deadline and which stages are done."""
+
+    __slots__ = (
+        "arrival_s",
+        "budget_state",
+        "calls_left",
+        "deadline_s",
+        "deps_left",
+        "finished_s",
+        "index",
+        "query",
+        "slo_s",
+        "stage_calls_left",
+        "stage_finished_s",
+        "stage_released_s",
+    )
+
+    def __init__(self, query: Query, index: int, arrival_s: float, slo_s: float) -> None:
+        stages = query.workflow.stages
+        self.query = query
+        self.index = index
+        """Position in the run's query list: the tie-breaker between queries."""
+        self.arrival_s = arrival_s
+        self.slo_s = slo_s
+        self.deadline_s = arrival_s + slo_s
+        """Absolute end-to-end deadline."""
+        self.deps_left = [len(s.after) for s in stages]
+        self.stage_calls_left = [len(s.calls) for s in stages]
+        self.calls_left = query.workflow.num_calls
+        self.stage_released_s: list[float | None] = [None] * len(stages)
+        self.stage_finished_s: list[float | None] = [None] * len(stages)
+        self.finished_s: float | None = None
+        self.budget_state: Any = None
+        """Owned by the run's StageBudget policy (e.g. the query's own template copy)."""
+
+    @property
+    def tenant(self) -> str:
+        return self.query.tenant
+
+
+class CallTicket:
+    """One released LLM call on its way through dispatch, a local queue and an engine."""
+
+    __slots__ = (
+        "admitted_s",
+        "call",
+        "deadline_s",
+        "finished_s",
+        "instance",
+        "key",
+        "released_s",
+        "run",
+        "seq",
+        "stage",
+        "work_s",
+    )
+
+    def __init__(
+        self,
+        seq: int,
+        run: QueryRun,
+        stage: int,
+        call: LLMCall,
+        released_s: float,
+        deadline_s: float,
+    ) -> None:
+        self.seq = seq
+        """Global release order; every policy breaks ties on it."""
+        self.run = run
+        self.stage = stage
+        self.call = call
+        self.released_s = released_s
+        """a_r: when the call was released (and dispatched)."""
+        self.deadline_s = deadline_s
+        """Absolute stage deadline set by the StageBudget policy."""
+        self.instance = -1
+        """Instance chosen by the dispatcher."""
+        self.work_s = 0.0
+        """Estimated single-request time on the chosen instance (outstanding-work ledger)."""
+        self.key: Any = None
+        """Owned by the local queue holding the ticket (its ordering key)."""
+        self.admitted_s: float | None = None
+        self.finished_s: float | None = None
+
+    def __repr__(self) -> str:
+        return f"CallTicket(seq={self.seq}, q={self.run.query.query_id}, step={self.call.step})"
+
+
+class ClusterLoad:
+    """Per-instance load ledger that the dispatchers read.
+
+    `in_flight` counts calls dispatched to an instance and not yet finished (queued or
+    running); `outstanding_s` is their estimated single-request time on that instance.
+    The driver calls `on_dispatch` and `on_complete`; nothing else writes here.
+    """
+
+    __slots__ = (
+        "cluster",
+        "in_flight",
+        "kv_tokens",
+        "min_kv_tokens",
+        "outstanding_kv_s",
+        "outstanding_s",
+    )
+
+    def __init__(self, cluster: Cluster) -> None:
+        n = len(cluster)
+        self.cluster = cluster
+        self.in_flight = [0] * n
+        self.outstanding_s = [0.0] * n
+        self.outstanding_kv_s = [0.0] * n
+        """KV-token-seconds in flight: sum of (input + output tokens) x work_s."""
+        self.kv_tokens = [inst.kv_cache_tokens for inst in cluster.instances]
+        self.min_kv_tokens = min(self.kv_tokens)
+
+    def on_dispatch(self, ticket: CallTicket) -> None:
+        i = ticket.instance
+        self.in_flight[i] += 1
+        self.outstanding_s[i] += ticket.work_s
+        call = ticket.call
+        self.outstanding_kv_s[i] += (call.input_tokens + call.output_tokens) * ticket.work_s
+
+    def on_complete(self, ticket: CallTicket) -> None:
+        i = ticket.instance
+        self.in_flight[i] -= 1
+        self.outstanding_s[i] -= ticket.work_s
+        call = ticket.call
+        self.outstanding_kv_s[i] -= (call.input_tokens + call.output_tokens) * ticket.work_s
+        if self.in_flight[i] == 0:
+            # no float drift on an idle instance
+            self.outstanding_s[i] = 0.0
+            self.outstanding_kv_s[i] = 0.0
+
+    def can_serve(self, instance: int, call: LLMCall) -> bool:
+        """Whether the call fits the instance's KV cache at all (the dispatch filter)."""
+        return call.input_tokens + call.output_tokens <= self.kv_tokens[instance]
+
+    def fits_everywhere(self, call: LLMCall) -> bool:
+        return call.input_tokens + call.output_tokens <= self.min_kv_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyContext:
+    """What every policy may read besides the tickets: injected, never global."""
+
+    cluster: Cluster
+    estimator: Estimator
+    load: ClusterLoad
+    rng: random.Random
+    """Seeded by the run; the only source of randomness a policy may use."""

@@ -1,0 +1,236 @@
+"""Discrete-event simulator: replays queries through the very policy objects the services use.
+
+One heap of engine events ``(time, seq, instance, generation)``; query arrivals come from a
+sorted list merged with the heap, engine events first on equal times. An engine event is
+stale when its instance's generation moved on (its next event was re-planned after an
+admission or a completion). Handling an event may release stages, which dispatch calls,
+which mark instances dirty; after every event each dirty instance admits what its queue
+and KV cache allow and re-plans its next event. Same inputs and seed, same run: byte for
+byte (ties break on sequence numbers, randomness comes from one seeded generator).
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from hexgen_flow.cluster import Cluster
+from hexgen_flow.errors import ConfigError
+from hexgen_flow.estimate import Estimator
+from hexgen_flow.metrics import QueryOutcome, RunMetrics
+from hexgen_flow.policies.base import Dispatcher, LocalQueue, StageBudget
+from hexgen_flow.policies.presets import Preset
+from hexgen_flow.policies.registration import BUDGETS, DISPATCHERS, QUEUES
+from hexgen_flow.runtime import CallTicket, ClusterLoad, PolicyContext, QueryRun
+from hexgen_flow.sim.arrivals import arrival_times
+from hexgen_flow.sim.engine import BatchingEngineModel
+from hexgen_flow.workload import Query
+
+__all__ = ["SimConfig", "Simulation", "simulate"]
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    """Settings of one simulated run."""
+
+    qps: float
+    """Mean arrival rate of queries per second."""
+    slo_scale: float = 3.0
+    """A query's SLO is slo_scale x SLO_base unless the query says otherwise."""
+    seed: int = 0
+    """Seeds the arrival process and every policy's random generator."""
+    arrival_cv: float = 1.0
+    """Coefficient of variation of inter-arrival gaps (1 = Poisson, > 1 = bursty)."""
+
+    def __post_init__(self) -> None:
+        if not self.qps > 0:
+            raise ConfigError(f"qps must be > 0, got {self.qps}")
+        if not self.slo_scale > 0:
+            raise ConfigError(f"slo-scale must be > 0, got {self.slo_scale}")
+        if not self.arrival_cv > 0:
+            raise ConfigError(f"arrival-cv must be > 0, got {self.arrival_cv}")
+
+
+class Simulation:
+    """One run of `queries` on `cluster` under `preset`."""
+
+    def __init__(
+        self,
+        queries: Sequence[Query],
+        cluster: Cluster,
+        preset: Preset,
+        config: SimConfig,
+        estimator: Estimator | None = None,
+    ) -> None:
+        if not queries:
+            raise ConfigError("no queries to simulate")
+        self.queries = list(queries)
+        self.cluster = cluster
+        self.preset = preset
+        self.config = config
+        self.estimator = estimator or Estimator(cluster)
+        self.slo_base_s = self.estimator.slo_base()
+        self.load = ClusterLoad(cluster)
+        self._check_fits()
+        rng = random.Random(config.seed)
+        self._arrivals = sorted(
+            (t, i)
+            for i, t in enumerate(arrival_times(self.queries, config.qps, config.arrival_cv, rng))
+        )
+        ctx = PolicyContext(cluster, self.estimator, self.load, random.Random(config.seed + 1))
+        self.dispatcher: Dispatcher = DISPATCHERS.create(
+            preset.dispatch.name, ctx, params=preset.dispatch.params
+        )
+        self.budget: StageBudget = BUDGETS.create(
+            preset.budget.name, ctx, params=preset.budget.params
+        )
+        self.queues: list[LocalQueue] = [
+            QUEUES.create(preset.queue.name, ctx, inst.index, params=preset.queue.params)
+            for inst in cluster.instances
+        ]
+        self.engines = [BatchingEngineModel(inst) for inst in cluster.instances]
+        self._gen = [0] * len(cluster)
+        self._planned = [float("inf")] * len(cluster)
+        self._heap: list[tuple[float, int, int, int]] = []
+        self._seq = 0
+        self._dirty: list[int] = []
+        self._is_dirty = [False] * len(cluster)
+        self._outcomes: list[QueryOutcome] = []
+        self.calls_done = 0
+
+    def _check_fits(self) -> None:
+        biggest = max(self.load.kv_tokens)
+        for q in self.queries:
+            for stage in q.workflow.stages:
+                for call in stage.calls:
+                    if call.input_tokens + call.output_tokens > biggest:
+                        raise ConfigError(
+                            f"query {q.query_id}: a {call.step} call of "
+                            f"{call.input_tokens}+{call.output_tokens} tokens fits no "
+                            f"instance's KV cache (largest: {biggest} tokens)"
+                        )
+
+    def slo_of(self, query: Query) -> float:
+        if query.slo_s is not None:
+            return query.slo_s
+        scale = query.slo_scale if query.slo_scale is not None else self.config.slo_scale
+        return scale * self.slo_base_s
+
+    # ----------------------------------------------------------------- event handling
+
+    def run(self) -> RunMetrics:
+        heap = self._heap
+        arrivals = self._arrivals
+        gen = self._gen
+        engines = self.engines
+        n_arrivals = len(arrivals)
+        next_arrival = 0
+        inf = float("inf")
+        while True:
+            arrival_t = arrivals[next_arrival][0] if next_arrival < n_arrivals else inf
+            if heap and heap[0][0] <= arrival_t:
+                now, _, i, g = heapq.heappop(heap)
+                if g != gen[i]:
+                    continue
+                self._planned[i] = inf
+                for ticket in engines[i].advance(now):
+                    self._complete(ticket, now)
+                self._mark(i)
+            elif next_arrival < n_arrivals:
+                now, qi = arrivals[next_arrival]
+                next_arrival += 1
+                self._arrive(qi, now)
+            else:
+                break
+            for i in self._dirty:
+                self._is_dirty[i] = False
+                self._admit(i, now)
+                self._replan(i)
+            self._dirty.clear()
+        return self._metrics()
+
+    def _mark(self, instance: int) -> None:
+        if not self._is_dirty[instance]:
+            self._is_dirty[instance] = True
+            self._dirty.append(instance)
+
+    def _arrive(self, index: int, now: float) -> None:
+        query = self.queries[index]
+        run = QueryRun(query, index, now, self.slo_of(query))
+        self.budget.start(run)
+        for stage in query.workflow.roots:
+            self._release(run, stage, now)
+
+    def _release(self, run: QueryRun, stage: int, now: float) -> None:
+        run.stage_released_s[stage] = now
+        deadline = self.budget.deadline(run, stage, now)
+        select = self.dispatcher.select
+        call_time = self.estimator.call_time
+        for call in run.query.workflow.stages[stage].calls:
+            ticket = CallTicket(self._seq, run, stage, call, now, deadline)
+            self._seq += 1
+            i = select(ticket, now)
+            ticket.instance = i
+            ticket.work_s = call_time(i, call)
+            self.load.on_dispatch(ticket)
+            self.queues[i].push(ticket, now)
+            self._mark(i)
+
+    def _admit(self, i: int, now: float) -> None:
+        queue = self.queues[i]
+        engine = self.engines[i]
+        while len(queue):
+            ticket = queue.peek(now)
+            if ticket is None or not engine.fits(ticket):
+                break  # head-of-line: the chosen call waits for room, nothing jumps it
+            queue.pop(now)
+            engine.admit(ticket, now)
+            queue.on_admit(ticket, now)
+
+    def _replan(self, i: int) -> None:
+        t = self.engines[i].next_event_s()
+        if t == self._planned[i]:
+            return
+        self._gen[i] += 1
+        self._planned[i] = t
+        if t != float("inf"):
+            heapq.heappush(self._heap, (t, self._seq, i, self._gen[i]))
+            self._seq += 1
+
+    def _complete(self, ticket: CallTicket, now: float) -> None:
+        self.load.on_complete(ticket)
+        self.calls_done += 1
+        run = ticket.run
+        k = ticket.stage
+        run.stage_calls_left[k] -= 1
+        if run.stage_calls_left[k] == 0:
+            run.stage_finished_s[k] = now
+            for j in run.query.workflow.dependents[k]:
+                run.deps_left[j] -= 1
+                if run.deps_left[j] == 0:
+                    self._release(run, j, now)
+        run.calls_left -= 1
+        if run.calls_left == 0:
+            run.finished_s = now
+            q = run.query
+            self._outcomes.append(QueryOutcome(q.query_id, q.tenant, run.arrival_s, now, run.slo_s))
+
+    def _metrics(self) -> RunMetrics:
+        outcomes = sorted(self._outcomes, key=lambda o: (o.arrival_s, o.query_id))
+        return RunMetrics(
+            policy=self.preset.name,
+            alpha=self.preset.alpha,
+            qps=self.config.qps,
+            num_queries=len(self.queries),
+            slo_s=self.config.slo_scale * self.slo_base_s,
+            outcomes=tuple(outcomes),
+        )
+
+
+def simulate(
+    queries: Sequence[Query], cluster: Cluster, preset: Preset, config: SimConfig
+) -> RunMetrics:
+    """Run one simulation and return its metrics."""
+    return Simulation(queries, cluster, preset, config).run()
