@@ -74,8 +74,8 @@ def _one_per_query(tickets: Sequence[CallTicket]) -> list[CallTicket]:
     seen: set[int] = set()
     out = []
     for t in tickets:
-        if t.run.index not in seen:
-            seen.add(t.run.index)
+        if t.query_seq not in seen:
+            seen.add(t.query_seq)
             out.append(t)
     return out
 

@@ -227,6 +227,10 @@ def test_llf_orders_by_query_laxity_over_the_longest_remaining_path() -> None:
     tickets = [
         _ticket(i, own_calls[i], 0.0, 1000.0, run=runs[i], stage=stages[i]) for i in range(4)
     ]
+    # The driver (GlobalScheduler.release) sets the remaining path; the scheduler's own
+    # test checks that it is the longest path, here the queue must order by it.
+    for ticket, rest in zip(tickets, after, strict=True):
+        ticket.remaining_after_s = rest
     for gpu_index in (0, 2):
         gpu = GPUS[gpu_index]
         laxity = [

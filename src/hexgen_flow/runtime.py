@@ -58,21 +58,50 @@ class QueryRun:
     def tenant(self) -> str:
         return self.query.tenant
 
+    def complete_call(self, stage: int, now: float) -> list[int]:
+        """Record that one call of `stage` finished at `now`; return the stages it releases.
+
+        The single implementation of the workflow's release rule: a stage finishes with its
+        last call, and a stage is released when every stage it waits for has finished.
+        """
+        released: list[int] = []
+        self.stage_calls_left[stage] -= 1
+        if self.stage_calls_left[stage] == 0:
+            self.stage_finished_s[stage] = now
+            for j in self.query.workflow.dependents[stage]:
+                self.deps_left[j] -= 1
+                if self.deps_left[j] == 0:
+                    released.append(j)
+        self.calls_left -= 1
+        if self.calls_left == 0:
+            self.finished_s = now
+        return released
+
 
 class CallTicket:
-    """One released LLM call on its way through dispatch, a local queue and an engine."""
+    """One released LLM call on its way through dispatch, a local queue and an engine.
+
+    Queue policies read only the ticket's own fields, never `run`: a worker holds tickets
+    for calls whose query lives in the coordinator (`CallTicket.detached`).
+    """
 
     __slots__ = (
         "admitted_s",
         "call",
+        "call_id",
         "deadline_s",
         "finished_s",
         "instance",
         "key",
+        "query_deadline_s",
+        "query_id",
+        "query_seq",
         "released_s",
+        "remaining_after_s",
         "run",
         "seq",
         "stage",
+        "tenant",
         "work_s",
     )
 
@@ -84,12 +113,23 @@ class CallTicket:
         call: LLMCall,
         released_s: float,
         deadline_s: float,
+        remaining_after_s: float = 0.0,
     ) -> None:
         self.seq = seq
         """Global release order; every policy breaks ties on it."""
-        self.run = run
+        self.run: QueryRun | None = run
+        """The query's runtime state where the driver keeps it (simulator, coordinator)."""
+        self.query_id = run.query.query_id
+        self.query_seq = run.index
+        """Arrival order of the query: the client key of fairness policies."""
+        self.tenant = run.query.tenant
+        self.query_deadline_s = run.deadline_s
+        self.remaining_after_s = remaining_after_s
+        """Estimated time the query still needs after this call's stage (its longest path)."""
         self.stage = stage
         self.call = call
+        self.call_id = ""
+        """Identifier across processes (the services set it; the simulator needs none)."""
         self.released_s = released_s
         """a_r: when the call was released (and dispatched)."""
         self.deadline_s = deadline_s
@@ -103,8 +143,45 @@ class CallTicket:
         self.admitted_s: float | None = None
         self.finished_s: float | None = None
 
+    @classmethod
+    def detached(
+        cls,
+        *,
+        seq: int,
+        call_id: str,
+        query_id: str,
+        query_seq: int,
+        tenant: str,
+        stage: int,
+        call: LLMCall,
+        released_s: float,
+        deadline_s: float,
+        query_deadline_s: float,
+        remaining_after_s: float,
+    ) -> CallTicket:
+        """A ticket without its query's runtime state: what a worker's queue holds."""
+        ticket = cls.__new__(cls)
+        ticket.seq = seq
+        ticket.run = None
+        ticket.query_id = query_id
+        ticket.query_seq = query_seq
+        ticket.tenant = tenant
+        ticket.query_deadline_s = query_deadline_s
+        ticket.remaining_after_s = remaining_after_s
+        ticket.stage = stage
+        ticket.call = call
+        ticket.call_id = call_id
+        ticket.released_s = released_s
+        ticket.deadline_s = deadline_s
+        ticket.instance = -1
+        ticket.work_s = 0.0
+        ticket.key = None
+        ticket.admitted_s = None
+        ticket.finished_s = None
+        return ticket
+
     def __repr__(self) -> str:
-        return f"CallTicket(seq={self.seq}, q={self.run.query.query_id}, step={self.call.step})"
+        return f"CallTicket(seq={self.seq}, q={self.query_id}, step={self.call.step})"
 
 
 class ClusterLoad:
@@ -116,6 +193,8 @@ class ClusterLoad:
     """
 
     __slots__ = (
+        "all_available",
+        "available",
         "cluster",
         "in_flight",
         "kv_tokens",
@@ -133,6 +212,9 @@ class ClusterLoad:
         """KV-token-seconds in flight: sum of (input + output tokens) x work_s."""
         self.kv_tokens = [inst.kv_cache_tokens for inst in cluster.instances]
         self.min_kv_tokens = min(self.kv_tokens)
+        self.available = [True] * n
+        """Whether an instance takes new calls (a service's worker may be away)."""
+        self.all_available = True
 
     def on_dispatch(self, ticket: CallTicket) -> None:
         i = ticket.instance
@@ -152,12 +234,20 @@ class ClusterLoad:
             self.outstanding_s[i] = 0.0
             self.outstanding_kv_s[i] = 0.0
 
+    def set_available(self, instance: int, available: bool) -> None:
+        self.available[instance] = available
+        self.all_available = all(self.available)
+
     def can_serve(self, instance: int, call: LLMCall) -> bool:
-        """Whether the call fits the instance's KV cache at all (the dispatch filter)."""
-        return call.input_tokens + call.output_tokens <= self.kv_tokens[instance]
+        """The dispatch filter: the instance is available and its KV cache can hold the call."""
+        return (
+            self.available[instance]
+            and call.input_tokens + call.output_tokens <= self.kv_tokens[instance]
+        )
 
     def fits_everywhere(self, call: LLMCall) -> bool:
-        return call.input_tokens + call.output_tokens <= self.min_kv_tokens
+        """Fast path of the filter: every instance can serve the call."""
+        return self.all_available and call.input_tokens + call.output_tokens <= self.min_kv_tokens
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,12 @@ from abc import ABC, abstractmethod
 
 from hexgen_flow.runtime import CallTicket, PolicyContext, QueryRun
 
-__all__ = ["Dispatcher", "LocalQueue", "StageBudget"]
+__all__ = ["Dispatcher", "LocalQueue", "NoInstanceError", "StageBudget"]
+
+
+class NoInstanceError(RuntimeError):
+    """No available instance can serve a call right now (a service's workers are away);
+    the driver keeps the call until one can."""
 
 
 class Dispatcher(ABC):
@@ -35,8 +40,7 @@ class Dispatcher(ABC):
             return range(len(load.kv_tokens))
         fitting = [i for i in range(len(load.kv_tokens)) if load.can_serve(i, ticket.call)]
         if not fitting:
-            # The driver rejects such calls before dispatch; reaching here is a bug.
-            raise AssertionError(f"no instance can hold {ticket.call}")
+            raise NoInstanceError(f"no available instance can hold {ticket.call}")
         return fitting
 
 

@@ -125,19 +125,14 @@ class UrgencyQueue(KeyedQueue):
 class LeastLaxityQueue(KeyedQueue):
     """Query-level least laxity first (the LLF baseline).
 
-    Laxity = query deadline - now - (this call's estimate + the cluster-mean estimate of the
-    longest path of stages still after this one); smallest laxity first.
+    Laxity = query deadline - now - (this call's estimate + `ticket.remaining_after_s`, the
+    cluster-mean estimate of the longest path of stages still after this one); smallest
+    laxity first.
     """
 
-    def __init__(self, ctx: PolicyContext, instance: int) -> None:
-        super().__init__(ctx, instance)
-        self._estimator = ctx.estimator
-
     def key(self, ticket: CallTicket) -> float:
-        plan = self._estimator.plan(ticket.run.query.workflow, "call")
-        after = plan.tail_s[ticket.stage] - plan.stage_s[ticket.stage]
-        own = self._estimator.call_time(self.instance, ticket.call)
-        return ticket.run.deadline_s - own - after
+        own = self.ctx.estimator.call_time(self.instance, ticket.call)
+        return ticket.query_deadline_s - own - ticket.remaining_after_s
 
 
 class ShortestJobFirstQueue(KeyedQueue):
@@ -181,7 +176,7 @@ class VirtualTokenCounterQueue(LocalQueue):
         self._size = 0
 
     def _client(self, ticket: CallTicket) -> object:
-        return ticket.run.query.tenant if self._by_tenant else ticket.run.index
+        return ticket.tenant if self._by_tenant else ticket.query_seq
 
     def _valid_top(self) -> tuple[float, int, object] | None:
         heap = self._active
@@ -272,7 +267,7 @@ class QlmQueue(LocalQueue):
         self._queued_work_s = 0.0
 
     def _group(self, ticket: CallTicket) -> int:
-        return math.floor(ticket.run.deadline_s / self._bucket_s)
+        return math.floor(ticket.query_deadline_s / self._bucket_s)
 
     def push(self, ticket: CallTicket, now: float) -> None:
         work = self.ctx.estimator.call_time(self.instance, ticket.call)

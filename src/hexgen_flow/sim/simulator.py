@@ -20,10 +20,9 @@ from hexgen_flow.cluster import Cluster
 from hexgen_flow.errors import ConfigError
 from hexgen_flow.estimate import Estimator
 from hexgen_flow.metrics import QueryOutcome, RunMetrics
-from hexgen_flow.policies.base import Dispatcher, LocalQueue, StageBudget
 from hexgen_flow.policies.presets import Preset
-from hexgen_flow.policies.registration import BUDGETS, DISPATCHERS, QUEUES
-from hexgen_flow.runtime import CallTicket, ClusterLoad, PolicyContext, QueryRun
+from hexgen_flow.runtime import CallTicket
+from hexgen_flow.scheduler import GlobalScheduler, InstanceScheduler
 from hexgen_flow.sim.arrivals import arrival_times
 from hexgen_flow.sim.engine import BatchingEngineModel
 from hexgen_flow.workload import Query
@@ -70,38 +69,29 @@ class Simulation:
         self.cluster = cluster
         self.preset = preset
         self.config = config
-        self.estimator = estimator or Estimator(cluster)
+        self.scheduler = GlobalScheduler(cluster, preset, seed=config.seed + 1, estimator=estimator)
+        self.estimator = self.scheduler.estimator
         self.slo_base_s = self.estimator.slo_base()
-        self.load = ClusterLoad(cluster)
         self._check_fits()
         rng = random.Random(config.seed)
-        self._arrivals = sorted(
-            (t, i)
-            for i, t in enumerate(arrival_times(self.queries, config.qps, config.arrival_cv, rng))
-        )
-        ctx = PolicyContext(cluster, self.estimator, self.load, random.Random(config.seed + 1))
-        self.dispatcher: Dispatcher = DISPATCHERS.create(
-            preset.dispatch.name, ctx, params=preset.dispatch.params
-        )
-        self.budget: StageBudget = BUDGETS.create(
-            preset.budget.name, ctx, params=preset.budget.params
-        )
-        self.queues: list[LocalQueue] = [
-            QUEUES.create(preset.queue.name, ctx, inst.index, params=preset.queue.params)
-            for inst in cluster.instances
-        ]
+        times = arrival_times(self.queries, config.qps, config.arrival_cv, rng)
+        self._arrivals = sorted((t, i) for i, t in enumerate(times))
         self.engines = [BatchingEngineModel(inst) for inst in cluster.instances]
+        self.instances = [
+            InstanceScheduler(self.scheduler.make_queue(inst.index), engine)
+            for inst, engine in zip(cluster.instances, self.engines, strict=True)
+        ]
         self._gen = [0] * len(cluster)
         self._planned = [float("inf")] * len(cluster)
         self._heap: list[tuple[float, int, int, int]] = []
-        self._seq = 0
+        self._event_seq = 0
         self._dirty: list[int] = []
         self._is_dirty = [False] * len(cluster)
         self._outcomes: list[QueryOutcome] = []
         self.calls_done = 0
 
     def _check_fits(self) -> None:
-        biggest = max(self.load.kv_tokens)
+        biggest = max(self.scheduler.load.kv_tokens)
         for q in self.queries:
             for stage in q.workflow.stages:
                 for call in stage.calls:
@@ -146,7 +136,7 @@ class Simulation:
                 break
             for i in self._dirty:
                 self._is_dirty[i] = False
-                self._admit(i, now)
+                self.instances[i].admit_ready(now)
                 self._replan(i)
             self._dirty.clear()
         return self._metrics()
@@ -158,36 +148,14 @@ class Simulation:
 
     def _arrive(self, index: int, now: float) -> None:
         query = self.queries[index]
-        run = QueryRun(query, index, now, self.slo_of(query))
-        self.budget.start(run)
+        run = self.scheduler.admit(query, index, now, self.slo_of(query))
         for stage in query.workflow.roots:
-            self._release(run, stage, now)
+            self._enqueue(self.scheduler.release(run, stage, now), now)
 
-    def _release(self, run: QueryRun, stage: int, now: float) -> None:
-        run.stage_released_s[stage] = now
-        deadline = self.budget.deadline(run, stage, now)
-        select = self.dispatcher.select
-        call_time = self.estimator.call_time
-        for call in run.query.workflow.stages[stage].calls:
-            ticket = CallTicket(self._seq, run, stage, call, now, deadline)
-            self._seq += 1
-            i = select(ticket, now)
-            ticket.instance = i
-            ticket.work_s = call_time(i, call)
-            self.load.on_dispatch(ticket)
-            self.queues[i].push(ticket, now)
-            self._mark(i)
-
-    def _admit(self, i: int, now: float) -> None:
-        queue = self.queues[i]
-        engine = self.engines[i]
-        while len(queue):
-            ticket = queue.peek(now)
-            if ticket is None or not engine.fits(ticket):
-                break  # head-of-line: the chosen call waits for room, nothing jumps it
-            queue.pop(now)
-            engine.admit(ticket, now)
-            queue.on_admit(ticket, now)
+    def _enqueue(self, tickets: list[CallTicket], now: float) -> None:
+        for ticket in tickets:
+            self.instances[ticket.instance].queue.push(ticket, now)
+            self._mark(ticket.instance)
 
     def _replan(self, i: int) -> None:
         t = self.engines[i].next_event_s()
@@ -196,24 +164,14 @@ class Simulation:
         self._gen[i] += 1
         self._planned[i] = t
         if t != float("inf"):
-            heapq.heappush(self._heap, (t, self._seq, i, self._gen[i]))
-            self._seq += 1
+            heapq.heappush(self._heap, (t, self._event_seq, i, self._gen[i]))
+            self._event_seq += 1
 
     def _complete(self, ticket: CallTicket, now: float) -> None:
-        self.load.on_complete(ticket)
         self.calls_done += 1
+        self._enqueue(self.scheduler.complete(ticket, now), now)
         run = ticket.run
-        k = ticket.stage
-        run.stage_calls_left[k] -= 1
-        if run.stage_calls_left[k] == 0:
-            run.stage_finished_s[k] = now
-            for j in run.query.workflow.dependents[k]:
-                run.deps_left[j] -= 1
-                if run.deps_left[j] == 0:
-                    self._release(run, j, now)
-        run.calls_left -= 1
-        if run.calls_left == 0:
-            run.finished_s = now
+        if run is not None and run.finished_s is not None:
             q = run.query
             self._outcomes.append(QueryOutcome(q.query_id, q.tenant, run.arrival_s, now, run.slo_s))
 
