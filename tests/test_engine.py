@@ -212,3 +212,36 @@ def test_larger_batches_finish_later() -> None:
         assert [t.finished_s for t in tickets] == sorted(t.finished_s or 0.0 for t in tickets)
         finish.append(max(t.finished_s or 0.0 for t in tickets))
     assert finish == sorted(finish) and finish[-1] > finish[0]
+
+
+def test_abort_frees_the_slot_and_the_rest_of_the_batch_speeds_up() -> None:
+    spec = _spec()
+    make = _Tickets()
+    engine = BatchingEngineModel(spec)
+    keep, drop = make(REVISE), make(REVISE)
+    engine.admit(keep, 0.0)
+    engine.admit(drop, 0.0)
+    prefill, decode = spec.latency.split(REVISE.input_tokens, REVISE.output_tokens)
+    joined = 2 * prefill  # both prefills drain, then both decode together
+    assert engine.next_event_s() == pytest.approx(joined, rel=1e-12)
+    assert engine.advance(joined) == []
+    halfway = joined + decode * spec.latency.slowdown(2) / 2
+    assert engine.abort(drop, halfway)
+    assert engine.running == 1
+    assert engine.kv_used == REVISE.input_tokens + REVISE.output_tokens
+    assert not engine.abort(drop, halfway)  # gone already
+    # The half of `keep`'s decode still to run goes at batch-1 speed now.
+    assert engine.next_event_s() == pytest.approx(halfway + decode / 2, rel=1e-9)
+    assert _drain(engine) == [keep]
+
+
+def test_abort_of_a_call_waiting_for_its_prefill() -> None:
+    spec = _spec()
+    make = _Tickets()
+    engine = BatchingEngineModel(spec)
+    first, second = make(REVISE), make(SHORT)
+    engine.admit(first, 0.0)
+    engine.admit(second, 0.0)
+    assert engine.abort(second, 0.0)
+    assert engine.running == 1 and engine.kv_used == REVISE.input_tokens + REVISE.output_tokens
+    assert _drain(engine) == [first]

@@ -124,3 +124,13 @@ def test_instance_scheduler_admits_in_queue_order_until_the_engine_is_full() -> 
     assert [t.seq for t in admitted] == sorted(t.seq for t in admitted)
     assert len(instance.queue) == 20 - len(admitted)
     assert instance.admit_ready(0.0) == []  # still full
+
+
+def test_completing_a_ticket_on_no_ledger_leaves_every_instance_alone() -> None:
+    sched = GlobalScheduler(CLUSTER, PRESETS["vllm"])
+    run = sched.admit(Query("q", Workflow.chain([(SMALL,), (SMALL,)])), 0, 0.0, 100.0)
+    (ticket,) = sched.release(run, 0, 0.0)
+    sched.withdraw(ticket)  # e.g. resumed after a restart, not yet claimed by a worker
+    (nxt,) = sched.complete(ticket, 1.0)
+    assert nxt.stage == 1
+    assert sched.load.in_flight == [1 if i == nxt.instance else 0 for i in range(len(GPUS))]

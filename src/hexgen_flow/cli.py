@@ -1,7 +1,10 @@
-"""The ``hexgen-flow`` command line: ``simulate``, ``tune``, ``policies`` and ``bench``.
+"""The ``hexgen-flow`` command line: ``simulate``, ``tune``, ``policies`` and ``bench`` on the
+library, and ``up``, ``replay``, ``ask``, ``status`` and ``demo`` on the service mesh.
 
 A thin adapter over the library: it parses arguments, builds the run's queries, cluster,
-preset and `SimConfig`, calls `simulate` / `tune_alpha` / `run_bench`, and prints.
+preset and `SimConfig`, calls `simulate` / `tune_alpha` / `run_bench`, and prints. The mesh
+commands drive the Python client (``hexgen_client``), imported inside each command so that
+the library commands never load grpc.
 
 Output contract:
 
@@ -9,21 +12,33 @@ Output contract:
   go to stderr. Non-finite numbers are written as ``null``.
 - Bad input (missing or malformed trace, unknown policy/GPU/model, bad option value) exits
   with code 2 and one line on stderr, ``hexgen-flow: error: ...``; never a traceback.
-- Ctrl-C exits with code 130 without a traceback.
+- Ctrl-C exits with code 130 without a traceback (``up`` and ``demo`` stop their processes
+  first; ``up`` then exits with 0).
+- A coordinator that does not answer: ``hexgen-flow: error: cannot reach the coordinator at
+  ADDR: is `hexgen-flow up` running?``, exit code 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import dataclasses
 import json
 import math
+import signal
 import sys
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
+from hexgen_client.addresses import (  # constants only: no grpc at import time
+    DEFAULT_COORDINATOR,
+    DEFAULT_REDIS_PREFIX,
+    DEFAULT_TUNER,
+)
 from hexgen_flow import __version__
 from hexgen_flow.cluster import DEFAULT_CLUSTER, DEFAULT_MODEL, Cluster, parse_cluster
 from hexgen_flow.errors import ConfigError, HexgenFlowError
@@ -45,6 +60,10 @@ DEFAULT_QPS = 0.5
 DEFAULT_SLO_SCALE = 3.0
 DEFAULT_SEED = 0
 DEFAULT_ARRIVAL_CV = 1.0
+DEFAULT_DEMO_TRACE = "trace3"
+DEFAULT_DEMO_QUERIES = 100
+DEFAULT_DEMO_TIME_SCALE = 20.0
+COMMANDS = ("simulate", "tune", "policies", "bench", "up", "replay", "ask", "status", "demo")
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 
@@ -177,7 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog=PROG,
         description="Deadline-aware scheduling of agentic LLM workflows on heterogeneous "
-        "GPU clusters: simulator, alpha tuner and benchmark.",
+        "GPU clusters: simulator, alpha tuner and benchmark, and the service mesh (up, "
+        "replay, ask, status, demo).",
     )
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -255,7 +275,270 @@ def build_parser() -> argparse.ArgumentParser:
         help="worker processes (default 2; 1 runs everything in this process)",
     )
     bench.set_defaults(handler=_cmd_bench)
+    _add_mesh_commands(commands)
     return parser
+
+
+def _address(text: str) -> str:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise argparse.ArgumentTypeError(
+            f"expected HOST:PORT, e.g. {DEFAULT_COORDINATOR}; got {text!r}"
+        )
+    return text
+
+
+def _unit_interval(text: str) -> float:
+    value = _alpha(text)
+    if value is None:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}")
+    return value
+
+
+def _add_coordinator_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--coordinator",
+        type=_address,
+        default=DEFAULT_COORDINATOR,
+        metavar="HOST:PORT",
+        help=f"the coordinator's address (default {DEFAULT_COORDINATOR})",
+    )
+
+
+def _add_cluster_options(parser: argparse.ArgumentParser, *, time_scale: float) -> None:
+    """The options `up` and `demo` share: what the local cluster runs."""
+    parser.add_argument(
+        "--cluster",
+        default=DEFAULT_CLUSTER,
+        metavar="GPUS|FILE.yaml",
+        help=f"instances, one simulated worker each (default {DEFAULT_CLUSTER})",
+    )
+    parser.add_argument(
+        "--policy",
+        default=DEFAULT_POLICY,
+        metavar="NAME",
+        help=f"the coordinator's policy (default {DEFAULT_POLICY})",
+    )
+    parser.add_argument(
+        "--alpha",
+        type=_unit_interval,
+        default=None,
+        metavar="FLOAT",
+        help="the coordinator's initial alpha (default: the coordinator's)",
+    )
+    parser.add_argument(
+        "--slo-scale",
+        type=_positive_float,
+        default=DEFAULT_SLO_SCALE,
+        metavar="FLOAT",
+        help=f"the coordinator's default SLO scale (default {DEFAULT_SLO_SCALE})",
+    )
+    parser.add_argument(
+        "--time-scale",
+        type=_positive_float,
+        default=time_scale,
+        metavar="FLOAT",
+        help=f"cluster seconds per wall second: simulated engines run this much faster "
+        f"(default {time_scale:g})",
+    )
+    parser.add_argument(
+        "--redis-url",
+        default=None,
+        metavar="URL",
+        help="a running Redis to use (default: start a private redis-server on a free port)",
+    )
+
+
+def _add_mesh_commands(commands: Any) -> None:
+    up = commands.add_parser(
+        "up",
+        help="run a local mesh: Redis, coordinator, tuner, one simulated worker per instance",
+        description="Start the coordinator, the alpha tuner and one worker per instance "
+        "(simulated engines) as local processes, with a private redis-server unless "
+        "--redis-url is given; wait until every worker has connected, print the addresses, "
+        "and run until Ctrl-C or SIGTERM, which stops everything.",
+    )
+    _add_cluster_options(up, time_scale=1.0)
+    up.add_argument(
+        "--listen",
+        type=_address,
+        default=DEFAULT_COORDINATOR,
+        metavar="HOST:PORT",
+        help=f"the coordinator's address; port 0 picks a free one (default {DEFAULT_COORDINATOR})",
+    )
+    up.add_argument(
+        "--redis-prefix",
+        default=DEFAULT_REDIS_PREFIX,
+        metavar="PREFIX",
+        help=f"prefix of the mesh's Redis keys (default {DEFAULT_REDIS_PREFIX})",
+    )
+    up.add_argument(
+        "--tuner",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the alpha tuner (default: yes)",
+    )
+    up.add_argument(
+        "--tuner-listen",
+        type=_address,
+        default=DEFAULT_TUNER,
+        metavar="HOST:PORT",
+        help=f"the tuner's address (default {DEFAULT_TUNER})",
+    )
+    up.add_argument(
+        "--tuner-period-s",
+        type=_positive_float,
+        default=30.0,
+        metavar="FLOAT",
+        help="wall seconds between tuning runs (default 30)",
+    )
+    up.add_argument(
+        "--log-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="where the services write their logs (default: a temporary folder, kept)",
+    )
+    up.set_defaults(handler=_cmd_up)
+
+    rep = commands.add_parser(
+        "replay",
+        help="drive a running mesh with a trace and print the same metrics as simulate",
+        description="Submit the trace's queries to a running coordinator at the simulator's "
+        "arrival times for the same seed (scaled by the coordinator's time scale), wait for "
+        "all of them, and print the metrics simulate prints, from the coordinator's times.",
+    )
+    rep.add_argument(
+        "--trace",
+        action="append",
+        metavar="FILE",
+        help=f"trace file or built-in name; repeat to concatenate (default {DEFAULT_TRACE})",
+    )
+    rep.add_argument(
+        "--qps",
+        type=_positive_float,
+        required=True,
+        metavar="FLOAT",
+        help="mean query arrival rate, queries per cluster second",
+    )
+    rep.add_argument(
+        "--num-queries",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="queries to run, taken from the traces in order and cycled (default: each once)",
+    )
+    rep.add_argument(
+        "--seed", type=_int, default=DEFAULT_SEED, metavar="INT", help="arrival seed (default 0)"
+    )
+    rep.add_argument(
+        "--arrival-cv",
+        type=_positive_float,
+        default=DEFAULT_ARRIVAL_CV,
+        metavar="FLOAT",
+        help=f"coefficient of variation of inter-arrival gaps (default {DEFAULT_ARRIVAL_CV})",
+    )
+    rep.add_argument(
+        "--slo-scale",
+        type=_positive_float,
+        default=None,
+        metavar="FLOAT",
+        help="SLO = scale x SLO_base for queries without their own (default: the "
+        "coordinator's scale)",
+    )
+    _add_coordinator_option(rep)
+    rep.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="a progress bar on stderr (default: when stderr is a terminal)",
+    )
+    rep.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    rep.set_defaults(handler=_cmd_replay)
+
+    ask = commands.add_parser(
+        "ask",
+        help="run one query on a running mesh and print its events as they stream",
+        description="Run one query (RunQuery) and print its events as the coordinator "
+        "streams them.",
+    )
+    _add_coordinator_option(ask)
+    source = ask.add_mutually_exclusive_group()
+    source.add_argument(
+        "--trace",
+        default=None,
+        metavar="NAME|FILE",
+        help=f"take the query from a trace (default {DEFAULT_TRACE})",
+    )
+    source.add_argument(
+        "--file", default=None, metavar="FILE.jsonl", help="take the query from a workflow file"
+    )
+    ask.add_argument(
+        "--index",
+        type=_int,
+        default=0,
+        metavar="N",
+        help="which query of the trace or file, from 0 (default 0)",
+    )
+    ask.add_argument(
+        "--query-id",
+        default=None,
+        metavar="ID",
+        help="the id to submit under (default: the query's id plus a unique suffix, so each "
+        "ask runs anew; an id already known shows that query's events)",
+    )
+    ask.add_argument(
+        "--slo-scale",
+        type=_positive_float,
+        default=None,
+        metavar="FLOAT",
+        help="SLO = scale x SLO_base if the query has none (default: the coordinator's)",
+    )
+    ask.set_defaults(handler=_cmd_ask)
+
+    st = commands.add_parser(
+        "status",
+        help="show a running mesh: instances, load, policy and alpha",
+        description="Print the coordinator's ClusterStatus as a table.",
+    )
+    _add_coordinator_option(st)
+    st.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    st.set_defaults(handler=_cmd_status)
+
+    demo = commands.add_parser(
+        "demo",
+        help="run a local mesh (simulated engines), replay a trace, compare with the simulator",
+        description="Start a local mesh with simulated engines and a private Redis, replay a "
+        "trace through it with a progress bar, stop it, and print the measured metrics side "
+        "by side with the simulator's prediction for the same queries, seed, cluster, "
+        "policy and alpha.",
+    )
+    demo.add_argument(
+        "--trace",
+        default=DEFAULT_DEMO_TRACE,
+        metavar="NAME|FILE",
+        help=f"trace (default {DEFAULT_DEMO_TRACE})",
+    )
+    demo.add_argument(
+        "--num-queries",
+        type=_positive_int,
+        default=DEFAULT_DEMO_QUERIES,
+        metavar="N",
+        help=f"queries (default {DEFAULT_DEMO_QUERIES})",
+    )
+    demo.add_argument(
+        "--qps",
+        type=_positive_float,
+        default=DEFAULT_QPS,
+        metavar="FLOAT",
+        help=f"arrival rate, queries per cluster second (default {DEFAULT_QPS})",
+    )
+    demo.add_argument(
+        "--seed", type=_int, default=DEFAULT_SEED, metavar="INT", help="arrival seed (default 0)"
+    )
+    _add_cluster_options(demo, time_scale=DEFAULT_DEMO_TIME_SCALE)
+    demo.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    demo.set_defaults(handler=_cmd_demo)
 
 
 # ------------------------------------------------------------------------------- run setup
@@ -528,6 +811,339 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+# ------------------------------------------------------------------------- the service mesh
+# The mesh commands import hexgen_client (grpc, redis) inside the function, so that the
+# library commands never load them.
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+
+    from hexgen_client.cluster import LocalCluster, LocalClusterConfig  # noqa: PLC0415 - loads grpc
+
+    cluster = LocalCluster(  # checks the cluster and the policy before starting anything
+        LocalClusterConfig(
+            cluster=args.cluster,
+            policy=args.policy,
+            alpha=args.alpha,
+            slo_scale=args.slo_scale,
+            time_scale=args.time_scale,
+            listen=args.listen,
+            redis_url=args.redis_url,
+            redis_prefix=args.redis_prefix,
+            tuner=args.tuner,
+            tuner_listen=args.tuner_listen,
+            tuner_period_s=args.tuner_period_s,
+            log_dir=args.log_dir,
+            keep_logs=True,
+        )
+    )
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        _info(f"{PROG}: starting {len(cluster.gpus)} simulated workers ({args.cluster}) ...")
+        cluster.start()
+        _print_up(cluster, args)
+        while True:
+            time.sleep(0.5)
+            for proc in cluster.exited():
+                raise proc.failure(f"exited with code {proc.returncode}")
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the stop
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        _info(f"{PROG}: stopping ...")
+        cluster.stop()
+        _info(f"{PROG}: stopped")
+        return 0
+    finally:
+        cluster.stop()
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _print_up(cluster: Any, args: argparse.Namespace) -> None:
+    redis_note = "given" if args.redis_url else "private, removed on exit"
+    rows = [
+        ("coordinator", cluster.coordinator_address),
+        (
+            "tuner",
+            f"{cluster.tuner_address} (every {args.tuner_period_s:g} s)"
+            if cluster.tuner_address
+            else "off",
+        ),
+        ("redis", f"{cluster.redis_url} ({redis_note}, keys {args.redis_prefix}*)"),
+        ("instances", f"{','.join(cluster.gpus)}: simulated engines"),
+        ("policy", args.policy + (f", alpha {args.alpha:g}" if args.alpha is not None else "")),
+        ("time scale", f"{args.time_scale:g} cluster seconds per wall second"),
+        ("logs", str(cluster.log_dir)),
+    ]
+    width = max(len(k) for k, _ in rows)
+    print(f"{PROG} up: the mesh is running")
+    for key, value in rows:
+        print(f"  {key:<{width}}  {value}")
+    print("Ctrl-C stops it.", flush=True)
+
+
+def _cmd_replay(args: argparse.Namespace) -> int:
+
+    from hexgen_client.client import CoordinatorClient  # noqa: PLC0415 - loads grpc
+    from hexgen_client.replay import replay  # noqa: PLC0415 - loads grpc
+
+    traces = tuple(args.trace or [DEFAULT_TRACE])
+    queries = take_queries(load_traces(traces), args.num_queries)
+    progress = sys.stderr.isatty() if args.progress is None else args.progress
+
+    async def run() -> tuple[RunMetrics, Any]:
+        async with CoordinatorClient(args.coordinator) as client:
+            status = await client.status()
+            _info(
+                f"{PROG}: replaying {len(queries)} queries at {args.qps:g} q/s into "
+                f"{args.coordinator} ({status.policy}, time scale {status.time_scale:g}x)"
+            )
+            metrics = await replay(
+                client,
+                queries,
+                args.qps,
+                seed=args.seed,
+                arrival_cv=args.arrival_cv,
+                slo_scale=args.slo_scale,
+                progress=progress,
+            )
+            return metrics, await client.status()
+
+    metrics, status = asyncio.run(run())
+    _note_resubmitted(metrics)
+    gpus = [i.gpu for i in sorted(status.instances, key=lambda i: i.index)]
+    slo_scale = args.slo_scale if args.slo_scale is not None else metrics.slo_s / status.slo_base_s
+    if args.json:
+        doc = metrics.to_json()
+        doc["seed"] = args.seed
+        doc["cluster"] = gpus
+        doc["traces"] = list(traces)
+        doc["slo_scale"] = slo_scale
+        doc["arrival_cv"] = args.arrival_cv
+        doc["model"] = status.instances[0].model if status.instances else None
+        doc["coordinator"] = args.coordinator
+        doc["time_scale"] = status.time_scale
+        _print_json(doc)
+        return 0
+    lat = metrics.latency_summary()
+    alpha = "none (policy has no alpha)" if metrics.alpha is None else f"{metrics.alpha:g}"
+    rows = [
+        ("coordinator", f"{args.coordinator} (time scale {status.time_scale:g}x)"),
+        ("policy", metrics.policy),
+        ("alpha", alpha),
+        ("cluster", f"{','.join(gpus)} ({len(gpus)} instances)"),
+        ("traces", f"{', '.join(traces)} ({metrics.num_queries} queries)"),
+        ("arrivals", f"{args.qps:g} queries/s, cv {args.arrival_cv:g}, seed {args.seed}"),
+        ("SLO", f"{slo_scale:g} x SLO_base = {metrics.slo_s:.1f} s"),
+        ("completed", f"{metrics.completed} / {metrics.num_queries}"),
+        ("SLO attainment", f"{100 * metrics.slo_attainment:.1f} %"),
+        (
+            "latency (s)",
+            f"mean {lat['mean']:.1f}   p50 {lat['p50']:.1f}   "
+            f"p95 {lat['p95']:.1f}   p99 {lat['p99']:.1f}",
+        ),
+        ("throughput", f"{metrics.throughput_qps:.3f} queries/s over {metrics.makespan_s:.1f} s"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"{key:<{width}}  {value}")
+    return 0
+
+
+def _note_resubmitted(metrics: RunMetrics) -> None:
+    resubmitted = metrics.extra.get("resubmitted", 0)
+    if resubmitted:
+        _info(
+            f"{PROG}: note: {resubmitted} of the query ids were already known to the "
+            "coordinator; their earlier results are reported (replay is idempotent on ids)"
+        )
+    if "alpha_at_start" in metrics.extra:
+        _info(
+            f"{PROG}: note: alpha changed during the run ({metrics.extra['alpha_at_start']:g} "
+            f"-> {metrics.alpha:g}); the final one is reported"
+        )
+
+
+def _ask_query(args: argparse.Namespace) -> Query:
+    name = args.file or args.trace or DEFAULT_TRACE
+    queries = load_traces([name])
+    index: int = args.index
+    if not 0 <= index < len(queries):
+        raise ConfigError(f"--index {index}: {name} has queries 0 to {len(queries) - 1}")
+    return queries[index]
+
+
+def _cmd_ask(args: argparse.Namespace) -> int:
+
+    from hexgen_client.client import CoordinatorClient  # noqa: PLC0415 - loads grpc
+    from hexgen_client.report import event_line, state_name  # noqa: PLC0415 - loads grpc
+
+    query = _ask_query(args)
+    query_id = args.query_id or f"{query.query_id}@{uuid.uuid4().hex[:8]}"
+    query = dataclasses.replace(query, query_id=query_id, arrival_s=None)
+
+    async def run() -> Any:
+        async with CoordinatorClient(args.coordinator) as client:
+            header = (
+                f"query {query_id}: {query.workflow.num_calls} calls in "
+                f"{len(query.workflow.stages)} stages (times in cluster seconds)"
+            )
+            async for event in client.run(query, slo_scale=args.slo_scale):
+                if header:  # once the coordinator has answered
+                    print(header)
+                    header = ""
+                print(event_line(event), flush=True)
+            return (await client.get(query_id)).query
+
+    info = asyncio.run(run())
+    latency = info.finished_s - info.arrival_s
+    verdict = "met" if latency <= info.slo_s else "missed"
+    print(
+        f"{state_name(info.state).lower()}: {latency:.1f} s end to end, SLO {info.slo_s:.1f} s "
+        f"({verdict}), {info.calls_done}/{info.calls_total} calls"
+    )
+    return 0
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+
+    from hexgen_client.client import CoordinatorClient  # noqa: PLC0415 - loads grpc
+    from hexgen_client.report import status_json, status_lines  # noqa: PLC0415 - loads grpc
+
+    async def run() -> Any:
+        async with CoordinatorClient(args.coordinator) as client:
+            return await client.status()
+
+    status = asyncio.run(run())
+    if args.json:
+        doc = status_json(status)
+        doc["coordinator"] = args.coordinator
+        _print_json(doc)
+    else:
+        print("\n".join(status_lines(status, args.coordinator)))
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+
+    from hexgen_client.client import CoordinatorClient  # noqa: PLC0415 - loads grpc
+    from hexgen_client.cluster import LocalCluster, LocalClusterConfig  # noqa: PLC0415 - loads grpc
+    from hexgen_client.replay import replay  # noqa: PLC0415 - loads grpc
+
+    queries = take_queries(load_traces([args.trace]), args.num_queries)
+    cluster_spec = parse_cluster(args.cluster)
+    preset = resolve_policy(args.policy)
+    config = SimConfig(qps=args.qps, slo_scale=args.slo_scale, seed=args.seed)
+    mesh = LocalCluster(
+        LocalClusterConfig(
+            cluster=args.cluster,
+            policy=args.policy,
+            alpha=args.alpha,
+            slo_scale=args.slo_scale,
+            time_scale=args.time_scale,
+            listen="127.0.0.1:0",
+            redis_url=args.redis_url,
+            # a Redis of one's own may hold an earlier demo's queries under the same ids
+            redis_prefix=f"hf-demo-{uuid.uuid4().hex[:8]}:" if args.redis_url else "hf:",
+            tuner=False,  # alpha stays put, so the simulator can be given the very same one
+        )
+    )
+
+    async def run(address: str) -> RunMetrics:
+        async with CoordinatorClient(address) as client:
+            return await replay(
+                client,
+                queries,
+                args.qps,
+                seed=args.seed,
+                slo_scale=args.slo_scale,
+                progress=not args.json,
+            )
+
+    _info(
+        f"{PROG} demo: starting a local mesh with SIMULATED ENGINES "
+        f"({args.cluster}, {args.policy}, time scale {args.time_scale:g}x) ..."
+    )
+    with mesh:
+        started = time.perf_counter()
+        measured = asyncio.run(run(mesh.coordinator_address))
+        wall_s = time.perf_counter() - started
+    if measured.alpha is not None and preset.has_alpha:
+        preset = preset.with_alpha(measured.alpha)
+    predicted = simulate(queries, cluster_spec, preset, config)
+    if args.json:
+        _print_json(
+            {
+                "engines": "simulated",
+                "trace": args.trace,
+                "num_queries": len(queries),
+                "qps": args.qps,
+                "seed": args.seed,
+                "cluster": list(cluster_spec.gpus),
+                "policy": measured.policy,
+                "alpha": measured.alpha,
+                "slo_scale": args.slo_scale,
+                "time_scale": args.time_scale,
+                "wall_s": wall_s,
+                "measured": measured.to_json(per_query=False),
+                "simulated": predicted.to_json(per_query=False),
+            }
+        )
+        return 0
+    alpha = "no alpha" if measured.alpha is None else f"alpha {measured.alpha:g}"
+    print(
+        f"{args.trace}: {len(queries)} queries at {args.qps:g} q/s (seed {args.seed}) on "
+        f"{','.join(cluster_spec.gpus)}, {measured.policy} ({alpha}), "
+        f"SLO {args.slo_scale:g} x SLO_base = {measured.slo_s:.1f} s"
+    )
+    print(
+        f"measured: the service mesh with SIMULATED ENGINES at time scale "
+        f"{args.time_scale:g}x ({wall_s:.1f} s wall); simulated: hexgen-flow simulate"
+    )
+    print()
+    for line in comparison_lines(measured, predicted):
+        print(line)
+    return 0
+
+
+def comparison_lines(measured: RunMetrics, predicted: RunMetrics) -> list[str]:
+    """A table of the metrics of two runs of the same workload and their relative
+    difference (measured / predicted - 1)."""
+    m, p = measured.latency_summary(), predicted.latency_summary()
+    rows: list[tuple[str, float, float, str]] = [
+        ("latency P50 (s)", m["p50"], p["p50"], "{:.1f}"),
+        ("latency P95 (s)", m["p95"], p["p95"], "{:.1f}"),
+        ("latency P99 (s)", m["p99"], p["p99"], "{:.1f}"),
+        ("latency mean (s)", m["mean"], p["mean"], "{:.1f}"),
+        ("SLO attainment (%)", 100 * measured.slo_attainment, 100 * predicted.slo_attainment,
+         "{:.1f}"),
+        ("throughput (q/s)", measured.throughput_qps, predicted.throughput_qps, "{:.3f}"),
+        ("completed", float(measured.completed), float(predicted.completed), "{:.0f}"),
+    ]  # fmt: skip
+    header = ("metric", "measured", "simulated", "difference")
+    cells = [header]
+    for name, a, b, fmt in rows:
+        diff = a / b - 1 if b and math.isfinite(a) and math.isfinite(b) else math.nan
+        cells.append(
+            (
+                name,
+                fmt.format(a) if math.isfinite(a) else "-",
+                fmt.format(b) if math.isfinite(b) else "-",
+                f"{100 * diff:+.1f} %" if math.isfinite(diff) else "-",
+            )
+        )
+    widths = [max(len(row[c]) for row in cells) for c in range(4)]
+    return [
+        "  ".join(
+            [row[0].ljust(widths[0]), *(row[c].rjust(widths[c]) for c in range(1, 4))]
+        ).rstrip()
+        for row in cells
+    ]
+
+
 # ------------------------------------------------------------------------------------ main
 
 
@@ -541,9 +1157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = parser.parse_args(argv)
         if args.command is None:
-            raise UsageError(
-                f"choose a command: simulate, tune, policies, bench (see {PROG} --help)"
-            )
+            raise UsageError(f"choose a command: {', '.join(COMMANDS)} (see {PROG} --help)")
         status: int = args.handler(args)
         sys.stdout.flush()
     except UsageError as exc:

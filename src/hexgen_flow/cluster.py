@@ -70,6 +70,12 @@ class Cluster:
     def gpus(self) -> tuple[str, ...]:
         return tuple(i.gpu for i in self.instances)
 
+    @property
+    def inline(self) -> str:
+        """The GPU types as an inline `--cluster` list, whatever the cluster was built from
+        (what another process needs to rebuild the latency models of the slots)."""
+        return ",".join(self.gpus)
+
     @classmethod
     def build(cls, entries: Sequence[dict[str, Any]], description: str) -> Cluster:
         instances: list[InstanceSpec] = []

@@ -109,8 +109,13 @@ class GlobalScheduler:
             ticket.instance = -1
 
     def complete(self, ticket: CallTicket, now: float) -> list[CallTicket]:
-        """A call finished: update the ledger and the query; return the calls it releases."""
-        self.load.on_complete(ticket)
+        """A call finished: update the ledger and the query; return the calls it releases.
+
+        A ticket that is on no instance's ledger (a service resuming calls that finished
+        while it was down) only updates the query.
+        """
+        if ticket.instance >= 0:
+            self.load.on_complete(ticket)
         run = ticket.run
         assert run is not None, "complete() needs the ticket's QueryRun"
         released: list[CallTicket] = []

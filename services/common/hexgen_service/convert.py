@@ -19,6 +19,7 @@ __all__ = [
     "MAX_CALLS_PER_QUERY",
     "MAX_TOKENS_PER_CALL",
     "dispatch_to_ticket",
+    "expand_workflow",
     "query_from_submit",
     "submit_from_query",
     "ticket_to_dispatch",
@@ -55,9 +56,17 @@ def workflow_to_proto(workflow: Workflow) -> workflow_pb2.Workflow:
 
 def workflow_from_proto(pb: workflow_pb2.Workflow, field: str = "workflow") -> Workflow:
     """Validate and expand a proto workflow (repeats unrolled) into the domain model."""
+    return expand_workflow(pb, field)[0]
+
+
+def expand_workflow(
+    pb: workflow_pb2.Workflow, field: str = "workflow"
+) -> tuple[Workflow, list[tuple[str, ...]]]:
+    """The domain workflow and, per expanded stage, the prompts of its calls ("" if none)."""
     if not pb.stages:
         raise InvalidFieldError(f"{field}.stages", "a workflow needs at least one stage")
     stages: list[Stage] = []
+    prompts: list[tuple[str, ...]] = []
     last_of: dict[str, int] = {}
     total_calls = 0
     for n, spb in enumerate(pb.stages):
@@ -103,10 +112,11 @@ def workflow_from_proto(pb: workflow_pb2.Workflow, field: str = "workflow") -> W
                     f"{where}.repeat", f"the workflow exceeds {MAX_CALLS_PER_QUERY} calls"
                 )
             stages.append(Stage(step=step, calls=tuple(calls), after=deps))
+            prompts.append(tuple(cpb.prompt for cpb in spb.calls))
             deps = (len(stages) - 1,)
         last_of[sid] = len(stages) - 1
     try:
-        return Workflow(tuple(stages))
+        return Workflow(tuple(stages)), prompts
     except WorkloadError as exc:
         raise InvalidFieldError(field, str(exc)) from None
 

@@ -30,12 +30,18 @@ __all__ = [
 
 
 class KeyedQueue(LocalQueue):
-    """A heap on (key(ticket), seq): the smallest key is admitted first."""
+    """A heap on (key(ticket), seq): the smallest key is admitted first.
+
+    Removal is lazy: a removed ticket's heap entry stays until it reaches the top. Every push
+    gets its own token, so a ticket removed and pushed again (a deadline update) is ordered
+    by its new key only.
+    """
 
     def __init__(self, ctx: PolicyContext, instance: int) -> None:
         super().__init__(ctx, instance)
-        self._heap: list[tuple[float, int, CallTicket]] = []
-        self._members: set[int] = set()
+        self._heap: list[tuple[float, int, int, CallTicket]] = []
+        self._members: dict[int, int] = {}  # seq -> token of the live push
+        self._pushes = 0
 
     @abstractmethod
     def key(self, ticket: CallTicket) -> float:
@@ -44,61 +50,42 @@ class KeyedQueue(LocalQueue):
     def push(self, ticket: CallTicket, now: float) -> None:
         k = self.key(ticket)
         ticket.key = k
-        heapq.heappush(self._heap, (k, ticket.seq, ticket))
-        self._members.add(ticket.seq)
+        self._pushes += 1
+        heapq.heappush(self._heap, (k, ticket.seq, self._pushes, ticket))
+        self._members[ticket.seq] = self._pushes
 
-    def _top(self) -> tuple[float, int, CallTicket] | None:
+    def _top(self) -> tuple[float, int, int, CallTicket] | None:
         heap, members = self._heap, self._members
-        while heap and heap[0][1] not in members:
-            heapq.heappop(heap)  # removed earlier; dropped lazily
+        while heap and members.get(heap[0][1]) != heap[0][2]:
+            heapq.heappop(heap)  # removed or pushed again since; dropped lazily
         return heap[0] if heap else None
 
     def peek(self, now: float) -> CallTicket | None:
         top = self._top()
-        return top[2] if top else None
+        return top[3] if top else None
 
     def pop(self, now: float) -> CallTicket:
         self._top()
-        ticket = heapq.heappop(self._heap)[2]
-        self._members.discard(ticket.seq)
+        ticket = heapq.heappop(self._heap)[3]
+        del self._members[ticket.seq]
         return ticket
 
     def remove(self, ticket: CallTicket) -> bool:
-        if ticket.seq not in self._members:
-            return False
-        self._members.discard(ticket.seq)
-        return True
+        return self._members.pop(ticket.seq, None) is not None
 
     def __len__(self) -> int:
         return len(self._members)
 
 
-class FcfsQueue(LocalQueue):
-    """First come, first served (vLLM's default): release order, i.e. `ticket.seq`."""
+class FcfsQueue(KeyedQueue):
+    """First come, first served (vLLM's default): release order, i.e. `ticket.seq`.
 
-    def __init__(self, ctx: PolicyContext, instance: int) -> None:
-        super().__init__(ctx, instance)
-        self._queue: deque[CallTicket] = deque()
+    A heap rather than a deque, so a call that comes back (redispatched from a lost worker,
+    or re-queued) takes its release-order place, not the back of the line.
+    """
 
-    def push(self, ticket: CallTicket, now: float) -> None:
-        # Tickets reach one instance in release order, so appending keeps seq order.
-        self._queue.append(ticket)
-
-    def peek(self, now: float) -> CallTicket | None:
-        return self._queue[0] if self._queue else None
-
-    def pop(self, now: float) -> CallTicket:
-        return self._queue.popleft()
-
-    def remove(self, ticket: CallTicket) -> bool:
-        try:
-            self._queue.remove(ticket)
-        except ValueError:
-            return False
-        return True
-
-    def __len__(self) -> int:
-        return len(self._queue)
+    def key(self, ticket: CallTicket) -> float:
+        return 0.0
 
 
 class UrgencyQueue(KeyedQueue):

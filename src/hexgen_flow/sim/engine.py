@@ -79,6 +79,31 @@ class BatchingEngineModel:
         self._prefill_end = start + prefill
         self._prefilling.append((decode, ticket))
 
+    def abort(self, ticket: CallTicket, now: float) -> bool:
+        """Stop a running call at `now` and free its KV slots; False if it is not here.
+
+        The prefill time already planned for it is not given back: the backlog it was in
+        keeps its length.
+        """
+        self._sync(now)
+        for i, (_, held) in enumerate(self._prefilling):
+            if held is ticket:
+                del self._prefilling[i]
+                break
+        else:
+            for i, entry in enumerate(self._decoding):
+                if entry[2] is ticket:
+                    self._decoding[i] = self._decoding[-1]
+                    self._decoding.pop()
+                    heapq.heapify(self._decoding)
+                    break
+            else:
+                return False
+        call = ticket.call
+        self.kv_used -= call.input_tokens + call.output_tokens
+        self.running -= 1
+        return True
+
     def next_event_s(self) -> float:
         """When the state next changes by itself (prefill drained or a call finishes)."""
         if self._prefilling:

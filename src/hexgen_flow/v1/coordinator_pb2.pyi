@@ -478,6 +478,8 @@ class ClusterStatusResponse(_message.Message):
     QUERIES_RUNNING_FIELD_NUMBER: _builtins.int
     QUERIES_FINISHED_FIELD_NUMBER: _builtins.int
     SLO_BASE_S_FIELD_NUMBER: _builtins.int
+    CLUSTER_FIELD_NUMBER: _builtins.int
+    OVERHEAD_FIELD_NUMBER: _builtins.int
     policy: _builtins.str
     alpha: _builtins.float
     time_scale: _builtins.float
@@ -485,8 +487,14 @@ class ClusterStatusResponse(_message.Message):
     queries_running: _builtins.int
     queries_finished: _builtins.int
     slo_base_s: _builtins.float
+    cluster: _builtins.str
+    """The cluster as `--cluster` writes it (e.g. "A100,A100,A6000,L40S")."""
     @_builtins.property
     def instances(self) -> _containers.RepeatedCompositeFieldContainer[Global___InstanceStatus]: ...
+    @_builtins.property
+    def overhead(self) -> Global___CoordinatorOverhead:
+        """The coordinator's own latency, measured since it started."""
+
     def __init__(
         self,
         *,
@@ -498,14 +506,77 @@ class ClusterStatusResponse(_message.Message):
         queries_running: _builtins.int = ...,
         queries_finished: _builtins.int = ...,
         slo_base_s: _builtins.float = ...,
+        cluster: _builtins.str = ...,
+        overhead: Global___CoordinatorOverhead | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["overhead", b"overhead"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["alpha", b"alpha", "instances", b"instances", "now_s", b"now_s", "policy", b"policy", "queries_finished", b"queries_finished", "queries_running", b"queries_running", "slo_base_s", b"slo_base_s", "time_scale", b"time_scale"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alpha", b"alpha", "cluster", b"cluster", "instances", b"instances", "now_s", b"now_s", "overhead", b"overhead", "policy", b"policy", "queries_finished", b"queries_finished", "queries_running", b"queries_running", "slo_base_s", b"slo_base_s", "time_scale", b"time_scale"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ClusterStatusResponse: _TypeAlias = ClusterStatusResponse  # noqa: Y015
+
+@_typing.final
+class CoordinatorOverhead(_message.Message):
+    """Wall-clock milliseconds spent inside the coordinator."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    COMPLETION_TO_DISPATCH_MS_FIELD_NUMBER: _builtins.int
+    SUBMIT_TO_DISPATCH_MS_FIELD_NUMBER: _builtins.int
+    COMPLETIONS_FIELD_NUMBER: _builtins.int
+    completions: _builtins.int
+    @_builtins.property
+    def completion_to_dispatch_ms(self) -> Global___LatencySummary:
+        """A call completion received -> the calls it releases handed to their workers' streams."""
+
+    @_builtins.property
+    def submit_to_dispatch_ms(self) -> Global___LatencySummary:
+        """A query submitted -> its first calls handed to their workers' streams."""
+
+    def __init__(
+        self,
+        *,
+        completion_to_dispatch_ms: Global___LatencySummary | None = ...,
+        submit_to_dispatch_ms: Global___LatencySummary | None = ...,
+        completions: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["completion_to_dispatch_ms", b"completion_to_dispatch_ms", "submit_to_dispatch_ms", b"submit_to_dispatch_ms"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["completion_to_dispatch_ms", b"completion_to_dispatch_ms", "completions", b"completions", "submit_to_dispatch_ms", b"submit_to_dispatch_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CoordinatorOverhead: _TypeAlias = CoordinatorOverhead  # noqa: Y015
+
+@_typing.final
+class LatencySummary(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    COUNT_FIELD_NUMBER: _builtins.int
+    P50_FIELD_NUMBER: _builtins.int
+    P99_FIELD_NUMBER: _builtins.int
+    MAX_FIELD_NUMBER: _builtins.int
+    count: _builtins.int
+    p50: _builtins.float
+    p99: _builtins.float
+    max: _builtins.float
+    def __init__(
+        self,
+        *,
+        count: _builtins.int = ...,
+        p50: _builtins.float = ...,
+        p99: _builtins.float = ...,
+        max: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count", "max", b"max", "p50", b"p50", "p99", b"p99"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LatencySummary: _TypeAlias = LatencySummary  # noqa: Y015
 
 @_typing.final
 class SetAlphaRequest(_message.Message):

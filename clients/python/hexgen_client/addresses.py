@@ -1,0 +1,15 @@
+"""Default addresses of the mesh's services (one place, used by the client, the CLI, the
+tuner and `LocalCluster`)."""
+
+from __future__ import annotations
+
+__all__ = ["DEFAULT_COORDINATOR", "DEFAULT_REDIS_PREFIX", "DEFAULT_REDIS_URL", "DEFAULT_TUNER"]
+
+DEFAULT_COORDINATOR = "127.0.0.1:50051"
+"""Where the coordinator listens unless told otherwise (CoordinatorService + WorkerService)."""
+DEFAULT_TUNER = "127.0.0.1:50053"
+"""Where the tuner listens unless told otherwise (TunerService)."""
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+"""The Redis the services share unless told otherwise."""
+DEFAULT_REDIS_PREFIX = "hf:"
+"""Prefix of every Redis key the mesh writes."""

@@ -1,0 +1,189 @@
+"""`CoordinatorClient`: an asyncio wrapper over the generated CoordinatorService stubs.
+
+It takes and returns the core's `Query` on the way in (converted by
+`hexgen_service.convert`) and the API's own messages on the way out (`QueryEvent`,
+`QueryInfo`, `ClusterStatusResponse`), and turns gRPC errors into `CoordinatorError` (or
+`CoordinatorUnavailableError` when nothing answers), so callers see one exception type::
+
+    async with CoordinatorClient() as client:
+        async for event in client.run(query):
+            print(event.kind, event.time_s)
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from types import TracebackType
+
+import grpc
+
+from hexgen_client.addresses import DEFAULT_COORDINATOR
+from hexgen_client.convert import is_terminal, submit_request
+from hexgen_client.errors import CoordinatorError, CoordinatorUnavailableError
+from hexgen_flow.v1 import coordinator_pb2, coordinator_pb2_grpc
+from hexgen_flow.workload import Query
+
+__all__ = ["CoordinatorClient"]
+
+_UNREACHABLE_STATES = (
+    grpc.ChannelConnectivity.IDLE,
+    grpc.ChannelConnectivity.CONNECTING,
+    grpc.ChannelConnectivity.TRANSIENT_FAILURE,
+    grpc.ChannelConnectivity.SHUTDOWN,
+)
+
+
+class CoordinatorClient:
+    """One channel to the coordinator at `address`; use it as an async context manager (or
+    call `close`). The channel is opened on first use, inside the running event loop."""
+
+    def __init__(
+        self,
+        address: str = DEFAULT_COORDINATOR,
+        *,
+        timeout_s: float = 10.0,
+        interceptors: Sequence[grpc.aio.ClientInterceptor] | None = None,
+    ) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        """Deadline of every unary RPC (streams have none: a query may run for minutes)."""
+        self._interceptors = list(interceptors) if interceptors else None
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: coordinator_pb2_grpc.CoordinatorServiceAsyncStub | None = None
+
+    # ------------------------------------------------------------------------- lifecycle
+
+    @property
+    def stub(self) -> coordinator_pb2_grpc.CoordinatorServiceAsyncStub:
+        if self._stub is None:
+            self._channel = grpc.aio.insecure_channel(self.address, interceptors=self._interceptors)
+            self._stub = coordinator_pb2_grpc.CoordinatorServiceStub(self._channel)
+        return self._stub
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+        self._channel = None
+        self._stub = None
+
+    async def __aenter__(self) -> CoordinatorClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def wait_ready(self, timeout_s: float = 10.0) -> coordinator_pb2.ClusterStatusResponse:
+        """Wait until the coordinator answers `ClusterStatus` (while it starts, or restarts);
+        `CoordinatorUnavailableError` after `timeout_s`."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            try:
+                return await self.status()
+            except CoordinatorUnavailableError:
+                if loop.time() >= deadline:
+                    raise
+            await asyncio.sleep(0.1)
+
+    # ------------------------------------------------------------------------------ RPCs
+
+    async def submit(
+        self,
+        query: Query,
+        *,
+        slo_scale: float | None = None,
+        prompts: Sequence[Sequence[str]] | None = None,
+    ) -> coordinator_pb2.SubmitQueryResponse:
+        """Admit `query` (idempotent on its id: `created` is False when it was known).
+        `slo_scale` applies when the query carries no SLO of its own; `prompts` are the
+        calls' prompts, per stage (see `submit_request`)."""
+        request = submit_request(query, slo_scale, prompts)
+        try:
+            return await self.stub.SubmitQuery(request, timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise self._error(exc) from None
+
+    async def watch(self, query_id: str) -> AsyncIterator[coordinator_pb2.QueryEvent]:
+        """The query's events, past ones first, until it succeeds or is cancelled."""
+        call = self.stub.WatchQuery(coordinator_pb2.WatchQueryRequest(query_id=query_id))
+        try:
+            async for response in call:
+                yield response.event
+                if is_terminal(response.event):
+                    return
+        except grpc.aio.AioRpcError as exc:
+            raise self._error(exc) from None
+        finally:
+            call.cancel()
+
+    async def run(
+        self,
+        query: Query,
+        *,
+        slo_scale: float | None = None,
+        prompts: Sequence[Sequence[str]] | None = None,
+    ) -> AsyncIterator[coordinator_pb2.QueryEvent]:
+        """Submit `query` and stream its events until it ends (RunQuery); `prompts` as for
+        `submit`."""
+        request = coordinator_pb2.RunQueryRequest(query=submit_request(query, slo_scale, prompts))
+        call = self.stub.RunQuery(request)
+        try:
+            async for response in call:
+                yield response.event
+                if is_terminal(response.event):
+                    return
+        except grpc.aio.AioRpcError as exc:
+            raise self._error(exc) from None
+        finally:
+            call.cancel()
+
+    async def cancel(self, query_id: str) -> coordinator_pb2.QueryInfo:
+        request = coordinator_pb2.CancelQueryRequest(query_id=query_id)
+        try:
+            response = await self.stub.CancelQuery(request, timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise self._error(exc) from None
+        return response.query
+
+    async def get(self, query_id: str) -> coordinator_pb2.GetQueryResponse:
+        """The query's state (`.query`) and its events so far (`.events`)."""
+        request = coordinator_pb2.GetQueryRequest(query_id=query_id)
+        try:
+            return await self.stub.GetQuery(request, timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise self._error(exc) from None
+
+    async def status(self) -> coordinator_pb2.ClusterStatusResponse:
+        try:
+            return await self.stub.ClusterStatus(
+                coordinator_pb2.ClusterStatusRequest(), timeout=self.timeout_s
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise self._error(exc) from None
+
+    async def set_alpha(self, alpha: float, reason: str = "") -> coordinator_pb2.SetAlphaResponse:
+        request = coordinator_pb2.SetAlphaRequest(alpha=alpha, reason=reason)
+        try:
+            return await self.stub.SetAlpha(request, timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise self._error(exc) from None
+
+    # ---------------------------------------------------------------------------- errors
+
+    def _error(self, exc: grpc.aio.AioRpcError) -> CoordinatorError:
+        code = exc.code()
+        details = exc.details() or ""
+        unreachable = code == grpc.StatusCode.UNAVAILABLE or (
+            code == grpc.StatusCode.DEADLINE_EXCEEDED
+            and self._channel is not None
+            and self._channel.get_state() in _UNREACHABLE_STATES
+        )
+        if unreachable:
+            return CoordinatorUnavailableError(self.address, details)
+        return CoordinatorError(self.address, code, details)

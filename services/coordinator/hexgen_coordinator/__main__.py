@@ -1,0 +1,125 @@
+"""`python -m hexgen_coordinator`: run the coordinator until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from dataclasses import fields
+
+import grpc
+import redis.asyncio as aioredis
+
+from hexgen_coordinator.config import CoordinatorConfig
+from hexgen_coordinator.coordinator import Coordinator
+from hexgen_coordinator.service import CoordinatorServicer, WorkerServicer
+from hexgen_flow.errors import HexgenFlowError
+from hexgen_flow.v1 import coordinator_pb2_grpc, worker_pb2_grpc
+from hexgen_service.server import GrpcServer
+
+SERVICE_NAMES = ("hexgen_flow.v1.CoordinatorService", "hexgen_flow.v1.WorkerService")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]  # exits, one line
+        sys.stderr.write(f"hexgen-coordinator: error: {message}\n")
+        sys.exit(2)
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[CoordinatorConfig, str]:
+    defaults = CoordinatorConfig()
+    parser = _Parser(prog="python -m hexgen_coordinator", description=__doc__)
+    docs = {f.name: f.name for f in fields(CoordinatorConfig)}
+    parser.add_argument("--listen", default=defaults.listen)
+    parser.add_argument("--redis-url", default=defaults.redis_url)
+    parser.add_argument("--redis-prefix", default=defaults.redis_prefix)
+    parser.add_argument("--cluster", default=defaults.cluster)
+    parser.add_argument("--model", default=defaults.model)
+    parser.add_argument("--policy", default=defaults.policy)
+    parser.add_argument("--alpha", type=float, default=None)
+    parser.add_argument("--time-scale", type=float, default=defaults.time_scale)
+    parser.add_argument("--slo-scale", type=float, default=defaults.slo_scale)
+    parser.add_argument("--heartbeat-interval-s", type=float, default=defaults.heartbeat_interval_s)
+    parser.add_argument("--heartbeat-timeout-s", type=float, default=defaults.heartbeat_timeout_s)
+    parser.add_argument("--resume-grace-s", type=float, default=defaults.resume_grace_s)
+    parser.add_argument("--log-level", default="INFO")
+    del docs
+    args = parser.parse_args(argv)
+    if args.time_scale <= 0:
+        parser.error("--time-scale must be > 0")
+    if args.slo_scale <= 0:
+        parser.error("--slo-scale must be > 0")
+    if args.alpha is not None and not 0 <= args.alpha <= 1:
+        parser.error("--alpha must be in [0, 1]")
+    config = CoordinatorConfig(
+        listen=args.listen,
+        redis_url=args.redis_url,
+        redis_prefix=args.redis_prefix,
+        cluster=args.cluster,
+        model=args.model,
+        policy=args.policy,
+        alpha=args.alpha,
+        time_scale=args.time_scale,
+        slo_scale=args.slo_scale,
+        heartbeat_interval_s=args.heartbeat_interval_s,
+        heartbeat_timeout_s=args.heartbeat_timeout_s,
+        resume_grace_s=args.resume_grace_s,
+    )
+    return config, args.log_level
+
+
+async def serve(config: CoordinatorConfig) -> None:
+    # Bursts of submissions, completion batches and write-behind share the pool: callers
+    # wait for a connection rather than fail when it is busy.
+    redis: aioredis.Redis[bytes] = aioredis.Redis(
+        connection_pool=aioredis.BlockingConnectionPool.from_url(
+            config.redis_url, max_connections=64, timeout=30
+        )
+    )
+    try:
+        await redis.ping()
+    except Exception as exc:  # any connection failure reads the same to a user
+        raise SystemExit(
+            f"hexgen-coordinator: error: cannot reach Redis at {config.redis_url}: {exc}"
+        ) from None
+    coordinator = Coordinator(config, redis)
+    await coordinator.start()
+
+    def register(server: grpc.aio.Server) -> None:
+        coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(
+            CoordinatorServicer(coordinator), server
+        )
+        worker_pb2_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(coordinator), server)
+
+    server = GrpcServer(config.listen, register, SERVICE_NAMES)
+    await server.start()
+    logging.getLogger("hexgen_coordinator").info(
+        "coordinator on %s: cluster %s, policy %s, alpha %s, time scale %s",
+        config.listen,
+        config.cluster,
+        config.policy,
+        coordinator.scheduler.alpha,
+        coordinator.clock.time_scale,
+    )
+    try:
+        await server.serve_until_signalled(on_stop=coordinator.stop)
+    finally:
+        await redis.aclose()  # type: ignore[attr-defined]  # types-redis predates aclose
+
+
+def main(argv: list[str] | None = None) -> None:
+    config, level = parse_args(argv)
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        asyncio.run(serve(config))
+    except HexgenFlowError as exc:
+        sys.stderr.write(f"hexgen-coordinator: error: {exc}\n")
+        sys.exit(2)
+    except OSError as exc:
+        sys.stderr.write(f"hexgen-coordinator: error: {exc}\n")
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+"""The coordinator's settings: one typed tree, every field with a default."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hexgen_flow.cluster import DEFAULT_CLUSTER, DEFAULT_MODEL
+
+__all__ = ["DEFAULT_LISTEN", "CoordinatorConfig"]
+
+DEFAULT_LISTEN = "127.0.0.1:50051"
+
+
+@dataclass(frozen=True, slots=True)
+class CoordinatorConfig:
+    listen: str = DEFAULT_LISTEN
+    """Address the CoordinatorService and WorkerService listen on."""
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    """Where workflow state lives."""
+    redis_prefix: str = "hf:"
+    """Prefix of every Redis key (several clusters can share one Redis)."""
+    cluster: str = DEFAULT_CLUSTER
+    """The instance slots, as `--cluster` writes them; workers take these slots."""
+    model: str = DEFAULT_MODEL
+    """Model served by every slot the cluster string does not say otherwise for."""
+    policy: str = "hexgen-flow"
+    """Preset (or DISPATCH+QUEUE[+BUDGET]) deciding dispatch, local queues and budgets."""
+    alpha: float | None = None
+    """Initial α; None keeps the one stored in Redis, else the preset's default."""
+    time_scale: float = 1.0
+    """Cluster seconds per wall second (simulated engines replay faster); a cluster keeps
+    the time scale it was first started with."""
+    slo_scale: float = 3.0
+    """A query's SLO is slo_scale x SLO_base unless it gives its own."""
+    heartbeat_interval_s: float = 0.5
+    """How often workers report (wall seconds)."""
+    heartbeat_timeout_s: float = 2.0
+    """A worker silent this long (wall seconds) is declared dead and its calls redispatched."""
+    resume_grace_s: float = 3.0
+    """After a restart, how long (wall seconds) workers get to reconnect and claim the calls
+    they still hold before those calls are dispatched again."""
+    seed: int = 0
+    """Seeds the dispatcher's random generator (pow2)."""

@@ -1,0 +1,175 @@
+"""gRPC adapters of the coordinator: protobuf in, protobuf out, errors as statuses."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from hexgen_coordinator.coordinator import (
+    Coordinator,
+    SlotTakenError,
+    UnknownQueryError,
+    WorkerLink,
+)
+from hexgen_flow.v1 import coordinator_pb2 as cpb
+from hexgen_flow.v1 import coordinator_pb2_grpc as cpb_grpc
+from hexgen_flow.v1 import worker_pb2 as wpb
+from hexgen_flow.v1 import worker_pb2_grpc as wpb_grpc
+from hexgen_service.errors import InvalidFieldError
+
+__all__ = ["CoordinatorServicer", "WorkerServicer"]
+
+log = logging.getLogger(__name__)
+
+Context = grpc.aio.ServicerContext
+
+
+class CoordinatorServicer(cpb_grpc.CoordinatorServiceServicer):
+    def __init__(self, coordinator: Coordinator) -> None:
+        self.c = coordinator
+
+    async def SubmitQuery(  # noqa: N802 - gRPC method name
+        self, request: cpb.SubmitQueryRequest, context: Context[object, object]
+    ) -> cpb.SubmitQueryResponse:
+        try:
+            info, created = await self.c.submit(request)
+        except InvalidFieldError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return cpb.SubmitQueryResponse(query=info, created=created)
+
+    async def WatchQuery(  # noqa: N802
+        self, request: cpb.WatchQueryRequest, context: Context[object, object]
+    ) -> AsyncIterator[cpb.WatchQueryResponse]:
+        if not request.query_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "query_id: must not be empty")
+        try:
+            async for event in self.c.watch(request.query_id):
+                yield cpb.WatchQueryResponse(event=event)
+        except UnknownQueryError:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"query_id: no query {request.query_id!r}"
+            )
+
+    async def RunQuery(  # noqa: N802
+        self, request: cpb.RunQueryRequest, context: Context[object, object]
+    ) -> AsyncIterator[cpb.RunQueryResponse]:
+        try:
+            info, _ = await self.c.submit(request.query)
+        except InvalidFieldError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"query.{exc}")
+        async for event in self.c.watch(info.query_id):
+            yield cpb.RunQueryResponse(event=event)
+
+    async def CancelQuery(  # noqa: N802
+        self, request: cpb.CancelQueryRequest, context: Context[object, object]
+    ) -> cpb.CancelQueryResponse:
+        try:
+            return cpb.CancelQueryResponse(query=await self.c.cancel(request.query_id))
+        except UnknownQueryError:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"query_id: no query {request.query_id!r}"
+            )
+        raise AssertionError("unreachable")
+
+    async def GetQuery(  # noqa: N802
+        self, request: cpb.GetQueryRequest, context: Context[object, object]
+    ) -> cpb.GetQueryResponse:
+        try:
+            info, events = await self.c.get(request.query_id)
+        except UnknownQueryError:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"query_id: no query {request.query_id!r}"
+            )
+        return cpb.GetQueryResponse(query=info, events=events)
+
+    async def ClusterStatus(  # noqa: N802
+        self, request: cpb.ClusterStatusRequest, context: Context[object, object]
+    ) -> cpb.ClusterStatusResponse:
+        return self.c.status()
+
+    async def SetAlpha(  # noqa: N802
+        self, request: cpb.SetAlphaRequest, context: Context[object, object]
+    ) -> cpb.SetAlphaResponse:
+        try:
+            previous = await self.c.set_alpha(request.alpha, request.reason)
+        except InvalidFieldError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return cpb.SetAlphaResponse(previous_alpha=previous, alpha=request.alpha)
+
+
+class WorkerServicer(wpb_grpc.WorkerServiceServicer):
+    """One stream per worker: a reader task feeds the coordinator, the RPC writes."""
+
+    def __init__(self, coordinator: Coordinator) -> None:
+        self.c = coordinator
+
+    async def Connect(  # noqa: N802
+        self,
+        request_iterator: AsyncIterator[wpb.ConnectRequest],
+        context: Context[object, object],
+    ) -> AsyncIterator[wpb.ConnectResponse]:
+        first = await anext(aiter(request_iterator), None)
+        if first is None or first.WhichOneof("message") != "hello":
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "hello: the first message must be a WorkerHello"
+            )
+            return
+        hello = first.hello
+        if not hello.worker_id:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "hello.worker_id: must not be empty"
+            )
+        link = WorkerLink(worker_id=hello.worker_id, engine=wpb.EngineKind.Name(hello.engine))
+        try:
+            self.c.connect(hello, link)
+        except InvalidFieldError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except SlotTakenError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"hello.slot: {exc}")
+        reader = asyncio.create_task(self._read(link, request_iterator))
+        try:
+            while True:
+                message = await link.outbox.get()
+                if message is None:
+                    break
+                yield message
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await reader
+            self.c.disconnect(link, "stream closed")
+
+    async def _read(
+        self, link: WorkerLink, request_iterator: AsyncIterator[wpb.ConnectRequest]
+    ) -> None:
+        c = self.c
+        pending: set[asyncio.Task[None]] = set()
+        try:
+            async for message in request_iterator:
+                link.last_seen = time.monotonic()
+                kind = message.WhichOneof("message")
+                if kind == "finished":
+                    # Completions of different queries proceed concurrently; each query's
+                    # lock keeps its own in order.
+                    task = asyncio.create_task(c.on_finished(link, message.finished))
+                    pending.add(task)
+                    task.add_done_callback(pending.discard)
+                elif kind == "started":
+                    c.on_started(link, message.started)
+                elif kind == "tokens":
+                    c.on_tokens(link, message.tokens)
+                elif kind == "heartbeat":
+                    c.on_heartbeat(link, message.heartbeat)
+                else:
+                    log.warning("worker %s sent an unexpected %s", link.worker_id, kind)
+        except (grpc.aio.AioRpcError, asyncio.CancelledError):
+            pass
+        except Exception:
+            log.exception("worker %s stream failed", link.worker_id)
+        finally:
+            c.disconnect(link, "stream ended")

@@ -1,0 +1,59 @@
+"""The tuner's settings: one frozen dataclass, every field with a default."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from hexgen_client.addresses import (
+    DEFAULT_COORDINATOR,
+    DEFAULT_REDIS_PREFIX,
+    DEFAULT_REDIS_URL,
+    DEFAULT_TUNER,
+)
+from hexgen_flow.errors import ConfigError
+
+__all__ = ["TunerConfig"]
+
+
+@dataclass(frozen=True, slots=True)
+class TunerConfig:
+    """What ``python -m hexgen_tuner`` runs with."""
+
+    listen: str = DEFAULT_TUNER
+    """Address of the TunerService (plus health and reflection)."""
+    coordinator: str = DEFAULT_COORDINATOR
+    """The coordinator whose α is tuned (ClusterStatus, SetAlpha)."""
+    redis_url: str = DEFAULT_REDIS_URL
+    """The Redis the coordinator writes its ``finished`` stream to."""
+    redis_prefix: str = DEFAULT_REDIS_PREFIX
+    """Prefix of every key: reads ``P + "finished"``, writes ``P + "tuner:..."``."""
+    period_s: float = 30.0
+    """Wall seconds between tuning runs (the first one a period after start)."""
+    window: int = 200
+    """How many of the most recently finished queries a run replays."""
+    min_queries: int = 20
+    """Fewer finished queries in the window than this: the run changes nothing."""
+    runs_kept: int = 200
+    """Tuning runs kept in Redis (``ListTuningRuns``), newest first."""
+    history_kept: int = 1000
+    """α changes kept in Redis (``GetAlpha``'s history)."""
+    seed: int = 0
+    """Seed of the simulations (the policies' random choices)."""
+    rpc_timeout_s: float = 10.0
+    """Deadline of each RPC to the coordinator."""
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.period_s) and self.period_s > 0):
+            raise ConfigError(f"period must be a finite number of seconds > 0, got {self.period_s}")
+        for name in ("window", "min_queries", "runs_kept", "history_kept"):
+            if getattr(self, name) < 1:
+                raise ConfigError(
+                    f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
+                )
+        if self.min_queries > self.window:
+            raise ConfigError(
+                f"min-queries ({self.min_queries}) must not exceed the window ({self.window})"
+            )
+        if not self.rpc_timeout_s > 0:
+            raise ConfigError(f"rpc timeout must be > 0, got {self.rpc_timeout_s}")

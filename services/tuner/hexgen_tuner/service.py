@@ -1,0 +1,141 @@
+"""The TunerService over gRPC: protobuf in, protobuf out, errors as statuses; and `serve`,
+which runs it (with health, reflection and tracing) and the periodic tuning loop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from typing import Never
+
+import grpc
+import redis
+import redis.asyncio as aioredis
+
+from hexgen_client.client import CoordinatorClient
+from hexgen_client.errors import CoordinatorError
+from hexgen_flow.v1 import tuner_pb2, tuner_pb2_grpc
+from hexgen_service.server import GrpcServer
+from hexgen_service.telemetry import client_interceptors, setup_tracing
+from hexgen_tuner.config import TunerConfig
+from hexgen_tuner.store import AlphaChange, TuningRunRecord
+from hexgen_tuner.tuner import AlphaTuner
+
+__all__ = ["SERVICE_NAME", "TunerServicer", "run_to_proto", "serve"]
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "hexgen_flow.v1.TunerService"
+DEFAULT_RUNS_LIMIT = 20
+
+Context = grpc.aio.ServicerContext
+
+
+def run_to_proto(run: TuningRunRecord) -> tuner_pb2.TuningRun:
+    return tuner_pb2.TuningRun(
+        run_id=run.run_id,
+        started_s=run.started_s,
+        finished_s=run.finished_s,
+        window_queries=run.window_queries,
+        qps=run.qps,
+        curve=[
+            tuner_pb2.AlphaPoint(
+                alpha=p.alpha, p95_s=p.p95_s, mean_s=p.mean_s, slo_attainment=p.slo_attainment
+            )
+            for p in run.curve
+        ],
+        best_alpha=run.best_alpha,
+        previous_alpha=run.previous_alpha,
+        applied=run.applied,
+        reason=run.reason,
+    )
+
+
+def change_to_proto(change: AlphaChange) -> tuner_pb2.AlphaChange:
+    return tuner_pb2.AlphaChange(time_s=change.time_s, alpha=change.alpha, reason=change.reason)
+
+
+class TunerServicer(tuner_pb2_grpc.TunerServiceServicer):
+    def __init__(self, tuner: AlphaTuner) -> None:
+        self.tuner = tuner
+
+    async def GetAlpha(  # noqa: N802 - gRPC method name
+        self, request: tuner_pb2.GetAlphaRequest, context: Context[object, object]
+    ) -> tuner_pb2.GetAlphaResponse:
+        try:
+            alpha = await self.tuner.current_alpha()
+            history = await self.tuner.store.alpha_history()
+        except CoordinatorError as exc:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"no alpha known: none recorded, and the coordinator at {exc.address} "
+                f"cannot be asked ({exc.code.name})",
+            )
+        except redis.RedisError as exc:
+            await _redis_unavailable(context, exc)
+        return tuner_pb2.GetAlphaResponse(
+            alpha=alpha, history=[change_to_proto(c) for c in history]
+        )
+
+    async def ListTuningRuns(  # noqa: N802
+        self, request: tuner_pb2.ListTuningRunsRequest, context: Context[object, object]
+    ) -> tuner_pb2.ListTuningRunsResponse:
+        if request.limit < 0:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"limit: must be >= 0, got {request.limit}"
+            )
+        limit = request.limit or DEFAULT_RUNS_LIMIT
+        try:
+            runs = await self.tuner.store.runs(limit)
+        except redis.RedisError as exc:
+            await _redis_unavailable(context, exc)
+        return tuner_pb2.ListTuningRunsResponse(runs=[run_to_proto(r) for r in runs])
+
+    async def Retune(  # noqa: N802
+        self, request: tuner_pb2.RetuneRequest, context: Context[object, object]
+    ) -> tuner_pb2.RetuneResponse:
+        try:
+            run = await self.tuner.tune_once()
+        except redis.RedisError as exc:
+            await _redis_unavailable(context, exc)
+        return tuner_pb2.RetuneResponse(run=run_to_proto(run))
+
+
+async def _redis_unavailable(context: Context[object, object], exc: redis.RedisError) -> Never:
+    await context.abort(grpc.StatusCode.UNAVAILABLE, f"Redis: {exc}")
+
+
+async def serve(config: TunerConfig) -> None:
+    """Run the tuner until SIGTERM/SIGINT: the gRPC service and a tuning run every period."""
+    tracer = setup_tracing("hexgen-tuner")
+    redis_client = aioredis.Redis.from_url(config.redis_url)
+    coordinator = CoordinatorClient(
+        config.coordinator, timeout_s=config.rpc_timeout_s, interceptors=client_interceptors()
+    )
+    tuner = AlphaTuner(config, redis_client, coordinator, tracer=tracer)
+
+    def register(server: grpc.aio.Server) -> None:
+        tuner_pb2_grpc.add_TunerServiceServicer_to_server(TunerServicer(tuner), server)
+
+    server = GrpcServer(config.listen, register, [SERVICE_NAME])
+    stop = asyncio.Event()
+    await server.start()
+    loop_task = asyncio.create_task(tuner.run_periodically(stop))
+    log.info(
+        "tuning the coordinator at %s every %s s (window %d, at least %d queries)",
+        config.coordinator,
+        _g(config.period_s),
+        config.window,
+        config.min_queries,
+    )
+    try:
+        await server.serve_until_signalled(on_stop=stop.set)
+    finally:
+        stop.set()
+        await loop_task
+        await coordinator.close()
+        await redis_client.aclose()  # type: ignore[attr-defined]  # types-redis predates aclose
+
+
+def _g(value: float) -> str:
+    return f"{value:g}" if math.isfinite(value) else str(value)

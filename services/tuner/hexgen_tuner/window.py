@@ -1,0 +1,142 @@
+"""The tuning window: the most recently finished queries, rebuilt as the simulator's input.
+
+The coordinator appends one entry per finished query to the Redis stream
+``P + "finished"``: ``query_id, tenant, arrival_s, finished_s, slo_s`` (cluster seconds, as
+strings) and ``submit`` (the serialized `SubmitQueryRequest`). A window is the last N
+entries, each rebuilt as a domain `Query` (``hexgen_service.convert.query_from_submit``)
+with its SLO made explicit (the one the coordinator gave it) and an explicit arrival time
+relative to the window's first arrival, so the simulator replays the traffic as it came.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+
+import redis.asyncio as aioredis
+
+from hexgen_flow.errors import HexgenFlowError
+from hexgen_flow.v1 import coordinator_pb2
+from hexgen_flow.workload import Query
+from hexgen_service.convert import query_from_submit
+from hexgen_service.errors import InvalidFieldError
+
+__all__ = [
+    "FinishedQuery",
+    "TrafficWindow",
+    "finished_key",
+    "parse_finished",
+    "read_window",
+    "window_from_entries",
+]
+
+log = logging.getLogger(__name__)
+
+StreamEntry = tuple[bytes | str, Mapping[bytes, bytes]]
+"""One entry as redis-py returns it: (entry id, {field: value})."""
+
+
+def finished_key(prefix: str) -> str:
+    return prefix + "finished"
+
+
+@dataclass(frozen=True, slots=True)
+class FinishedQuery:
+    """One entry of the ``finished`` stream."""
+
+    query: Query
+    """The submitted query (no arrival time; its SLO as submitted)."""
+    arrival_s: float
+    """When the coordinator admitted it, cluster seconds."""
+    finished_s: float
+    """When its last call finished, cluster seconds."""
+    slo_s: float
+    """The SLO the coordinator resolved for it, seconds."""
+
+
+def _number(fields: Mapping[bytes, bytes], name: str) -> float:
+    raw = fields.get(name.encode())
+    if raw is None:
+        raise ValueError(f"field {name!r} is missing")
+    value = float(raw)
+    if not math.isfinite(value):
+        raise ValueError(f"field {name!r} is not finite: {raw!r}")
+    return value
+
+
+def parse_finished(fields: Mapping[bytes, bytes]) -> FinishedQuery:
+    """One stream entry as a `FinishedQuery`; ValueError naming the problem otherwise."""
+    submit = fields.get(b"submit")
+    if submit is None:
+        raise ValueError("field 'submit' is missing")
+    try:
+        request = coordinator_pb2.SubmitQueryRequest.FromString(submit)
+        query = query_from_submit(request)
+    except (InvalidFieldError, HexgenFlowError) as exc:
+        raise ValueError(f"field 'submit': {exc}") from None
+    except Exception as exc:  # protobuf's DecodeError has no stable public home
+        raise ValueError(f"field 'submit' is not a SubmitQueryRequest ({exc})") from None
+    tenant = fields.get(b"tenant")
+    if tenant:
+        query = replace(query, tenant=tenant.decode())
+    arrival_s = _number(fields, "arrival_s")
+    finished_s = _number(fields, "finished_s")
+    slo_s = _number(fields, "slo_s")
+    if arrival_s < 0 or finished_s < arrival_s:
+        raise ValueError(f"times out of order: arrival_s {arrival_s}, finished_s {finished_s}")
+    if slo_s <= 0:
+        raise ValueError(f"slo_s must be > 0, got {slo_s}")
+    return FinishedQuery(query, arrival_s, finished_s, slo_s)
+
+
+@dataclass(frozen=True, slots=True)
+class TrafficWindow:
+    """Recent traffic, ready to replay."""
+
+    queries: tuple[Query, ...]
+    """In arrival order; ``arrival_s`` from the first arrival (0), ``slo_s`` explicit."""
+    qps: float
+    """Arrival rate over the window: (n - 1) / (last arrival - first); 0 when undefined."""
+    skipped: int = 0
+    """Entries that could not be read (logged)."""
+
+    @property
+    def span_s(self) -> float:
+        """Seconds from the first arrival to the last."""
+        if not self.queries:
+            return 0.0
+        return self.queries[-1].arrival_s or 0.0
+
+
+def window_from_entries(entries: Sequence[StreamEntry]) -> TrafficWindow:
+    """The window of `entries` (oldest first). A query id seen twice keeps its latest entry."""
+    latest: dict[str, FinishedQuery] = {}
+    skipped = 0
+    for entry_id, fields in entries:
+        try:
+            record = parse_finished(fields)
+        except ValueError as exc:
+            skipped += 1
+            log.warning("finished-stream entry %r skipped: %s", entry_id, exc)
+            continue
+        latest.pop(record.query.query_id, None)
+        latest[record.query.query_id] = record
+    records = sorted(latest.values(), key=lambda r: (r.arrival_s, r.query.query_id))
+    if not records:
+        return TrafficWindow((), 0.0, skipped)
+    first = records[0].arrival_s
+    queries = tuple(
+        replace(r.query, arrival_s=r.arrival_s - first, slo_s=r.slo_s, slo_scale=None)
+        for r in records
+    )
+    span = records[-1].arrival_s - first
+    qps = (len(records) - 1) / span if span > 0 else 0.0
+    return TrafficWindow(queries, qps, skipped)
+
+
+async def read_window(client: aioredis.Redis[bytes], prefix: str, size: int) -> TrafficWindow:
+    """The window of the last `size` entries of ``prefix + "finished"``."""
+    newest_first = await client.xrevrange(finished_key(prefix), count=size)
+    return window_from_entries(list(reversed(newest_first)))

@@ -1,0 +1,165 @@
+"""``python -m hexgen_worker``: one worker process.
+
+Bad arguments exit with code 2 and one line on stderr, ``hexgen-worker: error: ...``; so
+does a hello the coordinator rejects (logged) and an engine that cannot run here (vLLM not
+installed). SIGTERM and SIGINT stop the worker cleanly with code 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+from hexgen_flow.cluster import DEFAULT_MODEL
+from hexgen_flow.errors import HexgenFlowError
+from hexgen_worker.config import ENGINE_KINDS, WorkerConfig
+from hexgen_worker.worker import EXIT_REJECTED, Worker
+
+__all__ = ["build_parser", "config_from_args", "main"]
+
+PROG = "hexgen-worker"
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+class UsageError(Exception):
+    """A command-line error found by argparse."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors raise `UsageError` (printed by `main` as one line)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(message)
+
+
+def _engine_arg(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        parsed: Any = json.loads(value)
+    except json.JSONDecodeError:
+        parsed = value  # a bare string, e.g. dtype=bfloat16
+    return key.strip(), parsed
+
+
+def build_parser() -> argparse.ArgumentParser:
+    defaults = WorkerConfig()
+    parser = _Parser(
+        prog=PROG,
+        description="A HexGen-Flow worker: one serving instance (local queue + engine) "
+        "linked to a coordinator.",
+    )
+    parser.add_argument("--coordinator", required=True, metavar="HOST:PORT")
+    parser.add_argument("--worker-id", required=True, metavar="ID", help="stable across restarts")
+    parser.add_argument(
+        "--slot", type=int, default=defaults.slot, help="cluster slot; -1: any of my GPU type"
+    )
+    parser.add_argument("--gpu", required=True, help="GPU type, e.g. A100, A6000, L40S, H100")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="latency-model name")
+    parser.add_argument("--engine", choices=ENGINE_KINDS, default=defaults.engine)
+    parser.add_argument(
+        "--kv-cache-tokens", type=int, help="default: the latency model's KV capacity"
+    )
+    parser.add_argument("--max-batch", type=int, help="default: the latency model's (256)")
+    parser.add_argument(
+        "--max-concurrency", type=int, help="real engines: calls in flight (default max batch)"
+    )
+    parser.add_argument(
+        "--max-context-tokens",
+        type=int,
+        default=defaults.max_context_tokens,
+        help="real engines: shrink calls to this context (0: no limit)",
+    )
+    parser.add_argument("--openai-url", default="", metavar="URL")
+    parser.add_argument("--openai-model", default="", metavar="NAME")
+    parser.add_argument("--openai-api", choices=("completions", "chat"), default="completions")
+    parser.add_argument(
+        "--openai-priority",
+        action="store_true",
+        help="send the queue order as vLLM's priority (server: --scheduling-policy priority)",
+    )
+    parser.add_argument(
+        "--no-ignore-eos",
+        dest="ignore_eos",
+        action="store_false",
+        help="real engines: let the model stop at end-of-sequence",
+    )
+    parser.add_argument("--vllm-model", default="", metavar="PATH")
+    parser.add_argument(
+        "--vllm-arg",
+        type=_engine_arg,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra AsyncEngineArgs field, VALUE as JSON (repeatable), e.g. enforce_eager=true",
+    )
+    parser.add_argument(
+        "--log-level", type=str.upper, choices=_LOG_LEVELS, default=defaults.log_level
+    )
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> WorkerConfig:
+    """The resolved configuration of parsed arguments (raises `ConfigError`)."""
+    return WorkerConfig(
+        coordinator=args.coordinator,
+        worker_id=args.worker_id,
+        slot=args.slot,
+        gpu=args.gpu,
+        model=args.model,
+        engine=args.engine,
+        kv_cache_tokens=args.kv_cache_tokens,
+        max_batch=args.max_batch,
+        max_concurrency=args.max_concurrency,
+        max_context_tokens=args.max_context_tokens,
+        openai_url=args.openai_url,
+        openai_model=args.openai_model,
+        openai_api=args.openai_api,
+        openai_priority=args.openai_priority,
+        ignore_eos=args.ignore_eos,
+        vllm_model=args.vllm_model,
+        vllm_engine_args=dict(args.vllm_arg),
+        log_level=args.log_level,
+    ).resolved()
+
+
+async def _serve(config: WorkerConfig) -> int:
+    worker = Worker(config)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, worker.stop)
+    return await worker.run()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run a worker; returns the exit status."""
+    try:
+        config = config_from_args(build_parser().parse_args(argv))
+    except (UsageError, HexgenFlowError) as exc:
+        print(f"{PROG}: error: {_one_line(str(exc))}", file=sys.stderr)
+        return EXIT_REJECTED
+    logging.basicConfig(
+        level=config.log_level,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        return asyncio.run(_serve(config))
+    except HexgenFlowError as exc:  # e.g. the engine cannot run here
+        print(f"{PROG}: error: {_one_line(str(exc))}", file=sys.stderr)
+        return EXIT_REJECTED
+    except KeyboardInterrupt:  # a second Ctrl-C while stopping
+        return 0
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())

@@ -1,0 +1,205 @@
+"""The engine interface a worker drives, and what the real engines share.
+
+An engine executes admitted calls. It implements the core's `AdmissionEngine` protocol
+(`fits`, `admit`), so the worker's `InstanceScheduler` admits calls from the local queue
+into it exactly as the simulator does, plus `cancel`, `load` and an asynchronous stream
+of `CallStarted` / `CallTokens` / `CallFinished` events (`next_event`).
+
+Engines are driven from one asyncio event loop and are not thread-safe. `admit` never
+blocks: an engine starts a background task or only updates its model, and reports the
+outcome as events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+from hexgen_flow.errors import ConfigError
+from hexgen_flow.runtime import CallTicket
+from hexgen_flow.workload import LLMCall
+from hexgen_service.clock import ClusterClock
+from hexgen_worker.events import EngineEvent
+
+__all__ = [
+    "CapacityLedger",
+    "Engine",
+    "EngineLoad",
+    "EngineUnavailableError",
+    "fit_to_context",
+    "synthetic_prompt",
+    "translate_time",
+]
+
+
+class EngineUnavailableError(ConfigError):
+    """The engine cannot run here (a missing optional package, a bad model path)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """What an engine holds right now."""
+
+    running: int
+    """Admitted calls not yet finished."""
+    kv_used_tokens: int
+    """KV-cache tokens reserved by them (input + output tokens each)."""
+
+
+class Engine(ABC):
+    """One serving engine behind a worker's local queue."""
+
+    kind: ClassVar[str]
+    """Name on the command line (``--engine``)."""
+
+    def __init__(self) -> None:
+        self._events: asyncio.Queue[EngineEvent] = asyncio.Queue()
+        self._clock: ClusterClock | None = None
+        self.prompts: dict[str, str] = {}
+        """Prompts of queued calls that came with one, by call id: the worker fills it at
+        dispatch, `take_prompt` empties it at admission, the worker drops cancelled ones."""
+
+    # ------------------------------------------------------------------ life cycle
+
+    async def start(self) -> None:  # noqa: B027 - optional hook
+        """Load the model or open connections; called once, before the first `admit`."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Abandon the running calls (without reporting them) and release resources."""
+
+    @property
+    def clock(self) -> ClusterClock:
+        """The cluster clock every reported time is read from (set by the worker)."""
+        if self._clock is None:
+            raise RuntimeError("the engine has no cluster clock yet (set_clock before admit)")
+        return self._clock
+
+    def set_clock(self, clock: ClusterClock) -> None:
+        """Adopt the cluster clock of the coordinator's welcome."""
+        old, self._clock = self._clock, clock
+        if old is not None and old != clock:
+            self._clock_changed(old, clock)
+
+    def _clock_changed(self, old: ClusterClock, new: ClusterClock) -> None:  # noqa: B027
+        """Hook for engines that keep times of their own across a clock change."""
+
+    # ------------------------------------------------------------------ admission
+
+    @abstractmethod
+    def fits(self, ticket: CallTicket) -> bool:
+        """Whether the engine can start `ticket` now."""
+
+    @abstractmethod
+    def admit(self, ticket: CallTicket, now: float) -> None:
+        """Start `ticket` at cluster time `now` (the caller checked `fits`)."""
+
+    @abstractmethod
+    def cancel(self, call_id: str) -> bool:
+        """Abort a running call; nothing more is reported for it. False if not running."""
+
+    @abstractmethod
+    def load(self) -> EngineLoad:
+        """Running calls and reserved KV-cache tokens."""
+
+    def take_prompt(self, ticket: CallTicket) -> str | None:
+        """The prompt dispatched with `ticket`, or None when it came without one."""
+        return self.prompts.pop(ticket.call_id, None)
+
+    # ------------------------------------------------------------------ events
+
+    def emit(self, event: EngineEvent) -> None:
+        """Report an event (engines call this; the worker consumes `next_event`)."""
+        self._events.put_nowait(event)
+
+    async def next_event(self) -> EngineEvent:
+        """The next event, in the order the engine emitted them."""
+        return await self._events.get()
+
+    def pending_events(self) -> int:
+        """Events emitted and not yet consumed."""
+        return self._events.qsize()
+
+
+class CapacityLedger:
+    """Admission bookkeeping for an engine that runs its own scheduler (vLLM, a server).
+
+    A call is admitted while fewer than `max_concurrency` run and its input + output
+    tokens fit in what is left of `kv_cache_tokens` (the capacity the worker declared to
+    the coordinator; 0 disables the KV check). The real engine may still queue it
+    internally; this ledger only keeps the worker's queue in charge of the order.
+    """
+
+    __slots__ = ("kv_cache_tokens", "kv_used", "max_concurrency", "running")
+
+    def __init__(self, max_concurrency: int, kv_cache_tokens: int) -> None:
+        if max_concurrency < 1:
+            raise ConfigError(f"max concurrency must be >= 1, got {max_concurrency}")
+        self.max_concurrency = max_concurrency
+        self.kv_cache_tokens = kv_cache_tokens
+        self.running = 0
+        self.kv_used = 0
+
+    def fits(self, call: LLMCall) -> bool:
+        if self.running >= self.max_concurrency:
+            return False
+        if self.kv_cache_tokens <= 0:
+            return True
+        return self.kv_used + call.input_tokens + call.output_tokens <= self.kv_cache_tokens
+
+    def reserve(self, call: LLMCall) -> None:
+        self.running += 1
+        self.kv_used += call.input_tokens + call.output_tokens
+
+    def release(self, call: LLMCall) -> None:
+        self.running -= 1
+        self.kv_used -= call.input_tokens + call.output_tokens
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(self.running, self.kv_used)
+
+
+# Common English words that Llama-3, GPT-2 and SmolLM2 byte-pair vocabularies each encode,
+# with their leading space, as one token.
+_FILLER_WORDS = (
+    "the", "data", "table", "query", "column", "value", "and", "of", "to", "in",
+    "for", "with", "from", "where", "select", "name", "each", "row", "is", "a",
+    "by", "on", "as", "or", "all", "one", "new", "list", "order", "year",
+)  # fmt: skip
+
+
+def synthetic_prompt(input_tokens: int) -> str:
+    """A stand-in prompt of roughly `input_tokens` tokens, for calls dispatched without one.
+
+    It is `input_tokens` words cycling through a fixed list of common English words that
+    byte-pair tokenizers (Llama 3, GPT-2, SmolLM2) encode as one token each with their
+    leading space, so the tokenised length is `input_tokens` plus the tokenizer's special
+    tokens. Deterministic: the same length always gives the same text.
+    """
+    n = max(int(input_tokens), 1)
+    words = len(_FILLER_WORDS)
+    return " ".join(_FILLER_WORDS[i % words] for i in range(n))
+
+
+def fit_to_context(
+    input_tokens: int, output_tokens: int, limit: int, reserve: int = 0
+) -> tuple[int, int]:
+    """Shrink (input, output) tokens so that they fit a context of `limit` tokens, of which
+    `reserve` are kept for what the server adds (special tokens, a chat template).
+
+    `limit <= 0` means no limit. Output tokens are kept first (decode dominates a call's
+    time); the prompt takes what is left, at least one token.
+    """
+    if limit <= 0:
+        return input_tokens, output_tokens
+    limit = max(limit - reserve, 2)
+    if input_tokens + output_tokens <= limit:
+        return input_tokens, output_tokens
+    output = max(min(output_tokens, limit - 1), 1)
+    return max(limit - output, 1), output
+
+
+def translate_time(t: float, old: ClusterClock, new: ClusterClock) -> float:
+    """The reading of clock `new` at the instant when clock `old` read `t`."""
+    return (old.wall_time(t) - new.epoch_unix_s) * new.time_scale

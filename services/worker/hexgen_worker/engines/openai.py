@@ -1,0 +1,277 @@
+"""An engine that forwards calls to any OpenAI-compatible server (e.g. ``vllm serve``).
+
+Each admitted call becomes one streaming request, ``POST {url}/v1/completions`` (or
+``/v1/chat/completions`` with ``api="chat"``) with ``stream: true``, ``max_tokens`` = the
+call's output tokens and ``stream_options.include_usage`` so that the last chunk carries
+the generated token count. Every streamed text chunk is reported as a `CallTokens` event.
+
+Prompt: the dispatch's prompt when it has one; otherwise `synthetic_prompt`, about
+input_tokens common one-token English words. ``ignore_eos`` (a vLLM extension, on by
+default) makes the server generate exactly max_tokens, so a call costs what the workflow
+declared. ``send_priority`` passes the local queue's order as vLLM's ``priority`` (lower is
+sooner; the server must run with ``--scheduling-policy priority``).
+
+Capacity: at most ``max_concurrency`` requests in flight (default the worker's max batch)
+and their input + output tokens within the declared KV-cache size; the local queue decides
+the order, the server batches what it is sent. Needs ``httpx`` (the ``openai`` extra),
+imported when the engine starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from hexgen_flow.runtime import CallTicket
+from hexgen_worker.engines.base import (
+    CapacityLedger,
+    Engine,
+    EngineLoad,
+    EngineUnavailableError,
+    fit_to_context,
+    synthetic_prompt,
+)
+from hexgen_worker.events import CallFinished, CallStarted, CallTokens
+
+__all__ = ["OpenAIEngine", "OpenAIServerError", "api_base"]
+
+log = logging.getLogger(__name__)
+
+OpenAIApi = Literal["completions", "chat"]
+
+# Context kept free for what the server adds to a prompt when calls are shrunk to fit.
+_SPECIAL_TOKENS = 8
+_CHAT_TEMPLATE_TOKENS = 64
+
+
+class OpenAIServerError(RuntimeError):
+    """The server answered a call with an error (the call is reported as failed)."""
+
+
+def api_base(url: str) -> str:
+    """``http://host:8000`` or ``http://host:8000/v1`` -> ``http://host:8000/v1``."""
+    base = url.rstrip("/")
+    return base if base.endswith("/v1") else f"{base}/v1"
+
+
+def _import_httpx() -> Any:
+    try:
+        return importlib.import_module("httpx")
+    except ImportError:
+        raise EngineUnavailableError(
+            "the openai engine needs httpx: pip install 'hexgen-flow[openai]'"
+        ) from None
+
+
+@dataclass(slots=True)
+class _Running:
+    ticket: CallTicket
+    started_s: float
+    task: asyncio.Task[None] | None = None
+
+
+class OpenAIEngine(Engine):
+    """Calls streamed to an OpenAI-compatible HTTP server."""
+
+    kind = "openai"
+
+    def __init__(
+        self,
+        *,
+        url: str,
+        model: str = "",
+        max_concurrency: int = 256,
+        kv_cache_tokens: int = 0,
+        api: OpenAIApi = "completions",
+        ignore_eos: bool = True,
+        send_priority: bool = False,
+        request_timeout_s: float = 600.0,
+        max_context_tokens: int = 0,
+    ) -> None:
+        super().__init__()
+        if api not in ("completions", "chat"):
+            raise EngineUnavailableError(f"openai api must be 'completions' or 'chat', got {api!r}")
+        self.base_url = api_base(url)
+        self.model = model
+        self.api: OpenAIApi = api
+        self.ignore_eos = ignore_eos
+        self.send_priority = send_priority
+        self.request_timeout_s = request_timeout_s
+        self.max_context_tokens = max_context_tokens
+        self._ledger = CapacityLedger(max_concurrency, kv_cache_tokens)
+        self._running: dict[str, _Running] = {}
+        self._admissions = 0
+        self._client: Any = None  # httpx.AsyncClient: httpx is an optional dependency
+
+    # ------------------------------------------------------------------ life cycle
+
+    async def start(self) -> None:
+        httpx = _import_httpx()
+        self._client = httpx.AsyncClient(
+            base_url=self.base_url,
+            timeout=httpx.Timeout(self.request_timeout_s, connect=10.0),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+        )
+        if not self.model:
+            self.model = await self._served_model()
+        log.info(
+            "openai engine: %s at %s (%s API, at most %d requests in flight)",
+            self.model,
+            self.base_url,
+            self.api,
+            self._ledger.max_concurrency,
+        )
+
+    async def _served_model(self) -> str:
+        """The first model the server lists (used when no model name was given)."""
+        try:
+            response = await self._client.get("/models", timeout=10.0)
+            response.raise_for_status()
+            return str(response.json()["data"][0]["id"])
+        except Exception as exc:
+            raise EngineUnavailableError(
+                f"openai engine: cannot list the models of {self.base_url} "
+                f"({type(exc).__name__}: {exc}); give --openai-model"
+            ) from None
+
+    async def close(self) -> None:
+        running = list(self._running.values())
+        self._running.clear()
+        for call in running:
+            if call.task is not None:
+                call.task.cancel()
+        for call in running:
+            if call.task is not None:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await call.task
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    # ------------------------------------------------------------------ admission
+
+    def fits(self, ticket: CallTicket) -> bool:
+        return self._ledger.fits(ticket.call)
+
+    def admit(self, ticket: CallTicket, now: float) -> None:
+        self._ledger.reserve(ticket.call)
+        priority = self._admissions  # the local queue's order: lower is sooner
+        self._admissions += 1
+        running = _Running(ticket, now)
+        self._running[ticket.call_id] = running
+        prompt = self.take_prompt(ticket)
+        running.task = asyncio.create_task(
+            self._serve(running, prompt, priority), name=f"openai-{ticket.call_id}"
+        )
+        self.emit(CallStarted(ticket.call_id, now))
+
+    def cancel(self, call_id: str) -> bool:
+        running = self._running.pop(call_id, None)
+        if running is None:
+            return False
+        self._ledger.release(running.ticket.call)  # free now: the queue may admit at once
+        if running.task is not None:
+            running.task.cancel()  # closing the stream makes the server abort the request
+        return True
+
+    def load(self) -> EngineLoad:
+        return self._ledger.load()
+
+    # ------------------------------------------------------------------ one call
+
+    def request_body(self, ticket: CallTicket, prompt: str | None, priority: int) -> dict[str, Any]:
+        """The JSON body of the call's streaming request."""
+        call = ticket.call
+        input_tokens, max_tokens = fit_to_context(
+            call.input_tokens,
+            call.output_tokens,
+            self.max_context_tokens,
+            reserve=_CHAT_TEMPLATE_TOKENS if self.api == "chat" else _SPECIAL_TOKENS,
+        )
+        text = prompt if prompt else synthetic_prompt(input_tokens)
+        body: dict[str, Any] = {
+            "model": self.model,
+            "max_tokens": max_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if self.api == "chat":
+            body["messages"] = [{"role": "user", "content": text}]
+        else:
+            body["prompt"] = text
+        if self.ignore_eos:
+            body["ignore_eos"] = True
+        if self.send_priority:
+            body["priority"] = priority
+        return body
+
+    async def _serve(self, running: _Running, prompt: str | None, priority: int) -> None:
+        ticket = running.ticket
+        text, tokens, error = "", 0, ""
+        try:
+            text, tokens = await self._stream(ticket, self.request_body(ticket, prompt, priority))
+        except asyncio.CancelledError:
+            raise  # cancel() or close(): nothing is reported
+        except Exception as exc:
+            error = f"openai engine: {type(exc).__name__}: {exc}"
+            log.warning("call %s failed: %s", ticket.call_id, error)
+        if self._running.pop(ticket.call_id, None) is None:
+            return  # cancelled while the last chunk arrived
+        self._ledger.release(ticket.call)
+        self.emit(
+            CallFinished(
+                call_id=ticket.call_id,
+                output_tokens=tokens,
+                text=text,
+                started_s=running.started_s,
+                finished_s=self.clock.now(),
+                error=error,
+            )
+        )
+
+    async def _stream(self, ticket: CallTicket, body: dict[str, Any]) -> tuple[str, int]:
+        """Run one streaming request; return (text, generated tokens)."""
+        path = "/chat/completions" if self.api == "chat" else "/completions"
+        parts: list[str] = []
+        chunks = 0
+        usage_tokens: int | None = None
+        async with self._client.stream("POST", path, json=body) as response:
+            if response.status_code >= 400:
+                detail = (await response.aread()).decode("utf-8", "replace").strip()
+                raise OpenAIServerError(f"HTTP {response.status_code}: {detail[:500]}")
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if not isinstance(chunk, dict):
+                    continue
+                if chunk.get("error"):
+                    raise OpenAIServerError(str(chunk["error"]))
+                for choice in chunk.get("choices") or ():
+                    piece = self._piece(choice)
+                    if piece:
+                        parts.append(piece)
+                        chunks += 1
+                        self.emit(CallTokens(ticket.call_id, piece))
+                usage = chunk.get("usage")
+                if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+                    usage_tokens = usage["completion_tokens"]
+        return "".join(parts), usage_tokens if usage_tokens is not None else chunks
+
+    def _piece(self, choice: Any) -> str:
+        if not isinstance(choice, dict):
+            return ""
+        if self.api == "chat":
+            delta = choice.get("delta")
+            piece = delta.get("content") if isinstance(delta, dict) else None
+        else:
+            piece = choice.get("text")
+        return piece if isinstance(piece, str) else ""

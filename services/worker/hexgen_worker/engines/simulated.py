@@ -1,0 +1,190 @@
+"""The simulated engine: the simulator's latency model, run in real time. No model runs.
+
+`SimulatedEngine` wraps the core's `BatchingEngineModel` (the very model the trace-driven
+simulator uses) for this worker's (model, GPU type, KV-cache size, max batch). A background
+task sleeps on the cluster clock until the model's next event (a prefill backlog draining
+or a call finishing), wakes early whenever a call is admitted, moves the model there and
+reports the calls that finished. Finish times are the model's own event times, so a call
+takes the modelled latency to the float, and a mesh at time scale k replays a trace k
+times faster than real time with the simulator's timings.
+
+It is a simulation and says so: its engine kind is ENGINE_KIND_SIMULATED, its log lines
+name it, and the text of every call is a placeholder such as
+``[simulated A100] 678 tokens``.
+
+Limitation: the core model has no abort, so a cancelled call keeps its KV reservation and
+batch slot until its modelled end; nothing is reported for it, and a `CapacityReleased`
+event then tells the worker to admit again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from hexgen_flow.cluster import InstanceSpec
+from hexgen_flow.runtime import CallTicket
+from hexgen_flow.sim.engine import BatchingEngineModel
+from hexgen_service.clock import ClusterClock
+from hexgen_worker.engines.base import Engine, EngineLoad, translate_time
+from hexgen_worker.events import CallFinished, CallStarted, CapacityReleased
+
+__all__ = ["SimulatedEngine", "simulated_text"]
+
+log = logging.getLogger(__name__)
+
+_INF = float("inf")
+
+
+def simulated_text(gpu: str, output_tokens: int) -> str:
+    """The placeholder output of a simulated call."""
+    return f"[simulated {gpu}] {output_tokens} tokens"
+
+
+class SimulatedEngine(Engine):
+    """`BatchingEngineModel` in real time on the cluster clock (a simulation)."""
+
+    kind = "simulated"
+
+    def __init__(self, spec: InstanceSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        """The instance modelled: GPU type, model, KV-cache tokens, max batch."""
+        self._model = BatchingEngineModel(spec)
+        self._offset = 0.0
+        """Model time minus cluster time (non-zero only after the cluster clock changed)."""
+        self._last = -_INF
+        """Latest model time used: the model never moves backwards."""
+        self._running: dict[str, CallTicket] = {}
+        self._started_s: dict[str, float] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------------ life cycle
+
+    async def start(self) -> None:
+        log.info(
+            "simulated engine (a simulation, no model runs): %s on %s, %d KV-cache tokens, "
+            "max batch %d",
+            self.spec.model,
+            self.spec.gpu,
+            self.spec.kv_cache_tokens,
+            self.spec.max_batch,
+        )
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="simulated-engine")
+
+    async def close(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._running:
+            log.info("simulated engine: abandoning %d running calls", len(self._running))
+
+    # ------------------------------------------------------------------ admission
+
+    def fits(self, ticket: CallTicket) -> bool:
+        return self._model.fits(ticket)
+
+    def admit(self, ticket: CallTicket, now: float) -> None:
+        if self._model.running == 0 and self._offset != 0.0:
+            # idle after a clock change: start a fresh model on the new clock
+            self._model = BatchingEngineModel(self.spec)
+            self._offset = 0.0
+            self._last = -_INF
+        self.take_prompt(ticket)  # a simulation reads no prompt
+        model_now = self._advance_to(now + self._offset)
+        self._model.admit(ticket, model_now)
+        call_id = ticket.call_id
+        self._running[call_id] = ticket
+        self._started_s[call_id] = now
+        self.emit(CallStarted(call_id, now))
+        self._wake.set()
+
+    def cancel(self, call_id: str) -> bool:
+        ticket = self._running.pop(call_id, None)
+        if ticket is None:
+            return False
+        self._started_s.pop(call_id, None)
+        self._model.abort(ticket, self._advance_to(self._model_now()))
+        self.emit(CapacityReleased(call_id))
+        self._wake.set()
+        return True
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(self._model.running, self._model.kv_used)
+
+    def next_event_s(self) -> float:
+        """Cluster time of the model's next event (inf when idle)."""
+        return self._model.next_event_s() - self._offset
+
+    # ------------------------------------------------------------------ the model's clock
+
+    def _clock_changed(self, old: ClusterClock, new: ClusterClock) -> None:
+        unix = time.time()
+        old_now = (unix - old.epoch_unix_s) * old.time_scale
+        new_now = (unix - new.epoch_unix_s) * new.time_scale
+        self._offset += old_now - new_now  # the model's time runs on without a jump
+        self._started_s = {c: translate_time(t, old, new) for c, t in self._started_s.items()}
+        log.warning("simulated engine: the cluster clock changed; model time carries on")
+        self._wake.set()
+
+    def _model_now(self) -> float:
+        return self.clock.now() + self._offset
+
+    def _advance_to(self, model_now: float) -> float:
+        """Process every model event up to `model_now`, at its own time; return the time."""
+        model_now = max(model_now, self._last)
+        model = self._model
+        previous = -_INF
+        while True:
+            t = model.next_event_s()
+            if t > model_now or t <= previous:
+                break  # (t <= previous: no progress at t; the caller moves the model on)
+            previous = t
+            for ticket in model.advance(max(t, self._last)):
+                self._report(ticket, max(t, self._last))
+            self._last = max(self._last, t)
+        self._last = model_now
+        return model_now
+
+    def _report(self, ticket: CallTicket, model_time: float) -> None:
+        call_id = ticket.call_id
+        self._running.pop(call_id, None)
+        started_s = self._started_s.pop(call_id, model_time - self._offset)
+        tokens = ticket.call.output_tokens
+        self.emit(
+            CallFinished(
+                call_id=call_id,
+                output_tokens=tokens,
+                text=simulated_text(self.spec.gpu, tokens),
+                started_s=started_s,
+                finished_s=model_time - self._offset,
+            )
+        )
+
+    async def _run(self) -> None:
+        while True:
+            self._wake.clear()
+            if self._clock is None:  # nothing is admitted before the welcome sets the clock
+                await self._wake.wait()
+                continue
+            now = self._advance_to(self._model_now())
+            t = self._model.next_event_s()
+            if t == _INF:
+                await self._wake.wait()
+                continue
+            delay = self.clock.wall_delay(t - now)
+            if delay > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), delay)
+                continue
+            # An event at or before `now` that the model did not resolve at its own time
+            # (float rounding): let the model catch up with `now`.
+            for ticket in self._model.advance(now):
+                self._report(ticket, now)
+            await asyncio.sleep(0)

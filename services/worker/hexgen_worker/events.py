@@ -1,0 +1,82 @@
+"""What a worker reports about its calls, as plain values.
+
+Engines emit these; the worker's state keeps the `CallFinished` ones in its outbox until
+the coordinator acknowledges them; `hexgen_worker.convert` turns them into protobuf
+messages at the edge. All times are seconds on the cluster clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = [
+    "CallFinished",
+    "CallReport",
+    "CallStarted",
+    "CallTokens",
+    "CapacityReleased",
+    "EngineEvent",
+    "Heartbeat",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class CallStarted:
+    """The engine started executing a call."""
+
+    call_id: str
+    started_s: float
+    """When the engine started it (cluster clock)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CallTokens:
+    """A chunk of generated text, in generation order."""
+
+    call_id: str
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class CallFinished:
+    """A call ended, with its output or an error."""
+
+    call_id: str
+    output_tokens: int
+    """Tokens generated (the declared count for the simulated engine)."""
+    text: str
+    """The generated text (a labelled placeholder for the simulated engine)."""
+    started_s: float
+    """When the engine started it (cluster clock)."""
+    finished_s: float
+    """When it ended (cluster clock)."""
+    error: str = ""
+    """Non-empty when the engine failed the call; the coordinator redispatches it."""
+
+
+@dataclass(frozen=True, slots=True)
+class CapacityReleased:
+    """A cancelled call gave its resources back after `Engine.cancel` returned (the
+    simulated engine's model holds them until the call's modelled end): admit again.
+    Never sent to the coordinator."""
+
+    call_id: str
+
+
+CallReport = CallStarted | CallTokens | CallFinished
+"""What the worker reports to the coordinator about a call."""
+
+EngineEvent = CallReport | CapacityReleased
+"""What an engine reports about a call it admitted."""
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """The worker's load, sent every heartbeat interval."""
+
+    running: int
+    """Calls the engine is executing."""
+    queued: int
+    """Calls waiting in the local queue."""
+    kv_used_tokens: int
+    """KV-cache tokens reserved by the running calls."""

@@ -1,0 +1,101 @@
+"""The mesh commands of ``hexgen-flow`` (up, replay, ask, status, demo), run for real as
+subprocesses: bad arguments and an unreachable coordinator exit with code 2 and one line
+on stderr, and the library commands never load grpc."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hexgen_client.cluster import free_port
+
+
+def run_cli(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "hexgen_flow.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        check=False,
+    )
+
+
+def assert_usage_error(proc: subprocess.CompletedProcess[str], *fragments: str) -> None:
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout == ""
+    assert proc.stderr.startswith("hexgen-flow: error: ")
+    assert proc.stderr.count("\n") == 1, proc.stderr  # one line
+    for fragment in fragments:
+        assert fragment in proc.stderr
+
+
+def test_the_library_commands_do_not_load_grpc() -> None:
+    code = (
+        "import sys, hexgen_flow.cli as cli\n"
+        "cli.build_parser()\n"
+        "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('grpc', 'redis'))\n"
+        "print(loaded)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=30, check=True
+    )
+    assert proc.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    ("args", "fragments"),
+    [
+        (("replay", "--trace", "trace1"), ("--qps",)),
+        (("replay", "--qps", "0"), ("--qps", "> 0")),
+        (("status", "--coordinator", "localhost"), ("HOST:PORT",)),
+        (("ask", "--trace", "trace1", "--file", "x.jsonl"), ("not allowed with",)),
+        (("ask", "--index", "90"), ("--index 90: trace1 has queries 0 to 89",)),
+        (("ask", "--trace", "no-such-trace"), ("no-such-trace",)),
+        (("up", "--cluster", "A100,Z80"), ("Z80",)),
+        (("up", "--policy", "fastest"), ("unknown policy 'fastest'",)),
+        (("up", "--tuner-period-s", "-1"), ("--tuner-period-s",)),
+        (("demo", "--time-scale", "0"), ("--time-scale",)),
+        (("demo", "--trace", "no-such-trace"), ("no-such-trace",)),
+        (("up", "--listen", "127.0.0.1:99999"), ("HOST:PORT",)),
+    ],
+)
+def test_bad_arguments_exit_2_with_one_line(args: tuple[str, ...], fragments: tuple[str]) -> None:
+    assert_usage_error(run_cli(*args), *fragments)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("status",),
+        ("status", "--json"),
+        ("replay", "--qps", "1", "--num-queries", "3"),
+        ("ask", "--index", "2"),
+    ],
+)
+def test_an_unreachable_coordinator_is_one_clear_line(args: tuple[str, ...]) -> None:
+    address = f"127.0.0.1:{free_port()}"
+    proc = run_cli(*args, "--coordinator", address)
+    assert_usage_error(proc)
+    assert proc.stderr == (
+        f"hexgen-flow: error: cannot reach the coordinator at {address}: "
+        "is `hexgen-flow up` running?\n"
+    )
+
+
+def test_up_without_redis_server_says_how_to_install_it(tmp_path: Path) -> None:
+    # PATH without redis-server (the CLI runs from sys.executable's absolute path).
+    env = {**os.environ, "PATH": str(tmp_path)}
+    proc = run_cli("up", "--listen", "127.0.0.1:0", "--tuner-listen", "127.0.0.1:0", env=env)
+    assert_usage_error(proc, "redis-server not found", "apt install redis-server")
+
+
+def test_choosing_no_command_lists_the_mesh_commands() -> None:
+    proc = run_cli()
+    assert_usage_error(proc, "up, replay, ask, status, demo")

@@ -1,0 +1,111 @@
+"""The coordinator's Redis state: idempotent submission, exactly-once completion, atomic
+stage release. Runs against the real Redis at HEXGEN_TEST_REDIS (default 127.0.0.1:6379)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+
+from hexgen_coordinator.store import WorkflowStore
+
+REDIS_URL = os.environ.get("HEXGEN_TEST_REDIS", "redis://127.0.0.1:6379/0")
+
+
+@pytest.fixture
+async def store() -> AsyncIterator[WorkflowStore]:
+    redis = aioredis.Redis.from_url(REDIS_URL)
+    prefix = f"hf-test-{uuid.uuid4().hex[:8]}:"
+    yield WorkflowStore(redis, prefix)
+    keys = [k async for k in redis.scan_iter(match=f"{prefix}*")]
+    if keys:
+        await redis.delete(*keys)
+    await redis.aclose()  # type: ignore[attr-defined]  # types-redis predates aclose
+
+
+def _record(call_id: str) -> dict[str, str | int | float]:
+    return {"query_id": "q", "call_id": call_id, "step": "revise"}
+
+
+async def _diamond(store: WorkflowStore, query_id: str = "q") -> tuple[bool, int]:
+    # 0 -> {1 (two calls), 2} -> 3
+    return await store.submit(query_id, b"spec", "acme", 10.0, 100.0, [1, 2, 1, 1], [0, 1, 1, 2])
+
+
+async def test_submit_is_idempotent_and_counts_queries(store: WorkflowStore) -> None:
+    assert await _diamond(store, "a") == (True, 0)
+    assert await _diamond(store, "a") == (False, 0)
+    assert await _diamond(store, "b") == (True, 1)
+    stored = await store.load("a")
+    assert stored is not None
+    assert stored.submit == b"spec"
+    assert stored.fields["state"] == "running"
+    assert stored.num("deadline_s") == 110.0
+    assert stored.stage(0, "rel") == "10.0"  # the root is released at arrival
+    assert stored.stage(1, "rel") is None
+    assert await store.active_ids() == ["a", "b"]
+
+
+async def test_completion_releases_stages_exactly_when_their_dependencies_finish(
+    store: WorkflowStore,
+) -> None:
+    await _diamond(store)
+    r = await store.complete("q", "q/0.0", 0, [1, 2], 11.0, _record("q/0.0"))
+    assert r.applied and set(r.released) == {1, 2} and r.calls_left == 4
+    r = await store.complete("q", "q/1.0", 1, [3], 12.0, _record("q/1.0"))
+    assert r.applied and r.released == ()  # stage 1 has a second call
+    r = await store.complete("q", "q/2.0", 2, [3], 13.0, _record("q/2.0"))
+    assert r.applied and r.released == ()  # stage 3 still waits for stage 1
+    r = await store.complete("q", "q/1.1", 1, [3], 14.0, _record("q/1.1"))
+    assert r.released == (3,)
+    r = await store.complete("q", "q/3.0", 3, [], 15.0, _record("q/3.0"))
+    assert r.applied and r.calls_left == 0
+    stored = await store.load("q")
+    assert stored is not None
+    assert stored.fields["state"] == "succeeded"
+    assert stored.num("finished_s") == 15.0
+    assert await store.active_ids() == []
+    redis = store.redis
+    assert await redis.xlen(store.completions_key) == 5
+    (entry,) = await redis.xrange(store.finished_key)
+    assert entry[1][b"query_id"] == b"q" and entry[1][b"submit"] == b"spec"
+
+
+async def test_a_call_completes_once_even_when_reported_concurrently(store: WorkflowStore) -> None:
+    await _diamond(store)
+    results = await asyncio.gather(
+        *[store.complete("q", "q/0.0", 0, [1, 2], 11.0, _record("q/0.0")) for _ in range(10)]
+    )
+    assert sorted(r.status for r in results) == [0] * 9 + [1]
+    released = [r.released for r in results if r.applied]
+    assert set(released[0]) == {1, 2}
+    stored = await store.load("q")
+    assert stored is not None
+    assert stored.fields["calls_left"] == "4"
+    assert await store.redis.xlen(store.completions_key) == 1
+
+
+async def test_cancelled_or_unknown_queries_take_no_completions(store: WorkflowStore) -> None:
+    await _diamond(store)
+    assert await store.cancel("q", 12.0)
+    assert not await store.cancel("q", 13.0)
+    r = await store.complete("q", "q/0.0", 0, [1, 2], 14.0, _record("q/0.0"))
+    assert r.status == -1
+    r = await store.complete("nope", "nope/0.0", 0, [], 14.0, _record("nope/0.0"))
+    assert r.status == -1
+    stored = await store.load("q")
+    assert stored is not None and stored.fields["state"] == "cancelled"
+    assert await store.active_ids() == []
+
+
+async def test_the_cluster_clock_and_alpha_survive_a_new_store(store: WorkflowStore) -> None:
+    assert await store.epoch(1000.0, 20.0) == (1000.0, 20.0)
+    again = WorkflowStore(store.redis, store.prefix)
+    assert await again.epoch(2000.0, 1.0) == (1000.0, 20.0)
+    assert await again.alpha() is None
+    await again.set_alpha(0.7, 5.0, "test")
+    assert await store.alpha() == 0.7

@@ -1,0 +1,164 @@
+"""`LocalCluster`'s process supervision, with real processes: the private redis-server
+starts, answers and goes away with its folder; a service that dies while starting stops
+everything already started; SIGTERM escalates to SIGKILL after the grace period; nothing
+starts before `start`."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import redis
+
+from hexgen_client.cluster import (
+    LocalCluster,
+    LocalClusterConfig,
+    ManagedProcess,
+    RedisServer,
+    WorkerLaunch,
+    stop_processes,
+    worker_argv,
+)
+from hexgen_client.errors import ClusterError
+from hexgen_flow.errors import ConfigError
+
+needs_redis_server = pytest.mark.skipif(
+    subprocess.run(["which", "redis-server"], capture_output=True, check=False).returncode != 0,
+    reason="redis-server is not installed (apt install redis-server)",
+)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@needs_redis_server
+def test_private_redis_starts_without_persistence_and_goes_away() -> None:
+    server = RedisServer()
+    url = server.start()
+    assert server.process is not None and server.dir is not None
+    pid, folder = server.process.pid, server.dir
+    assert pid is not None and folder.is_dir()
+    client = redis.Redis.from_url(url)
+    try:
+        assert client.ping()
+        assert client.config_get("save") == {"save": ""}
+        assert client.config_get("appendonly") == {"appendonly": "no"}
+        assert client.config_get("bind")["bind"] == "127.0.0.1"
+    finally:
+        client.close()
+    server.stop()
+    assert _gone(pid)
+    assert not folder.exists()
+    server.stop()  # twice is fine
+
+
+def test_a_missing_redis_binary_says_how_to_install_it() -> None:
+    with pytest.raises(ClusterError) as err:
+        RedisServer("no-such-redis-server").start()
+    assert "apt install redis-server" in str(err.value)
+    assert "--redis-url" in str(err.value)
+
+
+def test_constructing_a_cluster_starts_nothing_and_checks_its_config() -> None:
+    # A fresh interpreter: importing and constructing leave it without children.
+    code = (
+        "import os, hexgen_client.cluster as c\n"
+        "cluster = c.LocalCluster()\n"
+        "path = f'/proc/{os.getpid()}/task/{os.getpid()}/children'\n"
+        "print(open(path).read().strip() if os.path.exists(path) else '')\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=30, check=True
+    )
+    assert proc.stdout.strip() == ""
+    with pytest.raises(ConfigError, match="cannot read"):
+        LocalCluster(LocalClusterConfig(cluster="A100,??"))
+    with pytest.raises(ConfigError, match="unknown policy"):
+        LocalCluster(LocalClusterConfig(policy="no-such-policy"))
+    with pytest.raises(ConfigError, match="time scale"):
+        LocalCluster(LocalClusterConfig(time_scale=0))
+
+
+@needs_redis_server
+def test_a_worker_launch_sets_its_engine_interpreter_options_and_environment() -> None:
+    vllm = WorkerLaunch("vllm", ("--vllm-model", "/m"), python="/venv/python", env={"K": "1"})
+    cluster = LocalCluster(LocalClusterConfig(cluster="A100,L40S", workers=(vllm,)))
+    assert cluster.worker_launch(0) is vllm
+    assert cluster.worker_launch(1) == WorkerLaunch()  # the rest: simulated, as before
+    assert cluster._worker_argv(0) == [
+        "/venv/python", "-m", "hexgen_worker", "--coordinator", cluster.coordinator_address,
+        "--worker-id", "local-worker-0", "--slot", "0", "--gpu", "A100",
+        "--model", cluster.instances[0].model, "--engine", "vllm", "--vllm-model", "/m",
+    ]  # fmt: skip
+    assert cluster._worker_argv(1) == worker_argv(
+        sys.executable, cluster.coordinator_address, 1, "L40S", cluster.instances[1].model
+    )
+    assert cluster._worker_argv(1)[-2:] == ["--engine", "simulated"]
+    with pytest.raises(ConfigError, match="2 worker launches for a cluster of 1"):
+        LocalCluster(LocalClusterConfig(cluster="A100", workers=(vllm, vllm)))
+
+
+@needs_redis_server
+def test_a_service_that_dies_while_starting_stops_what_was_started(tmp_path: Path) -> None:
+    # The "interpreter" exits at once with code 1, so the coordinator dies while starting.
+    config = LocalClusterConfig(
+        listen="127.0.0.1:0", python="/bin/false", log_dir=tmp_path, start_timeout_s=10
+    )
+    cluster = LocalCluster(config)
+    with pytest.raises(ClusterError) as err:
+        cluster.start()
+    message = str(err.value)
+    assert message.startswith("coordinator exited with code 1 while starting")
+    assert str(tmp_path / "coordinator.log") in message
+    assert "\n" not in message  # one line, as the CLI prints it
+    assert cluster.redis is None  # the private Redis was stopped
+    assert cluster.exited() == [cluster.coordinator]
+
+
+def test_an_address_in_use_is_reported_before_anything_starts() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cluster = LocalCluster(LocalClusterConfig(listen=f"127.0.0.1:{port}"))
+        with pytest.raises(ClusterError, match=f"cannot listen on 127.0.0.1:{port}"):
+            cluster.start()
+        assert cluster.redis is None and cluster.coordinator is None
+
+
+def test_sigterm_escalates_to_sigkill_after_the_grace_period(tmp_path: Path) -> None:
+    stubborn = ManagedProcess(
+        "stubborn",
+        [
+            sys.executable,
+            "-c",
+            "import signal, sys, time\n"
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+            "print('ready', flush=True)\n"
+            "time.sleep(60)\n",
+        ],
+        tmp_path / "stubborn.log",
+    )
+    polite = ManagedProcess(
+        "polite", [sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "polite.log"
+    )
+    stubborn.start()
+    polite.start()
+    for _ in range(100):  # until the SIGTERM handler is in place
+        if "ready" in stubborn.log_tail():
+            break
+        subprocess.run(["sleep", "0.05"], check=True)
+    stop_processes([stubborn, polite], grace_s=0.5)
+    assert polite.returncode == -signal.SIGTERM
+    assert stubborn.returncode == -signal.SIGKILL
+    assert not stubborn.running and not polite.running

@@ -1,0 +1,333 @@
+"""The α tuner: the window of finished queries rebuilt from the real Redis stream, the runs
+and α history it keeps in Redis, its decision rule, its replays in the simulator, and the
+TunerService over real gRPC. Runs against the real Redis at HEXGEN_TEST_REDIS (default
+127.0.0.1:6379), each test under its own key prefix, deleted afterwards.
+
+The paths that need a live coordinator (a run that tunes and pushes α with SetAlpha, "too
+few queries") are covered by the mesh's end-to-end tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import replace
+
+import grpc
+import pytest
+import redis.asyncio as aioredis
+
+from hexgen_client.client import CoordinatorClient
+from hexgen_client.cluster import free_port
+from hexgen_client.convert import cluster_from_status
+from hexgen_flow.policies.presets import resolve_policy
+from hexgen_flow.traces import load_trace
+from hexgen_flow.tuning import AlphaPoint, TuningResult
+from hexgen_flow.v1 import coordinator_pb2, tuner_pb2, tuner_pb2_grpc
+from hexgen_flow.workload import Query
+from hexgen_service.convert import submit_from_query
+from hexgen_service.healthcheck import check
+from hexgen_service.server import GrpcServer
+from hexgen_tuner.config import TunerConfig
+from hexgen_tuner.service import SERVICE_NAME, TunerServicer
+from hexgen_tuner.store import AlphaChange, TunerStore, TuningRunRecord
+from hexgen_tuner.tuner import OBSERVED, AlphaTuner, decide, tuning_grid
+from hexgen_tuner.window import finished_key, read_window
+
+REDIS_URL = os.environ.get("HEXGEN_TEST_REDIS", "redis://127.0.0.1:6379/0")
+TRACE = load_trace("trace1")
+
+
+@pytest.fixture
+async def redis_client() -> AsyncIterator[aioredis.Redis[bytes]]:
+    client: aioredis.Redis[bytes] = aioredis.Redis.from_url(REDIS_URL)
+    yield client
+    await client.aclose()  # type: ignore[attr-defined]  # types-redis predates aclose
+
+
+@pytest.fixture
+async def prefix(redis_client: aioredis.Redis[bytes]) -> AsyncIterator[str]:
+    prefix = f"hf-test-tuner-{uuid.uuid4().hex[:8]}:"
+    yield prefix
+    keys = [k async for k in redis_client.scan_iter(match=f"{prefix}*")]
+    if keys:
+        await redis_client.delete(*keys)
+
+
+async def add_finished(
+    client: aioredis.Redis[bytes],
+    prefix: str,
+    query: Query,
+    arrival_s: float,
+    latency_s: float = 100.0,
+    slo_s: float = 176.7,
+) -> None:
+    """One entry of the coordinator's finished stream, as the coordinator writes it."""
+    await client.xadd(
+        finished_key(prefix),
+        {
+            "query_id": query.query_id,
+            "tenant": query.tenant,
+            "arrival_s": repr(arrival_s),
+            "finished_s": repr(arrival_s + latency_s),
+            "slo_s": repr(slo_s),
+            "submit": submit_from_query(query).SerializeToString(),
+        },
+    )
+
+
+# -------------------------------------------------------------------------------- window
+
+
+async def test_window_rebuilds_queries_in_arrival_order_with_relative_times(
+    redis_client: aioredis.Redis[bytes], prefix: str
+) -> None:
+    # Finish order differs from arrival order; times are cluster seconds since the epoch.
+    arrivals = {0: 1000.0, 1: 1004.0, 2: 1001.0, 3: 1010.0}
+    for index in (1, 0, 3, 2):
+        query = replace(TRACE[index], tenant=f"tenant-{index % 2}")
+        await add_finished(redis_client, prefix, query, arrivals[index], slo_s=150.0 + index)
+
+    window = await read_window(redis_client, prefix, 200)
+
+    assert [q.query_id for q in window.queries] == ["trace1-0", "trace1-2", "trace1-1", "trace1-3"]
+    assert [q.arrival_s for q in window.queries] == [0.0, 1.0, 4.0, 10.0]
+    assert [q.slo_s for q in window.queries] == [150.0, 152.0, 151.0, 153.0]
+    assert all(q.slo_scale is None for q in window.queries)
+    assert [q.tenant for q in window.queries] == ["tenant-0", "tenant-0", "tenant-1", "tenant-1"]
+    for q in window.queries:  # the workflow survives the proto round trip
+        original = TRACE[int(q.query_id.split("-")[1])]
+        assert q.workflow == original.workflow
+    assert window.qps == pytest.approx(3 / 10)
+    assert window.span_s == 10.0
+    assert window.skipped == 0
+
+
+async def test_window_takes_the_newest_entries_and_skips_unreadable_ones(
+    redis_client: aioredis.Redis[bytes], prefix: str
+) -> None:
+    for i in range(12):
+        await add_finished(redis_client, prefix, TRACE[i], 10.0 * i)
+    key = finished_key(prefix)
+    await redis_client.xadd(key, {"query_id": "broken", "submit": b"\xff\x00 not a proto"})
+    await redis_client.xadd(key, {"query_id": "no-submit", "arrival_s": "1"})
+    await add_finished(redis_client, prefix, TRACE[3], 500.0)  # finished again, later
+
+    window = await read_window(redis_client, prefix, 5)
+
+    # The last 5 entries: queries 10, 11, two unreadable ones, query 3 again.
+    assert window.skipped == 2
+    assert [q.query_id for q in window.queries] == ["trace1-10", "trace1-11", "trace1-3"]
+    assert [q.arrival_s for q in window.queries] == [0.0, 10.0, 400.0]
+
+
+async def test_an_empty_stream_is_an_empty_window(
+    redis_client: aioredis.Redis[bytes], prefix: str
+) -> None:
+    window = await read_window(redis_client, prefix, 200)
+    assert window.queries == () and window.qps == 0.0 and window.span_s == 0.0
+
+
+# ------------------------------------------------------------------------------- records
+
+
+def _run(run_id: str, **changes: object) -> TuningRunRecord:
+    run = TuningRunRecord(
+        run_id=run_id,
+        started_s=1_700_000_000.0,
+        finished_s=1_700_000_001.5,
+        window_queries=40,
+        qps=0.5,
+        curve=(AlphaPoint(0.0, 210.0, 150.0, 0.9), AlphaPoint(0.5, math.nan, 140.0, 0.95)),
+        best_alpha=0.5,
+        previous_alpha=0.3,
+        applied=True,
+        reason="alpha 0.3 -> 0.5",
+    )
+    return replace(run, **changes)  # type: ignore[arg-type]  # test data
+
+
+async def test_runs_are_kept_newest_first_capped_and_survive_a_restart(
+    redis_client: aioredis.Redis[bytes], prefix: str
+) -> None:
+    store = TunerStore(redis_client, prefix, runs_kept=3)
+    ids = [await store.next_run_id() for _ in range(5)]
+    assert ids == [f"tune-{n:06d}" for n in range(1, 6)]
+    for run_id in ids:
+        await store.record_run(_run(run_id, previous_alpha=math.nan))
+
+    restarted = TunerStore(redis_client, prefix, runs_kept=3)  # a new tuner process
+    runs = await restarted.runs(20)
+    assert [r.run_id for r in runs] == ["tune-000005", "tune-000004", "tune-000003"]
+    assert [r.run_id for r in await restarted.runs(1)] == ["tune-000005"]
+    assert await restarted.next_run_id() == "tune-000006"  # ids never repeat
+    first = runs[0]
+    assert first.curve[0] == AlphaPoint(0.0, 210.0, 150.0, 0.9)
+    assert math.isnan(first.curve[1].p95_s)  # stored as JSON null
+    assert math.isnan(first.previous_alpha)
+    assert first.applied and first.reason == "alpha 0.3 -> 0.5"
+    raw = await redis_client.lindex(restarted.runs_key, 0)
+    assert raw is not None and b"NaN" not in raw  # strict JSON
+
+
+async def test_alpha_history_is_kept_oldest_first_and_capped(
+    redis_client: aioredis.Redis[bytes], prefix: str
+) -> None:
+    store = TunerStore(redis_client, prefix, history_kept=2)
+    assert await store.last_alpha() is None
+    for n, alpha in enumerate((0.5, 0.7, 0.3)):
+        await store.record_alpha(AlphaChange(100.0 + n, alpha, f"tune-{n}"))
+    history = await TunerStore(redis_client, prefix).alpha_history()
+    assert history == [AlphaChange(101.0, 0.7, "tune-1"), AlphaChange(102.0, 0.3, "tune-2")]
+    assert await store.last_alpha() == AlphaChange(102.0, 0.3, "tune-2")
+
+
+# ------------------------------------------------------------------------------ decision
+
+
+def _result(*points: tuple[float, float, float], window: int = 40) -> TuningResult:
+    curve = tuple(AlphaPoint(a, p95, p95 * 0.7, att) for a, p95, att in points)
+    best = min(curve, key=AlphaPoint.rank)
+    return TuningResult(best, tuple(sorted(curve, key=lambda p: p.alpha)), window)
+
+
+def test_decide_changes_alpha_only_for_a_strictly_better_one() -> None:
+    result = _result((0.3, 200.0, 0.9), (0.5, 180.0, 0.95), (0.7, 190.0, 0.95))
+    change = decide(result, 0.3)
+    assert change.change and change.alpha == 0.5
+    assert change.reason == "alpha 0.3 -> 0.5: P95 200.0 s -> P95 180.0 s over 40 queries"
+    keep = decide(result, 0.5)
+    assert not keep.change and keep.alpha == 0.5
+    assert keep.reason == "alpha 0.5 is already the best (P95 180.0 s over 40 queries)"
+
+
+def test_decide_keeps_the_current_alpha_on_a_tie() -> None:
+    # 0.2 wins the tie-break (smaller alpha) but is no better than the current 0.6.
+    result = _result((0.2, 180.0, 0.95), (0.6, 180.0, 0.95))
+    decision = decide(result, 0.6)
+    assert not decision.change and decision.alpha == 0.6
+    assert "only ties" in decision.reason
+
+
+def test_tuning_grid_adds_the_current_alpha() -> None:
+    assert tuning_grid(0.5) == tuple(i / 10 for i in range(11))
+    grid = tuning_grid(0.45)
+    assert 0.45 in grid and len(grid) == 12 and list(grid) == sorted(grid)
+    assert len(tuning_grid(math.nan)) == 11
+
+
+# ------------------------------------------------------------------------------ replays
+
+
+def _status(
+    alpha: float = 0.5, policy: str = "hexgen-flow"
+) -> coordinator_pb2.ClusterStatusResponse:
+    gpus = ("A100", "A100", "A6000", "L40S")
+    return coordinator_pb2.ClusterStatusResponse(
+        instances=[
+            coordinator_pb2.InstanceStatus(
+                index=i, name=f"{g}#{i}", gpu=g, model="llama-3.1-70b", connected=True
+            )
+            for i, g in enumerate(gpus)
+        ],
+        policy="hexgen-flow",
+        alpha=alpha,
+        time_scale=1.0,
+        slo_base_s=58.9,
+    )
+
+
+async def test_replaying_a_window_from_redis_gives_a_full_alpha_curve(
+    redis_client: aioredis.Redis[bytes], prefix: str
+) -> None:
+    for i, query in enumerate(TRACE[:25]):
+        await add_finished(redis_client, prefix, query, 2.0 * i, slo_s=176.7)
+    window = await read_window(redis_client, prefix, 200)
+    config = TunerConfig(redis_prefix=prefix, coordinator=f"127.0.0.1:{free_port()}")
+    tuner = AlphaTuner(config, redis_client, CoordinatorClient(config.coordinator))
+
+    result = tuner.replay_window(
+        window, cluster_from_status(_status()), resolve_policy("hexgen-flow"), 0.45
+    )
+
+    assert result.window == 25
+    alphas = [p.alpha for p in result.curve]
+    assert {*(i / 10 for i in range(11)), 0.45} <= set(alphas)
+    assert all(p.p95_s > 0 and 0 <= p.slo_attainment <= 1 for p in result.curve)
+    assert result.best == min(result.curve, key=AlphaPoint.rank)
+
+
+# ----------------------------------------------------------------------------- service
+
+
+@pytest.fixture
+async def tuner_server(
+    redis_client: aioredis.Redis[bytes], prefix: str
+) -> AsyncIterator[tuple[str, AlphaTuner]]:
+    """The real TunerService on a free port, its coordinator address unreachable."""
+    config = TunerConfig(redis_prefix=prefix, coordinator=f"127.0.0.1:{free_port()}")
+    coordinator = CoordinatorClient(config.coordinator, timeout_s=2.0)
+    tuner = AlphaTuner(config, redis_client, coordinator, clock=lambda: 1234.5)
+    address = f"127.0.0.1:{free_port()}"
+    server = GrpcServer(
+        address,
+        lambda s: tuner_pb2_grpc.add_TunerServiceServicer_to_server(TunerServicer(tuner), s),
+        [SERVICE_NAME],
+        grace_s=0.1,
+    )
+    await server.start()
+    yield address, tuner
+    await server.stop()
+    await coordinator.close()
+
+
+async def test_retune_without_a_coordinator_records_why(
+    tuner_server: tuple[str, AlphaTuner],
+) -> None:
+    address, tuner = tuner_server
+    assert await asyncio.to_thread(check, address, SERVICE_NAME) is None
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = tuner_pb2_grpc.TunerServiceStub(channel)
+        run = (await stub.Retune(tuner_pb2.RetuneRequest())).run
+        assert run.run_id == "tune-000001"
+        assert run.reason.startswith(f"cannot reach the coordinator at {tuner.config.coordinator}")
+        assert not run.applied and math.isnan(run.previous_alpha)
+        assert run.started_s == run.finished_s == 1234.5 and run.window_queries == 0
+
+        listed = await stub.ListTuningRuns(tuner_pb2.ListTuningRunsRequest())
+        assert [r.run_id for r in listed.runs] == ["tune-000001"]
+        with pytest.raises(grpc.aio.AioRpcError) as bad:
+            await stub.ListTuningRuns(tuner_pb2.ListTuningRunsRequest(limit=-1))
+        assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+        with pytest.raises(grpc.aio.AioRpcError) as unknown:
+            await stub.GetAlpha(tuner_pb2.GetAlphaRequest())
+        assert unknown.value.code() == grpc.StatusCode.UNAVAILABLE
+        # With the coordinator away, GetAlpha reports the last α recorded.
+        await tuner.store.record_alpha(AlphaChange(10.0, 0.5, OBSERVED))
+        await tuner.store.record_alpha(AlphaChange(20.0, 0.7, "tune-000009"))
+        got = await stub.GetAlpha(tuner_pb2.GetAlphaRequest())
+        assert got.alpha == 0.7
+        assert [(c.time_s, c.alpha, c.reason) for c in got.history] == [
+            (10.0, 0.5, OBSERVED),
+            (20.0, 0.7, "tune-000009"),
+        ]
+
+
+def test_tuner_command_line_errors_exit_2_with_one_line() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "hexgen_tuner", "--window", "10", "--min-queries", "20"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr == (
+        "hexgen-tuner: error: min-queries (20) must not exceed the window (10)\n"
+    )

@@ -1,0 +1,377 @@
+"""The worker's engines, driven directly: the simulated engine in real time on a fast
+cluster clock, the capacity ledger and prompts of the real engines, and the OpenAI engine
+against a minimal OpenAI-compatible server written for these tests."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import json
+import random
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import pytest
+
+from hexgen_flow.cluster import parse_cluster
+from hexgen_flow.estimate import Estimator
+from hexgen_flow.policies.registration import QUEUES
+from hexgen_flow.runtime import CallTicket, ClusterLoad, PolicyContext
+from hexgen_flow.scheduler import InstanceScheduler
+from hexgen_flow.sim.engine import BatchingEngineModel
+from hexgen_flow.workload import LLMCall
+from hexgen_service.clock import ClusterClock
+from hexgen_worker.config import WorkerConfig
+from hexgen_worker.engines import (
+    Engine,
+    EngineUnavailableError,
+    OpenAIEngine,
+    SimulatedEngine,
+    VllmEngine,
+)
+from hexgen_worker.engines.base import CapacityLedger, fit_to_context, synthetic_prompt
+from hexgen_worker.engines.openai import api_base
+from hexgen_worker.events import CallFinished, CallStarted, CallTokens, EngineEvent
+
+T = TypeVar("T")
+SCALE = 100.0  # cluster seconds per wall second
+
+
+def ticket(seq: int, input_tokens: int = 1000, output_tokens: int = 100) -> CallTicket:
+    return CallTicket.detached(
+        seq=seq,
+        call_id=f"c{seq}",
+        query_id="q",
+        query_seq=0,
+        tenant="t",
+        stage=0,
+        call=LLMCall("revise", input_tokens, output_tokens),
+        released_s=0.0,
+        deadline_s=100.0 + seq,
+        query_deadline_s=200.0,
+        remaining_after_s=0.0,
+    )
+
+
+def policy_context(cluster: str) -> PolicyContext:
+    parsed = parse_cluster(cluster)
+    return PolicyContext(parsed, Estimator(parsed), ClusterLoad(parsed), random.Random(0))
+
+
+def simulated(**overrides: Any) -> SimulatedEngine:
+    engine = SimulatedEngine(WorkerConfig(worker_id="w", gpu="A100", **overrides).instance_spec())
+    engine.set_clock(ClusterClock.starting_now(SCALE))
+    return engine
+
+
+async def started(engine: Engine, body: Callable[[], Awaitable[T]]) -> T:
+    await engine.start()
+    try:
+        return await body()
+    finally:
+        await engine.close()
+
+
+async def next_finished(engine: Engine, timeout: float = 2.0) -> CallFinished:
+    while True:
+        event = await asyncio.wait_for(engine.next_event(), timeout)
+        if isinstance(event, CallFinished):
+            return event
+
+
+# ---------------------------------------------------------------------- simulated engine
+
+
+def test_simulated_call_takes_the_latency_models_time() -> None:
+    engine = simulated()
+    single = engine.spec.latency.single_s(1000, 100)
+
+    async def body() -> tuple[EngineEvent, CallFinished, float]:
+        t0 = time.monotonic()
+        engine.admit(ticket(0), engine.clock.now())
+        first = await engine.next_event()
+        done = await next_finished(engine)
+        return first, done, time.monotonic() - t0
+
+    first, done, wall = asyncio.run(started(engine, body))
+    assert isinstance(first, CallStarted) and first.call_id == "c0"
+    assert done.finished_s - done.started_s == pytest.approx(single, abs=1e-9)
+    assert single / SCALE <= wall < single / SCALE + 0.03  # ~39 ms, reported on time
+    assert done.text == "[simulated A100] 100 tokens" and done.output_tokens == 100
+    assert engine.load().running == 0 and engine.load().kv_used_tokens == 0
+
+
+def test_simulated_calls_batch_like_the_simulator() -> None:
+    engine = simulated()
+    model = BatchingEngineModel(engine.spec)  # the simulator's model, driven offline
+    a, b = ticket(0, 4000, 300), ticket(1, 1000, 100)
+    a2, b2 = ticket(0, 4000, 300), ticket(1, 1000, 100)
+    model.admit(a2, 0.0)
+    model.admit(b2, 0.0)
+    expected: dict[str, float] = {}
+    while model.running:
+        t = model.next_event_s()
+        for done in model.advance(t):
+            expected[done.call_id] = t
+
+    async def body() -> dict[str, CallFinished]:
+        now = engine.clock.now()
+        engine.admit(a, now)
+        engine.admit(b, now)
+        assert engine.load().running == 2
+        out = [await next_finished(engine), await next_finished(engine)]
+        return {f.call_id: f for f in out}
+
+    finished = asyncio.run(started(engine, body))
+    for call_id, t in expected.items():
+        assert finished[call_id].finished_s - finished[call_id].started_s == pytest.approx(
+            t, abs=1e-9
+        )
+    # batching slows both calls down against running alone
+    lat = engine.spec.latency
+    assert expected["c1"] > lat.single_s(1000, 100)
+    assert expected["c0"] > lat.single_s(4000, 300)
+
+
+def test_kv_limit_blocks_admission_until_a_call_finishes() -> None:
+    engine = simulated(kv_cache_tokens=2500)
+    queue = QUEUES.create("fcfs", policy_context("A100"), 0)
+    scheduler = InstanceScheduler(queue, engine)
+
+    async def body() -> None:
+        for seq in range(3):
+            queue.push(ticket(seq), engine.clock.now())  # 1100 tokens each
+        admitted = scheduler.admit_ready(engine.clock.now())
+        assert [t.call_id for t in admitted] == ["c0", "c1"]
+        assert len(queue) == 1 and engine.load().kv_used_tokens == 2200
+        await next_finished(engine)
+        assert [t.call_id for t in scheduler.admit_ready(engine.clock.now())] == ["c2"]
+
+    asyncio.run(started(engine, body))
+
+
+def test_max_batch_blocks_admission() -> None:
+    engine = simulated(max_batch=1)
+    assert engine.fits(ticket(0))
+    engine.set_clock(ClusterClock.starting_now(SCALE))
+
+    async def body() -> None:
+        engine.admit(ticket(0), engine.clock.now())
+        assert not engine.fits(ticket(1))
+
+    asyncio.run(started(engine, body))
+
+
+def test_cancelled_simulated_call_reports_nothing() -> None:
+    engine = simulated()
+
+    async def body() -> list[EngineEvent]:
+        now = engine.clock.now()
+        engine.admit(ticket(0, 1000, 50), now)
+        engine.admit(ticket(1, 1000, 100), now)
+        assert engine.cancel("c0") and not engine.cancel("c0") and not engine.cancel("nope")
+        events = [await engine.next_event() for _ in range(2)]  # the two starts
+        events.append(await next_finished(engine))  # c1 ends after c0 would have
+        await asyncio.sleep(0.01)
+        while engine.pending_events():
+            events.append(await engine.next_event())
+        return events
+
+    events = asyncio.run(started(engine, body))
+    assert [e.call_id for e in events if isinstance(e, CallFinished)] == ["c1"]
+    assert engine.load().running == 0
+
+
+def test_clock_change_keeps_the_model_continuous() -> None:
+    engine = simulated()
+    single = engine.spec.latency.single_s(1000, 100)
+
+    async def body() -> CallFinished:
+        engine.admit(ticket(0), engine.clock.now())
+        old = engine.clock
+        engine.set_clock(ClusterClock(old.epoch_unix_s - 50.0, SCALE))  # now reads 5000 s on
+        return await next_finished(engine)
+
+    done = asyncio.run(started(engine, body))
+    assert done.finished_s - done.started_s == pytest.approx(single, abs=1e-6)
+    assert done.started_s > 4999
+
+
+# ---------------------------------------------------------------------- real-engine helpers
+
+
+def test_capacity_ledger_limits_concurrency_and_tokens() -> None:
+    ledger = CapacityLedger(max_concurrency=2, kv_cache_tokens=3000)
+    small, big = LLMCall("x", 1000, 100), LLMCall("x", 2000, 500)
+    assert ledger.fits(big)
+    ledger.reserve(big)
+    assert not ledger.fits(small)  # 2500 + 1100 > 3000
+    ledger.release(big)
+    ledger.reserve(small)
+    ledger.reserve(small)
+    assert not ledger.fits(LLMCall("x", 1, 1))  # two in flight
+    assert ledger.load().running == 2 and ledger.load().kv_used_tokens == 2200
+    assert CapacityLedger(1, 0).fits(LLMCall("x", 10**6, 10**6))  # 0: no KV check
+
+
+def test_synthetic_prompt_has_one_word_per_token() -> None:
+    assert len(synthetic_prompt(11748).split()) == 11748
+    assert synthetic_prompt(3) == "the data table"
+    assert synthetic_prompt(500) == synthetic_prompt(500)
+
+
+def test_fit_to_context_keeps_output_first() -> None:
+    assert fit_to_context(1000, 100, 0) == (1000, 100)
+    assert fit_to_context(1000, 100, 2048) == (1000, 100)
+    assert fit_to_context(11748, 678, 2048) == (1370, 678)
+    assert fit_to_context(10, 5000, 2048) == (1, 2047)
+    assert fit_to_context(11748, 678, 2048, reserve=48) == (1322, 678)
+
+
+def test_vllm_engine_explains_a_missing_vllm() -> None:
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here")
+    engine = VllmEngine(model="/models/none")
+    with pytest.raises(EngineUnavailableError, match=r"hexgen-flow\[vllm\]"):
+        asyncio.run(engine.start())
+    with pytest.raises(EngineUnavailableError, match="--vllm-model"):
+        VllmEngine(model="")
+
+
+# ---------------------------------------------------------------------- openai engine
+
+
+class MiniOpenAIServer:
+    """Just enough of an OpenAI-compatible server: GET /v1/models and streaming POST
+    /v1/completions, one chunk per requested token, usage at the end. HTTP 400 when the
+    prompt is "fail"; `delay_s` between chunks."""
+
+    def __init__(self, delay_s: float = 0.0) -> None:
+        self.delay_s = delay_s
+        self.bodies: list[dict[str, Any]] = []
+        self.server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        port = self.server.sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}"
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.server is not None
+        self.server.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            request_line = (await reader.readline()).decode()
+            length = 0
+            while (line := (await reader.readline()).decode().strip()) != "":
+                name, _, value = line.partition(":")
+                if name.lower() == "content-length":
+                    length = int(value)
+            method, path, _ = request_line.split(" ", 2)
+            if method == "GET" and path == "/v1/models":
+                payload = json.dumps({"data": [{"id": "mini-model"}]}).encode()
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                    + f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n".encode()
+                    + payload
+                )
+                return
+            body = json.loads(await reader.readexactly(length))
+            self.bodies.append(body)
+            if body.get("prompt") == "fail":
+                writer.write(
+                    b"HTTP/1.1 400 Bad Request\r\nContent-Length: 11\r\n"
+                    b"Connection: close\r\n\r\nbad request"
+                )
+                return
+            writer.write(
+                b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n"
+            )
+            for i in range(body["max_tokens"]):
+                chunk = {"choices": [{"index": 0, "text": f" t{i}"}]}
+                writer.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                await writer.drain()
+                if self.delay_s:
+                    await asyncio.sleep(self.delay_s)
+            usage = {"choices": [], "usage": {"completion_tokens": body["max_tokens"]}}
+            writer.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            with_suppressed_close(writer)
+
+
+def with_suppressed_close(writer: asyncio.StreamWriter) -> None:
+    with contextlib.suppress(ConnectionError):
+        writer.close()
+
+
+def test_openai_base_url() -> None:
+    assert api_base("http://h:8000") == "http://h:8000/v1"
+    assert api_base("http://h:8000/v1/") == "http://h:8000/v1"
+
+
+def test_openai_engine_streams_a_call() -> None:
+    pytest.importorskip("httpx")
+    server = MiniOpenAIServer()
+
+    async def body() -> tuple[list[EngineEvent], OpenAIEngine]:
+        async with server as url:
+            engine = OpenAIEngine(url=url, max_concurrency=2, kv_cache_tokens=100_000)
+            engine.set_clock(ClusterClock.starting_now())
+
+            async def run() -> list[EngineEvent]:
+                assert engine.model == "mini-model"  # discovered from /v1/models
+                engine.prompts["c1"] = "fail"
+                engine.admit(ticket(0, 40, 5), engine.clock.now())
+                engine.admit(ticket(1, 40, 5), engine.clock.now())
+                assert not engine.fits(ticket(2))  # two in flight
+                events: list[EngineEvent] = []
+                while sum(isinstance(e, CallFinished) for e in events) < 2:
+                    events.append(await asyncio.wait_for(engine.next_event(), 5))
+                return events
+
+            return await started(engine, run), engine
+
+    events, engine = asyncio.run(body())
+    finished = {e.call_id: e for e in events if isinstance(e, CallFinished)}
+    ok, failed = finished["c0"], finished["c1"]
+    assert ok.text == " t0 t1 t2 t3 t4" and ok.output_tokens == 5 and not ok.error
+    assert [e.text for e in events if isinstance(e, CallTokens) and e.call_id == "c0"] == [
+        f" t{i}" for i in range(5)
+    ]
+    assert "HTTP 400" in failed.error and "bad request" in failed.error
+    request = next(b for b in server.bodies if b["prompt"] != "fail")
+    assert len(request["prompt"].split()) == 40  # synthesized: one word per input token
+    assert request["max_tokens"] == 5 and request["stream"] and request["ignore_eos"]
+    assert request["model"] == "mini-model" and "priority" not in request
+    assert engine.load().running == 0
+
+
+def test_openai_engine_cancel_frees_capacity_at_once() -> None:
+    pytest.importorskip("httpx")
+    server = MiniOpenAIServer(delay_s=0.05)
+
+    async def body() -> list[EngineEvent]:
+        async with server as url:
+            engine = OpenAIEngine(url=url, model="m", max_concurrency=1, send_priority=True)
+            engine.set_clock(ClusterClock.starting_now())
+
+            async def run() -> list[EngineEvent]:
+                engine.admit(ticket(0, 10, 50), engine.clock.now())
+                await asyncio.sleep(0.1)
+                assert engine.cancel("c0") and engine.fits(ticket(1))
+                engine.admit(ticket(1, 10, 2), engine.clock.now())
+                events = [await asyncio.wait_for(engine.next_event(), 5)]
+                while not isinstance(events[-1], CallFinished):
+                    events.append(await asyncio.wait_for(engine.next_event(), 5))
+                return events
+
+            return await started(engine, run)
+
+    events = asyncio.run(body())
+    assert [e.call_id for e in events if isinstance(e, CallFinished)] == ["c1"]
+    assert [b["priority"] for b in server.bodies] == [0, 1]  # the admission order
