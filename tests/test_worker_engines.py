@@ -1,13 +1,11 @@
 """The worker's engines, driven directly: the simulated engine in real time on a fast
-cluster clock, the capacity ledger and prompts of the real engines, and the OpenAI engine
-against a minimal OpenAI-compatible server written for these tests."""
+cluster clock, the capacity ledger and prompts of the real engines, and the request the
+OpenAI engine builds (the real engines against real vLLM: tests/real_engine)."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import importlib.util
-import json
 import random
 import time
 from collections.abc import Awaitable, Callable
@@ -33,7 +31,7 @@ from hexgen_worker.engines import (
 )
 from hexgen_worker.engines.base import CapacityLedger, fit_to_context, synthetic_prompt
 from hexgen_worker.engines.openai import api_base
-from hexgen_worker.events import CallFinished, CallStarted, CallTokens, EngineEvent
+from hexgen_worker.events import CallFinished, CallStarted, EngineEvent
 
 T = TypeVar("T")
 SCALE = 100.0  # cluster seconds per wall second
@@ -243,135 +241,21 @@ def test_vllm_engine_explains_a_missing_vllm() -> None:
 # ---------------------------------------------------------------------- openai engine
 
 
-class MiniOpenAIServer:
-    """Just enough of an OpenAI-compatible server: GET /v1/models and streaming POST
-    /v1/completions, one chunk per requested token, usage at the end. HTTP 400 when the
-    prompt is "fail"; `delay_s` between chunks."""
-
-    def __init__(self, delay_s: float = 0.0) -> None:
-        self.delay_s = delay_s
-        self.bodies: list[dict[str, Any]] = []
-        self.server: asyncio.Server | None = None
-
-    async def __aenter__(self) -> str:
-        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        port = self.server.sockets[0].getsockname()[1]
-        return f"http://127.0.0.1:{port}"
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self.server is not None
-        self.server.close()
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            request_line = (await reader.readline()).decode()
-            length = 0
-            while (line := (await reader.readline()).decode().strip()) != "":
-                name, _, value = line.partition(":")
-                if name.lower() == "content-length":
-                    length = int(value)
-            method, path, _ = request_line.split(" ", 2)
-            if method == "GET" and path == "/v1/models":
-                payload = json.dumps({"data": [{"id": "mini-model"}]}).encode()
-                writer.write(
-                    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
-                    + f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n".encode()
-                    + payload
-                )
-                return
-            body = json.loads(await reader.readexactly(length))
-            self.bodies.append(body)
-            if body.get("prompt") == "fail":
-                writer.write(
-                    b"HTTP/1.1 400 Bad Request\r\nContent-Length: 11\r\n"
-                    b"Connection: close\r\n\r\nbad request"
-                )
-                return
-            writer.write(
-                b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n"
-            )
-            for i in range(body["max_tokens"]):
-                chunk = {"choices": [{"index": 0, "text": f" t{i}"}]}
-                writer.write(f"data: {json.dumps(chunk)}\n\n".encode())
-                await writer.drain()
-                if self.delay_s:
-                    await asyncio.sleep(self.delay_s)
-            usage = {"choices": [], "usage": {"completion_tokens": body["max_tokens"]}}
-            writer.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass
-        finally:
-            with_suppressed_close(writer)
-
-
-def with_suppressed_close(writer: asyncio.StreamWriter) -> None:
-    with contextlib.suppress(ConnectionError):
-        writer.close()
-
-
 def test_openai_base_url() -> None:
     assert api_base("http://h:8000") == "http://h:8000/v1"
     assert api_base("http://h:8000/v1/") == "http://h:8000/v1"
 
 
-def test_openai_engine_streams_a_call() -> None:
-    pytest.importorskip("httpx")
-    server = MiniOpenAIServer()
-
-    async def body() -> tuple[list[EngineEvent], OpenAIEngine]:
-        async with server as url:
-            engine = OpenAIEngine(url=url, max_concurrency=2, kv_cache_tokens=100_000)
-            engine.set_clock(ClusterClock.starting_now())
-
-            async def run() -> list[EngineEvent]:
-                assert engine.model == "mini-model"  # discovered from /v1/models
-                engine.prompts["c1"] = "fail"
-                engine.admit(ticket(0, 40, 5), engine.clock.now())
-                engine.admit(ticket(1, 40, 5), engine.clock.now())
-                assert not engine.fits(ticket(2))  # two in flight
-                events: list[EngineEvent] = []
-                while sum(isinstance(e, CallFinished) for e in events) < 2:
-                    events.append(await asyncio.wait_for(engine.next_event(), 5))
-                return events
-
-            return await started(engine, run), engine
-
-    events, engine = asyncio.run(body())
-    finished = {e.call_id: e for e in events if isinstance(e, CallFinished)}
-    ok, failed = finished["c0"], finished["c1"]
-    assert ok.text == " t0 t1 t2 t3 t4" and ok.output_tokens == 5 and not ok.error
-    assert [e.text for e in events if isinstance(e, CallTokens) and e.call_id == "c0"] == [
-        f" t{i}" for i in range(5)
-    ]
-    assert "HTTP 400" in failed.error and "bad request" in failed.error
-    request = next(b for b in server.bodies if b["prompt"] != "fail")
-    assert len(request["prompt"].split()) == 40  # synthesized: one word per input token
-    assert request["max_tokens"] == 5 and request["stream"] and request["ignore_eos"]
-    assert request["model"] == "mini-model" and "priority" not in request
-    assert engine.load().running == 0
-
-
-def test_openai_engine_cancel_frees_capacity_at_once() -> None:
-    pytest.importorskip("httpx")
-    server = MiniOpenAIServer(delay_s=0.05)
-
-    async def body() -> list[EngineEvent]:
-        async with server as url:
-            engine = OpenAIEngine(url=url, model="m", max_concurrency=1, send_priority=True)
-            engine.set_clock(ClusterClock.starting_now())
-
-            async def run() -> list[EngineEvent]:
-                engine.admit(ticket(0, 10, 50), engine.clock.now())
-                await asyncio.sleep(0.1)
-                assert engine.cancel("c0") and engine.fits(ticket(1))
-                engine.admit(ticket(1, 10, 2), engine.clock.now())
-                events = [await asyncio.wait_for(engine.next_event(), 5)]
-                while not isinstance(events[-1], CallFinished):
-                    events.append(await asyncio.wait_for(engine.next_event(), 5))
-                return events
-
-            return await started(engine, run)
-
-    events = asyncio.run(body())
-    assert [e.call_id for e in events if isinstance(e, CallFinished)] == ["c1"]
-    assert [b["priority"] for b in server.bodies] == [0, 1]  # the admission order
+def test_openai_request_body_carries_the_call() -> None:
+    """The streaming request the engine sends (the real server is the real-engine tier's:
+    tests/real_engine, run by `make test-real-engines`)."""
+    engine = OpenAIEngine(url="http://h:8000", model="m", send_priority=True)
+    body = engine.request_body(ticket(0, 40, 5), None, priority=3)
+    assert len(body["prompt"].split()) == 40  # synthesized: one word per input token
+    assert body["max_tokens"] == 5 and body["stream"] and body["ignore_eos"]
+    assert body["model"] == "m" and body["priority"] == 3
+    assert body["stream_options"] == {"include_usage": True}
+    chat = OpenAIEngine(url="http://h:8000", model="m", api="chat")
+    chat_body = chat.request_body(ticket(1, 40, 5), "hello", priority=0)
+    assert chat_body["messages"] == [{"role": "user", "content": "hello"}]
+    assert "prompt" not in chat_body and "priority" not in chat_body

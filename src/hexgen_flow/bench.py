@@ -40,7 +40,7 @@ from typing import Any
 from tqdm import tqdm
 
 from hexgen_flow.cluster import Cluster, parse_cluster
-from hexgen_flow.metrics import RunMetrics
+from hexgen_flow.metrics import RunMetrics, json_safe
 from hexgen_flow.policies.presets import PRESETS
 from hexgen_flow.sim.simulator import SimConfig, simulate
 from hexgen_flow.traces import load_traces, take_queries
@@ -933,16 +933,6 @@ def _plot(plan: BenchPlan, doc: dict[str, Any], out: Path) -> None:
 # ------------------------------------------------------------------------------------- run
 
 
-def _finite(value: Any) -> Any:
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_finite(v) for v in value]
-    return value
-
-
 @dataclass(frozen=True, slots=True)
 class BenchOutcome:
     out: Path
@@ -965,7 +955,7 @@ def run_bench(plan: BenchPlan, out: Path, *, workers: int = 2) -> BenchOutcome:
     doc["simulator_speed"] = _measure_speed(plan)
     doc["meta"]["workers"] = workers
     doc["meta"]["wall_s"] = time.perf_counter() - started
-    (out / "results.json").write_text(json.dumps(_finite(doc), indent=1, allow_nan=False) + "\n")
+    (out / "results.json").write_text(json.dumps(json_safe(doc), indent=1, allow_nan=False) + "\n")
     (out / "results.md").write_text(render_markdown(plan, doc))
     _plot(plan, doc, out)
     wall_s = time.perf_counter() - started

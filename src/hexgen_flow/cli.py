@@ -42,7 +42,7 @@ from hexgen_client.addresses import (  # constants only: no grpc at import time
 from hexgen_flow import __version__
 from hexgen_flow.cluster import DEFAULT_CLUSTER, DEFAULT_MODEL, Cluster, parse_cluster
 from hexgen_flow.errors import ConfigError, HexgenFlowError
-from hexgen_flow.metrics import RunMetrics
+from hexgen_flow.metrics import RunMetrics, json_safe
 from hexgen_flow.policies.presets import PRESETS, Preset, resolve_policy
 from hexgen_flow.policies.registration import BUDGETS, DISPATCHERS, QUEUES
 from hexgen_flow.policies.registry import Registry
@@ -566,19 +566,8 @@ def _setup(args: argparse.Namespace) -> RunSetup:
     return RunSetup(traces, queries, cluster, preset, config)
 
 
-def _finite(value: Any) -> Any:
-    """`value` with every non-finite float replaced by None (strict JSON has no NaN)."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_finite(v) for v in value]
-    return value
-
-
 def _print_json(doc: dict[str, Any]) -> None:
-    print(json.dumps(_finite(doc), allow_nan=False))
+    print(json.dumps(json_safe(doc), allow_nan=False))
 
 
 def _info(message: str) -> None:

@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-__all__ = ["QueryOutcome", "RunMetrics", "percentile"]
+__all__ = ["QueryOutcome", "RunMetrics", "json_safe", "percentile"]
+
+
+def json_safe(value: Any) -> Any:
+    """`value` with every non-finite float replaced by None (strict JSON has no NaN)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    return value
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Sequence
 from types import TracebackType
+from typing import Any
 
 import grpc
 
@@ -112,15 +113,8 @@ class CoordinatorClient:
     async def watch(self, query_id: str) -> AsyncIterator[coordinator_pb2.QueryEvent]:
         """The query's events, past ones first, until it succeeds or is cancelled."""
         call = self.stub.WatchQuery(coordinator_pb2.WatchQueryRequest(query_id=query_id))
-        try:
-            async for response in call:
-                yield response.event
-                if is_terminal(response.event):
-                    return
-        except grpc.aio.AioRpcError as exc:
-            raise self._error(exc) from None
-        finally:
-            call.cancel()
+        async for event in self._until_terminal(call):
+            yield event
 
     async def run(
         self,
@@ -132,7 +126,14 @@ class CoordinatorClient:
         """Submit `query` and stream its events until it ends (RunQuery); `prompts` as for
         `submit`."""
         request = coordinator_pb2.RunQueryRequest(query=submit_request(query, slo_scale, prompts))
-        call = self.stub.RunQuery(request)
+        async for event in self._until_terminal(self.stub.RunQuery(request)):
+            yield event
+
+    async def _until_terminal(
+        self,
+        call: grpc.aio.UnaryStreamCall[Any, Any],
+    ) -> AsyncIterator[coordinator_pb2.QueryEvent]:
+        """The events of a WatchQuery or RunQuery stream until the query ends."""
         try:
             async for response in call:
                 yield response.event

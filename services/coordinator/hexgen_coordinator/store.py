@@ -25,7 +25,6 @@ there is no half-applied one.
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -146,8 +145,6 @@ class WorkflowStore:
         self._submit = redis.register_script(_SUBMIT)
         self._complete = redis.register_script(_COMPLETE)
         self._cancel = redis.register_script(_CANCEL)
-        self._completions: list[tuple[list[str], list[Any], asyncio.Future[list[Any]]]] = []
-        self._running: set[asyncio.Future[None]] = set()
 
     # ------------------------------------------------------------------ keys
 
@@ -239,42 +236,8 @@ class WorkflowStore:
             self.completions_key,
             self.finished_key,
         ]
-        future: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
-        if not self._completions:
-            asyncio.get_running_loop().call_soon(self._send_completions)
-        self._completions.append((keys, args, future))
-        out = await future
+        out = await self._complete(keys=keys, args=args)
         return CompletionResult(int(out[0]), int(out[1]), tuple(int(j) for j in out[2:]))
-
-    def _send_completions(self) -> None:
-        # The completions of one loop turn share one pipeline: one round trip to Redis,
-        # each still its own atomic script.
-        batch, self._completions = self._completions, []
-        task = asyncio.ensure_future(self._run_completions(batch))
-        self._running.add(task)
-        task.add_done_callback(self._running.discard)
-
-    async def _run_completions(
-        self, batch: list[tuple[list[str], list[Any], asyncio.Future[list[Any]]]]
-    ) -> None:
-        try:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for keys, args, _ in batch:
-                    await self._complete(keys=keys, args=args, client=pipe)  # queues it
-                results = await pipe.execute(raise_on_error=False)
-            for (_, _, future), result in zip(batch, results, strict=True):
-                if future.done():
-                    continue
-                if isinstance(result, Exception):
-                    future.set_exception(result)
-                else:
-                    future.set_result(result)
-        except BaseException as exc:  # every waiter hears of the failure, never hangs
-            for _, _, future in batch:
-                if not future.done():
-                    future.set_exception(exc)
-            if not isinstance(exc, Exception):
-                raise
 
     async def cancel(self, query_id: str, now: float) -> bool:
         keys = [self.qkey(query_id), f"{self.prefix}active"]

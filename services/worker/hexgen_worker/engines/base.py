@@ -13,6 +13,8 @@ outcome as events.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
@@ -21,17 +23,22 @@ from hexgen_flow.errors import ConfigError
 from hexgen_flow.runtime import CallTicket
 from hexgen_flow.workload import LLMCall
 from hexgen_service.clock import ClusterClock
-from hexgen_worker.events import EngineEvent
+from hexgen_worker.events import CallFinished, CallStarted, EngineEvent
 
 __all__ = [
     "CapacityLedger",
     "Engine",
     "EngineLoad",
     "EngineUnavailableError",
+    "RequestEngine",
+    "RunningRequest",
     "fit_to_context",
     "synthetic_prompt",
     "translate_time",
 ]
+
+
+log = logging.getLogger(__name__)
 
 
 class EngineUnavailableError(ConfigError):
@@ -167,6 +174,100 @@ _FILLER_WORDS = (
     "for", "with", "from", "where", "select", "name", "each", "row", "is", "a",
     "by", "on", "as", "or", "all", "one", "new", "list", "order", "year",
 )  # fmt: skip
+
+
+@dataclass(slots=True)
+class RunningRequest:
+    """A call a `RequestEngine` is serving."""
+
+    ticket: CallTicket
+    started_s: float
+    task: asyncio.Task[None] | None = None
+
+
+class RequestEngine(Engine):
+    """An engine that serves every admitted call as a request of its own to a real model
+    server (vLLM in process, or over HTTP), one asyncio task per call.
+
+    Capacity is a `CapacityLedger`; the order of admission, which follows the local queue,
+    is passed on as each request's priority (lower is sooner). Subclasses implement
+    `generate`; a cancelled call is aborted and reported by nobody.
+    """
+
+    def __init__(self, max_concurrency: int, kv_cache_tokens: int) -> None:
+        super().__init__()
+        self._ledger = CapacityLedger(max_concurrency, kv_cache_tokens)
+        self._running: dict[str, RunningRequest] = {}
+        self._admissions = 0
+
+    @abstractmethod
+    async def generate(
+        self, ticket: CallTicket, prompt: str | None, priority: int
+    ) -> tuple[str, int]:
+        """Run the call (emitting `CallTokens` as text arrives); (text, output tokens)."""
+
+    def fits(self, ticket: CallTicket) -> bool:
+        return self._ledger.fits(ticket.call)
+
+    def admit(self, ticket: CallTicket, now: float) -> None:
+        self._ledger.reserve(ticket.call)
+        priority = self._admissions  # the local queue's order: lower is sooner
+        self._admissions += 1
+        running = RunningRequest(ticket, now)
+        self._running[ticket.call_id] = running
+        prompt = self.take_prompt(ticket)
+        running.task = asyncio.create_task(
+            self._serve(running, prompt, priority), name=f"{self.kind}-{ticket.call_id}"
+        )
+        self.emit(CallStarted(ticket.call_id, now))
+
+    def cancel(self, call_id: str) -> bool:
+        running = self._running.pop(call_id, None)
+        if running is None:
+            return False
+        self._ledger.release(running.ticket.call)  # free now: the queue may admit at once
+        if running.task is not None:
+            running.task.cancel()  # the server aborts a request whose stream is closed
+        return True
+
+    def load(self) -> EngineLoad:
+        return self._ledger.load()
+
+    async def cancel_all(self) -> None:
+        """Abandon every call in flight (engine shutdown)."""
+        running = list(self._running.values())
+        self._running.clear()
+        for call in running:
+            if call.task is not None:
+                call.task.cancel()
+        for call in running:
+            if call.task is not None:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await call.task
+
+    async def _serve(self, running: RunningRequest, prompt: str | None, priority: int) -> None:
+        ticket = running.ticket
+        text, tokens, error = "", 0, ""
+        try:
+            text, tokens = await self.generate(ticket, prompt, priority)
+        except asyncio.CancelledError:
+            raise  # cancel() or close(): nothing is reported
+        except Exception as exc:
+            error = f"{self.kind} engine: {type(exc).__name__}: {exc}"
+            log.warning("call %s failed: %s", ticket.call_id, error)
+        if self._running.pop(ticket.call_id, None) is None:
+            return  # cancelled while the last chunk arrived
+        self._ledger.release(ticket.call)
+        self.emit(
+            CallFinished(
+                call_id=ticket.call_id,
+                output_tokens=tokens,
+                text=text,
+                started_s=running.started_s,
+                finished_s=self.clock.now(),
+                error=error,
+            )
+        )
 
 
 def synthetic_prompt(input_tokens: int) -> str:

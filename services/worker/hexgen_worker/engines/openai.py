@@ -19,24 +19,19 @@ imported when the engine starts.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import importlib
 import json
 import logging
-from dataclasses import dataclass
 from typing import Any, Literal
 
 from hexgen_flow.runtime import CallTicket
 from hexgen_worker.engines.base import (
-    CapacityLedger,
-    Engine,
-    EngineLoad,
     EngineUnavailableError,
+    RequestEngine,
     fit_to_context,
     synthetic_prompt,
 )
-from hexgen_worker.events import CallFinished, CallStarted, CallTokens
+from hexgen_worker.events import CallTokens
 
 __all__ = ["OpenAIEngine", "OpenAIServerError", "api_base"]
 
@@ -68,14 +63,7 @@ def _import_httpx() -> Any:
         ) from None
 
 
-@dataclass(slots=True)
-class _Running:
-    ticket: CallTicket
-    started_s: float
-    task: asyncio.Task[None] | None = None
-
-
-class OpenAIEngine(Engine):
+class OpenAIEngine(RequestEngine):
     """Calls streamed to an OpenAI-compatible HTTP server."""
 
     kind = "openai"
@@ -93,7 +81,7 @@ class OpenAIEngine(Engine):
         request_timeout_s: float = 600.0,
         max_context_tokens: int = 0,
     ) -> None:
-        super().__init__()
+        super().__init__(max_concurrency, kv_cache_tokens)
         if api not in ("completions", "chat"):
             raise EngineUnavailableError(f"openai api must be 'completions' or 'chat', got {api!r}")
         self.base_url = api_base(url)
@@ -103,9 +91,6 @@ class OpenAIEngine(Engine):
         self.send_priority = send_priority
         self.request_timeout_s = request_timeout_s
         self.max_context_tokens = max_context_tokens
-        self._ledger = CapacityLedger(max_concurrency, kv_cache_tokens)
-        self._running: dict[str, _Running] = {}
-        self._admissions = 0
         self._client: Any = None  # httpx.AsyncClient: httpx is an optional dependency
 
     # ------------------------------------------------------------------ life cycle
@@ -140,47 +125,10 @@ class OpenAIEngine(Engine):
             ) from None
 
     async def close(self) -> None:
-        running = list(self._running.values())
-        self._running.clear()
-        for call in running:
-            if call.task is not None:
-                call.task.cancel()
-        for call in running:
-            if call.task is not None:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await call.task
+        await self.cancel_all()
         if self._client is not None:
             await self._client.aclose()
             self._client = None
-
-    # ------------------------------------------------------------------ admission
-
-    def fits(self, ticket: CallTicket) -> bool:
-        return self._ledger.fits(ticket.call)
-
-    def admit(self, ticket: CallTicket, now: float) -> None:
-        self._ledger.reserve(ticket.call)
-        priority = self._admissions  # the local queue's order: lower is sooner
-        self._admissions += 1
-        running = _Running(ticket, now)
-        self._running[ticket.call_id] = running
-        prompt = self.take_prompt(ticket)
-        running.task = asyncio.create_task(
-            self._serve(running, prompt, priority), name=f"openai-{ticket.call_id}"
-        )
-        self.emit(CallStarted(ticket.call_id, now))
-
-    def cancel(self, call_id: str) -> bool:
-        running = self._running.pop(call_id, None)
-        if running is None:
-            return False
-        self._ledger.release(running.ticket.call)  # free now: the queue may admit at once
-        if running.task is not None:
-            running.task.cancel()  # closing the stream makes the server abort the request
-        return True
-
-    def load(self) -> EngineLoad:
-        return self._ledger.load()
 
     # ------------------------------------------------------------------ one call
 
@@ -210,29 +158,10 @@ class OpenAIEngine(Engine):
             body["priority"] = priority
         return body
 
-    async def _serve(self, running: _Running, prompt: str | None, priority: int) -> None:
-        ticket = running.ticket
-        text, tokens, error = "", 0, ""
-        try:
-            text, tokens = await self._stream(ticket, self.request_body(ticket, prompt, priority))
-        except asyncio.CancelledError:
-            raise  # cancel() or close(): nothing is reported
-        except Exception as exc:
-            error = f"openai engine: {type(exc).__name__}: {exc}"
-            log.warning("call %s failed: %s", ticket.call_id, error)
-        if self._running.pop(ticket.call_id, None) is None:
-            return  # cancelled while the last chunk arrived
-        self._ledger.release(ticket.call)
-        self.emit(
-            CallFinished(
-                call_id=ticket.call_id,
-                output_tokens=tokens,
-                text=text,
-                started_s=running.started_s,
-                finished_s=self.clock.now(),
-                error=error,
-            )
-        )
+    async def generate(
+        self, ticket: CallTicket, prompt: str | None, priority: int
+    ) -> tuple[str, int]:
+        return await self._stream(ticket, self.request_body(ticket, prompt, priority))
 
     async def _stream(self, ticket: CallTicket, body: dict[str, Any]) -> tuple[str, int]:
         """Run one streaming request; return (text, generated tokens)."""

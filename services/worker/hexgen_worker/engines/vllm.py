@@ -21,8 +21,6 @@ process, so the program that starts this engine must guard its entry point with
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import importlib
 import inspect
 import logging
@@ -32,14 +30,12 @@ from typing import Any
 
 from hexgen_flow.runtime import CallTicket
 from hexgen_worker.engines.base import (
-    CapacityLedger,
-    Engine,
-    EngineLoad,
     EngineUnavailableError,
+    RequestEngine,
     fit_to_context,
     synthetic_prompt,
 )
-from hexgen_worker.events import CallFinished, CallStarted, CallTokens
+from hexgen_worker.events import CallTokens
 
 __all__ = ["VllmEngine"]
 
@@ -77,14 +73,7 @@ def _import_vllm() -> _VllmApi:
     )
 
 
-@dataclass(slots=True)
-class _Running:
-    ticket: CallTicket
-    started_s: float
-    task: asyncio.Task[None] | None = None
-
-
-class VllmEngine(Engine):
+class VllmEngine(RequestEngine):
     """vLLM's ``AsyncLLM`` in this process."""
 
     kind = "vllm"
@@ -100,7 +89,7 @@ class VllmEngine(Engine):
         ignore_eos: bool = True,
         max_context_tokens: int = 0,
     ) -> None:
-        super().__init__()
+        super().__init__(max_concurrency or max_batch, kv_cache_tokens)
         if not model:
             raise EngineUnavailableError("the vllm engine needs a model (--vllm-model PATH)")
         self.model = model
@@ -109,9 +98,6 @@ class VllmEngine(Engine):
         """Extra ``AsyncEngineArgs`` fields (e.g. enforce_eager, max_model_len, dtype)."""
         self.ignore_eos = ignore_eos
         self.max_context_tokens = max_context_tokens
-        self._ledger = CapacityLedger(max_concurrency or max_batch, kv_cache_tokens)
-        self._running: dict[str, _Running] = {}
-        self._admissions = 0
         self._api: _VllmApi | None = None
         self._llm: Any = None
         self._filler_ids: list[int] = []
@@ -145,47 +131,10 @@ class VllmEngine(Engine):
         )
 
     async def close(self) -> None:
-        running = list(self._running.values())
-        self._running.clear()
-        for call in running:
-            if call.task is not None:
-                call.task.cancel()
-        for call in running:
-            if call.task is not None:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await call.task
+        await self.cancel_all()
         llm, self._llm = self._llm, None
         if llm is not None:
             llm.shutdown()
-
-    # ------------------------------------------------------------------ admission
-
-    def fits(self, ticket: CallTicket) -> bool:
-        return self._ledger.fits(ticket.call)
-
-    def admit(self, ticket: CallTicket, now: float) -> None:
-        self._ledger.reserve(ticket.call)
-        priority = self._admissions
-        self._admissions += 1
-        running = _Running(ticket, now)
-        self._running[ticket.call_id] = running
-        prompt = self.take_prompt(ticket)
-        running.task = asyncio.create_task(
-            self._serve(running, prompt, priority), name=f"vllm-{ticket.call_id}"
-        )
-        self.emit(CallStarted(ticket.call_id, now))
-
-    def cancel(self, call_id: str) -> bool:
-        running = self._running.pop(call_id, None)
-        if running is None:
-            return False
-        self._ledger.release(running.ticket.call)
-        if running.task is not None:
-            running.task.cancel()  # generate() aborts the request when cancelled
-        return True
-
-    def load(self) -> EngineLoad:
-        return self._ledger.load()
 
     # ------------------------------------------------------------------ one call
 
@@ -201,31 +150,7 @@ class VllmEngine(Engine):
         repeats = -(-input_tokens // len(filler))
         return {"prompt_token_ids": (filler * repeats)[:input_tokens]}, max_tokens
 
-    async def _serve(self, running: _Running, prompt: str | None, priority: int) -> None:
-        ticket = running.ticket
-        text, tokens, error = "", 0, ""
-        try:
-            text, tokens = await self._generate(ticket, prompt, priority)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            error = f"vllm engine: {type(exc).__name__}: {exc}"
-            log.warning("call %s failed: %s", ticket.call_id, error)
-        if self._running.pop(ticket.call_id, None) is None:
-            return
-        self._ledger.release(ticket.call)
-        self.emit(
-            CallFinished(
-                call_id=ticket.call_id,
-                output_tokens=tokens,
-                text=text,
-                started_s=running.started_s,
-                finished_s=self.clock.now(),
-                error=error,
-            )
-        )
-
-    async def _generate(
+    async def generate(
         self, ticket: CallTicket, prompt: str | None, priority: int
     ) -> tuple[str, int]:
         api, llm = self._api, self._llm
