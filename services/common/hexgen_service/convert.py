@@ -20,6 +20,7 @@ __all__ = [
     "MAX_TOKENS_PER_CALL",
     "dispatch_to_ticket",
     "expand_workflow",
+    "parse_submit",
     "query_from_submit",
     "submit_from_query",
     "ticket_to_dispatch",
@@ -123,6 +124,13 @@ def expand_workflow(
 
 def query_from_submit(request: coordinator_pb2.SubmitQueryRequest) -> Query:
     """The domain query of a submission (its SLO is resolved by the coordinator)."""
+    return parse_submit(request)[0]
+
+
+def parse_submit(
+    request: coordinator_pb2.SubmitQueryRequest,
+) -> tuple[Query, list[tuple[str, ...]]]:
+    """The domain query of a submission and, per expanded stage, its calls' prompts."""
     if not request.query_id:
         raise InvalidFieldError("query_id", "must not be empty (it is the idempotency key)")
     if len(request.query_id) > 256:
@@ -135,13 +143,15 @@ def query_from_submit(request: coordinator_pb2.SubmitQueryRequest) -> Query:
         raise InvalidFieldError("slo_s", "give slo_s or slo_scale, not both")
     if not request.HasField("workflow"):
         raise InvalidFieldError("workflow", "is required")
-    return Query(
+    workflow, prompts = expand_workflow(request.workflow)
+    query = Query(
         query_id=request.query_id,
-        workflow=workflow_from_proto(request.workflow),
+        workflow=workflow,
         tenant=request.tenant or "default",
         slo_s=request.slo_s or None,
         slo_scale=request.slo_scale or None,
     )
+    return query, prompts
 
 
 def submit_from_query(query: Query) -> coordinator_pb2.SubmitQueryRequest:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections import deque
@@ -35,7 +36,7 @@ from hexgen_flow.v1 import coordinator_pb2 as cpb
 from hexgen_flow.v1 import worker_pb2 as wpb
 from hexgen_flow.workload import Query
 from hexgen_service.clock import ClusterClock
-from hexgen_service.convert import expand_workflow, query_from_submit, ticket_to_dispatch
+from hexgen_service.convert import parse_submit, ticket_to_dispatch
 from hexgen_service.errors import InvalidFieldError
 from hexgen_service.telemetry import setup_tracing, traceparent_of
 
@@ -185,9 +186,8 @@ class Coordinator:
     async def submit(self, request: cpb.SubmitQueryRequest) -> tuple[cpb.QueryInfo, bool]:
         """Admit a query (idempotent on its id); raises InvalidFieldError for bad input."""
         t0 = time.perf_counter()
-        query = query_from_submit(request)
+        query, prompts = parse_submit(request)
         self._check_fits(query)
-        _, prompts = expand_workflow(request.workflow)
         existing = self.active.get(query.query_id)
         if existing is not None:
             return self._info_of_run(existing.run), False
@@ -245,10 +245,10 @@ class Coordinator:
 
     def _release_stage(self, entry: _Active, stage: int, now: float) -> list[CallTicket]:
         tickets = self.scheduler.release(entry.run, stage, now)
-        self._adopt_released(entry, stage, tickets, now)
+        self._register_released(entry, stage, tickets, now)
         return tickets
 
-    def _adopt_released(
+    def _register_released(
         self, entry: _Active, stage: int, tickets: list[CallTicket], now: float
     ) -> None:
         query_id = entry.run.query.query_id
@@ -352,20 +352,20 @@ class Coordinator:
             query_id, stage, _ = parse_call_id(call_id)
         except ValueError:
             log.warning("worker %s reported a malformed call id %r", link.worker_id, call_id)
-            self._ack(link, call_id)
+            link.ack(call_id)
             return
         entry = self.active.get(query_id)
         if entry is None:  # finished, cancelled or unknown: nothing to apply
-            self._ack(link, call_id)
+            link.ack(call_id)
             return
         async with entry.lock:
             ticket = self.tickets.get(call_id)
             if ticket is None:  # already applied (a resend)
-                self._ack(link, call_id)
+                link.ack(call_id)
                 return
             if msg.error:
                 log.warning("call %s failed on %s: %s", call_id, link.worker_id, msg.error)
-                self._ack(link, call_id)
+                link.ack(call_id)
                 self._redispatch(ticket, f"engine error: {msg.error}")
                 self._persist(entry, [ticket])
                 return
@@ -392,7 +392,7 @@ class Coordinator:
             result = await self.store.complete(
                 query_id, call_id, stage, run.query.workflow.dependents[stage], now, record
             )
-            self._ack(link, call_id)
+            link.ack(call_id)
             if not result.applied:
                 return
             del self.tickets[call_id]
@@ -424,7 +424,7 @@ class Coordinator:
             if run.stage_finished_s[stage] is not None:
                 self._event(entry, K.QUERY_EVENT_KIND_STAGE_FINISHED, now, stage=stage)
             for k, tickets in by_stage.items():
-                self._adopt_released(entry, k, tickets, now)
+                self._register_released(entry, k, tickets, now)
             self._send(released)
             if released:
                 self._completion_ms.append((time.perf_counter() - t0) * 1e3)
@@ -433,9 +433,6 @@ class Coordinator:
             self._persist(entry, released)
             if run.finished_s is not None:
                 self._finish(entry)
-
-    def _ack(self, link: WorkerLink, call_id: str) -> None:
-        link.ack(call_id)
 
     def _finish(self, entry: _Active) -> None:
         query_id = entry.run.query.query_id
@@ -639,7 +636,7 @@ class Coordinator:
             time_scale=self.clock.time_scale,
             cluster=self.cluster.inline,
             queue_policy=self.scheduler.preset.queue.name,
-            queue_params_json=_json(self.scheduler.preset.queue.params),
+            queue_params_json=json.dumps(dict(self.scheduler.preset.queue.params)),
             heartbeat_interval_s=self.config.heartbeat_interval_s,
             drop_call_ids=drop,
         )
@@ -799,8 +796,7 @@ class Coordinator:
 
     def _resume_query(self, stored: StoredQuery, logged_events: int) -> int:
         request = cpb.SubmitQueryRequest.FromString(stored.submit)
-        query = query_from_submit(request)
-        _, prompts = expand_workflow(request.workflow)
+        query, prompts = parse_submit(request)
         f = stored.fields
         run = self.scheduler.admit(query, int(f["index"]), float(f["arrival_s"]), float(f["slo_s"]))
         span = self.tracer.start_span("query (resumed)", attributes={"query.id": query.query_id})
@@ -916,12 +912,6 @@ def _summary(samples: Iterable[float]) -> cpb.LatencySummary:
     return cpb.LatencySummary(
         count=len(values), p50=percentile(values, 50), p99=percentile(values, 99), max=max(values)
     )
-
-
-def _json(params: object) -> str:
-    import json  # noqa: PLC0415 - only for the welcome message
-
-    return json.dumps(dict(params))  # type: ignore[call-overload]
 
 
 def _log_failure(task: asyncio.Future[None]) -> None:
