@@ -9,7 +9,6 @@ drives a `GlobalScheduler` and each worker service an `InstanceScheduler`, in re
 
 from __future__ import annotations
 
-import contextlib
 import random
 from typing import Protocol
 
@@ -89,8 +88,10 @@ class GlobalScheduler:
         for call in run.query.workflow.stages[stage].calls:
             ticket = CallTicket(self.next_seq, run, stage, call, now, deadline, remaining)
             self.next_seq += 1
-            with contextlib.suppress(NoInstanceError):  # parked: instance stays -1
+            try:  # noqa: SIM105 - contextlib.suppress costs a context manager per call here
                 self.dispatch(ticket, now)
+            except NoInstanceError:
+                pass  # parked: instance stays -1
             tickets.append(ticket)
         return tickets
 
@@ -153,8 +154,8 @@ class InstanceScheduler:
         """
         queue, engine = self.queue, self.engine
         admitted: list[CallTicket] = []
-        while len(queue):
-            ticket = queue.peek(now)
+        while True:
+            ticket = queue.peek(now)  # None when empty
             if ticket is None or not engine.fits(ticket):
                 break
             queue.pop(now)
