@@ -1,0 +1,139 @@
+"""OpenTelemetry traces of a workflow: one trace per query, spanning both processes' roles.
+
+The coordinator and a worker run in this process (real gRPC server on a free port, real
+Redis, the simulated engine), so the SDK's in-memory exporter sees every span both make:
+a `query` span, a `call` span per call as its child, and the worker's span of each call as
+a child of the coordinator's, joined through the `traceparent` of the dispatch message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+import redis.asyncio as aioredis
+from opentelemetry import trace
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from hexgen_client.client import CoordinatorClient
+from hexgen_client.cluster import free_port
+from hexgen_coordinator.config import CoordinatorConfig
+from hexgen_coordinator.coordinator import Coordinator
+from hexgen_coordinator.service import CoordinatorServicer, WorkerServicer
+from hexgen_flow.v1 import coordinator_pb2, coordinator_pb2_grpc, worker_pb2_grpc
+from hexgen_flow.workload import LLMCall, Query, Workflow
+from hexgen_service.server import GrpcServer
+from hexgen_service.telemetry import context_from_traceparent, setup_tracing, traceparent_of
+from hexgen_worker import Worker, WorkerConfig
+
+REDIS_URL = os.environ.get("HEXGEN_TEST_REDIS", "redis://127.0.0.1:6379/0")
+
+
+@pytest.fixture(scope="module")
+def spans() -> InMemorySpanExporter:
+    setup_tracing("hexgen-test")  # the process's provider (set once per process)
+    provider = trace.get_tracer_provider()
+    assert isinstance(provider, TracerProvider)
+    exporter = InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return exporter
+
+
+def test_a_traceparent_carries_the_span_across() -> None:
+    setup_tracing("hexgen-test")
+    tracer = trace.get_tracer("test")
+    parent = tracer.start_span("parent")
+    context = context_from_traceparent(traceparent_of(parent))
+    child = tracer.start_span("child", context=context)
+    assert child.get_span_context().trace_id == parent.get_span_context().trace_id
+    assert isinstance(child, ReadableSpan) and child.parent is not None
+    assert child.parent.span_id == parent.get_span_context().span_id
+    assert context_from_traceparent("") is None
+
+
+@pytest.fixture
+async def mesh() -> AsyncIterator[str]:
+    redis: aioredis.Redis[bytes] = aioredis.Redis.from_url(REDIS_URL)
+    prefix = f"hf-trace-test-{uuid.uuid4().hex[:8]}:"
+    address = f"127.0.0.1:{free_port()}"
+    config = CoordinatorConfig(
+        listen=address, redis_prefix=prefix, cluster="A100,L40S", time_scale=200.0
+    )
+    coordinator = Coordinator(config, redis)
+    await coordinator.start()
+
+    def register(server: grpc.aio.Server) -> None:
+        coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(
+            CoordinatorServicer(coordinator), server
+        )
+        worker_pb2_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(coordinator), server)
+
+    server = GrpcServer(address, register, ["hexgen_flow.v1.CoordinatorService"], grace_s=0.2)
+    await server.start()
+    workers = [
+        Worker(WorkerConfig(coordinator=address, worker_id=f"trace-{slot}", slot=slot, gpu=gpu))
+        for slot, gpu in enumerate(("A100", "L40S"))
+    ]
+    tasks = [asyncio.create_task(w.run()) for w in workers]
+    try:
+        for w in workers:
+            await asyncio.wait_for(w.welcomed.wait(), 20)
+        yield address
+    finally:
+        for w in workers:
+            w.stop()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await coordinator.stop()
+        await server.stop()
+        keys = [k async for k in redis.scan_iter(match=f"{prefix}*")]
+        if keys:
+            await redis.delete(*keys)
+        await redis.aclose()  # type: ignore[attr-defined]  # types-redis predates aclose
+
+
+async def test_a_query_is_one_trace_across_coordinator_and_worker(
+    spans: InMemorySpanExporter, mesh: str
+) -> None:
+    small = LLMCall("information_retriever", 308, 5)
+    query = Query(
+        f"traced-{uuid.uuid4().hex[:6]}",
+        Workflow.chain([(small,), (small, LLMCall("evaluate", 961, 22)), (small,)]),
+    )
+    async with CoordinatorClient(mesh) as client:
+        events = [e async for e in client.run(query)]
+    assert events[-1].kind == coordinator_pb2.QUERY_EVENT_KIND_SUCCEEDED
+    await asyncio.sleep(0.2)  # the worker ends its spans when its finish is reported
+
+    finished = spans.get_finished_spans()
+    (root,) = [s for s in finished if s.name == "query" and _attr(s, "query.id") == query.query_id]
+    trace_id = _context(root).trace_id
+    mine = [s for s in finished if _context(s).trace_id == trace_id]
+    coordinator_calls = {_attr(s, "call.id"): s for s in mine if s.name == "call" and s.parent}
+    assert set(coordinator_calls) == {
+        f"{query.query_id}/{k}.{i}" for k, n in enumerate((1, 2, 1)) for i in range(n)
+    }
+    assert all(_parent(s) == _context(root).span_id for s in coordinator_calls.values())
+    call_span_ids = {_context(s).span_id for s in coordinator_calls.values()}
+    worker_spans = [s for s in mine if s.parent is not None and s.parent.span_id in call_span_ids]
+    assert len(worker_spans) == 4  # the worker's span of each call, child of the dispatch
+    assert all(_attr(s, "hexgen.queue_wait_s") is not None for s in worker_spans)
+
+
+def _attr(span: ReadableSpan, name: str) -> object:
+    return (span.attributes or {}).get(name)
+
+
+def _context(span: ReadableSpan) -> trace.SpanContext:
+    context = span.context
+    assert isinstance(context, trace.SpanContext)
+    return context
+
+
+def _parent(span: ReadableSpan) -> int | None:
+    return span.parent.span_id if span.parent is not None else None
