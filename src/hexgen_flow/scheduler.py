@@ -19,7 +19,7 @@ from hexgen_flow.policies.base import Dispatcher, LocalQueue, NoInstanceError, S
 from hexgen_flow.policies.presets import Preset
 from hexgen_flow.policies.registration import BUDGETS, DISPATCHERS, QUEUES
 from hexgen_flow.runtime import CallTicket, ClusterLoad, PolicyContext, QueryRun
-from hexgen_flow.workload import Query
+from hexgen_flow.workload import LLMCall, Query
 
 __all__ = ["AdmissionEngine", "GlobalScheduler", "InstanceScheduler"]
 
@@ -48,6 +48,8 @@ class GlobalScheduler:
         )
         self.next_seq = 0
         """Sequence number of the next released call (release order across queries)."""
+        self.slo_base_s = self.estimator.slo_base()
+        """SLO_base of this cluster (ALGORITHM.md §5)."""
 
     def make_queue(self, instance: int) -> LocalQueue:
         """The preset's local queue for `instance` (used where the instance runs)."""
@@ -67,6 +69,22 @@ class GlobalScheduler:
         if not 0.0 <= alpha <= 1.0:
             raise ConfigError(f"alpha must be in [0, 1], got {alpha}")
         self.dispatcher.alpha = alpha
+
+    def slo_of(self, query: Query, default_scale: float) -> float:
+        """A query's end-to-end SLO: its own, or its (else the run's) scale x SLO_base."""
+        if query.slo_s is not None:
+            return query.slo_s
+        scale = query.slo_scale if query.slo_scale is not None else default_scale
+        return scale * self.slo_base_s
+
+    def oversized_call(self, query: Query) -> tuple[int, int, LLMCall] | None:
+        """(stage, call index, call) of the first call no instance's KV cache can hold."""
+        biggest = max(self.load.kv_tokens)
+        for k, stage in enumerate(query.workflow.stages):
+            for c, call in enumerate(stage.calls):
+                if call.input_tokens + call.output_tokens > biggest:
+                    return k, c, call
+        return None
 
     def admit(self, query: Query, index: int, arrival_s: float, slo_s: float) -> QueryRun:
         """Start a query; release its root stages with `release`."""

@@ -133,7 +133,7 @@ class Coordinator:
         self.scheduler = GlobalScheduler(self.cluster, preset, seed=config.seed)
         self.store = WorkflowStore(redis, config.redis_prefix)
         self.redis = redis
-        self.slo_base_s = self.scheduler.estimator.slo_base()
+        self.slo_base_s = self.scheduler.slo_base_s
         self.clock = ClusterClock.starting_now(config.time_scale)
         self.tracer = setup_tracing("hexgen-coordinator")
         self.active: dict[str, _Active] = {}
@@ -192,7 +192,7 @@ class Coordinator:
         if existing is not None:
             return self._info_of_run(existing.run), False
         now = self.clock.now()
-        slo_s = self._slo_of(query)
+        slo_s = self.scheduler.slo_of(query, self.config.slo_scale)
         stages = query.workflow.stages
         created, index = await self.store.submit(
             query.query_id,
@@ -227,21 +227,14 @@ class Coordinator:
         return self._info_of_run(run), True
 
     def _check_fits(self, query: Query) -> None:
-        biggest = max(self.scheduler.load.kv_tokens)
-        for k, stage in enumerate(query.workflow.stages):
-            for c, call in enumerate(stage.calls):
-                if call.input_tokens + call.output_tokens > biggest:
-                    raise InvalidFieldError(
-                        f"workflow.stages[{k}].calls[{c}]",
-                        f"{call.input_tokens}+{call.output_tokens} tokens fit no instance's KV "
-                        f"cache (largest: {biggest} tokens)",
-                    )
-
-    def _slo_of(self, query: Query) -> float:
-        if query.slo_s is not None:
-            return query.slo_s
-        scale = query.slo_scale if query.slo_scale is not None else self.config.slo_scale
-        return scale * self.slo_base_s
+        oversized = self.scheduler.oversized_call(query)
+        if oversized is not None:
+            k, c, call = oversized
+            raise InvalidFieldError(
+                f"workflow.stages[{k}].calls[{c}]",
+                f"{call.input_tokens}+{call.output_tokens} tokens fit no instance's KV cache "
+                f"(largest: {max(self.scheduler.load.kv_tokens)} tokens)",
+            )
 
     def _release_stage(self, entry: _Active, stage: int, now: float) -> list[CallTicket]:
         tickets = self.scheduler.release(entry.run, stage, now)

@@ -71,7 +71,7 @@ class Simulation:
         self.config = config
         self.scheduler = GlobalScheduler(cluster, preset, seed=config.seed + 1, estimator=estimator)
         self.estimator = self.scheduler.estimator
-        self.slo_base_s = self.estimator.slo_base()
+        self.slo_base_s = self.scheduler.slo_base_s
         self._check_fits()
         rng = random.Random(config.seed)
         times = arrival_times(self.queries, config.qps, config.arrival_cv, rng)
@@ -93,20 +93,17 @@ class Simulation:
     def _check_fits(self) -> None:
         biggest = max(self.scheduler.load.kv_tokens)
         for q in self.queries:
-            for stage in q.workflow.stages:
-                for call in stage.calls:
-                    if call.input_tokens + call.output_tokens > biggest:
-                        raise ConfigError(
-                            f"query {q.query_id}: a {call.step} call of "
-                            f"{call.input_tokens}+{call.output_tokens} tokens fits no "
-                            f"instance's KV cache (largest: {biggest} tokens)"
-                        )
+            oversized = self.scheduler.oversized_call(q)
+            if oversized is not None:
+                call = oversized[2]
+                raise ConfigError(
+                    f"query {q.query_id}: a {call.step} call of "
+                    f"{call.input_tokens}+{call.output_tokens} tokens fits no "
+                    f"instance's KV cache (largest: {biggest} tokens)"
+                )
 
     def slo_of(self, query: Query) -> float:
-        if query.slo_s is not None:
-            return query.slo_s
-        scale = query.slo_scale if query.slo_scale is not None else self.config.slo_scale
-        return scale * self.slo_base_s
+        return self.scheduler.slo_of(query, self.config.slo_scale)
 
     # ----------------------------------------------------------------- event handling
 
