@@ -17,10 +17,10 @@ import argparse
 import asyncio
 import time
 
+from hexgen_api.v1 import coordinator_pb2
 from hexgen_client.client import CoordinatorClient
 from hexgen_client.cluster import LocalCluster, LocalClusterConfig
 from hexgen_flow.traces import load_trace, take_queries
-from hexgen_flow.v1 import coordinator_pb2
 from hexgen_service.convert import submit_from_query
 
 TIME_SCALE = 2000.0

@@ -1,10 +1,18 @@
 """Generate the Python gRPC stubs from protos/ (the one reproducible command).
 
-    python scripts/gen_protos.py            # write src/hexgen_flow/v1/*_pb2*.py(i)
+    python scripts/gen_protos.py            # write protos/python/hexgen_api/v1/*_pb2*.py(i)
     python scripts/gen_protos.py --check    # exit 1 if the committed stubs are stale
 
-Uses the pinned grpcio-tools and mypy-protobuf from the dev extra; the output mirrors the
-proto package (hexgen_flow.v1), so generated imports are absolute and never hand-patched.
+Uses the pinned grpcio-tools and mypy-protobuf from the dev extra. The stubs are a package
+of their own, `hexgen_api`, not part of the scheduling core: the proto package must be
+`hexgen_flow.v1` (buf's PACKAGE_DIRECTORY_MATCH ties it to `protos/hexgen_flow/v1/`), and
+protoc writes Python imports from the proto path (`from hexgen_flow.v1 import ...`), with no
+option to choose another Python package. So this command generates into a scratch folder
+and moves the files to `hexgen_api/v1/`, rewriting only those generated import lines to
+`hexgen_api.v1` (the same thing protoletariat does). Everything else is protoc's output,
+byte for byte: message and service names, the descriptor's file names and the gRPC method
+paths stay `hexgen_flow.v1`, so reflection and clients in other languages see the protos as
+written.
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ from __future__ import annotations
 import argparse
 import filecmp
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -21,31 +30,41 @@ from grpc_tools import protoc
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = ROOT / "protos"
-OUT_ROOT = ROOT / "src"
-PACKAGE_DIR = Path("hexgen_flow") / "v1"
+PROTO_DIR = Path("hexgen_flow") / "v1"
+"""Where the .proto files are, under PROTO_ROOT (mirrors the proto package)."""
+OUT_ROOT = ROOT / "protos" / "python"
+PACKAGE_DIR = Path("hexgen_api") / "v1"
+"""Where the generated modules go, under OUT_ROOT (the Python package hexgen_api.v1)."""
 INIT = '"""Generated gRPC stubs of the hexgen_flow.v1 protos (scripts/gen_protos.py)."""\n'
+# Only whole import statements of the proto package, at the start of a line; string
+# literals such as '/hexgen_flow.v1.CoordinatorService/SubmitQuery' never match.
+_IMPORT = re.compile(r"^(from|import) hexgen_flow\.v1\b", re.MULTILINE)
 
 
 def generate(out_root: Path) -> list[Path]:
     # protoc finds the mypy plugins on PATH: the ones installed beside this interpreter.
     bindir = str(Path(sys.executable).parent)
     os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
-    protos = sorted(PROTO_ROOT.joinpath(PACKAGE_DIR).glob("*.proto"))
+    protos = sorted(PROTO_ROOT.joinpath(PROTO_DIR).glob("*.proto"))
     if not protos:
-        sys.exit(f"no .proto files under {PROTO_ROOT / PACKAGE_DIR}")
+        sys.exit(f"no .proto files under {PROTO_ROOT / PROTO_DIR}")
     target = out_root / PACKAGE_DIR
     target.mkdir(parents=True, exist_ok=True)
-    args = [
-        "grpc_tools.protoc",
-        f"-I{PROTO_ROOT}",
-        f"--python_out={out_root}",
-        f"--grpc_python_out={out_root}",
-        f"--mypy_out={out_root}",
-        f"--mypy_grpc_out={out_root}",
-        *(str(p.relative_to(PROTO_ROOT)) for p in protos),
-    ]
-    if protoc.main(args) != 0:
-        sys.exit("protoc failed")
+    with tempfile.TemporaryDirectory() as scratch:
+        args = [
+            "grpc_tools.protoc",
+            f"-I{PROTO_ROOT}",
+            f"--python_out={scratch}",
+            f"--grpc_python_out={scratch}",
+            f"--mypy_out={scratch}",
+            f"--mypy_grpc_out={scratch}",
+            *(str(p.relative_to(PROTO_ROOT)) for p in protos),
+        ]
+        if protoc.main(args) != 0:
+            sys.exit("protoc failed")
+        for generated in sorted(Path(scratch, PROTO_DIR).iterdir()):
+            text = _IMPORT.sub(r"\1 hexgen_api.v1", generated.read_text())
+            (target / generated.name).write_text(text)
     (target / "__init__.py").write_text(INIT)
     return sorted(p for p in target.iterdir() if p.is_file())
 

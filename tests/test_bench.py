@@ -30,7 +30,7 @@ RESULT_KEYS = {
 def test_quick_bench_writes_every_output(tmp_path: Path) -> None:
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, "-m", "hexgen_flow.cli", "bench", "--quick", "--out", str(out)],
+        [sys.executable, "-m", "hexgen_cli", "bench", "--quick", "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=120,

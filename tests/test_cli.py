@@ -40,7 +40,7 @@ CONTRACT_FIELDS = {
 
 def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "hexgen_flow.cli", *args],
+        [sys.executable, "-m", "hexgen_cli", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -316,7 +316,7 @@ def test_ctrl_c_exits_130_quietly(tmp_path: Path) -> None:
     # The full benchmark runs for minutes: it is certainly still running when interrupted,
     # inside the worker pool.
     proc = subprocess.Popen(
-        [sys.executable, "-m", "hexgen_flow.cli", "bench", "--out", str(tmp_path)],
+        [sys.executable, "-m", "hexgen_cli", "bench", "--out", str(tmp_path)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -18,7 +18,7 @@ def run_cli(
     *args: str, env: dict[str, str] | None = None, timeout: float = 60
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "hexgen_flow.cli", *args],
+        [sys.executable, "-m", "hexgen_cli", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -38,7 +38,7 @@ def assert_usage_error(proc: subprocess.CompletedProcess[str], *fragments: str) 
 
 def test_the_library_commands_do_not_load_grpc() -> None:
     code = (
-        "import sys, hexgen_flow.cli as cli\n"
+        "import sys, hexgen_cli as cli\n"
         "cli.build_parser()\n"
         "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('grpc', 'redis'))\n"
         "print(loaded)\n"

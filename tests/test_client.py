@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 
+from hexgen_api.v1 import coordinator_pb2 as cpb
 from hexgen_client.client import CoordinatorClient
 from hexgen_client.cluster import free_port
 from hexgen_client.convert import (
@@ -30,7 +31,6 @@ from hexgen_flow.metrics import QueryOutcome
 from hexgen_flow.policies.presets import resolve_policy
 from hexgen_flow.sim.simulator import SimConfig, Simulation
 from hexgen_flow.traces import load_trace, take_queries
-from hexgen_flow.v1 import coordinator_pb2 as cpb
 from hexgen_service.convert import query_from_submit
 
 TRACE = load_trace("trace1")

@@ -26,6 +26,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
+from hexgen_api.v1 import coordinator_pb2, coordinator_pb2_grpc, tuner_pb2, tuner_pb2_grpc
 from hexgen_client.client import CoordinatorClient
 from hexgen_client.cluster import LocalCluster, LocalClusterConfig, find_redis_server
 from hexgen_client.errors import ClusterError
@@ -34,7 +35,6 @@ from hexgen_flow.cluster import parse_cluster
 from hexgen_flow.policies.presets import resolve_policy
 from hexgen_flow.sim.simulator import SimConfig, simulate
 from hexgen_flow.traces import load_trace, take_queries
-from hexgen_flow.v1 import coordinator_pb2, coordinator_pb2_grpc, tuner_pb2, tuner_pb2_grpc
 from hexgen_flow.workload import Query
 from hexgen_service.healthcheck import check
 from hexgen_tuner.config import TunerConfig
@@ -98,7 +98,7 @@ def test_cli_status_replay_and_ask(mesh: LocalCluster) -> None:
             [
                 sys.executable,
                 "-m",
-                "hexgen_flow.cli",
+                "hexgen_cli",
                 *args,
                 "--coordinator",
                 mesh.coordinator_address,
@@ -194,7 +194,7 @@ def test_a_killed_worker_and_a_restarted_coordinator_come_back(mesh: LocalCluste
 
 def test_up_runs_until_interrupted_then_stops_everything(tmp_path: Path) -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "hexgen_flow.cli", "up", "--listen", "127.0.0.1:0",
+        [sys.executable, "-m", "hexgen_cli", "up", "--listen", "127.0.0.1:0",
          "--tuner-listen", "127.0.0.1:0", "--time-scale", "50", "--log-dir", str(tmp_path)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

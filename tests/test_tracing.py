@@ -21,12 +21,12 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from hexgen_api.v1 import coordinator_pb2, coordinator_pb2_grpc, worker_pb2_grpc
 from hexgen_client.client import CoordinatorClient
 from hexgen_client.cluster import free_port
 from hexgen_coordinator.config import CoordinatorConfig
 from hexgen_coordinator.coordinator import Coordinator
 from hexgen_coordinator.service import CoordinatorServicer, WorkerServicer
-from hexgen_flow.v1 import coordinator_pb2, coordinator_pb2_grpc, worker_pb2_grpc
 from hexgen_flow.workload import LLMCall, Query, Workflow
 from hexgen_service.server import GrpcServer
 from hexgen_service.telemetry import context_from_traceparent, setup_tracing, traceparent_of

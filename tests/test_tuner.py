@@ -22,13 +22,13 @@ import grpc
 import pytest
 import redis.asyncio as aioredis
 
+from hexgen_api.v1 import coordinator_pb2, tuner_pb2, tuner_pb2_grpc
 from hexgen_client.client import CoordinatorClient
 from hexgen_client.cluster import free_port
 from hexgen_client.convert import cluster_from_status
 from hexgen_flow.policies.presets import resolve_policy
 from hexgen_flow.traces import load_trace
 from hexgen_flow.tuning import AlphaPoint, TuningResult
-from hexgen_flow.v1 import coordinator_pb2, tuner_pb2, tuner_pb2_grpc
 from hexgen_flow.workload import Query
 from hexgen_service.convert import submit_from_query
 from hexgen_service.healthcheck import check

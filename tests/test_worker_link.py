@@ -48,9 +48,9 @@ from pathlib import Path
 import pytest
 import redis
 
+from hexgen_api.v1 import coordinator_pb2 as cpb
 from hexgen_client.client import CoordinatorClient
 from hexgen_client.cluster import ManagedProcess, free_port, stop_processes
-from hexgen_flow.v1 import coordinator_pb2 as cpb
 from hexgen_flow.workload import LLMCall, Query, Stage, Workflow
 from hexgen_service.healthcheck import check
 from hexgen_worker import Worker, WorkerConfig

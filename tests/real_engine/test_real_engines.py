@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 import pytest
 import redis
 
+from hexgen_api.v1 import coordinator_pb2 as cpb
 from hexgen_client.client import CoordinatorClient
 from hexgen_client.cluster import LocalCluster
-from hexgen_flow.v1 import coordinator_pb2 as cpb
 from hexgen_flow.workload import LLMCall, Query, Stage, Workflow
 
 pytestmark = pytest.mark.real_engine

@@ -19,10 +19,10 @@ from typing import Any
 
 import grpc
 
+from hexgen_api.v1 import coordinator_pb2, coordinator_pb2_grpc
 from hexgen_client.addresses import DEFAULT_COORDINATOR
 from hexgen_client.convert import is_terminal, submit_request
 from hexgen_client.errors import CoordinatorError, CoordinatorUnavailableError
-from hexgen_flow.v1 import coordinator_pb2, coordinator_pb2_grpc
 from hexgen_flow.workload import Query
 
 __all__ = ["CoordinatorClient"]

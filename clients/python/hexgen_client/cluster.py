@@ -39,12 +39,12 @@ from typing import IO
 import grpc
 import redis
 
+from hexgen_api.v1 import coordinator_pb2, coordinator_pb2_grpc
 from hexgen_client.addresses import DEFAULT_COORDINATOR, DEFAULT_REDIS_PREFIX, DEFAULT_TUNER
 from hexgen_client.errors import ClusterError
 from hexgen_flow.cluster import DEFAULT_CLUSTER, parse_cluster
 from hexgen_flow.errors import ConfigError
 from hexgen_flow.policies.presets import resolve_policy
-from hexgen_flow.v1 import coordinator_pb2, coordinator_pb2_grpc
 from hexgen_service.healthcheck import check
 
 __all__ = [

@@ -17,12 +17,12 @@ import math
 import random
 from collections.abc import Iterable, Sequence
 
+from hexgen_api.v1 import coordinator_pb2
 from hexgen_flow.cluster import Cluster
 from hexgen_flow.errors import HexgenFlowError, WorkloadError
 from hexgen_flow.metrics import QueryOutcome, RunMetrics
 from hexgen_flow.policies.presets import Preset, resolve_policy
 from hexgen_flow.sim.arrivals import arrival_times
-from hexgen_flow.v1 import coordinator_pb2
 from hexgen_flow.workload import Query
 from hexgen_service.convert import submit_from_query
 

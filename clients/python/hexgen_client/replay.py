@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 from tqdm import tqdm
 
+from hexgen_api.v1 import coordinator_pb2
 from hexgen_client.client import CoordinatorClient
 from hexgen_client.convert import (
     TERMINAL_STATES,
@@ -28,7 +29,6 @@ from hexgen_client.convert import (
 from hexgen_client.errors import CoordinatorUnavailableError
 from hexgen_flow.errors import ConfigError
 from hexgen_flow.metrics import RunMetrics
-from hexgen_flow.v1 import coordinator_pb2
 from hexgen_flow.workload import Query
 
 __all__ = ["replay"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hexgen_flow.v1 import coordinator_pb2
+from hexgen_api.v1 import coordinator_pb2
 
 __all__ = ["event_kind", "event_line", "state_name", "status_json", "status_lines"]
 

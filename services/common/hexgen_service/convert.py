@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import math
 
+from hexgen_api.v1 import coordinator_pb2, worker_pb2, workflow_pb2
 from hexgen_flow.errors import WorkloadError
 from hexgen_flow.runtime import CallTicket
-from hexgen_flow.v1 import coordinator_pb2, worker_pb2, workflow_pb2
 from hexgen_flow.workload import LLMCall, Query, Stage, Workflow, canonical_step
 from hexgen_service.errors import InvalidFieldError
 

@@ -11,11 +11,11 @@ from dataclasses import fields
 import grpc
 import redis.asyncio as aioredis
 
+from hexgen_api.v1 import coordinator_pb2_grpc, worker_pb2_grpc
 from hexgen_coordinator.config import CoordinatorConfig
 from hexgen_coordinator.coordinator import Coordinator
 from hexgen_coordinator.service import CoordinatorServicer, WorkerServicer
 from hexgen_flow.errors import HexgenFlowError
-from hexgen_flow.v1 import coordinator_pb2_grpc, worker_pb2_grpc
 from hexgen_service.server import GrpcServer
 
 SERVICE_NAMES = ("hexgen_flow.v1.CoordinatorService", "hexgen_flow.v1.WorkerService")

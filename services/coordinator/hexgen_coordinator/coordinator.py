@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 import redis.asyncio as aioredis
 from opentelemetry import trace
 
+from hexgen_api.v1 import coordinator_pb2 as cpb
+from hexgen_api.v1 import worker_pb2 as wpb
 from hexgen_coordinator.config import CoordinatorConfig
 from hexgen_coordinator.store import StoredQuery, WorkflowStore
 from hexgen_flow.cluster import parse_cluster
@@ -32,8 +34,6 @@ from hexgen_flow.policies.base import NoInstanceError
 from hexgen_flow.policies.presets import resolve_policy
 from hexgen_flow.runtime import CallTicket, QueryRun
 from hexgen_flow.scheduler import GlobalScheduler
-from hexgen_flow.v1 import coordinator_pb2 as cpb
-from hexgen_flow.v1 import worker_pb2 as wpb
 from hexgen_flow.workload import Query
 from hexgen_service.clock import ClusterClock
 from hexgen_service.convert import parse_submit, ticket_to_dispatch

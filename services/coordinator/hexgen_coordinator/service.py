@@ -10,16 +10,16 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from hexgen_api.v1 import coordinator_pb2 as cpb
+from hexgen_api.v1 import coordinator_pb2_grpc as cpb_grpc
+from hexgen_api.v1 import worker_pb2 as wpb
+from hexgen_api.v1 import worker_pb2_grpc as wpb_grpc
 from hexgen_coordinator.coordinator import (
     Coordinator,
     SlotTakenError,
     UnknownQueryError,
     WorkerLink,
 )
-from hexgen_flow.v1 import coordinator_pb2 as cpb
-from hexgen_flow.v1 import coordinator_pb2_grpc as cpb_grpc
-from hexgen_flow.v1 import worker_pb2 as wpb
-from hexgen_flow.v1 import worker_pb2_grpc as wpb_grpc
 from hexgen_service.errors import InvalidFieldError
 
 __all__ = ["CoordinatorServicer", "WorkerServicer"]

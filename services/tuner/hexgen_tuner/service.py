@@ -12,9 +12,9 @@ import grpc
 import redis
 import redis.asyncio as aioredis
 
+from hexgen_api.v1 import tuner_pb2, tuner_pb2_grpc
 from hexgen_client.client import CoordinatorClient
 from hexgen_client.errors import CoordinatorError
-from hexgen_flow.v1 import tuner_pb2, tuner_pb2_grpc
 from hexgen_service.server import GrpcServer
 from hexgen_service.telemetry import client_interceptors, setup_tracing
 from hexgen_tuner.config import TunerConfig

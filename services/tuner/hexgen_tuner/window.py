@@ -17,8 +17,8 @@ from dataclasses import dataclass, replace
 
 import redis.asyncio as aioredis
 
+from hexgen_api.v1 import coordinator_pb2
 from hexgen_flow.errors import HexgenFlowError
-from hexgen_flow.v1 import coordinator_pb2
 from hexgen_flow.workload import Query
 from hexgen_service.convert import query_from_submit
 from hexgen_service.errors import InvalidFieldError

@@ -6,7 +6,7 @@ import json
 import math
 from collections.abc import Iterable
 
-from hexgen_flow.v1 import worker_pb2
+from hexgen_api.v1 import worker_pb2
 from hexgen_service.clock import ClusterClock
 from hexgen_service.errors import InvalidFieldError
 from hexgen_worker.config import EngineKind, WorkerConfig

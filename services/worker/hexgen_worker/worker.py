@@ -26,8 +26,8 @@ import random
 
 import grpc
 
+from hexgen_api.v1 import worker_pb2, worker_pb2_grpc
 from hexgen_flow.errors import ConfigError, WorkloadError
-from hexgen_flow.v1 import worker_pb2, worker_pb2_grpc
 from hexgen_service.convert import dispatch_to_ticket
 from hexgen_service.errors import InvalidFieldError
 from hexgen_service.telemetry import client_interceptors, setup_tracing

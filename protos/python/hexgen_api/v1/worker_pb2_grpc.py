@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from hexgen_flow.v1 import worker_pb2 as hexgen__flow_dot_v1_dot_worker__pb2
+from hexgen_api.v1 import worker_pb2 as hexgen__flow_dot_v1_dot_worker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

@@ -8,7 +8,7 @@ from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
-from hexgen_flow.v1 import workflow_pb2 as _workflow_pb2
+from hexgen_api.v1 import workflow_pb2 as _workflow_pb2
 import builtins as _builtins
 import sys
 import typing as _typing

@@ -1,0 +1,56 @@
+"""``bench``: the paper's benchmark matrix, sweeps and plots (`hexgen_flow.bench`)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from hexgen_cli.options import positive_int
+from hexgen_flow.errors import ConfigError
+
+__all__ = ["register"]
+
+
+def register(commands: Any) -> None:
+    """Add ``bench`` to the command parser."""
+    bench = commands.add_parser(
+        "bench",
+        help="run the benchmark matrix and write tables and plots",
+        description="Run the paper's benchmark matrix, goodput search, SLO and load sweeps, "
+        "multi-tenant run and simulator speed; write results.md, results.json and PNG "
+        "plots.",
+    )
+    bench.add_argument(
+        "--out",
+        type=Path,
+        default=Path("results"),
+        metavar="DIR",
+        help="output folder (default results/)",
+    )
+    bench.add_argument(
+        "--quick",
+        action="store_true",
+        help="a much smaller benchmark (seconds) that still writes every output file",
+    )
+    bench.add_argument(
+        "--workers",
+        type=positive_int,
+        default=2,
+        metavar="N",
+        help="worker processes (default 2; 1 runs everything in this process)",
+    )
+    bench.set_defaults(handler=_cmd_bench)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from hexgen_flow.bench import FULL_PLAN, QUICK_PLAN, run_bench  # noqa: PLC0415 - matplotlib is heavy; only bench needs it
+
+    plan = QUICK_PLAN if args.quick else FULL_PLAN
+    out: Path = args.out
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--out {out}: cannot create the folder ({exc.strerror})") from None
+    run_bench(plan, out, workers=args.workers)
+    return 0

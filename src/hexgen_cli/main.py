@@ -1,0 +1,75 @@
+"""The parser, assembled from the command groups, and `main`: exit codes and error lines."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from typing import NoReturn
+
+from hexgen_cli import bench, demo, mesh, simulation
+from hexgen_cli.options import PROG
+from hexgen_flow import __version__
+from hexgen_flow.errors import HexgenFlowError
+
+__all__ = ["COMMANDS", "build_parser", "main"]
+
+COMMANDS = ("simulate", "tune", "policies", "bench", "up", "replay", "ask", "status", "demo")
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+
+class UsageError(Exception):
+    """A command-line error found by argparse (unknown option, bad value)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, except that errors raise `UsageError` (printed by `main` as one line)
+    instead of printing the usage block and exiting."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog=PROG,
+        description="Deadline-aware scheduling of agentic LLM workflows on heterogeneous "
+        "GPU clusters: simulator, alpha tuner and benchmark, and the service mesh (up, "
+        "replay, ask, status, demo).",
+    )
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    simulation.register(commands)  # simulate, tune, policies
+    bench.register(commands)
+    mesh.register(commands)  # up, replay, ask, status
+    demo.register(commands)
+    return parser
+
+
+def _one_line(message: str) -> str:
+    return " ".join(message.split())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        if args.command is None:
+            raise UsageError(f"choose a command: {', '.join(COMMANDS)} (see {PROG} --help)")
+        status: int = args.handler(args)
+        sys.stdout.flush()
+    except (UsageError, HexgenFlowError) as exc:
+        print(f"{PROG}: error: {_one_line(str(exc))}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader went away (`hexgen-flow policies | head`): not an error of ours. Point
+        # stdout at devnull so that the interpreter's final flush does not complain again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+    return status

@@ -1,0 +1,138 @@
+"""What every command group shares: option value types, the defaults, and output helpers.
+
+Value types raise `argparse.ArgumentTypeError`, which the parser turns into one line on
+stderr and exit code 2 (`hexgen_cli.main`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+from hexgen_client.addresses import DEFAULT_COORDINATOR  # constants only: no grpc at import
+from hexgen_flow.metrics import json_safe
+
+__all__ = [
+    "DEFAULT_ARRIVAL_CV",
+    "DEFAULT_POLICY",
+    "DEFAULT_QPS",
+    "DEFAULT_SEED",
+    "DEFAULT_SLO_SCALE",
+    "DEFAULT_TRACE",
+    "PROG",
+    "add_coordinator_option",
+    "address",
+    "alpha_or_auto",
+    "info",
+    "integer",
+    "positive_float",
+    "positive_int",
+    "print_json",
+    "print_rows",
+    "unit_interval",
+]
+
+PROG = "hexgen-flow"
+DEFAULT_TRACE = "trace1"
+DEFAULT_POLICY = "hexgen-flow"
+DEFAULT_QPS = 0.5
+DEFAULT_SLO_SCALE = 3.0
+DEFAULT_SEED = 0
+DEFAULT_ARRIVAL_CV = 1.0
+
+
+# ------------------------------------------------------------------------ option value types
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def alpha_or_auto(text: str) -> float | None:
+    """A float in [0, 1], or None for ``auto``."""
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a number in [0, 1] or 'auto', got {text!r}"
+        ) from None
+    if not 0.0 <= value <= 1.0:  # False for NaN too
+        raise argparse.ArgumentTypeError(f"must be in [0, 1] or 'auto', got {text}")
+    return value
+
+
+def unit_interval(text: str) -> float:
+    value = alpha_or_auto(text)
+    if value is None:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}")
+    return value
+
+
+def address(text: str) -> str:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise argparse.ArgumentTypeError(
+            f"expected HOST:PORT, e.g. {DEFAULT_COORDINATOR}; got {text!r}"
+        )
+    return text
+
+
+def add_coordinator_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--coordinator",
+        type=address,
+        default=DEFAULT_COORDINATOR,
+        metavar="HOST:PORT",
+        help=f"the coordinator's address (default {DEFAULT_COORDINATOR})",
+    )
+
+
+# ---------------------------------------------------------------------------------- output
+
+
+def print_json(doc: dict[str, Any]) -> None:
+    """The one JSON object of a ``--json`` run, on one line; NaN and infinity as null."""
+    print(json.dumps(json_safe(doc), allow_nan=False))
+
+
+def info(message: str) -> None:
+    """Progress and notes: stderr, so that stdout stays the command's result."""
+    print(message, file=sys.stderr)
+
+
+def print_rows(
+    rows: Sequence[tuple[str, str]], out: TextIO | None = None, *, indent: str = ""
+) -> None:
+    """A two-column table: keys padded to the longest."""
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"{indent}{key:<{width}}  {value}", file=out or sys.stdout)
