@@ -13,11 +13,14 @@ WORKDIR /app
 
 # Dependencies first, so that a code change does not reinstall them.
 COPY pyproject.toml README.md ./
-RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
+# The core's dependencies and the mesh extra's (the services need both).
+RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
+print('\n'.join(p['dependencies'] + p['optional-dependencies']['mesh']))" \
         > /tmp/requirements.txt \
     && pip install -r /tmp/requirements.txt
 
 COPY src ./src
+COPY protos/python ./protos/python
 COPY services ./services
 COPY clients ./clients
 RUN pip install --no-deps . && rm -rf /app/build

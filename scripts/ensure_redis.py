@@ -32,11 +32,11 @@ def main() -> None:
     if shutil.which("redis-server") is None:
         if shutil.which("apt-get") and os.geteuid() == 0:
             print("redis-server not found: installing it with apt-get", file=sys.stderr)
-            subprocess.run(
-                ["apt-get", "install", "-y", "-q", "redis-server"],
-                check=True,
-                stdout=subprocess.DEVNULL,
-            )
+            install = ["apt-get", "install", "-y", "-q", "redis-server"]
+            if subprocess.run(install, stdout=subprocess.DEVNULL, check=False).returncode:
+                # a fresh machine's package lists may be missing or stale
+                subprocess.run(["apt-get", "update", "-q"], stdout=subprocess.DEVNULL, check=True)
+                subprocess.run(install, stdout=subprocess.DEVNULL, check=True)
         else:
             sys.exit(
                 "redis-server not found: install it (e.g. `sudo apt-get install "

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hexgen_client.cluster import free_port
+from hexgen_client.processes import free_port
 
 
 def run_cli(

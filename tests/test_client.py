@@ -11,7 +11,6 @@ import pytest
 
 from hexgen_api.v1 import coordinator_pb2 as cpb
 from hexgen_client.client import CoordinatorClient
-from hexgen_client.cluster import free_port
 from hexgen_client.convert import (
     arrival_schedule,
     cluster_from_status,
@@ -23,6 +22,7 @@ from hexgen_client.convert import (
     submit_request,
 )
 from hexgen_client.errors import CoordinatorUnavailableError
+from hexgen_client.processes import free_port
 from hexgen_client.replay import replay
 from hexgen_client.report import event_line, status_json, status_lines
 from hexgen_flow.cluster import parse_cluster

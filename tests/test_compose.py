@@ -15,16 +15,18 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from hexgen_client.cluster import free_port
+from hexgen_client.processes import free_port
 from hexgen_flow.cluster import DEFAULT_CLUSTER
 from hexgen_service.server import GrpcServer
 
@@ -145,8 +147,11 @@ def test_the_collector_exports_traces_to_jaeger_over_otlp() -> None:
 
 def test_the_image_installs_every_package() -> None:
     dockerfile = (ROOT / "Dockerfile").read_text()
-    for folder in ("src", "services", "clients"):
-        assert f"COPY {folder} ./{folder}" in dockerfile
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    copied = re.findall(r"^COPY (\S+) \./(\S+)$", dockerfile, re.MULTILINE)
+    for root in pyproject["tool"]["setuptools"]["packages"]["find"]["where"]:
+        assert any(root.startswith(src) and src == dst for src, dst in copied), root
+    assert "['optional-dependencies']['mesh']" in dockerfile  # the services need the extra
     assert "pip install --no-deps ." in dockerfile
 
 

@@ -15,16 +15,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from hexgen_client.cluster import (
-    LocalCluster,
-    LocalClusterConfig,
-    ManagedProcess,
-    RedisServer,
-    WorkerLaunch,
-    stop_processes,
-    worker_argv,
-)
+from hexgen_client.cluster import LocalCluster, LocalClusterConfig, WorkerLaunch, worker_argv
 from hexgen_client.errors import ClusterError
+from hexgen_client.processes import ManagedProcess, RedisServer, stop_processes
 from hexgen_flow.errors import ConfigError
 
 needs_redis_server = pytest.mark.skipif(

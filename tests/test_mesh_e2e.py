@@ -28,8 +28,9 @@ import redis.asyncio as aioredis
 
 from hexgen_api.v1 import coordinator_pb2, coordinator_pb2_grpc, tuner_pb2, tuner_pb2_grpc
 from hexgen_client.client import CoordinatorClient
-from hexgen_client.cluster import LocalCluster, LocalClusterConfig, find_redis_server
+from hexgen_client.cluster import LocalCluster, LocalClusterConfig
 from hexgen_client.errors import ClusterError
+from hexgen_client.processes import find_redis_server
 from hexgen_client.replay import replay
 from hexgen_flow.cluster import parse_cluster
 from hexgen_flow.policies.presets import resolve_policy

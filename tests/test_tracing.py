@@ -23,7 +23,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from hexgen_api.v1 import coordinator_pb2, coordinator_pb2_grpc, worker_pb2_grpc
 from hexgen_client.client import CoordinatorClient
-from hexgen_client.cluster import free_port
+from hexgen_client.processes import free_port
 from hexgen_coordinator.config import CoordinatorConfig
 from hexgen_coordinator.coordinator import Coordinator
 from hexgen_coordinator.service import CoordinatorServicer, WorkerServicer

@@ -24,8 +24,8 @@ import redis.asyncio as aioredis
 
 from hexgen_api.v1 import coordinator_pb2, tuner_pb2, tuner_pb2_grpc
 from hexgen_client.client import CoordinatorClient
-from hexgen_client.cluster import free_port
 from hexgen_client.convert import cluster_from_status
+from hexgen_client.processes import free_port
 from hexgen_flow.policies.presets import resolve_policy
 from hexgen_flow.traces import load_trace
 from hexgen_flow.tuning import AlphaPoint, TuningResult

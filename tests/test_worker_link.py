@@ -50,7 +50,7 @@ import redis
 
 from hexgen_api.v1 import coordinator_pb2 as cpb
 from hexgen_client.client import CoordinatorClient
-from hexgen_client.cluster import ManagedProcess, free_port, stop_processes
+from hexgen_client.processes import ManagedProcess, free_port, stop_processes
 from hexgen_flow.workload import LLMCall, Query, Stage, Workflow
 from hexgen_service.healthcheck import check
 from hexgen_worker import Worker, WorkerConfig

@@ -33,16 +33,14 @@ from pathlib import Path
 
 import pytest
 
-from hexgen_client.cluster import (
-    LocalCluster,
-    LocalClusterConfig,
+from hexgen_client.cluster import LocalCluster, LocalClusterConfig, WorkerLaunch
+from hexgen_client.errors import ClusterError
+from hexgen_client.processes import (
     ManagedProcess,
-    WorkerLaunch,
     find_redis_server,
     free_port,
     stop_processes,
 )
-from hexgen_client.errors import ClusterError
 
 PYTHON_VAR = "HEXGEN_VLLM_PYTHON"
 MODEL_VAR = "HEXGEN_SMOLLM2_DIR"

@@ -24,8 +24,9 @@ if TYPE_CHECKING:
         DEFAULT_TUNER,
     )
     from hexgen_client.client import CoordinatorClient
-    from hexgen_client.cluster import LocalCluster, LocalClusterConfig, RedisServer
+    from hexgen_client.cluster import LocalCluster, LocalClusterConfig
     from hexgen_client.errors import ClusterError, CoordinatorError, CoordinatorUnavailableError
+    from hexgen_client.processes import RedisServer
     from hexgen_client.replay import replay
 
 __all__ = [
@@ -54,7 +55,7 @@ _HOMES = {
     "CoordinatorUnavailableError": "errors",
     "LocalCluster": "cluster",
     "LocalClusterConfig": "cluster",
-    "RedisServer": "cluster",
+    "RedisServer": "processes",
     "replay": "replay",
 }
 

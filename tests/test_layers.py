@@ -1,0 +1,159 @@
+"""The packages' layers point one way, and the core stands alone.
+
+Which package may import which, read off every ``import`` statement of the source tree
+(module level and inside functions alike), and checked for real: the core imported, and the
+simulator run through the CLI, in a Python where grpc, redis, protobuf and OpenTelemetry
+cannot be imported at all.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import tomllib
+from importlib.metadata import requires
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+PACKAGES: dict[str, Path] = {
+    "hexgen_flow": ROOT / "src" / "hexgen_flow",
+    "hexgen_api": ROOT / "protos" / "python" / "hexgen_api",
+    "hexgen_service": ROOT / "services" / "common" / "hexgen_service",
+    "hexgen_coordinator": ROOT / "services" / "coordinator" / "hexgen_coordinator",
+    "hexgen_worker": ROOT / "services" / "worker" / "hexgen_worker",
+    "hexgen_client": ROOT / "clients" / "python" / "hexgen_client",
+    "hexgen_tuner": ROOT / "services" / "tuner" / "hexgen_tuner",
+    "hexgen_cli": ROOT / "src" / "hexgen_cli",
+}
+"""Every top-level package of the distribution and its folder."""
+
+MAY_IMPORT: dict[str, set[str]] = {
+    # the scheduling core: model, latency, policies, simulator, tuner, bench
+    "hexgen_flow": set(),
+    # the generated wire API (protobuf and grpc only)
+    "hexgen_api": set(),
+    # what the services share: servers, clocks, protobuf <-> core conversion, tracing
+    "hexgen_service": {"hexgen_flow", "hexgen_api"},
+    "hexgen_coordinator": {"hexgen_flow", "hexgen_api", "hexgen_service"},
+    "hexgen_worker": {"hexgen_flow", "hexgen_api", "hexgen_service"},
+    # the client starts services as processes (by module name), never imports them
+    "hexgen_client": {"hexgen_flow", "hexgen_api", "hexgen_service"},
+    # the tuner talks to the coordinator as any client does
+    "hexgen_tuner": {"hexgen_flow", "hexgen_api", "hexgen_service", "hexgen_client"},
+    # the command line sits on top of everything it drives
+    "hexgen_cli": {"hexgen_flow", "hexgen_client"},
+}
+"""Allowed imports between our packages (a package may always import itself)."""
+
+MESH_ONLY = ("grpc", "grpc_health", "grpc_reflection", "google", "redis", "opentelemetry")
+"""Third-party packages of the mesh extra: the core never imports them."""
+
+
+def imported_packages(package_dir: Path) -> dict[str, set[str]]:
+    """Top-level module name -> the files of `package_dir` that import it, anywhere in
+    the file (inside functions and TYPE_CHECKING blocks too)."""
+    found: dict[str, set[str]] = {}
+    for path in sorted(package_dir.rglob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                found.setdefault(name.split(".")[0], set()).add(str(path.relative_to(ROOT)))
+    return found
+
+
+def test_every_package_is_listed() -> None:
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    roots = pyproject["tool"]["setuptools"]["packages"]["find"]["where"]
+    on_disk = {
+        child.name
+        for root in roots
+        for child in (ROOT / root).iterdir()
+        if (child / "__init__.py").is_file()
+    }
+    assert on_disk == set(PACKAGES)
+    assert set(MAY_IMPORT) == set(PACKAGES)
+
+
+@pytest.mark.parametrize("package", sorted(PACKAGES))
+def test_imports_point_down(package: str) -> None:
+    imports = imported_packages(PACKAGES[package])
+    ours = {name for name in imports if name in PACKAGES and name != package}
+    upward = {name: sorted(imports[name]) for name in ours - MAY_IMPORT[package]}
+    assert not upward, f"{package} imports packages above it: {upward}"
+
+
+def test_the_core_imports_no_mesh_package() -> None:
+    imports = imported_packages(PACKAGES["hexgen_flow"])
+    mesh = {name: sorted(imports[name]) for name in MESH_ONLY if name in imports}
+    assert not mesh, f"the core imports mesh packages: {mesh}"
+
+
+def test_the_mesh_packages_are_an_extra() -> None:
+    """A plain install of the distribution brings the core only."""
+    declared = requires("hexgen-flow") or []
+    unconditional = [r for r in declared if "extra ==" not in r]
+    mesh = [r for r in declared if 'extra == "mesh"' in r]
+    names = {r.split(";")[0].split(">")[0].split("=")[0].split("[")[0].strip() for r in mesh}
+    assert {"grpcio", "redis", "protobuf", "opentelemetry-sdk"} <= names
+    for requirement in unconditional:
+        assert not requirement.startswith(("grpc", "redis", "protobuf", "opentelemetry")), (
+            requirement
+        )
+
+
+# A Python in which the mesh's packages cannot be imported, as after `pip install
+# hexgen-flow` without the mesh extra.
+_BLOCK_MESH = f"""
+import importlib.abc, sys
+class BlockMesh(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {MESH_ONLY!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+        return None
+sys.meta_path.insert(0, BlockMesh())
+"""
+
+
+def run_without_mesh(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", _BLOCK_MESH + code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_the_core_runs_without_the_mesh_packages() -> None:
+    modules = sorted(
+        "hexgen_flow." + ".".join(p.relative_to(PACKAGES["hexgen_flow"]).with_suffix("").parts)
+        for p in PACKAGES["hexgen_flow"].rglob("*.py")
+    )
+    code = (
+        "import importlib\n"
+        f"for name in {modules!r}:\n"
+        "    importlib.import_module(name.removesuffix('.__init__'))\n"
+        "from hexgen_cli.main import main\n"
+        "sys.exit(main(['simulate', '--num-queries', '20', '--alpha', '0.5', '--json']))\n"
+    )
+    proc = run_without_mesh(code)
+    assert proc.returncode == 0, proc.stderr
+    assert '"completed": 20' in proc.stdout
+
+
+def test_a_mesh_command_without_the_mesh_packages_says_what_to_install() -> None:
+    proc = run_without_mesh("from hexgen_cli.main import main\nsys.exit(main(['status']))\n")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("hexgen-flow: error: `hexgen-flow status` needs the service")
+    assert "pip install 'hexgen-flow[mesh]'" in proc.stderr
+    assert proc.stderr.count("\n") == 1
