@@ -1,0 +1,156 @@
+"""The dispatch path: released stages become tickets, tickets go to their workers' streams.
+
+The core's `GlobalScheduler` decides (stage budgets, which instance takes a call); this
+module names the calls, hands them to the worker links, opens their spans, logs their
+events, and sends again what a lost worker held or what waited parked for an instance.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+
+from opentelemetry import trace
+
+from hexgen_api.v1 import coordinator_pb2 as cpb
+from hexgen_api.v1 import worker_pb2 as wpb
+from hexgen_coordinator.events import record_event
+from hexgen_coordinator.ledger import ActiveQuery, Ledger, call_id_of, parse_call_id
+from hexgen_coordinator.write_behind import WriteBehind
+from hexgen_flow.cluster import Cluster
+from hexgen_flow.policies.base import NoInstanceError
+from hexgen_flow.runtime import CallTicket
+from hexgen_flow.scheduler import GlobalScheduler
+from hexgen_service.convert import ticket_to_dispatch
+from hexgen_service.telemetry import traceparent_of
+
+__all__ = ["Dispatch"]
+
+log = logging.getLogger("hexgen_coordinator.coordinator")  # the coordinator's one logger
+
+K = cpb.QueryEventKind
+
+
+class Dispatch:
+    def __init__(
+        self,
+        cluster: Cluster,
+        scheduler: GlobalScheduler,
+        tracer: trace.Tracer,
+        ledger: Ledger,
+        writes: WriteBehind,
+    ) -> None:
+        self.cluster = cluster
+        self.scheduler = scheduler
+        self.tracer = tracer
+        self.ledger = ledger
+        self.writes = writes
+
+    def release_stage(self, entry: ActiveQuery, stage: int, now: float) -> list[CallTicket]:
+        tickets = self.scheduler.release(entry.run, stage, now)
+        self.register_released(entry, stage, tickets, now)
+        return tickets
+
+    def register_released(
+        self, entry: ActiveQuery, stage: int, tickets: list[CallTicket], now: float
+    ) -> None:
+        query_id = entry.run.query.query_id
+        record_event(entry, K.QUERY_EVENT_KIND_STAGE_RELEASED, now, stage=stage)
+        for index, ticket in enumerate(tickets):
+            ticket.call_id = call_id_of(query_id, stage, index)
+            self.ledger.tickets[ticket.call_id] = ticket
+
+    def send(self, tickets: Iterable[CallTicket]) -> None:
+        """Hand dispatched tickets to their workers' streams (parked ones wait)."""
+        ledger = self.ledger
+        for ticket in tickets:
+            if ticket.instance < 0:
+                continue
+            link = ledger.links[ticket.instance]
+            if link is None:  # the slot went away between dispatch and send
+                self.redispatch(ticket, "instance went away")
+                continue
+            entry = ledger.active[ticket.query_id]
+            span = self.tracer.start_span(
+                "call",
+                context=trace.set_span_in_context(entry.span),
+                attributes={
+                    "call.id": ticket.call_id,
+                    "call.step": ticket.call.step,
+                    "call.instance": self.cluster.instances[ticket.instance].name,
+                },
+            )
+            old = ledger.call_spans.pop(ticket.call_id, None)
+            if old is not None:
+                old.end()
+            ledger.call_spans[ticket.call_id] = span
+            prompts = entry.prompts[ticket.stage]
+            index = parse_call_id(ticket.call_id)[2]
+            link.send(
+                wpb.ConnectResponse(
+                    dispatch=ticket_to_dispatch(
+                        ticket,
+                        prompts[index] if index < len(prompts) else "",
+                        traceparent_of(span),
+                    )
+                )
+            )
+            record_event(
+                entry,
+                K.QUERY_EVENT_KIND_CALL_DISPATCHED,
+                ledger.clock.now(),
+                stage=ticket.stage,
+                call_id=ticket.call_id,
+                instance=self.cluster.instances[ticket.instance].name,
+            )
+
+    def note_first_dispatch(self, entry: ActiveQuery, sent: Iterable[CallTicket]) -> None:
+        if entry.first_dispatch_pending is not None and any(t.instance >= 0 for t in sent):
+            self.ledger.submit_ms.append((time.perf_counter() - entry.first_dispatch_pending) * 1e3)
+            entry.first_dispatch_pending = None
+
+    def redispatch(self, ticket: CallTicket, reason: str) -> None:
+        self.scheduler.withdraw(ticket)
+        try:
+            self.scheduler.dispatch(ticket, self.ledger.clock.now())
+        except NoInstanceError:
+            log.warning("no instance can take %s now; parked", ticket.call_id)
+            return
+        entry = self.ledger.active.get(ticket.query_id)
+        if entry is not None:
+            record_event(
+                entry,
+                K.QUERY_EVENT_KIND_CALL_REDISPATCHED,
+                self.ledger.clock.now(),
+                stage=ticket.stage,
+                call_id=ticket.call_id,
+                text=reason,
+            )
+        self.send([ticket])
+
+    def dispatch_parked(self, now: float) -> None:
+        """Dispatch the calls that wait for an instance, in release order; those a worker
+        may still reclaim after a restart stay parked."""
+        ledger = self.ledger
+        parked = sorted(
+            (
+                t
+                for t in ledger.tickets.values()
+                if t.instance < 0 and t.call_id not in ledger.adoptable
+            ),
+            key=lambda t: t.seq,
+        )
+        sent = []
+        for ticket in parked:
+            try:
+                self.scheduler.dispatch(ticket, now)
+            except NoInstanceError:
+                continue
+            sent.append(ticket)
+        self.send(sent)
+        for entry_id in {t.query_id for t in sent}:
+            entry = ledger.active.get(entry_id)
+            if entry is not None:
+                self.note_first_dispatch(entry, sent)
+                self.writes.persist(entry, [t for t in sent if t.query_id == entry_id])

@@ -1,0 +1,75 @@
+"""What the coordinator holds in memory: its running queries, their calls, its workers.
+
+Redis (`WorkflowStore`) is the authoritative state; the ledger is the in-memory view the
+scheduler works on, shared by every part of the coordinator (admission, dispatch,
+completions, recovery, worker links, views). No part keeps a copy of it.
+
+Concurrency: one asyncio loop. Everything that touches one query (completion, cancel)
+holds that query's lock (`ActiveQuery.lock`), so Redis's view (authoritative) and the
+in-memory view apply completions in the same order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from dataclasses import dataclass, field
+
+from opentelemetry import trace
+
+from hexgen_api.v1 import coordinator_pb2 as cpb
+from hexgen_coordinator.links import WorkerLink
+from hexgen_flow.runtime import CallTicket, QueryRun
+from hexgen_service.clock import ClusterClock
+
+__all__ = ["ActiveQuery", "Ledger", "call_id_of", "parse_call_id"]
+
+
+def call_id_of(query_id: str, stage: int, index: int) -> str:
+    return f"{query_id}/{stage}.{index}"
+
+
+def parse_call_id(call_id: str) -> tuple[str, int, int]:
+    query_id, _, rest = call_id.rpartition("/")
+    stage, _, index = rest.partition(".")
+    return query_id, int(stage), int(index)
+
+
+@dataclass(eq=False)
+class ActiveQuery:
+    """In-memory companions of a running query."""
+
+    run: QueryRun
+    prompts: list[tuple[str, ...]]
+    span: trace.Span
+    events: list[cpb.QueryEvent] = field(default_factory=list)
+    """Logged events since this coordinator took the query (token chunks are live only)."""
+    event_base: int = 0
+    """Events already in Redis when this coordinator resumed the query."""
+    saved: int = 0
+    """How many of `events` are in Redis."""
+    watchers: set[asyncio.Queue[cpb.QueryEvent | None]] = field(default_factory=set)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    first_dispatch_pending: float | None = None
+
+
+class Ledger:
+    """The shared in-memory state; every part mutates these very objects, never rebinds them
+    (the `Coordinator` exposes `active`, `tickets` and `links` as attributes)."""
+
+    def __init__(self, instances: int, clock: ClusterClock) -> None:
+        self.clock = clock
+        """The cluster clock; `Coordinator.start` replaces it with the one kept in Redis."""
+        self.active: dict[str, ActiveQuery] = {}
+        self.tickets: dict[str, CallTicket] = {}
+        """Calls released and not finished, by call id; instance -1 while parked."""
+        self.links: list[WorkerLink | None] = [None] * instances
+        """The worker holding each slot, None while it has none."""
+        self.adoptable: dict[str, int] = {}
+        """After a restart: call id -> the slot Redis says it was dispatched to."""
+        self.call_spans: dict[str, trace.Span] = {}
+        """The open span of each dispatched call, ended when it finishes or is sent again."""
+        self.completion_ms: deque[float] = deque(maxlen=200_000)
+        self.submit_ms: deque[float] = deque(maxlen=200_000)
+        self.completions = 0
+        self.queries_finished = 0

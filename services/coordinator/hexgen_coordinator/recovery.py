@@ -1,0 +1,137 @@
+"""Recovery after a coordinator restart: every running query is rebuilt from Redis.
+
+A call Redis says was dispatched is adoptable: the worker that still holds it reclaims it
+when it reconnects (`hexgen_coordinator.workers`). What no worker reclaims within
+`resume_grace_s`, and what was never dispatched, goes out again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import redis.asyncio as aioredis
+from opentelemetry import trace
+
+from hexgen_api.v1 import coordinator_pb2 as cpb
+from hexgen_coordinator.config import CoordinatorConfig
+from hexgen_coordinator.dispatch import Dispatch
+from hexgen_coordinator.ledger import ActiveQuery, Ledger, call_id_of
+from hexgen_coordinator.store import StoredQuery, WorkflowStore
+from hexgen_flow.runtime import CallTicket
+from hexgen_flow.scheduler import GlobalScheduler
+from hexgen_service.convert import parse_submit
+
+__all__ = ["Recovery"]
+
+log = logging.getLogger("hexgen_coordinator.coordinator")  # the coordinator's one logger
+
+
+class Recovery:
+    def __init__(
+        self,
+        config: CoordinatorConfig,
+        scheduler: GlobalScheduler,
+        store: WorkflowStore,
+        redis: aioredis.Redis[bytes],
+        tracer: trace.Tracer,
+        ledger: Ledger,
+        dispatch: Dispatch,
+    ) -> None:
+        self.config = config
+        self.scheduler = scheduler
+        self.store = store
+        self.redis = redis
+        self.tracer = tracer
+        self.ledger = ledger
+        self.dispatch = dispatch
+
+    async def resume(self) -> asyncio.Task[None] | None:
+        """Rebuild every running query from Redis; its calls wait for their workers to
+        reclaim them for `resume_grace_s`, then go out again (the task returned, if any
+        call waits)."""
+        ledger = self.ledger
+        ids = await self.store.active_ids()
+        max_seq = -1
+        for query_id in ids:
+            stored = await self.store.load(query_id)
+            if stored is None or stored.fields.get("state") != "running":
+                continue
+            logged = int(await self.redis.llen(self.store.evkey(query_id)))
+            max_seq = max(max_seq, self._resume_query(stored, logged))
+        self.scheduler.next_seq = max(self.scheduler.next_seq, max_seq + 1)
+        if ledger.adoptable or any(t.instance < 0 for t in ledger.tickets.values()):
+            log.info(
+                "resumed %d queries, %d calls wait for their workers",
+                len(ledger.active),
+                len(ledger.tickets),
+            )
+            return asyncio.create_task(self._end_grace())
+        return None
+
+    def _resume_query(self, stored: StoredQuery, logged_events: int) -> int:
+        ledger = self.ledger
+        request = cpb.SubmitQueryRequest.FromString(stored.submit)
+        query, prompts = parse_submit(request)
+        f = stored.fields
+        run = self.scheduler.admit(query, int(f["index"]), float(f["arrival_s"]), float(f["slo_s"]))
+        span = self.tracer.start_span("query (resumed)", attributes={"query.id": query.query_id})
+        entry = ActiveQuery(run, prompts, span, event_base=logged_events)
+        ledger.active[query.query_id] = entry
+        stages = query.workflow.stages
+        run.calls_left = int(f["calls_left"])
+        released = []
+        for k in range(len(stages)):
+            run.stage_calls_left[k] = int(f[f"s{k}:left"])
+            run.deps_left[k] = int(f[f"s{k}:deps"])
+            rel, fin = stored.stage(k, "rel"), stored.stage(k, "fin")
+            run.stage_finished_s[k] = float(fin) if fin is not None else None
+            if rel is not None:
+                released.append((float(rel), k))
+        max_seq = -1
+        plan = self.scheduler.estimator.plan(query.workflow, "call")
+        for rel_s, k in sorted(released):
+            run.stage_released_s[k] = rel_s
+            computed = self.scheduler.budget.deadline(run, k, rel_s)  # replays budget state
+            if run.stage_finished_s[k] is not None:
+                continue
+            dl = stored.stage(k, "dl")
+            deadline = float(dl) if dl is not None else computed
+            for index, call in enumerate(stages[k].calls):
+                call_id = call_id_of(query.query_id, k, index)
+                state = stored.call(call_id)
+                if state == "done":
+                    continue
+                seq = self.scheduler.next_seq
+                slot = -1
+                if state:
+                    slot_s, _, seq_s = state.partition(":")
+                    slot, seq = int(slot_s), int(seq_s)
+                else:
+                    self.scheduler.next_seq += 1
+                ticket = CallTicket(
+                    seq, run, k, call, rel_s, deadline, plan.tail_s[k] - plan.stage_s[k]
+                )
+                ticket.call_id = call_id
+                ledger.tickets[call_id] = ticket
+                max_seq = max(max_seq, seq)
+                if slot >= 0:
+                    ledger.adoptable[call_id] = slot
+        return max_seq
+
+    async def _end_grace(self) -> None:
+        await asyncio.sleep(self.config.resume_grace_s)
+        unclaimed = list(self.ledger.adoptable)
+        self.ledger.adoptable.clear()
+        if unclaimed:
+            log.info(
+                "%d calls were not reclaimed by their workers; dispatching again", len(unclaimed)
+            )
+        self.dispatch.dispatch_parked(self.ledger.clock.now())
+
+    def adopt(self, ticket: CallTicket, slot: int) -> None:
+        """A call a reconnecting worker still holds goes back on its ledger."""
+        self.ledger.adoptable.pop(ticket.call_id, None)
+        ticket.instance = slot
+        ticket.work_s = self.scheduler.estimator.call_time(slot, ticket.call)
+        self.scheduler.load.on_dispatch(ticket)

@@ -1,0 +1,140 @@
+"""What clients read: a query's `QueryInfo` and events, and the cluster's status.
+
+A running query is read from the ledger (ahead of Redis by the writes still behind), any
+other from Redis. A query's events are streamed live by `hexgen_coordinator.events.watch`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from hexgen_api.v1 import coordinator_pb2 as cpb
+from hexgen_coordinator.ledger import Ledger
+from hexgen_coordinator.store import StoredQuery, WorkflowStore
+from hexgen_flow.cluster import Cluster
+from hexgen_flow.metrics import percentile
+from hexgen_flow.runtime import QueryRun
+from hexgen_flow.scheduler import GlobalScheduler
+
+__all__ = ["QueryViews", "UnknownQueryError"]
+
+_STATES = {
+    "running": cpb.QUERY_STATE_RUNNING,
+    "succeeded": cpb.QUERY_STATE_SUCCEEDED,
+    "cancelled": cpb.QUERY_STATE_CANCELLED,
+}
+
+
+class UnknownQueryError(LookupError):
+    """No query with that id (NOT_FOUND at the edge)."""
+
+
+class QueryViews:
+    def __init__(
+        self, cluster: Cluster, scheduler: GlobalScheduler, store: WorkflowStore, ledger: Ledger
+    ) -> None:
+        self.cluster = cluster
+        self.scheduler = scheduler
+        self.store = store
+        self.ledger = ledger
+
+    async def get_info(self, query_id: str) -> cpb.QueryInfo:
+        entry = self.ledger.active.get(query_id)
+        if entry is not None:
+            return self.info_of_run(entry.run)
+        stored = await self.store.load(query_id)
+        if stored is None:
+            raise UnknownQueryError(query_id)
+        return self.info_of_stored(stored)
+
+    async def get(self, query_id: str) -> tuple[cpb.QueryInfo, list[cpb.QueryEvent]]:
+        info = await self.get_info(query_id)
+        entry = self.ledger.active.get(query_id)
+        stored = [cpb.QueryEvent.FromString(r) for r in await self.store.events(query_id)]
+        if entry is not None:
+            return info, stored[: entry.event_base] + list(entry.events)
+        return info, stored
+
+    def info_of_run(self, run: QueryRun) -> cpb.QueryInfo:
+        q = run.query
+        stages_done = sum(1 for f in run.stage_finished_s if f is not None)
+        return cpb.QueryInfo(
+            query_id=q.query_id,
+            tenant=q.tenant,
+            state=cpb.QUERY_STATE_SUCCEEDED
+            if run.finished_s is not None
+            else cpb.QUERY_STATE_RUNNING,
+            arrival_s=run.arrival_s,
+            slo_s=run.slo_s,
+            deadline_s=run.deadline_s,
+            finished_s=run.finished_s or 0.0,
+            stages_total=len(q.workflow.stages),
+            stages_done=stages_done,
+            calls_total=q.workflow.num_calls,
+            calls_done=q.workflow.num_calls - run.calls_left,
+        )
+
+    def info_of_stored(self, stored: StoredQuery) -> cpb.QueryInfo:
+        f = stored.fields
+        return cpb.QueryInfo(
+            query_id=stored.query_id,
+            tenant=f["tenant"],
+            state=_STATES.get(f["state"], cpb.QUERY_STATE_UNSPECIFIED),
+            arrival_s=float(f["arrival_s"]),
+            slo_s=float(f["slo_s"]),
+            deadline_s=float(f["deadline_s"]),
+            finished_s=float(f["finished_s"]),
+            stages_total=int(f["stages_total"]),
+            stages_done=int(f["stages_done"]),
+            calls_total=int(f["calls_total"]),
+            calls_done=int(f["calls_total"]) - int(f["calls_left"]),
+        )
+
+    def status(self) -> cpb.ClusterStatusResponse:
+        ledger = self.ledger
+        load = self.scheduler.load
+        instances = []
+        for inst in self.cluster.instances:
+            link = ledger.links[inst.index]
+            instances.append(
+                cpb.InstanceStatus(
+                    index=inst.index,
+                    name=inst.name,
+                    gpu=inst.gpu,
+                    model=inst.model,
+                    worker_id=link.worker_id if link else "",
+                    connected=link is not None,
+                    engine=link.engine if link else "",
+                    in_flight=load.in_flight[inst.index],
+                    running=link.running if link else 0,
+                    queued=link.queued if link else 0,
+                    kv_used_tokens=link.kv_used if link else 0,
+                    kv_capacity_tokens=inst.kv_cache_tokens,
+                    outstanding_s=load.outstanding_s[inst.index],
+                )
+            )
+        return cpb.ClusterStatusResponse(
+            instances=instances,
+            policy=self.scheduler.preset.name,
+            alpha=self.scheduler.alpha or 0.0,
+            time_scale=ledger.clock.time_scale,
+            now_s=ledger.clock.now(),
+            queries_running=len(ledger.active),
+            queries_finished=ledger.queries_finished,
+            slo_base_s=self.scheduler.slo_base_s,
+            cluster=self.cluster.description,
+            overhead=cpb.CoordinatorOverhead(
+                completion_to_dispatch_ms=_summary(ledger.completion_ms),
+                submit_to_dispatch_ms=_summary(ledger.submit_ms),
+                completions=ledger.completions,
+            ),
+        )
+
+
+def _summary(samples: Iterable[float]) -> cpb.LatencySummary:
+    values = list(samples)
+    if not values:
+        return cpb.LatencySummary()
+    return cpb.LatencySummary(
+        count=len(values), p50=percentile(values, 50), p99=percentile(values, 99), max=max(values)
+    )

@@ -1,0 +1,127 @@
+"""Workers joining and leaving their slots.
+
+A worker that connects takes a slot (`links.slot_for`), reclaims the calls it still holds
+and gets again those it lost; a worker whose stream ends or whose heartbeats stop loses its
+slot, and its calls are dispatched elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+
+from hexgen_api.v1 import worker_pb2 as wpb
+from hexgen_coordinator.config import CoordinatorConfig
+from hexgen_coordinator.dispatch import Dispatch
+from hexgen_coordinator.ledger import Ledger
+from hexgen_coordinator.links import WorkerLink, slot_for
+from hexgen_coordinator.recovery import Recovery
+from hexgen_coordinator.write_behind import WriteBehind
+from hexgen_flow.cluster import Cluster
+from hexgen_flow.scheduler import GlobalScheduler
+
+__all__ = ["WorkerSlots"]
+
+log = logging.getLogger("hexgen_coordinator.coordinator")  # the coordinator's one logger
+
+
+class WorkerSlots:
+    def __init__(
+        self,
+        config: CoordinatorConfig,
+        cluster: Cluster,
+        scheduler: GlobalScheduler,
+        ledger: Ledger,
+        dispatch: Dispatch,
+        writes: WriteBehind,
+        recovery: Recovery,
+    ) -> None:
+        self.config = config
+        self.cluster = cluster
+        self.scheduler = scheduler
+        self.ledger = ledger
+        self.dispatch = dispatch
+        self.writes = writes
+        self.recovery = recovery
+
+    def connect(self, hello: wpb.WorkerHello, link: WorkerLink) -> wpb.WorkerWelcome:
+        """Give a worker its slot; raises InvalidFieldError / SlotTakenError."""
+        ledger = self.ledger
+        slot = slot_for(hello, self.cluster, ledger.links)
+        old = ledger.links[slot]
+        if old is not None and old is not link:
+            old.close()  # the same worker reconnecting: its old stream is dead
+        link.slot = slot
+        ledger.links[slot] = link
+        self.scheduler.load.set_available(slot, True)
+        now = ledger.clock.now()
+        drop = []
+        for call_id in hello.resident_call_ids:
+            ticket = ledger.tickets.get(call_id)
+            if ticket is not None and ticket.instance == slot:
+                continue
+            if ticket is not None and ticket.instance < 0 and ledger.adoptable.get(call_id) == slot:
+                self.recovery.adopt(ticket, slot)
+                continue
+            drop.append(call_id)
+        # Calls this slot should hold but the worker does not (it restarted): send again.
+        resident = set(hello.resident_call_ids)
+        resend = [
+            t for t in ledger.tickets.values() if t.instance == slot and t.call_id not in resident
+        ]
+        welcome = wpb.WorkerWelcome(
+            slot=slot,
+            instance=self.cluster.instances[slot].name,
+            epoch_unix_s=ledger.clock.epoch_unix_s,
+            time_scale=ledger.clock.time_scale,
+            cluster=self.cluster.inline,
+            queue_policy=self.scheduler.preset.queue.name,
+            queue_params_json=json.dumps(dict(self.scheduler.preset.queue.params)),
+            heartbeat_interval_s=self.config.heartbeat_interval_s,
+            drop_call_ids=drop,
+        )
+        link.send(wpb.ConnectResponse(welcome=welcome))
+        self.dispatch.send(resend)
+        self.dispatch.dispatch_parked(now)
+        log.info("worker %s (%s) holds slot %d", hello.worker_id, link.engine, slot)
+        return welcome
+
+    def on_heartbeat(self, link: WorkerLink, msg: wpb.WorkerHeartbeat) -> None:
+        link.last_seen = time.monotonic()
+        link.running, link.queued, link.kv_used = msg.running, msg.queued, msg.kv_used_tokens
+
+    def disconnect(self, link: WorkerLink, reason: str) -> None:
+        """The worker's stream ended: its calls go elsewhere."""
+        ledger = self.ledger
+        link.close()
+        if link.slot < 0 or ledger.links[link.slot] is not link:
+            return
+        slot = link.slot
+        ledger.links[slot] = None
+        self.scheduler.load.set_available(slot, False)
+        moved = [t for t in ledger.tickets.values() if t.instance == slot]
+        log.warning(
+            "worker %s left slot %d (%s); redispatching %d calls",
+            link.worker_id,
+            slot,
+            reason,
+            len(moved),
+        )
+        for ticket in moved:
+            self.dispatch.redispatch(ticket, f"worker {link.worker_id} lost: {reason}")
+        for entry_id in {t.query_id for t in moved}:
+            entry = ledger.active.get(entry_id)
+            if entry is not None:
+                self.writes.persist(entry, [t for t in moved if t.query_id == entry_id])
+
+    async def watch_heartbeats(self) -> None:
+        """Disconnect every worker silent for longer than `heartbeat_timeout_s`."""
+        timeout = self.config.heartbeat_timeout_s
+        while True:
+            await asyncio.sleep(min(timeout / 4, 0.25))
+            now = time.monotonic()
+            for link in list(self.ledger.links):
+                if link is not None and now - link.last_seen > timeout:
+                    self.disconnect(link, f"no heartbeat for {now - link.last_seen:.1f} s")
