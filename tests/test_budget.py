@@ -1,4 +1,4 @@
-"""Stage budgets against ALGORITHM.md §4 computed by hand, on CHESS queries of trace1 and a
+"""Stage budgets against docs/algorithm.md §4 computed by hand, on CHESS queries of trace1 and a
 hand-built diamond DAG. The cluster-mean estimates t̄ come from the latency model directly."""
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def _mean_single(inp: int, out: int) -> float:
 
 
 TBAR = {step: _mean_single(*tokens) for step, tokens in REPRESENTATIVE_TOKENS.items()}
-"""t̄(s): cluster-mean latency at the step's representative tokens (ALGORITHM.md §2)."""
+"""t̄(s): cluster-mean latency at the step's representative tokens (docs/algorithm.md §2)."""
 SLO_BASE = sum(TBAR[s] for s in STANDARD_TEMPLATE)
 
 
@@ -49,13 +49,13 @@ def _steps(query: Query) -> list[str]:
 
 
 def _split(now: float, deadline: float, own: float, rest: list[str]) -> float:
-    """ALGORITHM.md §4: a_k + (SLO_q − elapsed) · t̄(s_k) / (t̄(s_k) + Σ_{R(q)} t̄(s))."""
+    """docs/algorithm.md §4.1: a_k + (SLO_q − elapsed) · t̄(s_k) / (t̄(s_k) + Σ_{R(q)} t̄(s))."""
     return now + (deadline - now) * own / (own + sum(TBAR[s] for s in rest))
 
 
 def test_slo_base_matches_the_published_value() -> None:
     slo_base = Estimator(CLUSTER).slo_base()
-    assert slo_base == pytest.approx(58.9, abs=0.05)  # ALGORITHM.md §5
+    assert slo_base == pytest.approx(58.9, abs=0.05)  # docs/algorithm.md §5
     assert slo_base == pytest.approx(SLO_BASE, rel=1e-12)
 
 
@@ -159,7 +159,7 @@ def test_template_budgets_of_two_queries_are_independent() -> None:
 
 
 def test_shared_template_reproduces_the_authors_bug() -> None:
-    """ALGORITHM.md §9: one list for all queries; once the first query has emptied it,
+    """docs/algorithm.md §4.1, §9: one list for all queries; once the first query has emptied it,
     every stage of a later query gets the whole remaining SLO (end-to-end laxity)."""
     budget = TemplateStageBudget(_ctx(), shared_template=True)
     proper = TemplateStageBudget(_ctx())

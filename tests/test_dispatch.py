@@ -1,5 +1,5 @@
 """Dispatchers on hand-built clusters and loads, against the formulas they implement
-(ALGORITHM.md §3 and §7, the docstrings of `hexgen_flow.policies.dispatch`).
+(docs/algorithm.md §3 and §7, the docstrings of `hexgen_flow.policies.dispatch`).
 
 Expected choices are derived from the latency model directly (`latency_model(...)`), not
 from the `Estimator` the policies use.
@@ -194,7 +194,7 @@ def _wb_reference(
     weights: Mapping[str, float] | None = None,
     reference: str = "baseline",
 ) -> list[int]:
-    """ALGORITHM.md §3 computed from scratch: cumulative W_i, b = instance 0."""
+    """docs/algorithm.md §3.1 computed from scratch: cumulative W_i, b = instance 0."""
     weights = weights or {}
     work = [0.0] * len(gpus)
     out = []

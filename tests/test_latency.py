@@ -63,7 +63,7 @@ LLAMA_AICONF = _aiconf("meta-llama/Meta-Llama-3.1-70B", "llama3.1-70b")
 @pytest.mark.parametrize("gpu", MEASURED)
 def test_single_latency_equals_every_measured_row(gpu: str) -> None:
     rows = _single_rows(gpu)
-    assert len(rows) >= 480  # ALGORITHM.md: 483 measured pairs per GPU
+    assert len(rows) >= 480  # docs/algorithm.md §2: 484 measured pairs per GPU
     model = latency_model(MODEL, gpu)
     for (inp, out), values in rows.items():
         assert model.single_s(inp, out) == sum(values) / len(values), (gpu, inp, out)

@@ -1,7 +1,7 @@
-"""The contract every registered policy keeps, run over the registries (STYLE.md: "a
-conformance test parametrised over the registry gives every policy the contract tests for
-free"). A new policy registered in `hexgen_flow.policies.registration` is picked up here
-without editing this file.
+"""The contract every registered policy keeps, run over the registries (docs/algorithm.md
+§11: a conformance test parametrised over the registries gives every policy the contract
+tests for free). A new policy registered in `hexgen_flow.policies.registration` is picked
+up here without editing this file.
 
 - queues: `peek(now)` is what `pop(now)` removes; the order is total and stable (ties on
   `seq`, independent of the order of pushes); `len` tracks push/pop/remove; `remove` of an

@@ -1,4 +1,4 @@
-"""Local queue disciplines against their formulas (ALGORITHM.md §4 and §7), on hand-built
+"""Local queue disciplines against their formulas (docs/algorithm.md §4 and §7), on hand-built
 tickets. Estimates come from the latency model directly, not from the queue's Estimator."""
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def test_fcfs_admits_in_release_order() -> None:
 
 
 def _urgency(t: CallTicket, now: float, gpu: str, *, per_call: bool = False) -> float:
-    """ALGORITHM.md §4: U = (now − a_r) + t_g(i)(s_r) − SLO_stage, SLO_stage = d − a_r."""
+    """docs/algorithm.md §4.3: U = (now − a_r) + t_g(i)(s_r) − SLO_stage, SLO_stage = d − a_r."""
     estimate = _single(gpu, t.call) if per_call else _step(gpu, t.call)
     slo_stage = t.deadline_s - t.released_s
     return (now - t.released_s) + estimate - slo_stage

@@ -16,7 +16,7 @@ from hexgen_flow.traces import BUILTIN_TRACES, load_trace, load_traces, resolve_
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
-# Query counts stated in ALGORITHM.md §1.
+# Query counts stated in docs/algorithm.md §1.
 PAPER_QUERY_COUNTS = {"trace1": 90, "trace2": 96, "trace3": 110, "financial": 94, "formula1": 29}
 
 
@@ -94,7 +94,7 @@ def test_builtin_trace_groups_parallel_calls_and_keeps_every_call(name: str) -> 
 
 
 def test_builtin_traces_have_the_documented_shape() -> None:
-    # ALGORITHM.md §1: 10-28 calls per query, candidates 2 in parallel, evaluate 2-11.
+    # docs/algorithm.md §1: 10-28 calls per query, candidates 2 in parallel, evaluate 2-11.
     for name in BUILTIN_TRACES:
         for q in load_trace(name):
             assert 10 <= q.workflow.num_calls <= 28

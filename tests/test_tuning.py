@@ -1,4 +1,4 @@
-"""α tuning (ALGORITHM.md §6): the best α of the curve, the refinement, auto_tune's seed."""
+"""α tuning (docs/algorithm.md §6): the best α of the curve, the refinement, auto_tune's seed."""
 
 from __future__ import annotations
 

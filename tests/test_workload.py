@@ -89,7 +89,7 @@ def test_canonical_step_is_idempotent_on_every_step_type() -> None:
 
 def test_standard_template_uses_only_known_step_types() -> None:
     assert set(STANDARD_TEMPLATE) <= set(STEP_TYPES)
-    # ALGORITHM.md §4: 15 entries, four revise rounds, three unit_tester visits.
+    # docs/algorithm.md §4.1: 15 entries, four revise rounds, three unit_tester visits.
     assert len(STANDARD_TEMPLATE) == 15
     assert STANDARD_TEMPLATE.count("revise") == 4
     assert STANDARD_TEMPLATE.count("unit_tester") == 3

@@ -1,11 +1,11 @@
-"""Execution-time estimates that the policies plan with (ALGORITHM.md §2).
+"""Execution-time estimates that the policies plan with (docs/algorithm.md §2).
 
 Two granularities, chosen per policy by its ``estimate`` parameter:
 
 - ``step``: the paper's t_g(s), one latency per (GPU type, step type), measured at the step's
   representative token counts. A step type the table does not know falls back to the call's
   own tokens.
-- ``call``: the call's own single-request latency from its token counts ("Go further").
+- ``call``: the call's own single-request latency from its token counts (this project's addition).
 
 Every policy in a run shares one `Estimator`, so comparisons between policies are never a
 comparison between estimates.
@@ -24,7 +24,7 @@ __all__ = ["REPRESENTATIVE_TOKENS", "EstimateMode", "Estimator", "WorkflowPlan"]
 
 EstimateMode = Literal["step", "call"]
 
-# Typical (input, output) tokens per CHESS step type (ALGORITHM.md §1).
+# Typical (input, output) tokens per CHESS step type (docs/algorithm.md §1).
 REPRESENTATIVE_TOKENS: dict[str, tuple[int, int]] = {
     "information_retriever": (308, 5),
     "extract_keywords": (667, 45),
@@ -101,7 +101,10 @@ class Estimator:
         return sum(fn(i, call) for i in range(self._n)) / self._n
 
     def slo_base(self) -> float:
-        """SLO_base: the standard template's cluster-mean step times, summed (ALGORITHM.md §5)."""
+        """SLO_base: the standard template's cluster-mean step times, summed.
+
+        See docs/algorithm.md §5.
+        """
         return sum(
             self.mean_time(LLMCall(step, *REPRESENTATIVE_TOKENS[step]), "step")
             for step in STANDARD_TEMPLATE

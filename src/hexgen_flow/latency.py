@@ -1,9 +1,9 @@
 """Latency of LLM calls per (model, GPU type), built from the measured profiles.
 
-Three sources, in order of trust (ALGORITHM.md §2, profiles/ in the package data):
+Three sources, in order of trust (docs/algorithm.md §2, profiles/ in the package data):
 
 1. ``vllm-llama3.1-70b/<GPU>-single.csv``: measured end-to-end latency of a single request
-   for 483 (input, output) pairs on A100, A6000 and L40S. `SingleRequestTable` returns these
+   for 484 (input, output) pairs on A100, A6000 and L40S. `SingleRequestTable` returns these
    values exactly at measured pairs and interpolates between them.
 2. ``vllm-llama3.1-70b/<GPU>-ttft-tpot.csv``: time to first token per input length, used only
    to split a single-request latency into prefill and decode for the batching engine.

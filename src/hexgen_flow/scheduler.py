@@ -49,7 +49,7 @@ class GlobalScheduler:
         self.next_seq = 0
         """Sequence number of the next released call (release order across queries)."""
         self.slo_base_s = self.estimator.slo_base()
-        """SLO_base of this cluster (ALGORITHM.md §5)."""
+        """SLO_base of this cluster (docs/algorithm.md §5)."""
 
     def make_queue(self, instance: int) -> LocalQueue:
         """The preset's local queue for `instance` (used where the instance runs)."""

@@ -1,4 +1,4 @@
-"""α tuning (ALGORITHM.md §6): replay a window of recent queries in the simulator for each α
+"""α tuning (docs/algorithm.md §6): replay a window of recent queries in the simulator for each α
 and keep the one with the lowest P95 latency, ties broken by higher SLO attainment (then by
 the smaller α, so the answer is deterministic).
 

@@ -35,7 +35,7 @@ STEP_TYPES: tuple[str, ...] = (
     "evaluate",
 )
 
-# The paper's fixed workflow template (ALGORITHM.md §4): the step types a CHESS query is
+# The paper's fixed workflow template (docs/algorithm.md §4.1): the step types a CHESS query is
 # expected to run, in order. The paper's stage budget and SLO_base are both defined on it.
 STANDARD_TEMPLATE: tuple[str, ...] = (
     "information_retriever",

@@ -1,6 +1,6 @@
 """`AlphaTuner`: one tuning run, and the loop that runs one every period.
 
-A run (ALGORITHM.md §6, online):
+A run (docs/algorithm.md §6, online):
 
 1. read the last `window` finished queries from Redis (`read_window`);
 2. ask the coordinator for its cluster, policy and α (ClusterStatus);

@@ -14,7 +14,7 @@ __all__ = ["DagStageBudget", "EndToEndBudget", "TemplateStageBudget"]
 
 
 class TemplateStageBudget(StageBudget):
-    """The paper's proportional split over a fixed template (ALGORITHM.md §4)::
+    """The paper's proportional split over a fixed template (docs/algorithm.md §4.1)::
 
         SLO_stage = (SLO_q - elapsed_q) * t̄(s_k) / (t̄(s_k) + sum of t̄(s) for s in R(q))
 
@@ -26,7 +26,7 @@ class TemplateStageBudget(StageBudget):
         estimate: "step" (the paper) or "call" (t̄ of the stage's own slowest call).
         shared_template: reproduce the authors' bug of one template list shared by every
             query, which empties it after the first query and turns the budget into the
-            query's whole remaining SLO (ALGORITHM.md §9).
+            query's whole remaining SLO (docs/algorithm.md §4.1, §9).
     """
 
     def __init__(
@@ -76,7 +76,7 @@ class EndToEndBudget(StageBudget):
     """Every stage may use the query's whole remaining SLO: the stage deadline is the query's.
 
     With the urgency queue this is end-to-end least laxity, oldest query first; it is what
-    the authors' shared-template code effectively ran (ALGORITHM.md §9).
+    the authors' shared-template code effectively ran (docs/algorithm.md §9).
     """
 
     def deadline(self, run: QueryRun, stage: int, now: float) -> float:
@@ -84,7 +84,7 @@ class EndToEndBudget(StageBudget):
 
 
 class DagStageBudget(StageBudget):
-    """Stage budgets from the query's own DAG ("Go further", ALGORITHM.md §4).
+    """Stage budgets from the query's own DAG (docs/algorithm.md §4.2).
 
     With tail(k) the longest path of cluster-mean estimates from stage k to the end of the
     query's actual workflow (parallel branches are not double counted) and t̄(k) the stage's
@@ -100,7 +100,7 @@ class DagStageBudget(StageBudget):
     Both are re-derived from the time actually left at every release, so a late stage
     shrinks every later stage's budget. Proportional splits protect early stages' share in
     light load; latest-start serves the queries closest to missing their deadline, which is
-    what keeps the tail short once queues form (ALGORITHM.md §9).
+    what keeps the tail short once queues form (docs/algorithm.md §9).
 
     Parameters:
         estimate: "call" (per-call estimates from tokens) or "step".

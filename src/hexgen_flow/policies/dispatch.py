@@ -71,7 +71,7 @@ class LeastWorkDispatcher(Dispatcher):
 
 
 class WorkloadBalancedDispatcher(Dispatcher):
-    """The paper's workload-balanced score (ALGORITHM.md §3), with the "Go further" knobs.
+    """The paper's workload-balanced score (docs/algorithm.md §3.1), with this project's knobs.
 
     With b the baseline instance (index 0), t_i the estimate of the call on instance i and
     W_i the work charged to instance i::
@@ -147,7 +147,7 @@ class WorkloadBalancedDispatcher(Dispatcher):
 
 
 class MarginalLatencyDispatcher(Dispatcher):
-    """Workload balance on marginal latency: HexGen-Flow's dispatcher ("Go further", §3).
+    """Workload balance on marginal latency: HexGen-Flow's dispatcher (docs/algorithm.md §3.2).
 
     On a continuous-batching instance a call does not wait behind the work already there:
     it joins the batch, decodes at the batch's pace and slows everyone else down. So the

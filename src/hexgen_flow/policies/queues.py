@@ -89,7 +89,7 @@ class FcfsQueue(KeyedQueue):
 
 
 class UrgencyQueue(KeyedQueue):
-    """The paper's urgency priority (ALGORITHM.md §4): least laxity against the stage budget.
+    """The paper's urgency priority (docs/algorithm.md §4.3): least laxity against the stage budget.
 
     Reads: `ticket.deadline_s` (a_r + SLO_stage, set by the run's StageBudget) and the
     call's estimate t on this instance. U = (now - a_r) + t - SLO_stage; the largest U is
