@@ -8,14 +8,25 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from hexgen_cli import bench, demo, mesh, simulation
+from hexgen_cli import bench, demo, estimate, mesh, simulation
 from hexgen_cli.options import PROG
 from hexgen_flow import __version__
 from hexgen_flow.errors import HexgenFlowError
 
 __all__ = ["COMMANDS", "build_parser", "main"]
 
-COMMANDS = ("simulate", "tune", "policies", "bench", "up", "replay", "ask", "status", "demo")
+COMMANDS = (
+    "simulate",
+    "tune",
+    "policies",
+    "bench",
+    "estimate",
+    "up",
+    "replay",
+    "ask",
+    "status",
+    "demo",
+)
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 
@@ -36,13 +47,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog=PROG,
         description="Deadline-aware scheduling of agentic LLM workflows on heterogeneous "
-        "GPU clusters: simulator, alpha tuner and benchmark, and the service mesh (up, "
+        "GPU clusters: simulator, alpha tuner and benchmark, the latency model beside the "
+        "physical floors (estimate), and the service mesh (up, "
         "replay, ask, status, demo).",
     )
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     simulation.register(commands)  # simulate, tune, policies
     bench.register(commands)
+    estimate.register(commands)
     mesh.register(commands)  # up, replay, ask, status
     demo.register(commands)
     return parser

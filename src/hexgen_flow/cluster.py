@@ -8,12 +8,18 @@ A cluster is written either inline, ``A100,A100,A6000,L40S`` (``A100x2`` repeats
 as a YAML file::
 
     model: llama-3.1-70b          # optional, the default model of every instance
+    gpus: []                      # optional, GPUs added to the catalogue (docs/hardware.md)
     instances:
       - gpu: A100
         count: 2                  # optional, default 1
+        tp: 4                     # optional, default: the model's profiled tp on that GPU
+        precision: bf16           # optional, bf16 (default) or fp8
       - gpu: A6000
         kv_cache_tokens: 120000   # optional override of the derived KV-cache size
         max_batch: 128            # optional override of vLLM's max_num_seqs (256)
+
+The latency tables cover each (model, GPU) at one tp and bf16 only, so for now an instance
+must be at that tp and precision: other values are refused by name, not guessed.
 """
 
 from __future__ import annotations
@@ -27,7 +33,8 @@ from typing import Any
 import yaml
 
 from hexgen_flow.errors import ConfigError
-from hexgen_flow.latency import LatencyModel, latency_model, resolve_model
+from hexgen_flow.hardware import GpuCatalogue, gpu_catalogue
+from hexgen_flow.latency import PROFILED_PRECISION, LatencyModel, latency_model, resolve_model
 
 __all__ = ["DEFAULT_CLUSTER", "DEFAULT_MODEL", "Cluster", "InstanceSpec", "parse_cluster"]
 
@@ -77,11 +84,23 @@ class Cluster:
         return ",".join(self.gpus)
 
     @classmethod
-    def build(cls, entries: Sequence[dict[str, Any]], description: str) -> Cluster:
+    def build(
+        cls,
+        entries: Sequence[dict[str, Any]],
+        description: str,
+        catalogue: GpuCatalogue | None = None,
+    ) -> Cluster:
+        """Instances from entries ({"gpu", "model", "tp", "precision", "kv_cache_tokens",
+        "max_batch"}; all but "gpu" optional), GPU names resolved in `catalogue` (default:
+        the shipped one)."""
         instances: list[InstanceSpec] = []
         for entry in entries:
             model = resolve_model(str(entry.get("model", DEFAULT_MODEL))).name
-            lat = latency_model(model, str(entry["gpu"]))
+            tp = entry.get("tp")
+            if tp is not None and (isinstance(tp, bool) or not isinstance(tp, int) or tp < 1):
+                raise ConfigError(f"instance {len(instances)}: tp must be an integer >= 1")
+            precision = str(entry.get("precision", PROFILED_PRECISION))
+            lat = latency_model(model, str(entry["gpu"]), tp, precision, catalogue)
             where = f"instance {len(instances)} ({lat.gpu})"
             kv = _int_setting(entry, "kv_cache_tokens", lat.kv_capacity_tokens, where)
             max_batch = _int_setting(entry, "max_batch", lat.max_batch, where)
@@ -125,8 +144,10 @@ def parse_cluster(text: str, model: str = DEFAULT_MODEL) -> Cluster:
     return Cluster.build(entries, text)
 
 
-_FILE_KEYS = frozenset({"model", "instances"})
-_INSTANCE_KEYS = frozenset({"gpu", "count", "model", "kv_cache_tokens", "max_batch"})
+_FILE_KEYS = frozenset({"model", "gpus", "instances"})
+_INSTANCE_KEYS = frozenset(
+    {"gpu", "count", "model", "tp", "precision", "kv_cache_tokens", "max_batch"}
+)
 
 
 def _reject_unknown(item: dict[str, Any], known: frozenset[str], where: str) -> None:
@@ -146,6 +167,9 @@ def _load_yaml(path: Path, model: str) -> Cluster:
     if not isinstance(doc, dict) or not isinstance(doc.get("instances"), list):
         raise ConfigError(f"cluster file {path}: expected a mapping with an 'instances' list")
     _reject_unknown(doc, _FILE_KEYS, f"cluster file {path}")
+    catalogue = gpu_catalogue()
+    if "gpus" in doc:
+        catalogue = catalogue.extended(doc["gpus"], f"cluster file {path}: gpus")
     default_model = str(doc.get("model", model))
     entries: list[dict[str, Any]] = []
     for n, item in enumerate(doc["instances"]):
@@ -160,4 +184,4 @@ def _load_yaml(path: Path, model: str) -> Cluster:
         entry = {k: v for k, v in item.items() if k != "count"}
         entry.setdefault("model", default_model)
         entries.extend(dict(entry) for _ in range(count))
-    return Cluster.build(entries, str(path))
+    return Cluster.build(entries, str(path), catalogue)

@@ -13,165 +13,77 @@ Three sources, in order of trust (docs/algorithm.md §2, profiles/ in the packag
 
 A `LatencyModel` answers, for one (model, GPU type): the single-request latency, its prefill
 part, the per-token decode slowdown at batch size B, and the KV-cache capacity in tokens.
+The GPUs and models themselves, and which GPUs a model has data for at which tensor-parallel
+degree, are the catalogues of `hexgen_flow.hardware`; `hexgen_flow.profiles` reads the data,
+including each measured folder's ``source.yaml``: which GPUs it covers and whether it was
+measured with prefix caching (what the floor check of `hexgen_flow.roofline` reads).
 """
 
 from __future__ import annotations
 
-import csv
 import functools
 import math
 from dataclasses import dataclass
-from importlib import resources
 
 import numpy as np
 
-from hexgen_flow.errors import UnknownNameError
+from hexgen_flow.errors import ConfigError, UnknownNameError
+from hexgen_flow.hardware import (
+    GpuCatalogue,
+    InstanceHardware,
+    Precision,
+    gpu_catalogue,
+    known_models,
+    model_catalogue,
+    parse_precision,
+    profiled_tensor_parallel,
+    resolve_model,
+)
+from hexgen_flow.profiles import aiconfigurator_rows, measured_profile, read_table
 
 __all__ = [
-    "GPU_SPECS",
-    "MODEL_SPECS",
-    "GpuSpec",
+    "PROFILED_PRECISION",
     "LatencyModel",
-    "ModelSpec",
+    "LatencySource",
     "SingleRequestTable",
+    "has_latency_data",
     "known_gpus",
     "known_models",
     "latency_model",
     "resolve_model",
 ]
 
-
-@dataclass(frozen=True, slots=True)
-class GpuSpec:
-    """A GPU type as far as capacity planning needs it."""
-
-    name: str
-    memory_gib: float
-    """Device memory of one GPU."""
-    aiconfigurator_system: str | None
-    """Name of this GPU in the aiconfigurator tables, if it is there."""
-
-
-@dataclass(frozen=True, slots=True)
-class ModelSpec:
-    """An LLM as far as latency and KV-cache sizing need it."""
-
-    name: str
-    weight_bytes: float
-    """Bytes of weights (bf16) over the whole tensor-parallel group."""
-    kv_bytes_per_token: int
-    """2 (K and V) x layers x KV heads x head dim x 2 bytes."""
-    tensor_parallel: dict[str, int]
-    """GPUs per instance, per GPU type (as profiled)."""
-    measured_profile: str | None
-    """Folder of measured vLLM tables, when there is one."""
-    aiconfigurator_model: str
-    """Model name in the aiconfigurator tables."""
-    aliases: tuple[str, ...] = ()
-
-
-GPU_SPECS: dict[str, GpuSpec] = {
-    g.name: g
-    for g in (
-        GpuSpec("A100", 80, "a100_sxm"),
-        GpuSpec("A6000", 48, None),
-        GpuSpec("L40S", 48, "l40s"),
-        GpuSpec("H100", 80, "h100_sxm"),
-        GpuSpec("H200", 141, "h200_sxm"),
-    )
-}
-
-MODEL_SPECS: dict[str, ModelSpec] = {
-    m.name: m
-    for m in (
-        ModelSpec(
-            name="llama-3.1-70b",
-            weight_bytes=70.6e9 * 2,
-            kv_bytes_per_token=2 * 80 * 8 * 128 * 2,
-            # tp as in the aiconfigurator rows; A6000 is not there and needs 4 x 48 GiB too.
-            tensor_parallel={"A100": 4, "A6000": 4, "L40S": 4, "H100": 4, "H200": 2},
-            measured_profile="vllm-llama3.1-70b",
-            aiconfigurator_model="meta-llama/Meta-Llama-3.1-70B",
-            aliases=("meta-llama/meta-llama-3.1-70b", "meta-llama/llama-3.1-70b-instruct"),
-        ),
-        ModelSpec(
-            name="qwen3-30b-a3b",
-            weight_bytes=30.5e9 * 2,
-            kv_bytes_per_token=2 * 48 * 4 * 128 * 2,
-            tensor_parallel={"A100": 1, "L40S": 2, "H100": 1, "H200": 1},
-            measured_profile=None,
-            aiconfigurator_model="Qwen/Qwen3-30B-A3B",
-            aliases=("qwen/qwen3-30b-a3b",),
-        ),
-    )
-}
-
-# vLLM's default --gpu-memory-utilization and --max-num-seqs.
-GPU_MEMORY_UTILIZATION = 0.9
+# vLLM's default --max-num-seqs.
 MAX_NUM_SEQS = 256
+# Every shipped latency table was taken with bf16 weights.
+PROFILED_PRECISION: Precision = "bf16"
 # The GPU whose measured table anchors the GPUs that only aiconfigurator knows.
 ANCHOR_GPU = "A100"
 # A6000 is not in aiconfigurator; its batch slowdown is taken from the other 48 GiB
-# PCIe-class card, the L40S.
+# PCIe-class card, the L40S (catalogue names).
 SLOWDOWN_STAND_IN = {"A6000": "L40S"}
 
 
-def known_models() -> list[str]:
-    return sorted(MODEL_SPECS)
+@dataclass(frozen=True, slots=True)
+class LatencySource:
+    """Where a latency model's numbers come from, for reports and the floor check."""
+
+    description: str
+    prefix_cached: bool
+    """Measured with prefix-cache hits (or scaled from such a table): its prefill may sit
+    below the physical floor, and the floor check reports that instead of refusing it."""
 
 
 def known_gpus(model: str | None = None) -> list[str]:
+    """Every GPU name and alias of the catalogue; with `model`, the GPUs it has latency
+    data for."""
     if model is None:
-        return sorted(GPU_SPECS)
-    return sorted(resolve_model(model).tensor_parallel)
+        return gpu_catalogue().names()
+    return sorted(name for name, _ in resolve_model(model).tensor_parallel)
 
 
-def resolve_model(name: str) -> ModelSpec:
-    key = name.strip().lower()
-    for spec in MODEL_SPECS.values():
-        if key == spec.name or key in spec.aliases:
-            return spec
-    raise UnknownNameError("model", name, known_models())
-
-
-def _resolve_gpu(name: str) -> GpuSpec:
-    for spec in GPU_SPECS.values():
-        if spec.name.lower() == name.strip().lower():
-            return spec
-    raise UnknownNameError("GPU type", name, known_gpus())
-
-
-# --------------------------------------------------------------------------- profile data
-
-
-def _data_text(*parts: str) -> str:
-    return resources.files("hexgen_flow").joinpath("data", "profiles", *parts).read_text()
-
-
-@functools.cache
-def _aiconfigurator(model: str) -> dict[tuple[str, int], tuple[float, float]]:
-    """(system, batch) -> (TTFT s, TPOT s) from the SILICON rows of the aiconfigurator table."""
-    spec = resolve_model(model)
-    stem = {"llama-3.1-70b": "llama3.1-70b", "qwen3-30b-a3b": "qwen3-30b-a3b"}[spec.name]
-    rows: dict[tuple[str, int], tuple[float, float]] = {}
-    for row in csv.DictReader(
-        _data_text(f"aiconfigurator-{stem}.tsv").splitlines(), delimiter="\t"
-    ):
-        if row.get("model") != spec.aiconfigurator_model or row.get("mode") != "SILICON":
-            continue
-        if not row.get("TTFT_ms") or not row.get("TPOT_ms"):
-            continue
-        rows[(row["system"], int(row["bs"]))] = (
-            float(row["TTFT_ms"]) / 1e3,
-            float(row["TPOT_ms"]) / 1e3,
-        )
-    return rows
-
-
-def _read_csv(folder: str, name: str) -> np.ndarray:
-    lines = _data_text(folder, name).splitlines()
-    reader = csv.reader(lines[1:])
-    return np.array([[float(x) for x in row] for row in reader if row], dtype=float)
+def _models_with_latency_data() -> list[str]:
+    return sorted(m.name for m in model_catalogue() if m.tensor_parallel)
 
 
 class SingleRequestTable:
@@ -250,17 +162,22 @@ class LatencyModel:
 
     def __init__(
         self,
-        model: ModelSpec,
-        gpu: GpuSpec,
+        hardware: InstanceHardware,
         table: SingleRequestTable | None,
         prefill_line: tuple[float, float],
         decode_per_token_s: float,
         prefill_scale: float,
         decode_scale: float,
         slowdown_points: dict[int, float],
+        source: LatencySource,
+        gpu_label: str | None = None,
     ) -> None:
-        self.model = model.name
-        self.gpu = gpu.name
+        self.model = hardware.model.name
+        self.gpu = hardware.gpu.name if gpu_label is None else gpu_label
+        """The GPU type as the cluster spells it ("A100"), or its catalogue name."""
+        self.hardware = hardware
+        """Model, GPU, tensor-parallel degree and precision of the instance."""
+        self.source = source
         self._table = table
         self._prefill_line = prefill_line
         self._decode_per_token_s = decode_per_token_s
@@ -268,9 +185,7 @@ class LatencyModel:
         self._decode_scale = decode_scale
         self._cache: dict[tuple[int, int], tuple[float, float]] = {}
         self._single: dict[tuple[int, int], float] = {}
-        tp = model.tensor_parallel[gpu.name]
-        usable = tp * gpu.memory_gib * 2**30 * GPU_MEMORY_UTILIZATION - model.weight_bytes
-        self.kv_capacity_tokens = max(int(usable / model.kv_bytes_per_token), 0)
+        self.kv_capacity_tokens = hardware.kv_capacity_tokens
         """KV-cache slots of the instance (vLLM's default 0.9 memory utilisation)."""
         self.max_batch = MAX_NUM_SEQS
         """vLLM's default --max-num-seqs."""
@@ -332,40 +247,106 @@ class LatencyModel:
 
 
 @functools.cache
-def _measured(profile: str, gpu: str) -> tuple[SingleRequestTable, tuple[float, float]]:
-    single = _read_csv(profile, f"{gpu}-single.csv")
-    ttft = _read_csv(profile, f"{gpu}-ttft-tpot.csv")
+def _measured(folder: str, stem: str) -> tuple[SingleRequestTable, tuple[float, float]]:
+    single = read_table(folder, f"{stem}-single.csv")
+    ttft = read_table(folder, f"{stem}-ttft-tpot.csv")
     table = SingleRequestTable(single[:, 0], single[:, 1], single[:, 2])
     intercept, slope = _robust_line(ttft[:, 0], ttft[:, 3])
     return table, (max(intercept, 0.0), max(slope, 0.0))
 
 
-@functools.cache
-def latency_model(model: str, gpu: str) -> LatencyModel:
-    """The latency model of `model` on GPU type `gpu`; unknown names list the known ones."""
+def has_latency_data(hardware: InstanceHardware) -> bool:
+    """Whether the shipped tables cover this instance: its model on its GPU type, at the
+    tensor-parallel degree and precision they were taken at."""
+    profiled = profiled_tensor_parallel(hardware.model, hardware.gpu)
+    return profiled == hardware.tensor_parallel and hardware.precision == PROFILED_PRECISION
+
+
+def latency_model(
+    model: str,
+    gpu: str,
+    tp: int | None = None,
+    precision: str = PROFILED_PRECISION,
+    catalogue: GpuCatalogue | None = None,
+) -> LatencyModel:
+    """The latency model of `model` on GPU type `gpu` (resolved in `catalogue`, by default
+    the shipped one) at tensor-parallel degree `tp` (default: the profiled one).
+
+    Unknown names, and a (model, GPU) pair without latency data, list the known ones; a tp
+    or precision the tables were not taken at is refused rather than guessed.
+    """
     spec = resolve_model(model)
-    gpu_spec = _resolve_gpu(gpu)
-    if gpu_spec.name not in spec.tensor_parallel:
+    gpu_spec, label = (catalogue or gpu_catalogue()).lookup(gpu)
+    profiled = profiled_tensor_parallel(spec, gpu_spec)
+    if profiled is None:
+        if not spec.tensor_parallel:
+            raise UnknownNameError("model with latency data", model, _models_with_latency_data())
         raise UnknownNameError(f"GPU type for {spec.name}", gpu, known_gpus(spec.name))
-    ai = _aiconfigurator(spec.name)
-    slowdown_gpu = GPU_SPECS[SLOWDOWN_STAND_IN.get(gpu_spec.name, gpu_spec.name)]
-    system = slowdown_gpu.aiconfigurator_system
+    if tp is not None and tp < 1:
+        raise ConfigError(f"tp must be >= 1, got {tp}")
+    hardware = InstanceHardware(
+        spec,
+        gpu_spec,
+        profiled if tp is None else tp,
+        parse_precision(precision, f"{spec.name} on {label}"),
+    )
+    if not has_latency_data(hardware):
+        raise ConfigError(
+            f"no latency data for {spec.name} on {label} at tp {hardware.tensor_parallel}, "
+            f"{hardware.precision}: its tables were taken at tp {profiled}, "
+            f"{PROFILED_PRECISION} (`hexgen-flow estimate` shows the floors of any tp)"
+        )
+    return _latency_model(spec.name, label, profiled)
+
+
+@functools.cache
+def _latency_model(model: str, gpu_label: str, tp: int) -> LatencyModel:
+    spec = resolve_model(model)
+    catalogue = gpu_catalogue()
+    gpu = catalogue.resolve(gpu_label)
+    hardware = InstanceHardware(spec, gpu, tp, PROFILED_PRECISION)
+    ai = aiconfigurator_rows(spec.name)
+    system = catalogue.resolve(SLOWDOWN_STAND_IN.get(gpu.name, gpu.name)).aiconfigurator_system
     slowdown = {bs: tpot for (sys_, bs), (_, tpot) in ai.items() if sys_ == system}
 
-    measured_gpus = {"A100", "A6000", "L40S"} if spec.measured_profile else set()
-    if spec.measured_profile and gpu_spec.name in measured_gpus:
-        table, line = _measured(spec.measured_profile, gpu_spec.name)
-        return LatencyModel(spec, gpu_spec, table, line, 0.0, 1.0, 1.0, slowdown)
     if spec.measured_profile:
+        profile = measured_profile(spec.measured_profile)
+        stem = profile.file_stem(gpu)
+        if stem is not None:
+            table, line = _measured(profile.folder, stem)
+            source = LatencySource(
+                f"measured: {profile.folder}/{stem} ({profile.description})",
+                profile.prefix_caching,
+            )
+            return LatencyModel(hardware, table, line, 0.0, 1.0, 1.0, slowdown, source, gpu_label)
         # No measured table: scale the anchor GPU's table by aiconfigurator's batch-1 ratios,
         # so a GPU type only ever differs from a measured one by what NVIDIA's data says.
-        table, line = _measured(spec.measured_profile, ANCHOR_GPU)
-        anchor_ttft, anchor_tpot = ai[(GPU_SPECS[ANCHOR_GPU].aiconfigurator_system or "", 1)]
-        ttft, tpot = ai[(gpu_spec.aiconfigurator_system or "", 1)]
+        anchor = catalogue.resolve(ANCHOR_GPU)
+        anchor_stem = profile.file_stem(anchor) or ANCHOR_GPU
+        table, line = _measured(profile.folder, anchor_stem)
+        anchor_ttft, anchor_tpot = ai[(anchor.aiconfigurator_system or "", 1)]
+        ttft, tpot = ai[(gpu.aiconfigurator_system or "", 1)]
+        source = LatencySource(
+            f"scaled: {profile.folder}/{anchor_stem} x aiconfigurator batch-1 ratios "
+            f"{gpu.aiconfigurator_system}/{anchor.aiconfigurator_system}",
+            # The scaled table keeps the measured one's prefix-cache hits.
+            profile.prefix_caching,
+        )
         return LatencyModel(
-            spec, gpu_spec, table, line, 0.0, ttft / anchor_ttft, tpot / anchor_tpot, slowdown
+            hardware,
+            table,
+            line,
+            0.0,
+            ttft / anchor_ttft,
+            tpot / anchor_tpot,
+            slowdown,
+            source,
+            gpu_label,
         )
     # Model known only to aiconfigurator: prefill linear in input tokens through its TTFT at
     # 4,000 tokens, decode at its batch-1 TPOT.
-    ttft, tpot = ai[(gpu_spec.aiconfigurator_system or "", 1)]
-    return LatencyModel(spec, gpu_spec, None, (0.0, ttft / 4000), tpot, 1.0, 1.0, slowdown)
+    ttft, tpot = ai[(gpu.aiconfigurator_system or "", 1)]
+    source = LatencySource(f"aiconfigurator: {gpu.aiconfigurator_system} batch 1", False)
+    return LatencyModel(
+        hardware, None, (0.0, ttft / 4000), tpot, 1.0, 1.0, slowdown, source, gpu_label
+    )
