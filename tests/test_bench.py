@@ -11,7 +11,9 @@ from typing import Any
 
 import pytest
 
-from hexgen_flow.bench import PLOTS, BenchPlan, find_goodput, run_bench
+from hexgen_flow.bench import FULL_PLAN, PLOTS, QUICK_PLAN, BenchPlan, find_goodput, run_bench
+from hexgen_flow.bench.plan import LOAD_AWARE
+from hexgen_flow.policies.presets import PRESETS
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 RESULT_KEYS = {
@@ -55,14 +57,29 @@ def test_quick_bench_writes_every_output(tmp_path: Path) -> None:
         assert cell["p50_s"] <= cell["p95_s"] <= cell["p99_s"]
         assert cell["completed"] == cell["num_queries"]
         assert (cell["alpha"] is None) == ("alpha_curve" not in cell)
+    routers = doc["meta"]["load_aware"]
+    assert routers and set(routers) <= set(presets) - {"vllm", "hexgen-flow"}
+    p95 = {(c["cluster"], c["trace"], c["qps"], c["policy"]): c["p95_s"] for c in doc["matrix"]}
     for row in doc["matrix_rows"]:
         assert row["speedup_vs_vllm"]["vllm"] == pytest.approx(1.0)
         assert row["best"] in presets
+        # The second baseline: the load-aware router with the lowest P95 on the row.
+        key = (row["cluster"], row["trace"], row["qps"])
+        assert row["best_router_p95_s"] == min(p95[(*key, p)] for p in routers)
+        assert row["best_router_p95_s"] == p95[(*key, row["best_router"])]
+        assert row["speedup_vs_best_router"] == pytest.approx(
+            row["best_router_p95_s"] / p95[(*key, "hexgen-flow")]
+        )
     goodput = doc["goodput"]["results"]
     assert {(g["trace"], g["policy"]) for g in goodput} == {
         (t, p) for t in doc["meta"]["traces"] for p in presets
     }
     assert all(0 <= g["goodput_qps"] <= doc["goodput"]["max_qps"] for g in goodput)
+    for trace, best in doc["goodput"]["best_router"].items():
+        rates = {g["policy"]: g["goodput_qps"] for g in goodput if g["trace"] == trace}
+        assert best["goodput_qps"] == max(rates[p] for p in routers) == rates[best["policy"]]
+    head = doc["headline"]
+    assert set(head["p95_speedup_vs_best_router_x1"]) == set(head["goodput_ratio_vs_best_router"])
     assert set(doc["slo_sweep"]["slo_attainment"]) == set(presets)
     assert set(doc["load_sweep"]["p95_s"]) == set(presets)
     tenants = doc["multi_tenant"]["results"]["vllm"]["tenant_attainment"]
@@ -73,6 +90,9 @@ def test_quick_bench_writes_every_output(tmp_path: Path) -> None:
 
     md = (out / "results.md").read_text()
     assert md.startswith("# HexGen-Flow benchmark")
+    summary = md[md.index("## Summary") : md.index("## Matrix")]
+    assert "over `vllm`" in summary and "over the best load-aware router" in summary
+    assert "| best router | hexgen-flow over it |" in md
     assert md.index("## Summary") < md.index("## Matrix")
     for section in (
         "## Goodput",
@@ -114,6 +134,15 @@ def test_results_do_not_depend_on_the_worker_count(tmp_path: Path) -> None:
     serial = run_bench(plan, tmp_path / "a", workers=1)
     pooled = run_bench(plan, tmp_path / "b", workers=2)
     assert _without_timings(serial.doc) == _without_timings(pooled.doc)
+
+
+def test_the_plans_measure_against_load_aware_routers() -> None:
+    assert set(LOAD_AWARE) <= set(PRESETS)
+    # The new routers come last, so every earlier preset keeps its place (and its colour).
+    assert FULL_PLAN.presets[-2:] == ("least-requests", "least-work")
+    assert set(LOAD_AWARE) <= set(FULL_PLAN.goodput_policies)
+    quick = [p for p in QUICK_PLAN.presets if p in LOAD_AWARE]
+    assert any(PRESETS[p].queue.name == "fcfs" for p in quick)
 
 
 # ---------------------------------------------------------------------------- goodput search

@@ -20,6 +20,7 @@ from hexgen_flow.errors import ConfigError
 from hexgen_flow.estimate import REPRESENTATIVE_TOKENS, Estimator
 from hexgen_flow.latency import latency_model
 from hexgen_flow.policies.dispatch import (
+    LeastRequestsDispatcher,
     LeastWorkDispatcher,
     MarginalLatencyDispatcher,
     PowerOfTwoDispatcher,
@@ -151,6 +152,72 @@ def test_pow2_is_reproducible_for_a_seed_and_varies_across_seeds() -> None:
 
     assert choices(1) == choices(1)
     assert choices(1) != choices(2)
+
+
+# --------------------------------------------------------------------------- least-requests
+
+SMALL_KV_CLUSTER = Cluster.build(
+    [{"gpu": "A100"}, {"gpu": "A100", "kv_cache_tokens": 5000}, {"gpu": "A6000"}, {"gpu": "L40S"}],
+    "lr",
+)
+"""Instance 1 (5,000 KV slots) holds SMALL (313 tokens), not REVISE (6,042) or BIG."""
+
+
+@pytest.mark.parametrize(
+    ("in_flight", "call", "expected"),
+    [
+        ([0, 0, 0, 0], SMALL, 0),  # all idle: the lower index
+        ([2, 1, 3, 1], SMALL, 1),  # 1 and 3 tie on one call: the lower index
+        ([2, 3, 0, 1], SMALL, 2),  # the slow A6000, idle: speed is not read
+        ([1, 0, 2, 2], BIG, 0),  # 1 is emptiest but cannot hold BIG
+        ([3, 0, 2, 2], BIG, 2),  # and the tie among the rest goes to the lower index
+        ([1, 0, 2, 1], REVISE, 0),  # nor REVISE
+    ],
+)
+def test_least_requests_picks_the_fewest_calls_in_flight(
+    in_flight: Sequence[int], call: LLMCall, expected: int
+) -> None:
+    ctx = _ctx(SMALL_KV_CLUSTER)
+    driver = _Driver(ctx)
+    for i, n in enumerate(in_flight):
+        for _ in range(n):
+            driver.place(i, SMALL)
+    assert list(ctx.load.in_flight) == list(in_flight)
+    assert LeastRequestsDispatcher(ctx).select(driver.ticket(call), 0.0) == expected
+
+
+@pytest.mark.parametrize(
+    ("placed", "expected"),
+    [
+        ([[BIG], [SMALL, SMALL], [], []], 2),  # one big call still counts as one request
+        ([[BIG], [SMALL], [SMALL], [SMALL]], 0),  # all tie at one: the lower index
+        ([[SMALL, SMALL], [BIG, BIG, BIG], [REVISE], [REVISE, SMALL]], 2),
+    ],
+)
+def test_least_requests_counts_calls_not_work(
+    placed: Sequence[Sequence[LLMCall]], expected: int
+) -> None:
+    ctx = _ctx(parse_cluster("A100x4"))
+    driver = _Driver(ctx)
+    for i, calls in enumerate(placed):
+        for call in calls:
+            driver.place(i, call)
+    assert LeastRequestsDispatcher(ctx).select(driver.ticket(SMALL), 0.0) == expected
+
+
+def test_least_requests_forgets_finished_calls_and_spreads_a_burst() -> None:
+    ctx = _ctx(parse_cluster("A100,A6000,L40S"))
+    driver = _Driver(ctx)
+    lr = LeastRequestsDispatcher(ctx)
+    # Nothing completes: a burst fills the instances level, in index order.
+    assert driver.dispatch(lr, [SMALL] * 7) == [0, 1, 2, 0, 1, 2, 0]
+    done = driver.place(1, SMALL)  # in flight [3, 3, 2]
+    assert lr.select(driver.ticket(SMALL), 0.0) == 2
+    ctx.load.on_complete(done)
+    driver.place(2, SMALL)  # in flight [3, 2, 3]
+    assert lr.select(driver.ticket(SMALL), 0.0) == 1
+    ctx.load.set_available(1, False)  # a worker away is skipped like a full KV cache
+    assert lr.select(driver.ticket(SMALL), 0.0) == 0
 
 
 # --------------------------------------------------------------------------- least-work

@@ -338,9 +338,14 @@ def _create(registry: Registry[Any], name: str, params: dict[str, Any] | None = 
 
 
 def test_every_family_is_registered() -> None:
-    assert {"workload-balanced", "marginal-latency", "round-robin", "pow2", "least-work"} <= set(
-        DISPATCHERS.names()
-    )
+    assert {
+        "workload-balanced",
+        "marginal-latency",
+        "round-robin",
+        "pow2",
+        "least-work",
+        "least-requests",
+    } <= set(DISPATCHERS.names())
     assert {"urgency", "fcfs", "llf", "vtc", "qlm", "sjf"} <= set(QUEUES.names())
     assert {"template", "e2e", "dag"} <= set(BUDGETS.names())
 

@@ -3,9 +3,11 @@
 Parts (each a list of independent simulation tasks, run in a process pool):
 
 - **matrix**: traces x clusters x arrival rates x presets; P95 / mean latency and SLO
-  attainment, speedup over ``vllm``.
+  attainment, speedup over ``vllm`` and, per row, over the best load-aware router
+  (`plan.LOAD_AWARE`: the routers people run instead of round-robin).
 - **goodput**: per trace and preset, the highest steady arrival rate at which at least 95 %
-  of the queries meet their SLO (bracketing, then bisection).
+  of the queries meet their SLO (bracketing, then bisection); ratios over ``vllm`` and over
+  the best load-aware router of the trace.
 - **SLO sweep**: attainment vs SLO scale; **load sweep**: P95 vs arrival rate.
 - **multi-tenant**: half the queries at a tight SLO, half at a loose one; attainment per
   tenant.

@@ -12,6 +12,7 @@ __all__ = [
     "BASELINE",
     "FLAGSHIP",
     "FULL_PLAN",
+    "LOAD_AWARE",
     "NEAR_BEST",
     "OPTIONAL_PARTS",
     "QUICK_PLAN",
@@ -25,6 +26,10 @@ BASELINE = "vllm"
 """The preset every speedup and goodput ratio is measured against."""
 FLAGSHIP = "hexgen-flow"
 """The preset the summary is about."""
+LOAD_AWARE: tuple[str, ...] = ("ray-serve", "least-requests", "least-work", "llf")
+"""The load-aware router presets: the routers people run instead of round-robin. Every
+ratio over `BASELINE` is reported beside the ratio over the best of these in the plan (per
+matrix row the lowest P95, per goodput trace the highest goodput)."""
 NEAR_BEST = 0.02
 """`FLAGSHIP` counts as tied with the best preset when its P95 is within this fraction."""
 TENANTS: tuple[tuple[str, float], ...] = (("strict", 1.0), ("relaxed", 2.0))
@@ -98,7 +103,7 @@ class BenchPlan:
 FULL_PLAN = BenchPlan()
 QUICK_PLAN = BenchPlan(
     name="quick",
-    presets=(FLAGSHIP, "llf", BASELINE),
+    presets=(FLAGSHIP, "llf", BASELINE, "least-requests"),
     traces=("trace1",),
     clusters=(("x1", "A100,A100,A6000,L40S"),),
     qps=(0.5,),

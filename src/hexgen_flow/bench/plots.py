@@ -27,7 +27,9 @@ def plot(plan: BenchPlan, doc: dict[str, Any], out: Path) -> tuple[str, ...]:
     import matplotlib.pyplot as plt  # noqa: PLC0415 - must follow matplotlib.use
 
     presets = list(plan.presets)
-    colors = {p: plt.get_cmap("tab10")(i % 10) for i, p in enumerate(presets)}
+    # tab10 while it has a color per preset; past ten presets it would repeat one.
+    palette = plt.get_cmap("tab10" if len(presets) <= 10 else "tab20")
+    colors = {p: palette(i % palette.N) for i, p in enumerate(presets)}
     width = 0.8 / len(presets)
 
     # P95 matrix: grouped bars, one panel per cluster.

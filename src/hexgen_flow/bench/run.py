@@ -20,6 +20,7 @@ from tqdm import tqdm
 from hexgen_flow.bench.plan import (
     BASELINE,
     FLAGSHIP,
+    LOAD_AWARE,
     NEAR_BEST,
     TENANTS,
     BenchPlan,
@@ -92,7 +93,20 @@ def _ratio(num: float | None, den: float | None) -> float | None:
     return num / den
 
 
+def _best_of(
+    presets: Sequence[str], value: dict[str, float], plan: BenchPlan, *, highest: bool
+) -> str | None:
+    """The preset of `presets` with the lowest (`highest`: the highest) value; ties: the
+    first in plan order. None when `presets` is empty."""
+    if not presets:
+        return None
+    sign = -1.0 if highest else 1.0
+    return min(presets, key=lambda p: (sign * value[p], plan.presets.index(p)))
+
+
 def _assemble(plan: BenchPlan, results: dict[tuple[Any, ...], dict[str, Any]]) -> dict[str, Any]:
+    # The second baseline: the best load-aware router of the plan, chosen per row and trace.
+    routers = [p for p in plan.presets if p in LOAD_AWARE]
     matrix = []
     rows = []
     for label, _spec in plan.clusters:
@@ -117,11 +131,27 @@ def _assemble(plan: BenchPlan, results: dict[tuple[Any, ...], dict[str, Any]]) -
                     row["hexgen_flow_within_2pct"] = (
                         cells[FLAGSHIP]["p95_s"] <= (1 + NEAR_BEST) * cells[best]["p95_s"]
                     )
+                p95 = {p: cells[p]["p95_s"] for p in routers}
+                router = _best_of(routers, p95, plan, highest=False)
+                row["best_router"] = router
+                row["best_router_p95_s"] = None if router is None else p95[router]
+                # FLAGSHIP's speedup over the best router: router P95 / FLAGSHIP P95.
+                row["speedup_vs_best_router"] = (
+                    _ratio(p95[router], cells[FLAGSHIP]["p95_s"])
+                    if router is not None and FLAGSHIP in cells
+                    else None
+                )
                 rows.append(row)
 
     goodput = []
+    gp_routers = [p for p in plan.goodput_policies if p in LOAD_AWARE]
+    best_routers: dict[str, dict[str, Any]] = {}
     for trace in plan.traces:
         base = results[("goodput", trace, BASELINE)]["goodput_qps"]
+        rates = {p: results[("goodput", trace, p)]["goodput_qps"] for p in gp_routers}
+        router = _best_of(gp_routers, rates, plan, highest=True)
+        router_qps = None if router is None else rates[router]
+        best_routers[trace] = {"policy": router, "goodput_qps": router_qps}
         for preset in plan.goodput_policies:
             rec = results[("goodput", trace, preset)]
             goodput.append(
@@ -130,6 +160,7 @@ def _assemble(plan: BenchPlan, results: dict[tuple[Any, ...], dict[str, Any]]) -
                     "policy": preset,
                     "goodput_qps": rec["goodput_qps"],
                     "ratio_vs_vllm": _ratio(rec["goodput_qps"], base),
+                    "ratio_vs_best_router": _ratio(rec["goodput_qps"], router_qps),
                     "probes": rec["probes"],
                 }
             )
@@ -149,6 +180,7 @@ def _assemble(plan: BenchPlan, results: dict[tuple[Any, ...], dict[str, Any]]) -
             "slo_scale": plan.slo_scale,
             "arrival_cv": plan.arrival_cv,
             "baseline": BASELINE,
+            "load_aware": routers,
             "alpha": "auto-tuned per setting (tuning arrivals: seed + 1)",
         },
         "matrix": matrix,
@@ -161,6 +193,7 @@ def _assemble(plan: BenchPlan, results: dict[tuple[Any, ...], dict[str, Any]]) -
             "max_qps": plan.goodput_max_qps,
             "resolution_qps": plan.goodput_resolution,
             "results": goodput,
+            "best_router": best_routers,
         },
     }
     # The optional parts keep their place (and so results.json its key order) when run.
@@ -210,20 +243,34 @@ def _assemble(plan: BenchPlan, results: dict[tuple[Any, ...], dict[str, Any]]) -
 def _headline(plan: BenchPlan, doc: dict[str, Any]) -> dict[str, Any]:
     x1_label = plan.clusters[0][0]
     speedup: dict[str, dict[str, float | None]] = {}
+    over_router: dict[str, dict[str, dict[str, Any]]] = {}
     for row in doc["matrix_rows"]:
         if row["cluster"] == x1_label:
-            speedup.setdefault(row["trace"], {})[f"{row['qps']:g}"] = row["speedup_vs_vllm"].get(
-                FLAGSHIP
-            )
-    ratios = {
-        r["trace"]: r["ratio_vs_vllm"] for r in doc["goodput"]["results"] if r["policy"] == FLAGSHIP
+            qps = f"{row['qps']:g}"
+            speedup.setdefault(row["trace"], {})[qps] = row["speedup_vs_vllm"].get(FLAGSHIP)
+            over_router.setdefault(row["trace"], {})[qps] = {
+                "router": row["best_router"],
+                "speedup": row["speedup_vs_best_router"],
+            }
+    gp = doc["goodput"]
+    mine = [r for r in gp["results"] if r["policy"] == FLAGSHIP]
+    ratios = {r["trace"]: r["ratio_vs_vllm"] for r in mine}
+    router_ratios = {
+        r["trace"]: {
+            "router": gp["best_router"][r["trace"]]["policy"],
+            "ratio": r["ratio_vs_best_router"],
+        }
+        for r in mine
     }
     rows = doc["matrix_rows"]
     return {
         "policy": FLAGSHIP,
         "baseline": BASELINE,
+        "load_aware": doc["meta"]["load_aware"],
         "p95_speedup_vs_vllm_x1": speedup,
+        "p95_speedup_vs_best_router_x1": over_router,
         "goodput_ratio_vs_vllm": ratios,
+        "goodput_ratio_vs_best_router": router_ratios,
         "rows_best_or_within_2pct": sum(bool(r.get("hexgen_flow_within_2pct")) for r in rows),
         "rows_best": sum(r["best"] == FLAGSHIP for r in rows),
         "rows": len(rows),

@@ -11,6 +11,7 @@ from hexgen_flow.policies.base import Dispatcher
 from hexgen_flow.runtime import CallTicket, PolicyContext
 
 __all__ = [
+    "LeastRequestsDispatcher",
     "LeastWorkDispatcher",
     "MarginalLatencyDispatcher",
     "PowerOfTwoDispatcher",
@@ -56,6 +57,20 @@ class PowerOfTwoDispatcher(Dispatcher):
         if in_flight[a] != in_flight[b]:
             return a if in_flight[a] < in_flight[b] else b
         return min(a, b)
+
+
+class LeastRequestsDispatcher(Dispatcher):
+    """Least outstanding requests: the production routers' load-aware default (the vLLM
+    production stack's router, llm-d's queue-depth scorer).
+
+    Reads: `ClusterLoad.in_flight`, the calls dispatched to each instance and not yet
+    finished (queued or running). Rule: the candidate with the fewest; ties: the lower index.
+    Blind to GPU speed and call size by design: that is what these routers count.
+    """
+
+    def select(self, ticket: CallTicket, now: float) -> int:
+        in_flight = self.ctx.load.in_flight
+        return min(self.candidates(ticket), key=in_flight.__getitem__)
 
 
 class LeastWorkDispatcher(Dispatcher):

@@ -126,6 +126,22 @@ PRESETS: dict[str, Preset] = {
             _PAPER_BUDGET,
             "ablation: round-robin + the paper's urgency queue",
         ),
+        # The load-aware routers people run in production, each with FCFS: the bench
+        # measures every claim against the best of them as well as against `vllm`.
+        Preset(
+            "least-requests",
+            PolicyRef("least-requests"),
+            PolicyRef("fcfs"),
+            _PAPER_BUDGET,
+            "vLLM production stack / llm-d queue depth: fewest calls in flight + FCFS",
+        ),
+        Preset(
+            "least-work",
+            PolicyRef("least-work"),
+            PolicyRef("fcfs"),
+            _PAPER_BUDGET,
+            "least outstanding estimated work + FCFS",
+        ),
     )
 }
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from hexgen_flow.policies.base import Dispatcher, LocalQueue, StageBudget
 from hexgen_flow.policies.budget import DagStageBudget, EndToEndBudget, TemplateStageBudget
 from hexgen_flow.policies.dispatch import (
+    LeastRequestsDispatcher,
     LeastWorkDispatcher,
     MarginalLatencyDispatcher,
     PowerOfTwoDispatcher,
@@ -30,6 +31,7 @@ DISPATCHERS.register("marginal-latency", MarginalLatencyDispatcher)
 DISPATCHERS.register("round-robin", RoundRobinDispatcher)
 DISPATCHERS.register("pow2", PowerOfTwoDispatcher)
 DISPATCHERS.register("least-work", LeastWorkDispatcher)
+DISPATCHERS.register("least-requests", LeastRequestsDispatcher)
 
 QUEUES: Registry[LocalQueue] = Registry("queue policy")
 QUEUES.register("urgency", UrgencyQueue)
