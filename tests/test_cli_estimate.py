@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 FIELDS = {
+    "calibration",
     "gpu",
     "model",
     "gpus_per_instance",

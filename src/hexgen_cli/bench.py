@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 from typing import Any
 
-from hexgen_cli.options import positive_int
+from hexgen_cli.options import add_calibration_option, positive_int
+from hexgen_flow.cluster import parse_cluster
 from hexgen_flow.errors import ConfigError
 
 __all__ = ["register"]
@@ -40,6 +42,7 @@ def register(commands: Any) -> None:
         metavar="N",
         help="worker processes (default 2; 1 runs everything in this process)",
     )
+    add_calibration_option(bench, file_default=False)
     bench.set_defaults(handler=_cmd_bench)
 
 
@@ -47,6 +50,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from hexgen_flow.bench import FULL_PLAN, QUICK_PLAN, run_bench  # noqa: PLC0415 - matplotlib is heavy; only bench needs it
 
     plan = QUICK_PLAN if args.quick else FULL_PLAN
+    if args.calibration is not None:
+        plan = dataclasses.replace(plan, calibration=args.calibration)
+    for _, spec in plan.clusters:  # a cluster the calibration cannot run fails here, once
+        parse_cluster(spec, calibration=plan.calibration)
     out: Path = args.out
     try:
         out.mkdir(parents=True, exist_ok=True)

@@ -79,12 +79,13 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from hexgen_client.replay import replay  # noqa: PLC0415 - loads grpc
 
     queries = take_queries(load_traces([args.trace]), args.num_queries)
-    cluster_spec = parse_cluster(args.cluster)
+    cluster_spec = parse_cluster(args.cluster, calibration=args.calibration)
     preset = resolve_policy(args.policy)
     config = SimConfig(qps=args.qps, slo_scale=args.slo_scale, seed=args.seed)
     mesh = LocalCluster(
         LocalClusterConfig(
             cluster=args.cluster,
+            calibration=args.calibration,
             policy=args.policy,
             alpha=args.alpha,
             slo_scale=args.slo_scale,
@@ -128,6 +129,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
                 "qps": args.qps,
                 "seed": args.seed,
                 "cluster": list(cluster_spec.gpus),
+                "calibration": cluster_spec.calibration.name,
                 "policy": measured.policy,
                 "alpha": measured.alpha,
                 "slo_scale": args.slo_scale,
@@ -141,7 +143,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     alpha = "no alpha" if measured.alpha is None else f"alpha {measured.alpha:g}"
     print(
         f"{args.trace}: {len(queries)} queries at {args.qps:g} q/s (seed {args.seed}) on "
-        f"{','.join(cluster_spec.gpus)}, {measured.policy} ({alpha}), "
+        f"{','.join(cluster_spec.gpus)} (calibration {cluster_spec.calibration.name}), "
+        f"{measured.policy} ({alpha}), "
         f"SLO {args.slo_scale:g} x SLO_base = {measured.slo_s:.1f} s"
     )
     print(

@@ -11,7 +11,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from hexgen_cli.options import positive_int, print_json, print_rows
+from hexgen_cli.options import add_calibration_option, positive_int, print_json, print_rows
+from hexgen_flow.calibration import resolve_calibration
 from hexgen_flow.cluster import DEFAULT_MODEL
 from hexgen_flow.hardware import (
     PRECISIONS,
@@ -49,8 +50,8 @@ def register(commands: Any) -> None:
         type=positive_int,
         default=None,
         metavar="N",
-        help="GPUs per instance (default: the tp the model's latency data was taken at on "
-        "that GPU, else the smallest power of two that holds the weights and a KV cache)",
+        help="GPUs per instance (default: the tp the calibration's latency data was taken at "
+        "on that GPU, else the smallest power of two that holds the weights and a KV cache)",
     )
     est.add_argument(
         "--precision",
@@ -87,14 +88,17 @@ def register(commands: Any) -> None:
         metavar="FILE.yaml",
         help="GPUs to add to the catalogue: a list of entries, or a cluster file's gpus:",
     )
+    add_calibration_option(est, file_default=False)
     est.add_argument("--json", action="store_true", help="print one JSON object")
     est.set_defaults(handler=_cmd_estimate)
 
 
-def estimate_json(estimate: InstanceEstimate) -> dict[str, Any]:
-    """The command's JSON object (None where the instance has no latency data)."""
+def estimate_json(estimate: InstanceEstimate, calibration: str) -> dict[str, Any]:
+    """The command's JSON object (None where the instance has no latency data in
+    `calibration`, named in it)."""
     hardware = estimate.hardware
     return {
+        "calibration": calibration,
         "gpu": hardware.gpu.name,
         "model": hardware.model.name,
         "gpus_per_instance": hardware.tensor_parallel,
@@ -119,17 +123,21 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     model = resolve_model(args.model)
     gpu, label = catalogue.lookup(args.gpu)
     precision = parse_precision(args.precision, "--precision")
-    tp = args.tp or default_tensor_parallel(model, gpu, precision)
+    calibration = resolve_calibration(args.calibration)
+    covered = calibration.coverage(model, gpu)
+    tp = args.tp or (
+        covered.tensor_parallel if covered else default_tensor_parallel(model, gpu, precision)
+    )
     hardware = InstanceHardware(model, gpu, tp, precision)
     latency = (
-        latency_model(model.name, label, tp, precision, catalogue)
-        if has_latency_data(hardware)
+        latency_model(model.name, label, tp, precision, catalogue, args.calibration)
+        if has_latency_data(hardware, args.calibration)
         else None
     )
     estimate = estimate_instance(
         hardware, latency, args.input_tokens, args.output_tokens, args.batch, args.context
     )
-    doc = estimate_json(estimate)
+    doc = estimate_json(estimate, calibration.name)
     if args.json:
         print_json(doc)
         return 0
@@ -152,6 +160,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
             ("latency_s", _seconds(estimate.latency_s)),
             ("kv_capacity_tokens", f"{hardware.kv_capacity_tokens:,}"),
             ("below_floor", "no latency data" if below is None else str(below).lower()),
+            ("calibration", calibration.name),
             ("latency_source", doc["latency_source"] or "none"),
         ]
     )

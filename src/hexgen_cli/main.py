@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from hexgen_cli import bench, demo, estimate, mesh, simulation
+from hexgen_cli import bench, calibrations, demo, estimate, mesh, policies, simulation
 from hexgen_cli.options import PROG
 from hexgen_flow import __version__
 from hexgen_flow.errors import HexgenFlowError
@@ -19,6 +19,7 @@ COMMANDS = (
     "simulate",
     "tune",
     "policies",
+    "calibrations",
     "bench",
     "estimate",
     "up",
@@ -53,7 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    simulation.register(commands)  # simulate, tune, policies
+    simulation.register(commands)  # simulate, tune
+    policies.register(commands)
+    calibrations.register(commands)
     bench.register(commands)
     estimate.register(commands)
     mesh.register(commands)  # up, replay, ask, status

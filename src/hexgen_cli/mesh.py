@@ -25,6 +25,7 @@ from hexgen_cli.options import (
     DEFAULT_SLO_SCALE,
     DEFAULT_TRACE,
     PROG,
+    add_calibration_option,
     add_coordinator_option,
     address,
     info,
@@ -236,6 +237,7 @@ def add_cluster_options(parser: argparse.ArgumentParser, *, time_scale: float) -
         metavar="GPUS|FILE.yaml",
         help=f"instances, one simulated worker each (default {DEFAULT_CLUSTER})",
     )
+    add_calibration_option(parser)  # the coordinator's, the workers' and the tuner's alike
     parser.add_argument(
         "--policy",
         default=DEFAULT_POLICY,
@@ -282,6 +284,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     cluster = LocalCluster(  # checks the cluster and the policy before starting anything
         LocalClusterConfig(
             cluster=args.cluster,
+            calibration=args.calibration,
             policy=args.policy,
             alpha=args.alpha,
             slo_scale=args.slo_scale,
@@ -333,6 +336,7 @@ def _print_up(cluster: Any, args: argparse.Namespace) -> None:
         ),
         ("redis", f"{cluster.redis_url} ({redis_note}, keys {args.redis_prefix}*)"),
         ("instances", f"{','.join(cluster.gpus)}: simulated engines"),
+        ("calibration", cluster.calibration.name),
         ("policy", args.policy + (f", alpha {args.alpha:g}" if args.alpha is not None else "")),
         ("time scale", f"{args.time_scale:g} cluster seconds per wall second"),
         ("logs", str(cluster.log_dir)),

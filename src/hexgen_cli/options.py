@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 from hexgen_client.addresses import DEFAULT_COORDINATOR  # constants only: no grpc at import
+from hexgen_flow.calibration import DEFAULT_CALIBRATION, calibration_names, resolve_calibration
+from hexgen_flow.errors import HexgenFlowError
 from hexgen_flow.metrics import json_safe
 
 __all__ = [
@@ -24,6 +26,7 @@ __all__ = [
     "DEFAULT_SLO_SCALE",
     "DEFAULT_TRACE",
     "PROG",
+    "add_calibration_option",
     "add_coordinator_option",
     "address",
     "alpha_or_auto",
@@ -104,6 +107,29 @@ def address(text: str) -> str:
             f"expected HOST:PORT, e.g. {DEFAULT_COORDINATOR}; got {text!r}"
         )
     return text
+
+
+def calibration(text: str) -> str:
+    """A calibration name or ``measured:FILE``, checked (the file read) before anything runs."""
+    try:
+        resolve_calibration(text)
+    except HexgenFlowError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def add_calibration_option(parser: argparse.ArgumentParser, *, file_default: bool = True) -> None:
+    """``--calibration``; `file_default`: the command reads a cluster file, whose
+    ``calibration:`` is the default when the option is not given."""
+    fallback = "the cluster file's calibration:, else " if file_default else ""
+    parser.add_argument(
+        "--calibration",
+        type=calibration,
+        default=None,
+        metavar="NAME|measured:FILE",
+        help=f"where the latency numbers come from: {', '.join(calibration_names())} (see "
+        f"`{PROG} calibrations`; default: {fallback}{DEFAULT_CALIBRATION})",
+    )
 
 
 def add_coordinator_option(parser: argparse.ArgumentParser) -> None:

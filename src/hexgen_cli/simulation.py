@@ -1,7 +1,7 @@
-"""``simulate``, ``tune`` and ``policies``: the simulator and the policy registry.
+"""``simulate`` and ``tune``: the simulator and the alpha tuner.
 
-A thin adapter over the core: it parses arguments, builds the run's queries, cluster,
-preset and `SimConfig`, calls `simulate` / `tune_alpha`, and prints.
+A thin adapter over the core: it parses arguments, builds the run's queries, cluster (with its
+calibration), preset and `SimConfig`, calls `simulate` / `tune_alpha`, and prints.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from hexgen_cli.options import (
     DEFAULT_SLO_SCALE,
     DEFAULT_TRACE,
     PROG,
+    add_calibration_option,
     alpha_or_auto,
     info,
     integer,
@@ -32,18 +33,16 @@ from hexgen_flow.cluster import DEFAULT_CLUSTER, DEFAULT_MODEL, Cluster, parse_c
 from hexgen_flow.errors import ConfigError
 from hexgen_flow.metrics import RunMetrics
 from hexgen_flow.policies.presets import PRESETS, Preset, resolve_policy
-from hexgen_flow.policies.registration import BUDGETS, DISPATCHERS, QUEUES
-from hexgen_flow.policies.registry import Registry
 from hexgen_flow.sim.simulator import SimConfig, simulate
 from hexgen_flow.traces import load_traces, take_queries
 from hexgen_flow.tuning import AlphaPoint, TuningResult, auto_tune, tune_alpha
 from hexgen_flow.workload import Query
 
-__all__ = ["latency_row", "register"]
+__all__ = ["calibration_row", "latency_row", "register"]
 
 
 def register(commands: Any) -> None:
-    """Add ``simulate``, ``tune`` and ``policies`` to the command parser."""
+    """Add ``simulate`` and ``tune`` to the command parser."""
     sim = commands.add_parser(
         "simulate",
         help="simulate one run and print its metrics",
@@ -81,15 +80,6 @@ def register(commands: Any) -> None:
     )
     tune.set_defaults(handler=_cmd_tune)
 
-    pol = commands.add_parser(
-        "policies",
-        help="list presets and registered policies",
-        description="List the policy presets and the registered dispatch, queue and "
-        "stage-budget policies with their parameters.",
-    )
-    pol.add_argument("--json", action="store_true", help="print one JSON object")
-    pol.set_defaults(handler=_cmd_policies)
-
 
 def _add_run_options(parser: argparse.ArgumentParser, *, policy_help: str) -> None:
     parser.add_argument(
@@ -112,6 +102,7 @@ def _add_run_options(parser: argparse.ArgumentParser, *, policy_help: str) -> No
         metavar="NAME",
         help=f"model every instance serves unless the cluster file says (default {DEFAULT_MODEL})",
     )
+    add_calibration_option(parser)
     parser.add_argument("--policy", default=DEFAULT_POLICY, metavar="NAME", help=policy_help)
     parser.add_argument(
         "--qps",
@@ -173,11 +164,19 @@ def _setup(args: argparse.Namespace) -> RunSetup:
     preset = resolve_policy(args.policy)
     traces = tuple(args.trace or [DEFAULT_TRACE])
     queries = take_queries(load_traces(traces), args.num_queries)
-    cluster = parse_cluster(args.cluster, args.model)
+    cluster = parse_cluster(args.cluster, args.model, args.calibration)
     config = SimConfig(
         qps=args.qps, slo_scale=args.slo_scale, seed=args.seed, arrival_cv=args.arrival_cv
     )
     return RunSetup(traces, queries, cluster, preset, config)
+
+
+def calibration_row(cluster: Cluster) -> tuple[str, str]:
+    """The ``calibration`` row: every figure names where its latency numbers come from."""
+    cached = sorted({i.gpu for i in cluster.instances if i.latency.source.prefix_cached})
+    notes = [f"{', '.join(cached)} measured with prefix-cache hits"] if cached else []
+    notes.append(f"`{PROG} calibrations` lists its sources and caveats")
+    return ("calibration", f"{cluster.calibration.name} ({'; '.join(notes)})")
 
 
 def latency_row(metrics: RunMetrics) -> tuple[str, str]:
@@ -226,6 +225,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         doc["slo_scale"] = run.config.slo_scale
         doc["arrival_cv"] = run.config.arrival_cv
         doc["model"] = run.cluster.instances[0].model
+        doc["calibration"] = run.cluster.calibration.name
         if tuning is not None:
             doc["alpha_curve"] = [
                 {"alpha": p.alpha, "p95_s": p.p95_s, "slo_attainment": p.slo_attainment}
@@ -256,6 +256,7 @@ def _print_summary(
             f"{','.join(run.cluster.gpus)} ({len(run.cluster)} instances, "
             f"{run.cluster.instances[0].model})",
         ),
+        calibration_row(run.cluster),
         ("traces", f"{', '.join(run.traces)} ({metrics.num_queries} queries)"),
         ("arrivals", f"{config.qps:g} queries/s, cv {config.arrival_cv:g}, seed {config.seed}"),
         ("SLO", f"{config.slo_scale:g} x SLO_base = {metrics.slo_s:.1f} s"),
@@ -301,6 +302,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
                 "slo_scale": run.config.slo_scale,
                 "arrival_cv": run.config.arrival_cv,
                 "cluster": list(run.cluster.gpus),
+                "calibration": run.cluster.calibration.name,
                 "traces": list(run.traces),
                 "num_queries": len(run.queries),
                 "window": result.window,
@@ -311,7 +313,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         )
         return 0
     print(
-        f"alpha tuning: {run.preset.name} on {','.join(run.cluster.gpus)}, "
+        f"alpha tuning: {run.preset.name} on {','.join(run.cluster.gpus)} "
+        f"(calibration {run.cluster.calibration.name}), "
         f"{run.config.qps:g} queries/s, {result.window} queries, seed {run.config.seed}"
     )
     print(f"{'alpha':>6}  {'P95 (s)':>9}  {'mean (s)':>9}  {'attainment':>10}")
@@ -323,77 +326,3 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         )
     print(f"best alpha: {result.alpha:g} (P95 {result.best.p95_s:.1f} s)")
     return 0
-
-
-# -------------------------------------------------------------------------------- policies
-
-
-def _registry_json(registry: Registry[Any]) -> dict[str, Any]:
-    return {
-        name: {
-            "description": _first_line(registry.factory(name).__doc__),
-            "parameters": {k: _jsonable(v) for k, v in registry.parameters(name).items()},
-        }
-        for name in registry.names()
-    }
-
-
-def _first_line(doc: str | None) -> str:
-    lines = (doc or "").strip().splitlines()
-    return lines[0].rstrip(":") if lines else ""
-
-
-def _jsonable(value: Any) -> Any:
-    if value is None or isinstance(value, bool | int | float | str):
-        return value
-    return repr(value)
-
-
-def _cmd_policies(args: argparse.Namespace) -> int:
-    families = (("dispatch", DISPATCHERS), ("queue", QUEUES), ("budget", BUDGETS))
-    if args.json:
-        print_json(
-            {
-                "presets": {
-                    p.name: {
-                        "description": p.description,
-                        "dispatch": {"name": p.dispatch.name, "params": dict(p.dispatch.params)},
-                        "queue": {"name": p.queue.name, "params": dict(p.queue.params)},
-                        "budget": {"name": p.budget.name, "params": dict(p.budget.params)},
-                        "has_alpha": p.has_alpha,
-                    }
-                    for p in PRESETS.values()
-                },
-                **{family: _registry_json(reg) for family, reg in families},
-            }
-        )
-        return 0
-    print("Presets (--policy NAME):")
-    width = max(len(name) for name in PRESETS)
-    for p in PRESETS.values():
-        parts = [
-            _ref(p.dispatch.name, p.dispatch.params),
-            _ref(p.queue.name, p.queue.params),
-            _ref(p.budget.name, p.budget.params),
-        ]
-        print(f"  {p.name:<{width}}  {p.description}")
-        print(f"  {'':<{width}}  = {' + '.join(parts)}{'  [alpha]' if p.has_alpha else ''}")
-    print()
-    print("Or combine registered policies with their defaults: --policy DISPATCH+QUEUE[+BUDGET]")
-    for family, registry in families:
-        print()
-        print(f"{family} policies:")
-        names = registry.names()
-        nwidth = max(len(n) for n in names)
-        for name in names:
-            params = registry.parameters(name)
-            shown = ", ".join(f"{k}={v!r}" for k, v in params.items()) or "no parameters"
-            print(f"  {name:<{nwidth}}  {_first_line(registry.factory(name).__doc__)}")
-            print(f"  {'':<{nwidth}}  ({shown})")
-    return 0
-
-
-def _ref(name: str, params: Any) -> str:
-    if not params:
-        return name
-    return f"{name}({', '.join(f'{k}={v!r}' for k, v in params.items())})"

@@ -8,6 +8,7 @@ A cluster is written either inline, ``A100,A100,A6000,L40S`` (``A100x2`` repeats
 as a YAML file::
 
     model: llama-3.1-70b          # optional, the default model of every instance
+    calibration: aiconfigurator   # optional, where the latency numbers come from
     gpus: []                      # optional, GPUs added to the catalogue (docs/hardware.md)
     instances:
       - gpu: A100
@@ -18,23 +19,26 @@ as a YAML file::
         kv_cache_tokens: 120000   # optional override of the derived KV-cache size
         max_batch: 128            # optional override of vLLM's max_num_seqs (256)
 
-The latency tables cover each (model, GPU) at one tp and bf16 only, so for now an instance
-must be at that tp and precision: other values are refused by name, not guessed.
+The latency data of a calibration (docs/hardware.md, "Calibrations"; default
+``chess-measured``, a ``--calibration`` option overrides the file's) covers each (model, GPU)
+at one tp and precision, so for now an instance must be at those: other values are refused by
+name, not guessed.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from hexgen_flow.calibration import Calibration, resolve_calibration
 from hexgen_flow.errors import ConfigError
 from hexgen_flow.hardware import GpuCatalogue, gpu_catalogue
-from hexgen_flow.latency import PROFILED_PRECISION, LatencyModel, latency_model, resolve_model
+from hexgen_flow.latency import LatencyModel, latency_model, resolve_model
 
 __all__ = ["DEFAULT_CLUSTER", "DEFAULT_MODEL", "Cluster", "InstanceSpec", "parse_cluster"]
 
@@ -69,6 +73,8 @@ class Cluster:
     instances: tuple[InstanceSpec, ...]
     description: str
     """How the cluster was given (inline list or file name), for reports."""
+    calibration: Calibration = field(default_factory=resolve_calibration)
+    """The calibration every instance's latency model comes from (default: the default)."""
 
     def __len__(self) -> int:
         return len(self.instances)
@@ -89,18 +95,27 @@ class Cluster:
         entries: Sequence[dict[str, Any]],
         description: str,
         catalogue: GpuCatalogue | None = None,
+        calibration: str | None = None,
     ) -> Cluster:
         """Instances from entries ({"gpu", "model", "tp", "precision", "kv_cache_tokens",
         "max_batch"}; all but "gpu" optional), GPU names resolved in `catalogue` (default:
-        the shipped one)."""
+        the shipped one), latency from `calibration` (default: ``chess-measured``)."""
+        source = resolve_calibration(calibration)
         instances: list[InstanceSpec] = []
         for entry in entries:
             model = resolve_model(str(entry.get("model", DEFAULT_MODEL))).name
             tp = entry.get("tp")
             if tp is not None and (isinstance(tp, bool) or not isinstance(tp, int) or tp < 1):
                 raise ConfigError(f"instance {len(instances)}: tp must be an integer >= 1")
-            precision = str(entry.get("precision", PROFILED_PRECISION))
-            lat = latency_model(model, str(entry["gpu"]), tp, precision, catalogue)
+            precision = entry.get("precision")
+            lat = latency_model(
+                model,
+                str(entry["gpu"]),
+                tp,
+                None if precision is None else str(precision),
+                catalogue,
+                source.argument,
+            )
             where = f"instance {len(instances)} ({lat.gpu})"
             kv = _int_setting(entry, "kv_cache_tokens", lat.kv_capacity_tokens, where)
             max_batch = _int_setting(entry, "max_batch", lat.max_batch, where)
@@ -114,7 +129,7 @@ class Cluster:
             instances.append(InstanceSpec(len(instances), lat.gpu, model, kv, max_batch, lat))
         if not instances:
             raise ConfigError("a cluster needs at least one instance")
-        return cls(tuple(instances), description)
+        return cls(tuple(instances), description, source)
 
 
 def _int_setting(entry: dict[str, Any], key: str, default: int, where: str) -> int:
@@ -127,11 +142,12 @@ def _int_setting(entry: dict[str, Any], key: str, default: int, where: str) -> i
 _REPEAT = re.compile(r"^(?P<gpu>[A-Za-z0-9_-]+?)(?:[x*](?P<count>\d+))?$")
 
 
-def parse_cluster(text: str, model: str = DEFAULT_MODEL) -> Cluster:
-    """Parse ``A100,A100,A6000,L40S`` / ``A100x2,A6000`` or the path of a YAML file."""
+def parse_cluster(text: str, model: str = DEFAULT_MODEL, calibration: str | None = None) -> Cluster:
+    """Parse ``A100,A100,A6000,L40S`` / ``A100x2,A6000`` or the path of a YAML file, with
+    latency from `calibration`: None takes the file's ``calibration:``, else the default."""
     path = Path(text)
     if text.endswith((".yaml", ".yml")) or path.is_file():
-        return _load_yaml(path, model)
+        return _load_yaml(path, model, calibration)
     entries: list[dict[str, Any]] = []
     for part in text.split(","):
         match = _REPEAT.match(part.strip())
@@ -141,10 +157,10 @@ def parse_cluster(text: str, model: str = DEFAULT_MODEL) -> Cluster:
         if count < 1:
             raise ConfigError(f"--cluster: {part.strip()!r}: the count after x must be >= 1")
         entries.extend({"gpu": match["gpu"], "model": model} for _ in range(count))
-    return Cluster.build(entries, text)
+    return Cluster.build(entries, text, calibration=calibration)
 
 
-_FILE_KEYS = frozenset({"model", "gpus", "instances"})
+_FILE_KEYS = frozenset({"model", "calibration", "gpus", "instances"})
 _INSTANCE_KEYS = frozenset(
     {"gpu", "count", "model", "tp", "precision", "kv_cache_tokens", "max_batch"}
 )
@@ -157,7 +173,7 @@ def _reject_unknown(item: dict[str, Any], known: frozenset[str], where: str) -> 
         raise ConfigError(f"{where}: unknown key {unknown[0]!r} (keys: {', '.join(sorted(known))})")
 
 
-def _load_yaml(path: Path, model: str) -> Cluster:
+def _load_yaml(path: Path, model: str, calibration: str | None) -> Cluster:
     try:
         doc = yaml.safe_load(path.read_text())
     except FileNotFoundError:
@@ -171,6 +187,13 @@ def _load_yaml(path: Path, model: str) -> Cluster:
     if "gpus" in doc:
         catalogue = catalogue.extended(doc["gpus"], f"cluster file {path}: gpus")
     default_model = str(doc.get("model", model))
+    named = doc.get("calibration")
+    if named is not None and not isinstance(named, str):
+        raise ConfigError(f"cluster file {path}: calibration must be a name, got {named!r}")
+    if named is not None and named.startswith("measured:") and calibration is None:
+        # A profile named in the file is found beside the file, wherever the run starts.
+        profile = Path(named.removeprefix("measured:"))
+        named = f"measured:{profile if profile.is_absolute() else path.parent / profile}"
     entries: list[dict[str, Any]] = []
     for n, item in enumerate(doc["instances"]):
         if not isinstance(item, dict) or "gpu" not in item:
@@ -184,4 +207,4 @@ def _load_yaml(path: Path, model: str) -> Cluster:
         entry = {k: v for k, v in item.items() if k != "count"}
         entry.setdefault("model", default_model)
         entries.extend(dict(entry) for _ in range(count))
-    return Cluster.build(entries, str(path), catalogue)
+    return Cluster.build(entries, str(path), catalogue, calibration or named)

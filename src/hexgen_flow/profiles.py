@@ -1,6 +1,9 @@
 """Reading the shipped latency data under ``data/profiles/`` (docs/algorithm.md §2).
 
-- ``aiconfigurator-*.tsv``: NVIDIA aiconfigurator TTFT/TPOT rows, per model (`aiconfigurator_rows`).
+- ``aiconfigurator-*.tsv``: NVIDIA aiconfigurator TTFT/TPOT rows, per model: by (system, batch)
+  (`aiconfigurator_rows`, what the ``chess-measured`` calibration reads) and as points with
+  their tp and token counts (`aiconfigurator_points`, what the ``aiconfigurator`` calibration
+  fits, so that a denser sweep in the same columns is a change of data only).
 - ``vllm-*/``: measured vLLM tables (`read_table`), and the folder's ``source.yaml``: which
   GPUs it covers and whether it was measured with prefix caching (`MeasuredProfile`).
 """
@@ -19,7 +22,9 @@ from hexgen_flow.errors import ConfigError
 from hexgen_flow.hardware import GpuSpec, gpu_catalogue, resolve_model
 
 __all__ = [
+    "AiconfiguratorPoint",
     "MeasuredProfile",
+    "aiconfigurator_points",
     "aiconfigurator_rows",
     "measured_profile",
     "profile_text",
@@ -48,6 +53,48 @@ def aiconfigurator_rows(model: str) -> dict[tuple[str, int], tuple[float, float]
             float(row["TPOT_ms"]) / 1e3,
         )
     return rows
+
+
+@dataclass(frozen=True, slots=True)
+class AiconfiguratorPoint:
+    """One SILICON row of an aiconfigurator table: a GPU system at one tp, batch size and
+    (input, output) length, with its time to first token and time per output token."""
+
+    system: str
+    tensor_parallel: int
+    batch: int
+    input_tokens: int
+    output_tokens: int
+    ttft_s: float
+    tpot_s: float
+
+
+@functools.cache
+def aiconfigurator_points(model: str) -> tuple[AiconfiguratorPoint, ...]:
+    """Every SILICON row with both times of `model`'s aiconfigurator table (its
+    ``aiconfigurator_table`` in models.yaml), in file order."""
+    spec = resolve_model(model)
+    if spec.aiconfigurator_table is None:
+        return ()
+    points: list[AiconfiguratorPoint] = []
+    text = profile_text(spec.aiconfigurator_table)
+    for row in csv.DictReader(text.splitlines(), delimiter="\t"):
+        if row.get("model") != spec.aiconfigurator_model or row.get("mode") != "SILICON":
+            continue
+        if not row.get("TTFT_ms") or not row.get("TPOT_ms"):
+            continue
+        points.append(
+            AiconfiguratorPoint(
+                system=row["system"],
+                tensor_parallel=int(row["tp"]),
+                batch=int(row["bs"]),
+                input_tokens=int(row["isl"]),
+                output_tokens=int(row["osl"]),
+                ttft_s=float(row["TTFT_ms"]) / 1e3,
+                tpot_s=float(row["TPOT_ms"]) / 1e3,
+            )
+        )
+    return tuple(points)
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,11 +14,14 @@ marked as measured with prefix caching (the shipped vLLM tables), which it repor
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from hexgen_flow.errors import ConfigError
 from hexgen_flow.hardware import InstanceHardware
-from hexgen_flow.latency import LatencyModel, LatencySource
+from hexgen_flow.latency_parameters import LatencySource
+
+if TYPE_CHECKING:  # latency.py runs the check on every model it builds, so imports this one
+    from hexgen_flow.latency import LatencyModel
 
 __all__ = [
     "CHECK_INPUT_TOKENS",

@@ -23,18 +23,22 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
 
 import grpc
 
 from hexgen_api.v1 import coordinator_pb2, coordinator_pb2_grpc
-from hexgen_client.addresses import DEFAULT_COORDINATOR, DEFAULT_REDIS_PREFIX, DEFAULT_TUNER
+from hexgen_client.cluster_config import (
+    LocalClusterConfig,
+    WorkerLaunch,
+    coordinator_argv,
+    tuner_argv,
+    worker_argv,
+)
 from hexgen_client.errors import ClusterError
 from hexgen_client.processes import (
     POLL_S,
@@ -44,7 +48,7 @@ from hexgen_client.processes import (
     resolve_address,
     stop_processes,
 )
-from hexgen_flow.cluster import DEFAULT_CLUSTER, parse_cluster
+from hexgen_flow.cluster import parse_cluster
 from hexgen_flow.errors import ConfigError
 from hexgen_flow.policies.presets import resolve_policy
 from hexgen_service.healthcheck import check
@@ -58,122 +62,6 @@ __all__ = [
     "worker_argv",
 ]
 
-# ------------------------------------------------------------------------------ the mesh
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerLaunch:
-    """How `LocalCluster` starts the worker of one slot. The default is what it always
-    runs: a simulated engine under the cluster's interpreter."""
-
-    engine: str = "simulated"
-    """The worker's ``--engine``: simulated, openai or vllm."""
-    args: tuple[str, ...] = ()
-    """More worker options, e.g. ``("--vllm-model", PATH, "--max-batch", "8")``."""
-    python: str | None = None
-    """The interpreter that runs this worker (for the vllm engine, one with vLLM and this
-    project installed); None: `LocalClusterConfig.python`."""
-    env: Mapping[str, str] = field(default_factory=dict)
-    """Extra environment of this worker (e.g. VLLM_CPU_KVCACHE_SPACE), over the cluster's."""
-
-
-@dataclass(frozen=True, slots=True)
-class LocalClusterConfig:
-    """What `LocalCluster` runs (``hexgen-flow up``'s options)."""
-
-    cluster: str = DEFAULT_CLUSTER
-    """Instances, as ``--cluster`` takes them (``A100,A100,A6000,L40S`` or a YAML file)."""
-    policy: str = "hexgen-flow"
-    """The coordinator's policy: a preset or ``DISPATCH+QUEUE[+BUDGET]``."""
-    alpha: float | None = None
-    """The coordinator's initial α; None: its default."""
-    slo_scale: float = 3.0
-    """The coordinator's default SLO scale (SLO = scale x SLO_base)."""
-    time_scale: float = 1.0
-    """Cluster seconds per wall second (simulated engines run this much faster)."""
-    listen: str = DEFAULT_COORDINATOR
-    """The coordinator's address; port 0 picks a free port."""
-    redis_url: str | None = None
-    """A running Redis to use; None starts a private ``redis-server``."""
-    redis_prefix: str = DEFAULT_REDIS_PREFIX
-    """Prefix of the mesh's Redis keys."""
-    redis_binary: str = "redis-server"
-    """The Redis server program for the private Redis (looked up on PATH)."""
-    tuner: bool = True
-    """Whether to run the α tuner."""
-    tuner_listen: str = DEFAULT_TUNER
-    """The tuner's address; port 0 picks a free port."""
-    tuner_period_s: float = 30.0
-    """Wall seconds between the tuner's runs."""
-    python: str = sys.executable
-    """The interpreter that runs the services."""
-    log_dir: Path | None = None
-    """Where the services' logs go; None: a temporary folder."""
-    keep_logs: bool = False
-    """Keep a temporary log folder after `stop` (a given `log_dir` is always kept)."""
-    start_timeout_s: float = 60.0
-    """How long each service may take to come up (and the workers to connect)."""
-    stop_grace_s: float = 5.0
-    """How long services may take to stop after SIGTERM before SIGKILL."""
-    env: Mapping[str, str] = field(default_factory=dict)
-    """Extra environment of the services (e.g. OTEL_EXPORTER_OTLP_ENDPOINT)."""
-    workers: tuple[WorkerLaunch, ...] = ()
-    """How to start the worker of each slot, in slot order; slots past the end get
-    ``WorkerLaunch()`` (a simulated engine)."""
-
-
-def coordinator_argv(config: LocalClusterConfig, listen: str, redis_url: str) -> list[str]:
-    argv = [
-        config.python, "-m", "hexgen_coordinator",
-        "--listen", listen,
-        "--redis-url", redis_url,
-        "--redis-prefix", config.redis_prefix,
-        "--cluster", config.cluster,
-        "--policy", config.policy,
-        "--time-scale", repr(config.time_scale),
-        "--slo-scale", repr(config.slo_scale),
-    ]  # fmt: skip
-    if config.alpha is not None:
-        argv += ["--alpha", repr(config.alpha)]
-    return argv
-
-
-def tuner_argv(
-    config: LocalClusterConfig, listen: str, coordinator: str, redis_url: str
-) -> list[str]:
-    return [
-        config.python, "-m", "hexgen_tuner",
-        "--listen", listen,
-        "--coordinator", coordinator,
-        "--redis-url", redis_url,
-        "--redis-prefix", config.redis_prefix,
-        "--period-s", repr(config.tuner_period_s),
-    ]  # fmt: skip
-
-
-def worker_argv(
-    python: str,
-    coordinator: str,
-    slot: int,
-    gpu: str,
-    model: str,
-    engine: str = "simulated",
-    extra: Sequence[str] = (),
-) -> list[str]:
-    """The command line of the worker that takes `slot` (a `gpu` serving `model`) with
-    `engine` (default simulated) and `extra` options; its id is stable, so a restarted
-    worker resumes its slot."""
-    return [
-        python, "-m", "hexgen_worker",
-        "--coordinator", coordinator,
-        "--worker-id", f"local-worker-{slot}",
-        "--slot", str(slot),
-        "--gpu", gpu,
-        "--model", model,
-        "--engine", engine,
-        *extra,
-    ]  # fmt: skip
-
 
 class LocalCluster:
     """Redis (private unless given), coordinator, tuner and one simulated worker per
@@ -184,7 +72,10 @@ class LocalCluster:
         self.config = config or LocalClusterConfig()
         if not self.config.time_scale > 0:
             raise ConfigError(f"time scale must be > 0, got {self.config.time_scale}")
-        self.instances = parse_cluster(self.config.cluster).instances
+        cluster = parse_cluster(self.config.cluster, calibration=self.config.calibration)
+        self.instances = cluster.instances
+        self.calibration = cluster.calibration
+        """The cluster's calibration, which every service is started with."""
         self.gpus = tuple(inst.gpu for inst in self.instances)
         if len(self.config.workers) > len(self.instances):
             raise ConfigError(
@@ -227,7 +118,11 @@ class LocalCluster:
             self._start_coordinator()
             if self.tuner_address is not None:
                 argv = tuner_argv(
-                    config, self.tuner_address, self.coordinator_address, self.redis_url
+                    config,
+                    self.tuner_address,
+                    self.coordinator_address,
+                    self.redis_url,
+                    self.calibration.argument,
                 )
                 self.tuner = self._process("tuner", "tuner.log", argv)
                 self.tuner.start()
@@ -359,13 +254,22 @@ class LocalCluster:
         inst, launch = self.instances[slot], self.worker_launch(slot)
         python = launch.python or self.config.python
         return worker_argv(
-            python, self.coordinator_address, slot, inst.gpu, inst.model, launch.engine, launch.args
+            python,
+            self.coordinator_address,
+            slot,
+            inst.gpu,
+            inst.model,
+            launch.engine,
+            launch.args,
+            self.calibration.argument,
         )
 
     def _start_coordinator(self) -> None:
         assert self.redis_url is not None
         if self.coordinator is None:
-            argv = coordinator_argv(self.config, self.coordinator_address, self.redis_url)
+            argv = coordinator_argv(
+                self.config, self.coordinator_address, self.redis_url, self.calibration.argument
+            )
             self.coordinator = self._process("coordinator", "coordinator.log", argv)
         self.coordinator.start()
         self._wait_healthy(self.coordinator, self.coordinator_address)

@@ -156,9 +156,12 @@ def default_slo_s(queries: Sequence[Query], infos: Sequence[coordinator_pb2.Quer
     return math.nan
 
 
-def cluster_from_status(status: coordinator_pb2.ClusterStatusResponse) -> Cluster:
+def cluster_from_status(
+    status: coordinator_pb2.ClusterStatusResponse, calibration: str | None = None
+) -> Cluster:
     """The coordinator's cluster as the simulator builds it: each slot's GPU and model, and
-    its KV-cache size where the coordinator reports one."""
+    its KV-cache size where the coordinator reports one, with latency from `calibration`
+    (the coordinator's; the status does not carry it; None: ``chess-measured``)."""
     entries: list[dict[str, object]] = []
     for inst in sorted(status.instances, key=lambda i: i.index):
         entry: dict[str, object] = {"gpu": inst.gpu, "model": inst.model}
@@ -166,7 +169,7 @@ def cluster_from_status(status: coordinator_pb2.ClusterStatusResponse) -> Cluste
             entry["kv_cache_tokens"] = int(inst.kv_capacity_tokens)
         entries.append(entry)
     gpus = ",".join(inst.gpu for inst in sorted(status.instances, key=lambda i: i.index))
-    return Cluster.build(entries, gpus)
+    return Cluster.build(entries, gpus, calibration=calibration)
 
 
 def preset_from_status(status: coordinator_pb2.ClusterStatusResponse) -> Preset:

@@ -36,6 +36,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[CoordinatorConfig, str]:
     parser.add_argument("--redis-prefix", default=defaults.redis_prefix)
     parser.add_argument("--cluster", default=defaults.cluster)
     parser.add_argument("--model", default=defaults.model)
+    parser.add_argument("--calibration", default=None, metavar="NAME|measured:FILE")
     parser.add_argument("--policy", default=defaults.policy)
     parser.add_argument("--alpha", type=float, default=None)
     parser.add_argument("--time-scale", type=float, default=defaults.time_scale)
@@ -58,6 +59,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[CoordinatorConfig, str]:
         redis_prefix=args.redis_prefix,
         cluster=args.cluster,
         model=args.model,
+        calibration=args.calibration,
         policy=args.policy,
         alpha=args.alpha,
         time_scale=args.time_scale,
@@ -95,9 +97,10 @@ async def serve(config: CoordinatorConfig) -> None:
     server = GrpcServer(config.listen, register, SERVICE_NAMES)
     await server.start()
     logging.getLogger("hexgen_coordinator").info(
-        "coordinator on %s: cluster %s, policy %s, alpha %s, time scale %s",
+        "coordinator on %s: cluster %s (calibration %s), policy %s, alpha %s, time scale %s",
         config.listen,
         config.cluster,
+        coordinator.cluster.calibration.name,
         config.policy,
         coordinator.scheduler.alpha,
         coordinator.clock.time_scale,

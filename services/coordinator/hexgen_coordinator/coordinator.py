@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 class Coordinator:
     def __init__(self, config: CoordinatorConfig, redis: aioredis.Redis[bytes]) -> None:
         self.config = config
-        self.cluster = parse_cluster(config.cluster, config.model)
+        self.cluster = parse_cluster(config.cluster, config.model, config.calibration)
         preset = resolve_policy(config.policy)
         self.scheduler = GlobalScheduler(self.cluster, preset, seed=config.seed)
         self.store = WorkflowStore(redis, config.redis_prefix)

@@ -61,6 +61,12 @@ def parse_config(argv: Sequence[str] | None = None) -> TunerConfig:
     parser.add_argument(
         "--seed", type=int, default=d.seed, help=f"seed of the replays (default {d.seed})"
     )
+    parser.add_argument(
+        "--calibration",
+        default=None,
+        metavar="NAME|measured:FILE",
+        help="the coordinator's latency calibration (default chess-measured)",
+    )
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -76,6 +82,7 @@ def parse_config(argv: Sequence[str] | None = None) -> TunerConfig:
             window=args.window,
             min_queries=args.min_queries,
             seed=args.seed,
+            calibration=args.calibration,
         )
     except HexgenFlowError as exc:
         parser.error(str(exc))

@@ -40,6 +40,9 @@ class TunerConfig:
     """α changes kept in Redis (``GetAlpha``'s history)."""
     seed: int = 0
     """Seed of the simulations (the policies' random choices)."""
+    calibration: str | None = None
+    """Where the replays' latency numbers come from: the coordinator's calibration (None:
+    ``chess-measured``)."""
     rpc_timeout_s: float = 10.0
     """Deadline of each RPC to the coordinator."""
 

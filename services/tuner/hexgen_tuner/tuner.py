@@ -216,7 +216,7 @@ class AlphaTuner:
                 previous,
             )
         try:
-            cluster = cluster_from_status(status)
+            cluster = cluster_from_status(status, config.calibration)
             result = await asyncio.to_thread(self.replay_window, window, cluster, preset, previous)
         except HexgenFlowError as exc:
             return await finish(f"cannot replay the window: {exc}", previous)

@@ -64,6 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--gpu", required=True, help="GPU type, e.g. A100, A6000, L40S, H100")
     parser.add_argument("--model", default=DEFAULT_MODEL, help="latency-model name")
+    parser.add_argument(
+        "--calibration",
+        default=None,
+        metavar="NAME|measured:FILE",
+        help="where the simulated engine's and the local queue's latency numbers come from "
+        "(default chess-measured; in a mesh, the coordinator's)",
+    )
     parser.add_argument("--engine", choices=ENGINE_KINDS, default=defaults.engine)
     parser.add_argument(
         "--kv-cache-tokens", type=int, help="default: the latency model's KV capacity"
@@ -115,6 +122,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         slot=args.slot,
         gpu=args.gpu,
         model=args.model,
+        calibration=args.calibration,
         engine=args.engine,
         kv_cache_tokens=args.kv_cache_tokens,
         max_batch=args.max_batch,

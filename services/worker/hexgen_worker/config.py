@@ -32,6 +32,9 @@ class WorkerConfig:
     """GPU type this instance runs on (a latency-model name, e.g. A100, A6000, L40S, H100)."""
     model: str = DEFAULT_MODEL
     """Model served (a latency-model name): the simulated engine's latency model."""
+    calibration: str | None = None
+    """Where the latency numbers of the simulated engine and the local queue's estimates
+    come from (``--calibration``); None: ``chess-measured``. The coordinator's, in a mesh."""
     engine: EngineKind = "simulated"
     """Engine behind the local queue: simulated, openai or vllm."""
     kv_cache_tokens: int | None = None
@@ -89,7 +92,7 @@ class WorkerConfig:
                 f"--engine: unknown engine {self.engine!r}; known: {', '.join(ENGINE_KINDS)}"
             )
         model = resolve_model(self.model).name
-        lat = latency_model(model, self.gpu)
+        lat = latency_model(model, self.gpu, calibration=self.calibration)
         kv = lat.kv_capacity_tokens if self.kv_cache_tokens is None else self.kv_cache_tokens
         max_batch = lat.max_batch if self.max_batch is None else self.max_batch
         if kv <= 0:
@@ -137,4 +140,5 @@ class WorkerConfig:
             "kv_cache_tokens": config.kv_cache_tokens,
             "max_batch": config.max_batch,
         }
-        return Cluster.build([entry], f"worker {config.worker_id}").instances[0]
+        cluster = Cluster.build([entry], f"worker {config.worker_id}", calibration=self.calibration)
+        return cluster.instances[0]

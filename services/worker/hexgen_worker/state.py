@@ -131,12 +131,15 @@ class WorkerState:
         model: str,
         kv_cache_tokens: int,
         send: Callable[[CallReport], None],
+        calibration: str | None = None,
         tracer: trace.Tracer | None = None,
     ) -> None:
         self.engine = engine
         self.gpu = gpu
         """GPU type this worker declared (the welcome's slot must be one)."""
         self.model = model
+        self.calibration = calibration
+        """Where the local queue's latency estimates come from (None: the default)."""
         self.kv_cache_tokens = kv_cache_tokens
         """KV-cache tokens declared: a call larger than this can never run here."""
         self._send = send
@@ -242,7 +245,7 @@ class WorkerState:
         cluster = self._clusters.get(text)
         if cluster is None:
             try:
-                cluster = parse_cluster(text, self.model)
+                cluster = parse_cluster(text, self.model, self.calibration)
             except UnknownNameError:
                 raise
             except ConfigError as exc:
@@ -256,7 +259,9 @@ class WorkerState:
                     "model": self.model,
                     "kv_cache_tokens": self.kv_cache_tokens,
                 }
-                cluster = Cluster.build([entry] * (max(slot, 0) + 1), f"{text} (stand-in)")
+                cluster = Cluster.build(
+                    [entry] * (max(slot, 0) + 1), f"{text} (stand-in)", calibration=self.calibration
+                )
             self._clusters[text] = cluster
         return cluster
 

@@ -27,6 +27,7 @@ import random
 import grpc
 
 from hexgen_api.v1 import worker_pb2, worker_pb2_grpc
+from hexgen_flow.calibration import DEFAULT_CALIBRATION
 from hexgen_flow.errors import ConfigError, WorkloadError
 from hexgen_service.convert import dispatch_to_ticket
 from hexgen_service.errors import InvalidFieldError
@@ -105,6 +106,7 @@ class Worker:
             engine,
             gpu=config.gpu,
             model=config.model,
+            calibration=config.calibration,
             kv_cache_tokens=config.kv_cache_tokens or 0,
             send=self._send,
             tracer=tracer,
@@ -112,11 +114,12 @@ class Worker:
         self.state = state
         events = asyncio.create_task(state.run_engine_events(), name="engine-events")
         log.info(
-            "worker %s: %s on %s, %s engine; coordinator %s",
+            "worker %s: %s on %s, %s engine, calibration %s; coordinator %s",
             config.worker_id,
             config.model,
             config.gpu,
             engine.kind,
+            config.calibration or DEFAULT_CALIBRATION,
             config.coordinator,
         )
         try:

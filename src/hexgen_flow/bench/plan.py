@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from hexgen_flow.calibration import DEFAULT_CALIBRATION
 from hexgen_flow.policies.presets import PRESETS
 
 __all__ = [
@@ -52,6 +53,8 @@ class BenchPlan:
         ("x2", "A100,A100,A6000,L40S,A100,A100,A6000,L40S"),
     )
     """(label, cluster spec); the first is the cluster of the goodput and sweep parts."""
+    calibration: str = DEFAULT_CALIBRATION
+    """Where every simulation's latency numbers come from (``--calibration``)."""
     qps: tuple[float, ...] = (0.5, 1.0)
     """Arrival rates of the matrix (queries/s)."""
     seed: int = 0
@@ -136,6 +139,8 @@ class Task:
     arrival_cv: float
     tenants: bool = False
     """Assign `TENANTS` to the queries alternately."""
+    calibration: str = DEFAULT_CALIBRATION
+    """The cluster's latency calibration."""
     goodput: tuple[float, float, float] = (0.95, 2.0, 0.005)
     """(target attainment, highest rate, resolution) of a goodput search."""
 
@@ -171,6 +176,7 @@ def plan_tasks(plan: BenchPlan) -> list[Task]:
                 arrival_cv=plan.arrival_cv,
                 tenants=tenants,
                 goodput=(plan.goodput_target, plan.goodput_max_qps, plan.goodput_resolution),
+                calibration=plan.calibration,
             )
         )
 

@@ -42,6 +42,7 @@ README_PLAN = replace(
     # flagship, the baseline and every load-aware router (the best of them is the other one).
     goodput_presets=(FLAGSHIP, BASELINE, *LOAD_AWARE),
     parts=(),
+    calibration=CALIBRATION,  # pinned: the block's prose names it
 )
 _WIDTH = 92
 """Line width of the README's prose."""

@@ -114,6 +114,9 @@ def render_markdown(plan: BenchPlan, doc: dict[str, Any]) -> str:
         "every setting (on other arrivals, seed + 1). Latencies in seconds; rates in "
         "queries/s.",
         "",
+        f"Latency calibration: `{meta['calibration']}` (`hexgen-flow calibrations` lists its "
+        "source and caveats); every figure below rests on it.",
+        "",
         *_summary_lines(plan, doc),
         *_matrix_lines(plan, doc),
         *_goodput_lines(plan, doc),

@@ -175,6 +175,7 @@ def _assemble(plan: BenchPlan, results: dict[tuple[Any, ...], dict[str, Any]]) -
             "presets": list(plan.presets),
             "traces": list(plan.traces),
             "clusters": {label: spec.split(",") for label, spec in plan.clusters},
+            "calibration": plan.calibration,
             "qps": list(plan.qps),
             "seed": plan.seed,
             "slo_scale": plan.slo_scale,
@@ -279,7 +280,7 @@ def _headline(plan: BenchPlan, doc: dict[str, Any]) -> dict[str, Any]:
 
 def _measure_speed(plan: BenchPlan) -> dict[str, Any]:
     """Simulator speed, measured in this process with nothing else running."""
-    cluster = cached_cluster(plan.clusters[0][1])
+    cluster = cached_cluster(plan.clusters[0][1], plan.calibration)
     queries = cached_queries(plan.sweep_trace, plan.speed_queries, False)
     preset = PRESETS[FLAGSHIP].with_alpha(plan.speed_alpha)
     config = SimConfig(

@@ -22,8 +22,8 @@ __all__ = ["cached_cluster", "cached_queries", "find_goodput", "run_task"]
 
 # A pool worker runs many tasks on the same few clusters and traces: parse each once.
 @lru_cache(maxsize=32)
-def cached_cluster(spec: str) -> Cluster:
-    return parse_cluster(spec)
+def cached_cluster(spec: str, calibration: str | None = None) -> Cluster:
+    return parse_cluster(spec, calibration=calibration)
 
 
 @lru_cache(maxsize=32)
@@ -118,7 +118,7 @@ def find_goodput(
 
 def run_task(task: Task) -> dict[str, Any]:
     """Run one task; returns its result record (plus "sims": simulations run)."""
-    cluster = cached_cluster(task.cluster)
+    cluster = cached_cluster(task.cluster, task.calibration)
     queries = cached_queries(task.trace, task.num_queries, task.tenants)
 
     def config(qps: float) -> SimConfig:

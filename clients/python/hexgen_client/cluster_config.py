@@ -1,0 +1,157 @@
+"""What `LocalCluster` runs: its settings (`LocalClusterConfig`, `WorkerLaunch`) and the
+command lines of the services it starts (coordinator, tuner, workers)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hexgen_client.addresses import DEFAULT_COORDINATOR, DEFAULT_REDIS_PREFIX, DEFAULT_TUNER
+from hexgen_flow.calibration import DEFAULT_CALIBRATION
+from hexgen_flow.cluster import DEFAULT_CLUSTER
+
+__all__ = [
+    "LocalClusterConfig",
+    "WorkerLaunch",
+    "coordinator_argv",
+    "tuner_argv",
+    "worker_argv",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLaunch:
+    """How `LocalCluster` starts the worker of one slot. The default is what it always
+    runs: a simulated engine under the cluster's interpreter."""
+
+    engine: str = "simulated"
+    """The worker's ``--engine``: simulated, openai or vllm."""
+    args: tuple[str, ...] = ()
+    """More worker options, e.g. ``("--vllm-model", PATH, "--max-batch", "8")``."""
+    python: str | None = None
+    """The interpreter that runs this worker (for the vllm engine, one with vLLM and this
+    project installed); None: `LocalClusterConfig.python`."""
+    env: Mapping[str, str] = field(default_factory=dict)
+    """Extra environment of this worker (e.g. VLLM_CPU_KVCACHE_SPACE), over the cluster's."""
+
+
+@dataclass(frozen=True, slots=True)
+class LocalClusterConfig:
+    """What `LocalCluster` runs (``hexgen-flow up``'s options)."""
+
+    cluster: str = DEFAULT_CLUSTER
+    """Instances, as ``--cluster`` takes them (``A100,A100,A6000,L40S`` or a YAML file)."""
+    calibration: str | None = None
+    """Where the latency numbers come from, for the coordinator's estimator, the workers'
+    simulated engines and local queues, and the tuner's replays alike (``--calibration``);
+    None: the cluster file's ``calibration:``, else ``chess-measured``."""
+    policy: str = "hexgen-flow"
+    """The coordinator's policy: a preset or ``DISPATCH+QUEUE[+BUDGET]``."""
+    alpha: float | None = None
+    """The coordinator's initial α; None: its default."""
+    slo_scale: float = 3.0
+    """The coordinator's default SLO scale (SLO = scale x SLO_base)."""
+    time_scale: float = 1.0
+    """Cluster seconds per wall second (simulated engines run this much faster)."""
+    listen: str = DEFAULT_COORDINATOR
+    """The coordinator's address; port 0 picks a free port."""
+    redis_url: str | None = None
+    """A running Redis to use; None starts a private ``redis-server``."""
+    redis_prefix: str = DEFAULT_REDIS_PREFIX
+    """Prefix of the mesh's Redis keys."""
+    redis_binary: str = "redis-server"
+    """The Redis server program for the private Redis (looked up on PATH)."""
+    tuner: bool = True
+    """Whether to run the α tuner."""
+    tuner_listen: str = DEFAULT_TUNER
+    """The tuner's address; port 0 picks a free port."""
+    tuner_period_s: float = 30.0
+    """Wall seconds between the tuner's runs."""
+    python: str = sys.executable
+    """The interpreter that runs the services."""
+    log_dir: Path | None = None
+    """Where the services' logs go; None: a temporary folder."""
+    keep_logs: bool = False
+    """Keep a temporary log folder after `stop` (a given `log_dir` is always kept)."""
+    start_timeout_s: float = 60.0
+    """How long each service may take to come up (and the workers to connect)."""
+    stop_grace_s: float = 5.0
+    """How long services may take to stop after SIGTERM before SIGKILL."""
+    env: Mapping[str, str] = field(default_factory=dict)
+    """Extra environment of the services (e.g. OTEL_EXPORTER_OTLP_ENDPOINT)."""
+    workers: tuple[WorkerLaunch, ...] = ()
+    """How to start the worker of each slot, in slot order; slots past the end get
+    ``WorkerLaunch()`` (a simulated engine)."""
+
+
+def _calibration_args(calibration: str | None) -> list[str]:
+    # The default goes unsaid, so that a default mesh's command lines are what they were.
+    if calibration is None or calibration == DEFAULT_CALIBRATION:
+        return []
+    return ["--calibration", calibration]
+
+
+def coordinator_argv(
+    config: LocalClusterConfig, listen: str, redis_url: str, calibration: str | None = None
+) -> list[str]:
+    """The coordinator's command line; `calibration`: the ``--calibration`` value that
+    selects the cluster's calibration from any directory (None: the default)."""
+    argv = [
+        config.python, "-m", "hexgen_coordinator",
+        "--listen", listen,
+        "--redis-url", redis_url,
+        "--redis-prefix", config.redis_prefix,
+        "--cluster", config.cluster,
+        "--policy", config.policy,
+        "--time-scale", repr(config.time_scale),
+        "--slo-scale", repr(config.slo_scale),
+    ]  # fmt: skip
+    if config.alpha is not None:
+        argv += ["--alpha", repr(config.alpha)]
+    return argv + _calibration_args(calibration)
+
+
+def tuner_argv(
+    config: LocalClusterConfig,
+    listen: str,
+    coordinator: str,
+    redis_url: str,
+    calibration: str | None = None,
+) -> list[str]:
+    return [
+        config.python, "-m", "hexgen_tuner",
+        "--listen", listen,
+        "--coordinator", coordinator,
+        "--redis-url", redis_url,
+        "--redis-prefix", config.redis_prefix,
+        "--period-s", repr(config.tuner_period_s),
+        *_calibration_args(calibration),
+    ]  # fmt: skip
+
+
+def worker_argv(
+    python: str,
+    coordinator: str,
+    slot: int,
+    gpu: str,
+    model: str,
+    engine: str = "simulated",
+    extra: Sequence[str] = (),
+    calibration: str | None = None,
+) -> list[str]:
+    """The command line of the worker that takes `slot` (a `gpu` serving `model`) with
+    `engine` (default simulated), latency from `calibration` (None: the default) and `extra`
+    options; its id is stable, so a restarted worker resumes its slot."""
+    return [
+        python, "-m", "hexgen_worker",
+        "--coordinator", coordinator,
+        "--worker-id", f"local-worker-{slot}",
+        "--slot", str(slot),
+        "--gpu", gpu,
+        "--model", model,
+        "--engine", engine,
+        *_calibration_args(calibration),
+        *extra,
+    ]  # fmt: skip

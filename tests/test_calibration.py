@@ -1,0 +1,264 @@
+"""Calibrations: the default is today's behaviour, aiconfigurator alone sits above the floors
+and refuses the GPUs it does not model, and a measured profile file loads, drives the
+simulator and is refused below a floor unless marked as prefix-cached."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from hexgen_client.cluster import LocalCluster, LocalClusterConfig, coordinator_argv, tuner_argv
+from hexgen_flow.calibration import (
+    CALIBRATIONS,
+    DEFAULT_CALIBRATION,
+    CalibrationCoverageError,
+    calibration_names,
+    resolve_calibration,
+)
+from hexgen_flow.cluster import parse_cluster
+from hexgen_flow.errors import ConfigError, UnknownNameError
+from hexgen_flow.latency import has_latency_data, known_gpus, latency_model
+from hexgen_flow.policies.presets import PRESETS
+from hexgen_flow.roofline import compare_with_floors, prefill_floor_s
+from hexgen_flow.sim.simulator import SimConfig, simulate
+from hexgen_flow.traces import load_trace
+
+MODEL = "llama-3.1-70b"
+HOPPER_MIX = "H100,H200,A100,L40S"
+
+
+def _latencies(cluster_text: str, calibration: str | None, num_queries: int = 20) -> list[float]:
+    queries = load_trace("trace1")[:num_queries]
+    cluster = parse_cluster(cluster_text, calibration=calibration)
+    metrics = simulate(queries, cluster, PRESETS["hexgen-flow"].with_alpha(0.5), SimConfig(qps=0.5))
+    return [o.latency_s for o in metrics.outcomes]
+
+
+# --------------------------------------------------------------------------- the registry
+
+
+def test_the_default_is_chess_measured_and_changes_nothing() -> None:
+    assert DEFAULT_CALIBRATION == "chess-measured"
+    assert resolve_calibration(None) is resolve_calibration("chess-measured")
+    for gpu in known_gpus(MODEL):
+        assert latency_model(MODEL, gpu) is latency_model(MODEL, gpu, calibration="chess-measured")
+    assert parse_cluster("A100,A6000").calibration.name == "chess-measured"
+    default = _latencies("A100,A100,A6000,L40S", None)
+    assert default == _latencies("A100,A100,A6000,L40S", "chess-measured")
+
+
+def test_every_calibration_names_its_source_and_caveats() -> None:
+    assert calibration_names() == ["chess-measured", "aiconfigurator", "measured:FILE"]
+    for calibration in CALIBRATIONS.values():
+        assert calibration.source and calibration.caveats
+
+
+def test_an_unknown_calibration_lists_the_known_ones() -> None:
+    with pytest.raises(UnknownNameError) as err:
+        resolve_calibration("roofline")
+    message = str(err.value)
+    assert "'roofline'" in message and "\n" not in message
+    for name in ("aiconfigurator", "chess-measured", "measured:FILE"):
+        assert name in message
+
+
+# --------------------------------------------------------------------------- aiconfigurator
+
+
+def test_aiconfigurator_runs_a_hopper_mix_above_the_floors() -> None:
+    cluster = parse_cluster(HOPPER_MIX, calibration="aiconfigurator")
+    assert cluster.calibration.name == "aiconfigurator"
+    for inst in cluster.instances:
+        assert inst.latency.source.description.startswith("aiconfigurator:")
+        assert not inst.latency.source.prefix_cached
+        assert not any(c.below for c in compare_with_floors(inst.latency))
+    a100 = latency_model(MODEL, "A100", calibration="aiconfigurator")
+    assert a100.prefill_s(12_000, 200) >= prefill_floor_s(a100.hardware, 12_000)
+    # 650.593 ms at 4,000 tokens, linear through the origin.
+    assert a100.prefill_s(12_000, 200) == pytest.approx(3 * 0.650593, rel=1e-12)
+    assert len(_latencies(HOPPER_MIX, "aiconfigurator")) == 20
+
+
+def test_aiconfigurator_decode_and_slowdown_are_its_tpots() -> None:
+    h200 = latency_model(MODEL, "H200", calibration="aiconfigurator")
+    assert h200.hardware.tensor_parallel == 2
+    assert h200.split(4000, 200)[1] == pytest.approx(200 * 0.021491, rel=1e-12)
+    assert h200.slowdown(32) == pytest.approx(26.236 / 21.491, rel=1e-12)
+
+
+def test_aiconfigurator_refuses_the_a6000_naming_what_it_covers() -> None:
+    with pytest.raises(CalibrationCoverageError) as err:
+        latency_model(MODEL, "A6000", calibration="aiconfigurator")
+    message = str(err.value)
+    assert "\n" not in message
+    assert "'aiconfigurator'" in message and "A6000" in message
+    assert "does not model" in message
+    assert message.endswith("it covers: A100, H100, H200, L40S")
+    assert isinstance(err.value, ConfigError)
+    with pytest.raises(CalibrationCoverageError):
+        parse_cluster("A100,A6000", calibration="aiconfigurator")
+
+
+def test_qwen_is_aiconfigurator_alone_in_both_calibrations() -> None:
+    for gpu in known_gpus("qwen3-30b-a3b"):
+        ours = latency_model("qwen3-30b-a3b", gpu)
+        theirs = latency_model("qwen3-30b-a3b", gpu, calibration="aiconfigurator")
+        assert ours.split(4000, 200) == theirs.split(4000, 200)
+        assert ours.slowdown(20) == theirs.slowdown(20)
+
+
+# --------------------------------------------------------------------------- measured:FILE
+
+
+def _profile(
+    ttft_per_token_s: float, prefix_cached: bool | None, gpu: str = "A100"
+) -> dict[str, Any]:
+    doc: dict[str, Any] = {
+        "model": MODEL,
+        "gpu": gpu,
+        "tp": 4,
+        "precision": "bf16",
+        "source": "test numbers",
+        "prefill": [
+            {"input_tokens": n, "ttft_s": 0.02 + ttft_per_token_s * n} for n in (1000, 4000, 12000)
+        ],
+        "decode": [
+            {"batch": 1, "context_tokens": 1000, "decode_step_s": 0.028},
+            {"batch": 1, "context_tokens": 12000, "decode_step_s": 0.032},
+            {"batch": 8, "context_tokens": 1000, "decode_step_s": 0.031},
+            {"batch": 32, "context_tokens": 1000, "tpot_s": 0.040},
+        ],
+    }
+    if prefix_cached is not None:
+        doc["prefix_cached"] = prefix_cached
+    return doc
+
+
+def _write(path: Path, doc: object) -> str:
+    path.write_text(yaml.safe_dump(doc))
+    return f"measured:{path}"
+
+
+def test_a_measured_profile_loads_and_drives_the_simulator(tmp_path: Path) -> None:
+    name = _write(tmp_path / "a100.yaml", _profile(170e-6, prefix_cached=False))
+    lat = latency_model(MODEL, "A100", calibration=name)
+    assert lat.source.description == "measured: a100.yaml (test numbers)"
+    assert lat.prefill_s(4000, 200) == pytest.approx(0.02 + 170e-6 * 4000, rel=1e-9)
+    # Decode per token grows with the prompt: 28 ms at 1,000 tokens, 32 ms at 12,000.
+    assert lat.split(1000, 100)[1] == pytest.approx(100 * 0.028, rel=1e-9)
+    assert lat.split(12000, 100)[1] == pytest.approx(100 * 0.032, rel=1e-9)
+    assert lat.slowdown(8) == pytest.approx(0.031 / 0.028, rel=1e-9)
+    assert has_latency_data(lat.hardware, name)
+    assert known_gpus(MODEL, name) == ["A100"]
+    assert len(_latencies("A100,A100", name)) == 20
+    with pytest.raises(CalibrationCoverageError, match="it covers: A100"):
+        parse_cluster("A100,L40S", calibration=name)
+
+
+def test_a_sub_physical_profile_is_refused_unless_prefix_cached(tmp_path: Path) -> None:
+    # 50 µs per prompt token on 4 x A100: the floor is about 113 µs.
+    name = _write(tmp_path / "fast.yaml", _profile(50e-6, prefix_cached=False))
+    with pytest.raises(ConfigError) as err:
+        parse_cluster("A100", calibration=name)
+    message = str(err.value)
+    assert "\n" not in message
+    assert "A100" in message and "prefill of 1000 tokens" in message
+    floor = prefill_floor_s(latency_model(MODEL, "A100").hardware, 1000)
+    assert f"{0.02 + 50e-6 * 1000:.4g} s in the latency model" in message
+    assert f"floor {floor:.4g} s" in message
+    cached = _write(tmp_path / "cached.yaml", _profile(50e-6, prefix_cached=True))
+    lat = parse_cluster("A100", calibration=cached).instances[0].latency
+    assert lat.source.prefix_cached
+    assert any(c.below for c in compare_with_floors(lat))
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        ({"prefix_cached": None}, "prefix_cached must be true or false"),
+        ({"decode": [{"batch": 1, "context_tokens": 1000, "decode_step_s": 0.03}]}, "batch 1"),
+        ({"tp": 0}, "tp must be an integer >= 1"),
+        ({"precision": "int4"}, "precision must be one of bf16, fp8"),
+        ({"prefill": []}, "prefill must be a non-empty list"),
+        ({"gpus": 4}, "unknown field 'gpus'"),
+    ],
+)
+def test_a_bad_profile_fails_on_one_line(
+    tmp_path: Path, change: dict[str, Any], expected: str
+) -> None:
+    doc = {**_profile(170e-6, prefix_cached=False), **change}
+    doc = {k: v for k, v in doc.items() if v is not None}
+    with pytest.raises(ConfigError, match=expected) as err:
+        resolve_calibration(_write(tmp_path / "bad.yaml", doc))
+    assert "\n" not in str(err.value)
+
+
+def test_a_missing_profile_file_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no such file"):
+        resolve_calibration(f"measured:{tmp_path / 'nope.yaml'}")
+
+
+def test_one_file_may_profile_several_gpus(tmp_path: Path) -> None:
+    l40s = _profile(600e-6, prefix_cached=False, gpu="L40S")
+    l40s["decode"] = [{**row, "decode_step_s": 0.06} for row in l40s["decode"]]
+    for row in l40s["decode"]:
+        row.pop("tpot_s", None)
+    doc = {"profiles": [_profile(170e-6, prefix_cached=False), l40s]}
+    name = _write(tmp_path / "two.yaml", doc)
+    cluster = parse_cluster("A100,L40S", calibration=name)
+    assert [i.latency.hardware.gpu.name for i in cluster.instances] == ["A100-80GB-SXM", "L40S"]
+    twice = {"profiles": [_profile(170e-6, False), _profile(170e-6, False, gpu="A100-80GB-SXM")]}
+    with pytest.raises(ConfigError, match=r"two profiles of llama-3\.1-70b"):
+        resolve_calibration(_write(tmp_path / "twice.yaml", twice))
+
+
+# --------------------------------------------------------------------------- cluster files
+
+
+def test_a_cluster_file_names_its_calibration_and_the_flag_overrides(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("calibration: aiconfigurator\ninstances:\n  - gpu: H100\n  - gpu: L40S\n")
+    assert parse_cluster(str(path)).calibration.name == "aiconfigurator"
+    assert parse_cluster(str(path), calibration="chess-measured").calibration.name == (
+        "chess-measured"
+    )
+    # A profile named in the file is found beside it, wherever the run starts.
+    (tmp_path / "prof.yaml").write_text(yaml.safe_dump(_profile(170e-6, prefix_cached=False)))
+    path.write_text("calibration: measured:prof.yaml\ninstances:\n  - gpu: A100\n")
+    assert (
+        parse_cluster(str(path))
+        .instances[0]
+        .latency.source.description.startswith("measured: prof.yaml")
+    )
+
+
+# --------------------------------------------------------------------------- the mesh
+
+
+def test_a_local_mesh_hands_its_calibration_to_every_service(tmp_path: Path) -> None:
+    def argv(calibration: str | None) -> tuple[list[str], list[str], list[str]]:
+        mesh = LocalCluster(
+            LocalClusterConfig(cluster="H100,L40S", calibration=calibration, redis_url="redis://x")
+        )
+        arg = mesh.calibration.argument
+        return (
+            coordinator_argv(mesh.config, "127.0.0.1:1", "redis://x", arg),
+            tuner_argv(mesh.config, "127.0.0.1:2", "127.0.0.1:1", "redis://x", arg),
+            mesh._worker_argv(1),
+        )
+
+    for line in argv("aiconfigurator"):
+        assert line[line.index("--calibration") + 1] == "aiconfigurator"
+    for line in argv(None):
+        assert "--calibration" not in line
+    profile = tmp_path / "a100.yaml"
+    profile.write_text(yaml.safe_dump(_profile(170e-6, prefix_cached=False)))
+    mesh = LocalCluster(
+        LocalClusterConfig(cluster="A100", calibration=f"measured:{profile}", redis_url="x")
+    )
+    worker = mesh._worker_argv(0)
+    # The services may start elsewhere: the profile goes by its absolute path.
+    assert worker[worker.index("--calibration") + 1] == f"measured:{profile.resolve()}"
