@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import multiprocessing
 import signal
 import sys
 import time
@@ -60,7 +61,14 @@ def _run_tasks(tasks: Sequence[Task], workers: int) -> dict[tuple[Any, ...], dic
             for task in tasks:
                 done(task, run_task(task))
             return results
-        with ProcessPoolExecutor(max_workers=workers, initializer=_ignore_sigint) as pool:
+        # Workers start from a clean server process, never forked from this one: a caller that
+        # has loaded grpc (a test process, the mesh's tuner) may hold its threads' locks, and
+        # a fork copies them held, which can hang the child.
+        with ProcessPoolExecutor(
+            max_workers=workers,
+            initializer=_ignore_sigint,
+            mp_context=multiprocessing.get_context("forkserver"),
+        ) as pool:
             pending: dict[Future[dict[str, Any]], Task] = {
                 pool.submit(run_task, task): task for task in tasks
             }
