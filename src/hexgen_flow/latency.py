@@ -85,6 +85,7 @@ class LatencyModel:
         source: LatencySource,
         gpu_label: str | None = None,
         decode_per_context_token_s: float = 0.0,
+        prefill_points: tuple[tuple[int, float], ...] = (),
     ) -> None:
         self.model = hardware.model.name
         self.gpu = hardware.gpu.name if gpu_label is None else gpu_label
@@ -96,6 +97,9 @@ class LatencyModel:
         self._prefill_line = prefill_line
         self._decode_per_token_s = decode_per_token_s
         self._decode_per_context_token_s = decode_per_context_token_s
+        if len(prefill_points) == 1:
+            raise ValueError("prefill_points needs two or more points (or none)")
+        self._prefill_points = prefill_points
         self._prefill_scale = prefill_scale
         self._decode_scale = decode_scale
         self._cache: dict[tuple[int, int], tuple[float, float]] = {}
@@ -128,8 +132,11 @@ class LatencyModel:
         cached = self._cache.get(key)
         if cached is not None:
             return cached
-        intercept, slope = self._prefill_line
-        prefill = max(intercept + slope * input_tokens, 0.0)
+        if self._prefill_points:
+            prefill = self._prefill_through_points(input_tokens)
+        else:
+            intercept, slope = self._prefill_line
+            prefill = max(intercept + slope * input_tokens, 0.0)
         measured: float | None = None
         if self._table is not None:
             single = self._table.latency(input_tokens, output_tokens)
@@ -146,6 +153,16 @@ class LatencyModel:
         # can round one ulp away from it, and measured pairs must come back exactly.
         self._single[key] = measured if measured is not None else result[0] + result[1]
         return result
+
+    def _prefill_through_points(self, input_tokens: int) -> float:
+        points = self._prefill_points
+        tokens = [n for n, _ in points]
+        seconds = [s for _, s in points]
+        if tokens[0] <= input_tokens <= tokens[-1]:
+            return float(np.interp(input_tokens, tokens, seconds))
+        # Outside the points: continue the nearest end segment (never below zero).
+        (n0, s0), (n1, s1) = points[:2] if input_tokens < tokens[0] else points[-2:]
+        return max(s1 + (s1 - s0) / (n1 - n0) * (input_tokens - n1), 0.0)
 
     def single_s(self, input_tokens: int, output_tokens: int) -> float:
         key = (input_tokens, output_tokens)
@@ -174,6 +191,7 @@ class LatencyModel:
             parts.source,
             gpu_label,
             parts.decode_per_context_token_s,
+            parts.prefill_points,
         )
 
     def __repr__(self) -> str:
@@ -182,11 +200,13 @@ class LatencyModel:
 
 def has_latency_data(hardware: InstanceHardware, calibration: str | None = None) -> bool:
     """Whether `calibration` (default: the default one) covers this instance: its model on
-    its GPU type, at the tensor-parallel degree and precision the data was taken at."""
-    covered = resolve_calibration(calibration).coverage(hardware.model, hardware.gpu)
-    return covered is not None and (covered.tensor_parallel, covered.precision) == (
-        hardware.tensor_parallel,
-        hardware.precision,
+    its GPU type, at a tensor-parallel degree and the precision the data was taken at."""
+    source = resolve_calibration(calibration)
+    covered = source.coverage(hardware.model, hardware.gpu)
+    return (
+        covered is not None
+        and covered.precision == hardware.precision
+        and hardware.tensor_parallel in source.tensor_parallel_degrees(hardware.model, hardware.gpu)
     )
 
 
@@ -232,14 +252,12 @@ def latency_model(
             covered.precision if precision is None else precision, f"{spec.name} on {label}"
         ),
     )
-    if (hardware.tensor_parallel, hardware.precision) != (
-        covered.tensor_parallel,
-        covered.precision,
-    ):
+    degrees = source.tensor_parallel_degrees(spec, gpu_spec)
+    if hardware.tensor_parallel not in degrees or hardware.precision != covered.precision:
         where = "its tables were" if default else f"calibration {source.name}'s data was"
         raise ConfigError(
             f"no latency data for {spec.name} on {label} at tp {hardware.tensor_parallel}, "
-            f"{hardware.precision}: {where} taken at tp {covered.tensor_parallel}, "
+            f"{hardware.precision}: {where} taken at tp {', '.join(map(str, degrees))}, "
             f"{covered.precision} (`hexgen-flow estimate` shows the floors of any tp)"
         )
     return _checked_model(source, hardware, label)

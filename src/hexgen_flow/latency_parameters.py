@@ -95,9 +95,9 @@ class LatencyParameters:
     """What one calibration says about one instance: the arguments of `LatencyModel`.
 
     With a `table`, a call's single-request latency is the table's and `prefill_line` splits
-    it; without one, prefill follows `prefill_line` and decode takes `decode_per_token_s` +
-    `decode_per_context_token_s` x prompt tokens per output token. Prefill and decode are then
-    scaled by `prefill_scale` and `decode_scale`.
+    it; without one, prefill follows `prefill_points` (or else `prefill_line`) and decode
+    takes `decode_per_token_s` + `decode_per_context_token_s` x prompt tokens per output
+    token. Prefill and decode are then scaled by `prefill_scale` and `decode_scale`.
     """
 
     source: LatencySource
@@ -106,6 +106,11 @@ class LatencyParameters:
     batch are used: the slowdown f(B))."""
     prefill_line: tuple[float, float]
     """(intercept s, slope s per prompt token)."""
+    prefill_points: tuple[tuple[int, float], ...] = ()
+    """(prompt tokens, prefill s), ascending: when given (two or more), prefill is the
+    piecewise-linear curve through them, continued by the first and last segments outside
+    their range, and `prefill_line` is not used. A dense sweep rises faster than linearly
+    (attention is quadratic in the prompt), which no single line holds over 128-16k tokens."""
     table: SingleRequestTable | None = None
     decode_per_token_s: float = 0.0
     decode_per_context_token_s: float = 0.0

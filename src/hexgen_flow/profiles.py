@@ -1,9 +1,10 @@
 """Reading the shipped latency data under ``data/profiles/`` (docs/algorithm.md §2).
 
-- ``aiconfigurator-*.tsv``: NVIDIA aiconfigurator TTFT/TPOT rows, per model: by (system, batch)
-  (`aiconfigurator_rows`, what the ``chess-measured`` calibration reads) and as points with
-  their tp and token counts (`aiconfigurator_points`, what the ``aiconfigurator`` calibration
-  fits, so that a denser sweep in the same columns is a change of data only).
+- ``aiconfigurator-*.tsv``: NVIDIA aiconfigurator TTFT/TPOT rows at 4,000 tokens, per model,
+  by (system, batch) (`aiconfigurator_rows`, what the ``chess-measured`` calibration reads).
+- ``aiconfigurator/<model>.tsv``: the dense aiconfigurator sweep, prefill over 128-16k prompt
+  tokens and decode steps over batch x context, per system and tp (`aiconfigurator_sweep`,
+  what the ``aiconfigurator`` calibration fits).
 - ``vllm-*/``: measured vLLM tables (`read_table`), and the folder's ``source.yaml``: which
   GPUs it covers and whether it was measured with prefix caching (`MeasuredProfile`).
 """
@@ -22,10 +23,11 @@ from hexgen_flow.errors import ConfigError
 from hexgen_flow.hardware import GpuSpec, gpu_catalogue, resolve_model
 
 __all__ = [
-    "AiconfiguratorPoint",
+    "SWEEP_FOLDER",
     "MeasuredProfile",
-    "aiconfigurator_points",
+    "SweepRow",
     "aiconfigurator_rows",
+    "aiconfigurator_sweep",
     "measured_profile",
     "profile_text",
     "read_table",
@@ -55,46 +57,51 @@ def aiconfigurator_rows(model: str) -> dict[tuple[str, int], tuple[float, float]
     return rows
 
 
+SWEEP_FOLDER = "aiconfigurator"
+"""The dense aiconfigurator sweep under ``data/profiles/``: one ``<model>.tsv`` per catalogue
+model (its README gives the columns)."""
+
+
 @dataclass(frozen=True, slots=True)
-class AiconfiguratorPoint:
-    """One SILICON row of an aiconfigurator table: a GPU system at one tp, batch size and
-    (input, output) length, with its time to first token and time per output token."""
+class SweepRow:
+    """One timed SILICON row of the dense aiconfigurator sweep: a prefill of `tokens` prompt
+    tokens at batch 1, or one decode step of `batch` sequences of `tokens` context each."""
 
     system: str
     tensor_parallel: int
+    phase: str
+    """``prefill`` or ``decode``."""
     batch: int
-    input_tokens: int
-    output_tokens: int
-    ttft_s: float
-    tpot_s: float
+    tokens: int
+    seconds: float
 
 
 @functools.cache
-def aiconfigurator_points(model: str) -> tuple[AiconfiguratorPoint, ...]:
-    """Every SILICON row with both times of `model`'s aiconfigurator table (its
-    ``aiconfigurator_table`` in models.yaml), in file order."""
+def aiconfigurator_sweep(model: str) -> tuple[SweepRow, ...]:
+    """The timed SILICON rows of `model`'s dense sweep, in file order; () when the sweep has
+    no file for it. SOL rows (aiconfigurator's own roofline) and skipped rows are left out."""
     spec = resolve_model(model)
-    if spec.aiconfigurator_table is None:
+    path = resources.files("hexgen_flow").joinpath("data", "profiles", SWEEP_FOLDER)
+    path = path.joinpath(f"{spec.name}.tsv")
+    if not path.is_file():
         return ()
-    points: list[AiconfiguratorPoint] = []
-    text = profile_text(spec.aiconfigurator_table)
-    for row in csv.DictReader(text.splitlines(), delimiter="\t"):
-        if row.get("model") != spec.aiconfigurator_model or row.get("mode") != "SILICON":
+    lines = [ln for ln in path.read_text().splitlines() if ln and not ln.startswith("#")]
+    rows: list[SweepRow] = []
+    for row in csv.DictReader(lines, delimiter="\t"):
+        if row["mode"] != "SILICON" or row["status"] != "ok":
             continue
-        if not row.get("TTFT_ms") or not row.get("TPOT_ms"):
-            continue
-        points.append(
-            AiconfiguratorPoint(
+        time_ms = row["TTFT_ms"] if row["phase"] == "prefill" else row["TPOT_ms"]
+        rows.append(
+            SweepRow(
                 system=row["system"],
                 tensor_parallel=int(row["tp"]),
+                phase=row["phase"],
                 batch=int(row["bs"]),
-                input_tokens=int(row["isl"]),
-                output_tokens=int(row["osl"]),
-                ttft_s=float(row["TTFT_ms"]) / 1e3,
-                tpot_s=float(row["TPOT_ms"]) / 1e3,
+                tokens=int(row["isl"]),
+                seconds=float(time_ms) / 1e3,
             )
         )
-    return tuple(points)
+    return tuple(rows)
 
 
 @dataclass(frozen=True, slots=True)

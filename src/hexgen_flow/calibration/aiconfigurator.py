@@ -1,106 +1,179 @@
-"""``aiconfigurator``: NVIDIA aiconfigurator's TTFT and TPOT alone (docs/hardware.md,
+"""``aiconfigurator``: NVIDIA aiconfigurator's dense SILICON sweep alone (docs/hardware.md,
 "Calibrations").
 
-The rows are each model's ``aiconfigurator_table`` in the model catalogue (SILICON mode, read
-by `hexgen_flow.profiles.aiconfigurator_points`). For one GPU system at one tp:
+The rows are ``data/profiles/aiconfigurator/<model>.tsv`` (aiconfigurator 0.12.0, vLLM
+backend; read by `hexgen_flow.profiles.aiconfigurator_sweep`). For one GPU system at one tp:
 
-- prefill is a line through the origin in prompt tokens, through the batch-1 TTFTs (one
-  prompt length, as shipped: through its TTFT; several: least squares);
-- decode takes the batch-1 TPOT per output token, whatever the prompt;
-- the batch slowdown f(B) is the TPOT at batch B over batch 1.
+- prefill is the piecewise-linear curve through the batch-1 TTFTs at 128-16,384 prompt
+  tokens (each row reproduced exactly; beyond the last row the last segment continues);
+- decode per output token at batch 1 is a line in the context (`decode_per_context_token_s`),
+  least squares in relative terms through the batch-1 steps at 512-16,384 tokens of context;
+- the batch slowdown f(B) is the step at batch B over batch 1, both at `REFERENCE_CONTEXT`
+  tokens of context (the only context the sweep has at every batch up to 128 on nearly every
+  instance); beyond its last batch the last segment continues, as for every calibration.
 
-The fit takes whatever batch sizes and prompt lengths the table holds, so a denser sweep in
-the same columns, named in models.yaml, changes the data and not this code.
+The step of B sequences at context C is then decode(C) x f(B); the tests bound how far that
+and the prefill curve sit from the rows. Every tp the sweep has is selectable (`tp:` in a cluster),
+the catalogue's where the sweep has it being the default.
 
-A GPU aiconfigurator does not model (the A6000) is refused, not derived: its L40S rows, the
-nearest card, prefill 4,000 tokens of Llama-3.1-70B in 5.0 s, 13 times the compute floor, so
-something other than FLOP/s (the PCIe all-reduce of 4 cards) sets them, and a FLOP/s or
-bandwidth ratio would be a guess dressed as a derivation.
+A GPU aiconfigurator does not model (the A6000) is refused, not derived: the L40S, the
+nearest card, prefills 4,096 tokens of Llama-3.1-70B at tp 4 in 5.1 s, 13 times the compute
+floor, so something other than FLOP/s (the PCIe all-reduce of 4 cards) sets it, and a FLOP/s
+or bandwidth ratio would be a guess dressed as a derivation.
 """
 
 from __future__ import annotations
 
-import statistics
-from collections import defaultdict
+import functools
+from dataclasses import dataclass
+
+import numpy as np
 
 from hexgen_flow.calibration.base import Calibration, Coverage
 from hexgen_flow.hardware import GpuSpec, InstanceHardware, ModelSpec, profiled_tensor_parallel
 from hexgen_flow.latency_parameters import LatencyParameters, LatencySource
-from hexgen_flow.profiles import AiconfiguratorPoint, aiconfigurator_points
+from hexgen_flow.profiles import SweepRow, aiconfigurator_sweep
 
-__all__ = ["AICONFIGURATOR", "Aiconfigurator"]
+__all__ = [
+    "AICONFIGURATOR",
+    "REFERENCE_CONTEXT",
+    "Aiconfigurator",
+    "SweepInstance",
+    "sweep_instances",
+]
+
+REFERENCE_CONTEXT = 2_048
+"""Context tokens of the decode rows the batch slowdown is taken at: within the profiled
+first-token range (928-3,318 tokens), and the sweep's only context whose batches reach 128
+on all but three instances (the rest of the grid runs out of memory sooner)."""
 
 
-def _points(model: ModelSpec, gpu: GpuSpec) -> list[AiconfiguratorPoint]:
+@dataclass(frozen=True, slots=True)
+class SweepInstance:
+    """The sweep's rows of one (model, system, tp)."""
+
+    prefill: tuple[tuple[int, float], ...]
+    """(prompt tokens, TTFT s) at batch 1, ascending."""
+    decode: tuple[SweepRow, ...]
+
+    def step(self, batch: int, context: int) -> float | None:
+        for row in self.decode:
+            if (row.batch, row.tokens) == (batch, context):
+                return row.seconds
+        return None
+
+    @property
+    def alone(self) -> tuple[tuple[int, float], ...]:
+        """(context tokens, step s) at batch 1, ascending."""
+        return tuple(sorted((r.tokens, r.seconds) for r in self.decode if r.batch == 1))
+
+    @property
+    def slowdown_points(self) -> dict[int, float]:
+        return {
+            r.batch: r.seconds
+            for r in sorted(self.decode, key=lambda r: r.batch)
+            if r.tokens == REFERENCE_CONTEXT
+        }
+
+    @property
+    def usable(self) -> bool:
+        # Two prefill rows for a curve, two contexts for the decode line, batch 1 and another
+        # batch at the reference context for the slowdown.
+        slowdown = self.slowdown_points
+        return (
+            len(self.prefill) >= 2 and len(self.alone) >= 2 and 1 in slowdown and len(slowdown) >= 2
+        )
+
+
+@functools.cache
+def sweep_instances(model: ModelSpec, gpu: GpuSpec) -> dict[int, SweepInstance]:
+    """tp -> the sweep's usable rows of `model` on `gpu` (those the calibration fits)."""
     if gpu.aiconfigurator_system is None:
-        return []
-    return [p for p in aiconfigurator_points(model.name) if p.system == gpu.aiconfigurator_system]
+        return {}
+    rows = [r for r in aiconfigurator_sweep(model.name) if r.system == gpu.aiconfigurator_system]
+    out: dict[int, SweepInstance] = {}
+    for tp in sorted({r.tensor_parallel for r in rows}):
+        mine = [r for r in rows if r.tensor_parallel == tp]
+        prefill = sorted(
+            (r.tokens, r.seconds) for r in mine if r.phase == "prefill" and r.batch == 1
+        )
+        instance = SweepInstance(tuple(prefill), tuple(r for r in mine if r.phase == "decode"))
+        if instance.usable:
+            out[tp] = instance
+    return out
 
 
-def _prefill_slope_s(points: list[AiconfiguratorPoint]) -> float:
-    """Seconds per prompt token of a prefill line through the origin and the TTFTs."""
-    if len({p.input_tokens for p in points}) == 1:
-        return statistics.fmean(p.ttft_s for p in points) / points[0].input_tokens
-    return sum(p.input_tokens * p.ttft_s for p in points) / sum(p.input_tokens**2 for p in points)
+def _decode_line(alone: tuple[tuple[int, float], ...]) -> tuple[float, float]:
+    """(s per output token at no context, s per context token): least squares in relative
+    terms, so the 512-token step counts as much as the 16k one."""
+    context = np.array([c for c, _ in alone], dtype=float)
+    step = np.array([s for _, s in alone])
+    design = np.column_stack([np.ones_like(context), context])
+    coef, *_ = np.linalg.lstsq(design / step[:, None], np.ones_like(step), rcond=None)
+    return float(coef[0]), float(coef[1])
 
 
 class Aiconfigurator(Calibration):
     name = "aiconfigurator"
     source = (
-        "NVIDIA aiconfigurator's SILICON estimates, each model's aiconfigurator_table "
-        "(shipped: data/profiles/aiconfigurator-*.tsv, TTFT and TPOT at batch 1, 8 and 32, "
-        "4,000 tokens in, 200 out): prefill linear in prompt tokens through the batch-1 TTFT, "
-        "decode at the batch-1 TPOT, the batch slowdown from the TPOT at each batch"
+        "NVIDIA aiconfigurator 0.12.0's SILICON estimates (vLLM backend), the dense sweep "
+        "data/profiles/aiconfigurator/<model>.tsv: prefill piecewise linear through the "
+        "batch-1 TTFTs at 128-16,384 prompt tokens, decode per token a line in the context "
+        "through the batch-1 steps at 512-16,384 tokens, the batch slowdown from the steps "
+        f"at batch 1-128 and {REFERENCE_CONTEXT:,} tokens of context; every tp of the sweep"
     )
     caveats = (
-        "a model of the engine, not a measurement of this workload: one prompt length "
-        "(4,000 tokens), so the decode time does not grow with the context",
+        "a model of the engine, not a measurement of this workload: static estimates, no "
+        "in-flight batching, chunked prefill, prefix cache or scheduler overhead",
+        "the batch slowdown is taken at one context (2,048 tokens): at long contexts a big "
+        "batch decodes slower than that",
         "GPU types aiconfigurator does not model (A6000) are refused, not derived",
-        "aiconfigurator's L40S prefill (tp 4, PCIe) is 13x its compute floor: an L40S "
-        "instance prefills far slower here than in chess-measured",
+        "its L40S at tp 4 and 8 is bound by the PCIe all-reduce (Llama-3.1-70B prefill 13x "
+        "and 51x the compute floor): an upper bound, far slower than chess-measured's L40S",
+        "Qwen3-30B-A3B's decode step is not linear in the batch (a mixture of experts reads "
+        "more experts as the batch grows); a100_sxm's kernels are an older vLLM (0.14.0) "
+        "collection than the other systems' (0.24.0)",
     )
 
     def coverage(self, model: ModelSpec, gpu: GpuSpec) -> Coverage | None:
-        batches: dict[int, set[int]] = defaultdict(set)
-        for p in _points(model, gpu):
-            batches[p.tensor_parallel].add(p.batch)
-        # Batch 1 (the call alone) and another batch size: the slowdown needs two points.
-        degrees = {tp for tp, sizes in batches.items() if 1 in sizes and len(sizes) > 1}
+        degrees = self.tensor_parallel_degrees(model, gpu)
         if not degrees:
             return None
-        # The catalogue's tp where the table has it (every shipped row), else its smallest.
+        # The catalogue's tp where the sweep has it (what a cluster without `tp:` has always
+        # meant), else the sweep's smallest.
         preferred = profiled_tensor_parallel(model, gpu)
-        return Coverage(preferred if preferred in degrees else min(degrees), "bf16")
+        return Coverage(preferred if preferred in degrees else degrees[0], "bf16")
+
+    def tensor_parallel_degrees(self, model: ModelSpec, gpu: GpuSpec) -> tuple[int, ...]:
+        return tuple(sweep_instances(model, gpu))
 
     def uncovered_reason(self, model: ModelSpec, gpu: GpuSpec) -> str | None:
         if gpu.aiconfigurator_system is None:
             return f"NVIDIA aiconfigurator does not model the {gpu.name}"
-        if not aiconfigurator_points(model.name):
+        if not aiconfigurator_sweep(model.name):
             return f"no aiconfigurator rows for {model.name}"
         return None
 
     def parameters(self, hardware: InstanceHardware) -> LatencyParameters:
-        points = [
-            p
-            for p in _points(hardware.model, hardware.gpu)
-            if p.tensor_parallel == hardware.tensor_parallel
-        ]
-        alone = [p for p in points if p.batch == 1]
-        tpot_by_batch: dict[int, list[float]] = defaultdict(list)
-        for p in points:
-            tpot_by_batch[p.batch].append(p.tpot_s)
-        slowdown = {batch: statistics.fmean(t) for batch, t in sorted(tpot_by_batch.items())}
-        system = hardware.gpu.aiconfigurator_system
+        instance = sweep_instances(hardware.model, hardware.gpu)[hardware.tensor_parallel]
+        intercept, per_context = _decode_line(instance.alone)
+        slowdown = instance.slowdown_points
         source = LatencySource(
-            f"aiconfigurator: {system} x{hardware.tensor_parallel}, batches "
-            f"{'/'.join(str(b) for b in slowdown)}",
+            f"aiconfigurator: {hardware.gpu.aiconfigurator_system} x{hardware.tensor_parallel}, "
+            f"dense sweep (prefill {instance.prefill[0][0]}-{instance.prefill[-1][0]} tokens, "
+            f"batches {min(slowdown)}-{max(slowdown)} at {REFERENCE_CONTEXT} context)",
             False,
         )
+        first_tokens, first_s = instance.prefill[0]
         return LatencyParameters(
             source,
             slowdown,
-            (0.0, _prefill_slope_s(alone)),
-            decode_per_token_s=slowdown[1],
+            # Unused while prefill_points are given; the line through the origin and the first
+            # row keeps the field meaningful for anything that reads it.
+            (0.0, first_s / first_tokens),
+            prefill_points=instance.prefill,
+            decode_per_token_s=intercept,
+            decode_per_context_token_s=per_context,
         )
 
 

@@ -86,6 +86,13 @@ class Calibration(ABC):
     def parameters(self, hardware: InstanceHardware) -> LatencyParameters:
         """The numbers of a covered instance (at its `coverage`)."""
 
+    def tensor_parallel_degrees(self, model: ModelSpec, gpu: GpuSpec) -> tuple[int, ...]:
+        """Every tp the data for `model` on `gpu` was taken at, ascending (empty: no data).
+        A cluster may ask for any of them; `coverage`'s is the default. Most sources have
+        one; a sweep over tp has several."""
+        covered = self.coverage(model, gpu)
+        return () if covered is None else (covered.tensor_parallel,)
+
     def uncovered_reason(self, model: ModelSpec, gpu: GpuSpec) -> str | None:
         """Why `model` on `gpu` has no data, when the calibration knows; for the error."""
         del model, gpu
