@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from hexgen_cli import bench, calibrations, demo, estimate, mesh, policies, simulation
+from hexgen_cli import bench, calibrations, demo, estimate, mesh, policies, profile, simulation
 from hexgen_cli.options import PROG
 from hexgen_flow import __version__
 from hexgen_flow.errors import HexgenFlowError
@@ -22,6 +22,7 @@ COMMANDS = (
     "calibrations",
     "bench",
     "estimate",
+    "profile",
     "up",
     "replay",
     "ask",
@@ -59,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     calibrations.register(commands)
     bench.register(commands)
     estimate.register(commands)
+    profile.register(commands)
     mesh.register(commands)  # up, replay, ask, status
     demo.register(commands)
     return parser
