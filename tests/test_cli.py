@@ -12,10 +12,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
+from cli_runner import run_cli, run_json
 from hexgen_flow.policies.presets import PRESETS
 from hexgen_flow.policies.registration import BUDGETS, DISPATCHERS, QUEUES
 
@@ -36,27 +36,6 @@ CONTRACT_FIELDS = {
     "traces",
     "slo_scale",
 }
-
-
-def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "hexgen_cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
-
-
-def run_json(*args: str) -> dict[str, Any]:
-    proc = run_cli(*args, "--json")
-    assert proc.returncode == 0, proc.stderr
-    assert "Traceback" not in proc.stderr
-    # Exactly one JSON object on stdout, nothing else.
-    assert proc.stdout.endswith("\n") and proc.stdout.count("\n") == 1
-    doc = json.loads(proc.stdout)
-    assert isinstance(doc, dict)
-    return doc
 
 
 # ------------------------------------------------------------------------------- simulate

@@ -3,41 +3,13 @@ figure, every run names its calibration, and bad calibrations fail on one line (
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
-from typing import Any
 
 import yaml
 
+from cli_runner import one_error_line, run_cli, run_json
+
 SMALL_RUN = ("--num-queries", "30", "--alpha", "0.5")
-
-
-def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "hexgen_cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-
-
-def run_json(*args: str) -> dict[str, Any]:
-    proc = run_cli(*args, "--json")
-    assert proc.returncode == 0, proc.stderr
-    doc = json.loads(proc.stdout)
-    assert isinstance(doc, dict)
-    return doc
-
-
-def one_error_line(proc: subprocess.CompletedProcess[str]) -> str:
-    assert proc.returncode == 2, proc.stderr
-    assert proc.stdout == ""
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
-    return lines[0]
 
 
 def _profile(path: Path, per_token_s: float, prefix_cached: bool) -> str:

@@ -3,11 +3,11 @@ table, and one-line errors with exit code 2."""
 
 from __future__ import annotations
 
-import json
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
+
+from cli_runner import run_cli, run_json
 
 FIELDS = {
     "calibration",
@@ -28,21 +28,12 @@ CALL = ("--input-tokens", "12000", "--output-tokens", "200")
 
 
 def run_estimate(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "hexgen_cli", "estimate", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    return run_cli("estimate", *args)
 
 
 def estimate_json(*args: str) -> dict[str, Any]:
-    proc = run_estimate(*args, "--json")
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.count("\n") == 1  # one JSON object, nothing else
-    doc = json.loads(proc.stdout)
-    assert isinstance(doc, dict) and set(doc) == FIELDS
+    doc = run_json("estimate", *args)
+    assert set(doc) == FIELDS
     return doc
 
 

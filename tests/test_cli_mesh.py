@@ -11,20 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from cli_runner import run_cli
 from hexgen_client.processes import free_port
-
-
-def run_cli(
-    *args: str, env: dict[str, str] | None = None, timeout: float = 60
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "hexgen_cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        check=False,
-    )
 
 
 def assert_usage_error(proc: subprocess.CompletedProcess[str], *fragments: str) -> None:
