@@ -163,3 +163,11 @@ def test_goodput_search_at_the_top_and_with_no_passing_rate() -> None:
     assert find_goodput(lambda qps: 1.0)[0] == 2.0
     assert find_goodput(lambda qps: 0.0)[0] == 0.0
     assert find_goodput(lambda qps: 0.96, target=0.95)[0] == 2.0
+
+
+def test_the_full_plan_runs_the_shifting_load_scenarios_and_the_quick_one_does_not() -> None:
+    # The scenarios take minutes even when small: tests/test_shifting_load.py runs a small one
+    # through the very functions `run_plan` calls.
+    assert "shifting_load" in FULL_PLAN.parts
+    assert "shifting_load" not in QUICK_PLAN.parts
+    assert set(QUICK_PLAN.parts) | {"shifting_load"} == set(FULL_PLAN.parts)

@@ -7,14 +7,13 @@ import random
 
 import pytest
 
-from hexgen_flow.cluster import parse_cluster
 from hexgen_flow.errors import ConfigError
 from hexgen_flow.estimate import REPRESENTATIVE_TOKENS, Estimator
-from hexgen_flow.latency import latency_model
 from hexgen_flow.policies.budget import DagStageBudget, EndToEndBudget, TemplateStageBudget
 from hexgen_flow.runtime import ClusterLoad, PolicyContext, QueryRun
 from hexgen_flow.traces import load_trace
 from hexgen_flow.workload import STANDARD_TEMPLATE, LLMCall, Query, Stage, Workflow
+from pinned_calibration import latency_model, parse_cluster
 
 MODEL = "llama-3.1-70b"
 GPUS = ("A100", "A100", "A6000", "L40S")

@@ -34,11 +34,13 @@ def _profile(path: Path, per_token_s: float, prefix_cached: bool) -> str:
     return f"measured:{path}"
 
 
-def test_the_default_is_chess_measured_and_gives_the_same_figures() -> None:
+def test_the_default_is_aiconfigurator_and_gives_the_same_figures() -> None:
     plain = run_json("simulate", *SMALL_RUN)
-    named = run_json("simulate", *SMALL_RUN, "--calibration", "chess-measured")
-    assert plain["calibration"] == "chess-measured"
+    named = run_json("simulate", *SMALL_RUN, "--calibration", "aiconfigurator")
+    assert plain["calibration"] == "aiconfigurator"
     assert plain == named
+    chess = run_json("simulate", *SMALL_RUN, "--calibration", "chess-measured")
+    assert chess["latency_s"] != plain["latency_s"]
 
 
 def test_simulate_names_its_calibration_in_the_table() -> None:
@@ -46,11 +48,11 @@ def test_simulate_names_its_calibration_in_the_table() -> None:
     assert proc.returncode == 0, proc.stderr
     rows = dict(line.split(None, 1) for line in proc.stdout.splitlines() if line.strip())
     assert rows["calibration"].startswith("aiconfigurator (")
-    default = run_cli("simulate", *SMALL_RUN)
-    assert "chess-measured (A100, A6000, L40S measured with prefix-cache hits" in default.stdout
+    chess = run_cli("simulate", *SMALL_RUN, "--calibration", "chess-measured")
+    assert "chess-measured (A100, A6000, L40S measured with prefix-cache hits" in chess.stdout
 
 
-def test_aiconfigurator_runs_a_hopper_mix_and_refuses_the_a6000() -> None:
+def test_aiconfigurator_runs_a_hopper_mix_and_refuses_a_gpu_without_rows() -> None:
     doc = run_json(
         "simulate",
         *SMALL_RUN,
@@ -61,9 +63,12 @@ def test_aiconfigurator_runs_a_hopper_mix_and_refuses_the_a6000() -> None:
     )
     assert doc["calibration"] == "aiconfigurator"
     assert doc["completed"] == 30
-    line = one_error_line(run_cli("simulate", *SMALL_RUN, "--calibration", "aiconfigurator"))
-    assert "calibration 'aiconfigurator' has no latency data for llama-3.1-70b on A6000" in line
-    assert line.endswith("it covers: A100, H100, H200, L40S")
+    line = one_error_line(run_cli("simulate", *SMALL_RUN, "--cluster", "A100,A100-80GB-PCIe"))
+    assert (
+        "calibration 'aiconfigurator' has no latency data for llama-3.1-70b on A100-80GB-PCIe"
+        in line
+    )
+    assert line.endswith("it covers: A100, A100-40GB-SXM, A6000, H100, H200, L40S")
 
 
 def test_a_measured_profile_drives_simulate(tmp_path: Path) -> None:
@@ -96,20 +101,22 @@ def test_the_help_states_the_default() -> None:
     for command in ("simulate", "tune", "bench", "estimate", "demo", "up"):
         proc = run_cli(command, "--help")
         assert proc.returncode == 0, proc.stderr
-        assert "--calibration" in proc.stdout and "chess-measured)" in " ".join(proc.stdout.split())
+        assert "--calibration" in proc.stdout and "aiconfigurator)" in " ".join(proc.stdout.split())
 
 
 def test_calibrations_lists_names_sources_and_caveats() -> None:
     proc = run_cli("calibrations")
     assert proc.returncode == 0, proc.stderr
-    for name in ("chess-measured  [default]", "aiconfigurator", "measured:FILE"):
+    for name in ("aiconfigurator  [default]", "chess-measured", "measured:FILE"):
         assert name in proc.stdout
     assert "source:" in proc.stdout and "prefix" in proc.stdout
     doc = run_json("calibrations")
-    assert doc["default"] == "chess-measured"
+    assert doc["default"] == "aiconfigurator"
     assert set(doc["calibrations"]) == {"chess-measured", "aiconfigurator", "measured:FILE"}
     assert doc["calibrations"]["aiconfigurator"]["covers"]["llama-3.1-70b"] == [
         "A100",
+        "A100-40GB-SXM",
+        "A6000",
         "H100",
         "H200",
         "L40S",
@@ -124,7 +131,10 @@ def test_estimate_and_tune_name_their_calibration() -> None:
     assert doc["prefill_s"] >= doc["floor_prefill_s"]
     assert doc["latency_source"].startswith("aiconfigurator: a100_sxm x4")
     a6000 = run_json("estimate", "--gpu", "A6000", *call, "--calibration", "aiconfigurator")
-    assert a6000["prefill_s"] is None  # no data: the floors stand alone
+    assert a6000["latency_source"].startswith("aiconfigurator: A6000 derived from l40s x4")
+    assert a6000["prefill_s"] >= a6000["floor_prefill_s"]
+    pcie = run_json("estimate", "--gpu", "A100-80GB-PCIe", *call)
+    assert pcie["prefill_s"] is None  # no data: the floors stand alone
     tune = run_json(
         "tune", "--num-queries", "20", "--calibration", "aiconfigurator", "--cluster", "H100,L40S"
     )
@@ -132,7 +142,8 @@ def test_estimate_and_tune_name_their_calibration() -> None:
 
 
 def test_bench_refuses_a_calibration_its_clusters_cannot_run(tmp_path: Path) -> None:
+    name = _profile(tmp_path / "a100.yaml", 170e-6, prefix_cached=False)  # the A100 alone
     line = one_error_line(
-        run_cli("bench", "--quick", "--calibration", "aiconfigurator", "--out", str(tmp_path))
+        run_cli("bench", "--quick", "--calibration", name, "--out", str(tmp_path / "out"))
     )
-    assert "A6000" in line and "aiconfigurator" in line
+    assert "A6000" in line and "a100.yaml" in line

@@ -86,8 +86,8 @@ def test_inline_unknown_gpu_lists_the_known_ones() -> None:
 
 
 def test_inline_gpu_the_model_was_not_profiled_on() -> None:
-    with pytest.raises(UnknownNameError, match="A6000"):
-        parse_cluster("A6000", model="qwen3-30b-a3b")
+    with pytest.raises(UnknownNameError, match="A100-80GB-PCIe"):
+        parse_cluster("A100-80GB-PCIe", model="qwen3-30b-a3b")
 
 
 def test_inline_unknown_model() -> None:

@@ -15,10 +15,9 @@ from typing import Any
 
 import pytest
 
-from hexgen_flow.cluster import Cluster, parse_cluster
+from hexgen_flow.cluster import Cluster
 from hexgen_flow.errors import ConfigError
 from hexgen_flow.estimate import REPRESENTATIVE_TOKENS, Estimator
-from hexgen_flow.latency import latency_model
 from hexgen_flow.policies.dispatch import (
     LeastRequestsDispatcher,
     LeastWorkDispatcher,
@@ -30,6 +29,7 @@ from hexgen_flow.policies.dispatch import (
 from hexgen_flow.policies.registration import DISPATCHERS
 from hexgen_flow.runtime import CallTicket, ClusterLoad, PolicyContext, QueryRun
 from hexgen_flow.workload import LLMCall, Query, Workflow
+from pinned_calibration import latency_model, parse_cluster
 
 MODEL = "llama-3.1-70b"
 BIG = LLMCall("generate_candidate", 11748, 678)
@@ -326,6 +326,19 @@ def test_wb_alpha_one_sends_every_call_to_its_fastest_gpu_type() -> None:
         times = [_step_time(g, step) for g in gpus]
         assert choice == times.index(min(times)), step  # fastest, lowest index of the A100s
     assert set(choices[1:]) == {2}
+
+
+def test_wb_a_new_alpha_starts_a_new_cumulative_balance() -> None:
+    gpus = ["A100", "A6000", "L40S"]
+    calls = _calls(MIXED_STEPS)
+    wb, driver = _wb(gpus, alpha=0.2)
+    driver.dispatch(wb, calls)
+    kept = wb._work[:]
+    wb.alpha = 0.2  # the same α: the ledger stays
+    assert wb._work == kept and sum(kept) > 0
+    wb.alpha = 0.7  # a new α: from here on it dispatches as a fresh dispatcher at 0.7 does
+    fresh, fresh_driver = _wb(gpus, alpha=0.7)
+    assert driver.dispatch(wb, calls) == fresh_driver.dispatch(fresh, calls)
 
 
 def test_wb_alpha_zero_balances_cumulative_work_by_hand() -> None:

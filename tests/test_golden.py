@@ -39,6 +39,8 @@ def test_golden_file_covers_the_pinned_settings() -> None:
         "cluster": "A100,A100,A6000,L40S",
         "qps": 0.5,
         "seed": 0,
+        "calibration": "chess-measured",
+        "engine": "prefill-first",
     }
     assert [(r["preset"], r["alpha"]) for r in RUNS] == [
         ("vllm", None),
@@ -69,9 +71,9 @@ def test_small_run_matches_the_golden_latencies(run: dict[str, Any]) -> None:
     queries = load_trace(SETTINGS["trace"])[: SETTINGS["num_queries"]]
     metrics = simulate(
         queries,
-        parse_cluster(SETTINGS["cluster"]),
+        parse_cluster(SETTINGS["cluster"], calibration=SETTINGS["calibration"]),
         preset,
-        SimConfig(qps=SETTINGS["qps"], seed=SETTINGS["seed"]),
+        SimConfig(qps=SETTINGS["qps"], seed=SETTINGS["seed"], engine=SETTINGS["engine"]),
     )
     got = {o.query_id: round(o.latency_s, 6) for o in metrics.outcomes}
     expected: dict[str, float] = run["latencies_s"]

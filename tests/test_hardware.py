@@ -172,13 +172,13 @@ def test_catalogue_name_and_alias_share_the_latency_data() -> None:
 
 def test_a_catalogued_gpu_without_latency_data_lists_the_ones_with() -> None:
     with pytest.raises(UnknownNameError) as err:
-        latency_model(MODEL, "A100-40GB-SXM")
+        latency_model(MODEL, "A100-80GB-PCIe")
     assert set(err.value.known) == set(known_gpus(MODEL))
 
 
 def test_a_model_without_latency_data_lists_the_ones_with() -> None:
     with pytest.raises(UnknownNameError) as err:
-        latency_model("llama-3.1-8b", "A100")
+        latency_model("llama-3.1-8b", "A100", calibration="chess-measured")
     assert set(err.value.known) == {"llama-3.1-70b", "qwen3-30b-a3b"}
 
 
@@ -196,7 +196,7 @@ def test_cluster_file_tp_and_precision_at_the_profiled_values(tmp_path: Path) ->
 @pytest.mark.parametrize(
     ("instance", "message"),
     [
-        ("gpu: A100\n    tp: 8", "no latency data for llama-3.1-70b on A100 at tp 8"),
+        ("gpu: A100\n    tp: 2", "no latency data for llama-3.1-70b on A100 at tp 2"),
         ("gpu: L40S\n    precision: fp8", "no latency data .* fp8"),
         ("gpu: A100\n    precision: fp8", "A100-80GB-SXM has no fp8"),
         ("gpu: A100\n    precision: int4", "precision must be one of bf16, fp8"),
@@ -222,7 +222,7 @@ def test_cluster_file_adds_a_gpu(tmp_path: Path) -> None:
         None,
     )
     # An added GPU has no latency data yet: the simulator refuses it by name.
-    with pytest.raises(UnknownNameError, match=re.escape("GPU type for llama-3.1-70b 'B200'")):
+    with pytest.raises(UnknownNameError, match=re.escape("llama-3.1-70b on B200 (NVIDIA")):
         parse_cluster(_cluster_file(tmp_path, B200, "  - gpu: B200\n"))
 
 

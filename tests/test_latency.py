@@ -10,10 +10,10 @@ from importlib import resources
 
 import pytest
 
-from hexgen_flow.cluster import parse_cluster
 from hexgen_flow.errors import ConfigError, UnknownNameError
 from hexgen_flow.estimate import REPRESENTATIVE_TOKENS, Estimator
-from hexgen_flow.latency import known_gpus, known_models, latency_model, resolve_model
+from hexgen_flow.latency import known_gpus, known_models, resolve_model
+from pinned_calibration import CALIBRATION, latency_model, parse_cluster
 
 MODEL = "llama-3.1-70b"
 MEASURED = ("A100", "A6000", "L40S")
@@ -226,7 +226,7 @@ def test_gpu_not_profiled_for_the_model_lists_the_ones_that_are() -> None:
     with pytest.raises(UnknownNameError) as err:
         latency_model("qwen3-30b-a3b", "A6000")
     assert "A6000" in str(err.value)
-    assert set(err.value.known) == set(known_gpus("qwen3-30b-a3b"))
+    assert set(err.value.known) == set(known_gpus("qwen3-30b-a3b", calibration=CALIBRATION))
     assert "A6000" not in err.value.known and "H100" in err.value.known
 
 

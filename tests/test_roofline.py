@@ -106,9 +106,14 @@ def test_the_decode_step_is_checked_too() -> None:
         check_floors(fast_decode, input_tokens=(1000,))
 
 
-@pytest.mark.parametrize(("model", "gpu"), [(m, g) for m in (MODEL,) for g in known_gpus(m)])
+CHESS = "chess-measured"
+
+
+@pytest.mark.parametrize(
+    ("model", "gpu"), [(m, g) for m in (MODEL,) for g in known_gpus(m, calibration=CHESS)]
+)
 def test_shipped_measured_tables_pass_only_as_prefix_cached(model: str, gpu: str) -> None:
-    lat = latency_model(model, gpu)
+    lat = latency_model(model, gpu, calibration=CHESS)
     assert lat.source.prefix_cached
     check_floors(lat)  # reported, not refused
     below = {(c.phase, c.tokens) for c in compare_with_floors(lat) if c.below}

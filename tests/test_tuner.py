@@ -28,7 +28,7 @@ from hexgen_client.convert import cluster_from_status
 from hexgen_client.processes import free_port
 from hexgen_flow.policies.presets import resolve_policy
 from hexgen_flow.traces import load_trace
-from hexgen_flow.tuning import AlphaPoint, TuningResult
+from hexgen_flow.tuning import AlphaPoint, TuningResult, TuningWindow, retune
 from hexgen_flow.workload import Query
 from hexgen_service.convert import submit_from_query
 from hexgen_service.healthcheck import check
@@ -37,7 +37,7 @@ from hexgen_tuner.config import TunerConfig
 from hexgen_tuner.service import SERVICE_NAME, TunerServicer
 from hexgen_tuner.store import AlphaChange, TunerStore, TuningRunRecord
 from hexgen_tuner.tuner import OBSERVED, AlphaTuner, decide, tuning_grid
-from hexgen_tuner.window import finished_key, read_window
+from hexgen_tuner.window import finished_key, read_window, window_from_entries
 
 REDIS_URL = os.environ.get("HEXGEN_TEST_REDIS", "redis://127.0.0.1:6379/0")
 TRACE = load_trace("trace1")
@@ -262,6 +262,40 @@ async def test_replaying_a_window_from_redis_gives_a_full_alpha_curve(
     assert result.best == min(result.curve, key=AlphaPoint.rank)
 
 
+async def test_a_tuning_run_is_the_cores_retune_of_the_stream_window(
+    redis_client: aioredis.Redis[bytes],
+) -> None:
+    # The stream entries as the coordinator writes them, read without Redis.
+    entries = [
+        (
+            f"{i}-0".encode(),
+            {
+                b"query_id": q.query_id.encode(),
+                b"arrival_s": repr(500.0 + 6.0 * i).encode(),
+                b"finished_s": repr(600.0 + 6.0 * i).encode(),
+                b"slo_s": b"176.7",
+                b"submit": submit_from_query(q).SerializeToString(),
+            },
+        )
+        for i, q in enumerate(TRACE[:24])
+    ]
+    window = window_from_entries(entries)
+    core = TuningWindow.of((q, 500.0 + 6.0 * i, 176.7) for i, q in enumerate(TRACE[:24]))
+    assert window.tuning == core
+    config = TunerConfig(coordinator=f"127.0.0.1:{free_port()}", min_queries=20, tolerance=0.05)
+    tuner = AlphaTuner(config, redis_client, CoordinatorClient(config.coordinator))
+    cluster = cluster_from_status(_status())
+    preset = resolve_policy("hexgen-flow")
+    run = tuner.retune_window(window, cluster, preset, 0.45)
+    again = retune(core, cluster, preset, 0.45, min_queries=20, tolerance=0.05)
+    assert run == again and run.result is not None
+    assert run.result == tuner.replay_window(window, cluster, preset, 0.45)
+    too_few = tuner.retune_window(window_from_entries(entries[:5]), cluster, preset, 0.45)
+    assert too_few.result is None and too_few.decision.reason == (
+        "too few queries in the window (5 < 20)"
+    )
+
+
 # ----------------------------------------------------------------------------- service
 
 
@@ -319,15 +353,23 @@ async def test_retune_without_a_coordinator_records_why(
         ]
 
 
-def test_tuner_command_line_errors_exit_2_with_one_line() -> None:
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [
+        (
+            ["--window", "10", "--min-queries", "20"],
+            "min-queries (20) must not exceed the window (10)",
+        ),
+        (["--tolerance", "1.5"], "tolerance must be in [0, 1), got 1.5"),
+    ],
+)
+def test_tuner_command_line_errors_exit_2_with_one_line(args: list[str], error: str) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "hexgen_tuner", "--window", "10", "--min-queries", "20"],
+        [sys.executable, "-m", "hexgen_tuner", *args],
         capture_output=True,
         text=True,
         timeout=30,
         check=False,
     )
     assert proc.returncode == 2
-    assert proc.stderr == (
-        "hexgen-tuner: error: min-queries (20) must not exceed the window (10)\n"
-    )
+    assert proc.stderr == f"hexgen-tuner: error: {error}\n"

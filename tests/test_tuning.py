@@ -1,4 +1,5 @@
-"""α tuning (docs/algorithm.md §6): the best α of the curve, the refinement, auto_tune's seed."""
+"""α tuning (docs/algorithm.md §6): the best α of the curve, the refinement, auto_tune's seed;
+and one online tuning run (`retune`, `decide` with its tolerance, `TuningWindow`)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,20 @@ from hexgen_flow.errors import ConfigError
 from hexgen_flow.policies.presets import PRESETS
 from hexgen_flow.sim.simulator import SimConfig, simulate
 from hexgen_flow.traces import load_trace
-from hexgen_flow.tuning import ALPHA_GRID, AUTO_WINDOW, AlphaPoint, auto_tune, tune_alpha
+from hexgen_flow.tuning import (
+    ALPHA_GRID,
+    AUTO_WINDOW,
+    AlphaPoint,
+    Decision,
+    TuningResult,
+    TuningWindow,
+    auto_tune,
+    decide,
+    replay_window,
+    retune,
+    tune_alpha,
+    tuning_grid,
+)
 
 QUERIES = load_trace("trace1")[:20]
 CLUSTER = parse_cluster("A100,A100,A6000,L40S")
@@ -146,3 +160,72 @@ class _StopSearchError(Exception):
 def _stop(seen: list[AlphaPoint], point: AlphaPoint) -> None:
     seen.append(point)
     raise _StopSearchError
+
+
+# ------------------------------------------------------------------------------ online tuning
+
+
+def _curve(*points: tuple[float, float, float], window: int = 40) -> TuningResult:
+    curve = tuple(AlphaPoint(a, p95, p95 * 0.7, att) for a, p95, att in points)
+    best = min(curve, key=AlphaPoint.rank)
+    return TuningResult(best, tuple(sorted(curve, key=lambda p: p.alpha)), window)
+
+
+def test_without_tolerance_any_strictly_better_alpha_wins() -> None:
+    result = _curve((0.2, 101.0, 0.9), (0.4, 100.0, 0.9), (0.6, 100.5, 0.9), (0.9, 130.0, 0.8))
+    assert decide(result, 0.6) == Decision(
+        0.4, True, "alpha 0.6 -> 0.4: P95 100.5 s -> P95 100.0 s over 40 queries"
+    )
+    assert not decide(result, 0.4).change
+
+
+def test_tolerance_keeps_a_near_best_alpha_and_otherwise_takes_the_middle_of_the_near_ones() -> (
+    None
+):
+    # Within 3 % of the best (100 s): 0.2, 0.4, 0.5, 0.6; the median of them is 0.4.
+    result = _curve(
+        (0.0, 140.0, 0.7),
+        (0.2, 102.0, 0.9),
+        (0.4, 100.0, 0.9),
+        (0.5, 101.0, 0.9),
+        (0.6, 102.9, 0.9),
+        (0.9, 130.0, 0.8),
+        (1.0, 150.0, 0.6),
+    )
+    keep = decide(result, 0.6, tolerance=0.03)
+    assert not keep.change and keep.alpha == 0.6
+    assert "within 3 %" in keep.reason
+    move = decide(result, 1.0, tolerance=0.03)
+    assert move.change and move.alpha == 0.4
+    assert move.reason == "alpha 1 -> 0.4: P95 150.0 s -> P95 100.0 s over 40 queries"
+    # Four near ones, an even count: the lower middle. With five: the middle one.
+    wider = decide(result, 0.0, tolerance=0.03)
+    assert wider.alpha == 0.4
+    five = decide(result, 0.0, tolerance=0.3)  # 0.9 (130 s) joins: 0.2 0.4 0.5 0.6 0.9
+    assert five.alpha == 0.5
+    assert decide(result, 0.0, tolerance=0.0).alpha == 0.4  # the plain argmin
+
+
+def test_tuning_window_is_relative_in_arrival_order_with_explicit_slos() -> None:
+    records = [(QUERIES[2], 1010.0, 150.0), (QUERIES[0], 1000.0, 120.0), (QUERIES[1], 1010.0, 90.0)]
+    window = TuningWindow.of(records)
+    assert [q.query_id for q in window.queries] == ["trace1-0", "trace1-1", "trace1-2"]
+    assert [q.arrival_s for q in window.queries] == [0.0, 10.0, 10.0]
+    assert [q.slo_s for q in window.queries] == [120.0, 90.0, 150.0]
+    assert all(q.slo_scale is None for q in window.queries)
+    assert window.qps == pytest.approx(2 / 10) and window.span_s == 10.0
+    assert TuningWindow.of([]) == TuningWindow((), 0.0)
+    assert TuningWindow.of(records[:1]).qps == 0.0
+
+
+def test_retune_replays_the_window_with_the_current_alpha_or_says_it_is_too_small() -> None:
+    window = TuningWindow.of((q, 8.0 * i, 176.7) for i, q in enumerate(QUERIES))
+    small = retune(window, CLUSTER, PAPER, 0.45, min_queries=len(QUERIES) + 1)
+    assert small.result is None and not small.decision.change and small.decision.alpha == 0.45
+    assert small.decision.reason == f"too few queries in the window (20 < {len(QUERIES) + 1})"
+    run = retune(window, CLUSTER, PAPER, 0.45, min_queries=len(QUERIES))
+    assert run.result is not None
+    assert 0.45 in [p.alpha for p in run.result.curve]
+    assert run.result == replay_window(window, CLUSTER, PAPER, 0.45)
+    assert run.decision == decide(run.result, 0.45)
+    assert tuning_grid(0.45) == tuple(sorted({*ALPHA_GRID, 0.45}))

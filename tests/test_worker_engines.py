@@ -19,8 +19,10 @@ from hexgen_flow.policies.registration import QUEUES
 from hexgen_flow.runtime import CallTicket, ClusterLoad, PolicyContext
 from hexgen_flow.scheduler import InstanceScheduler
 from hexgen_flow.sim.engine import BatchingEngineModel
+from hexgen_flow.sim.vllm_v1 import VllmV1EngineModel
 from hexgen_flow.workload import LLMCall
 from hexgen_service.clock import ClusterClock
+from hexgen_worker.cli import build_parser, config_from_args, main
 from hexgen_worker.config import WorkerConfig
 from hexgen_worker.engines import (
     Engine,
@@ -28,6 +30,7 @@ from hexgen_worker.engines import (
     OpenAIEngine,
     SimulatedEngine,
     VllmEngine,
+    create_engine,
 )
 from hexgen_worker.engines.base import CapacityLedger, fit_to_context, synthetic_prompt
 from hexgen_worker.engines.openai import api_base
@@ -58,8 +61,9 @@ def policy_context(cluster: str) -> PolicyContext:
     return PolicyContext(parsed, Estimator(parsed), ClusterLoad(parsed), random.Random(0))
 
 
-def simulated(**overrides: Any) -> SimulatedEngine:
-    engine = SimulatedEngine(WorkerConfig(worker_id="w", gpu="A100", **overrides).instance_spec())
+def simulated(engine_model: str = "prefill-first", **overrides: Any) -> SimulatedEngine:
+    spec = WorkerConfig(worker_id="w", gpu="A100", **overrides).instance_spec()
+    engine = SimulatedEngine(spec, engine_model)
     engine.set_clock(ClusterClock.starting_now(SCALE))
     return engine
 
@@ -131,6 +135,59 @@ def test_simulated_calls_batch_like_the_simulator() -> None:
     lat = engine.spec.latency
     assert expected["c1"] > lat.single_s(1000, 100)
     assert expected["c0"] > lat.single_s(4000, 300)
+
+
+def test_simulated_engine_runs_the_vllm_v1_model_like_the_simulator() -> None:
+    engine = simulated("vllm-v1")
+    model = VllmV1EngineModel(engine.spec)  # the simulator's vllm-v1 model, driven offline
+    sizes = [(300, 5), (1000, 100), (12000, 40)]
+    for seq, (n_in, n_out) in enumerate(sizes):
+        model.admit(ticket(seq, n_in, n_out), 0.0)
+    expected: dict[str, float] = {}
+    while model.running:
+        t = model.next_event_s()
+        for done in model.advance(t):
+            expected[done.call_id] = t
+    calls = [ticket(seq, n_in, n_out) for seq, (n_in, n_out) in enumerate(sizes)]
+
+    async def body() -> dict[str, CallFinished]:
+        now = engine.clock.now()
+        for call in calls:
+            engine.admit(call, now)
+        out = [await next_finished(engine, timeout=5.0) for _ in calls]
+        return {f.call_id: f for f in out}
+
+    finished = asyncio.run(started(engine, body))
+    assert len(expected) == 3
+    for call_id, t in expected.items():
+        assert finished[call_id].finished_s - finished[call_id].started_s == pytest.approx(
+            t, abs=1e-9
+        )
+    # chunked prefill: the short call decodes while the 12,000-token prompt is prefilled
+    assert expected["c0"] < engine.spec.latency.prefill_s(12000, 40)
+    assert engine.load().running == 0 and engine.load().kv_used_tokens == 0
+
+
+def test_the_engine_model_flag_reaches_the_simulated_engine(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    base = ["--coordinator", "localhost:50051", "--worker-id", "w1", "--gpu", "A100"]
+    config = config_from_args(build_parser().parse_args([*base, "--engine-model", "vllm-v1"]))
+    assert (config.engine_model, config.prefix_caching) == ("vllm-v1", False)
+    engine = create_engine(config)
+    assert isinstance(engine, SimulatedEngine) and engine.engine_model == "vllm-v1"
+    assert config_from_args(build_parser().parse_args(base)).engine_model == "vllm-v1"
+    cached = config_from_args(
+        build_parser().parse_args([*base, "--engine-model", "vllm-v1", "--prefix-caching"])
+    )
+    assert cached.prefix_caching
+    for bad, expected in (
+        (["--engine-model", "vllm"], "invalid choice"),
+        (["--engine-model", "prefill-first", "--prefix-caching"], "has no prefix cache"),
+    ):
+        assert main([*base, *bad]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and expected in err, err
 
 
 def test_kv_limit_blocks_admission_until_a_call_finishes() -> None:

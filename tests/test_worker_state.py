@@ -64,10 +64,10 @@ def settings(**overrides: Any) -> WelcomeSettings:
 class Harness:
     """A WorkerState on a simulated engine, recording what it sends."""
 
-    def __init__(self, **config: Any) -> None:
+    def __init__(self, engine_model: str = "vllm-v1", **config: Any) -> None:
         config.setdefault("gpu", "A100")
         cfg = WorkerConfig(worker_id="w", **config).resolved()
-        self.engine = SimulatedEngine(cfg.instance_spec())
+        self.engine = SimulatedEngine(cfg.instance_spec(), engine_model)
         self.sent: list[CallReport] = []
         self.state = WorkerState(
             self.engine,
@@ -154,7 +154,9 @@ def test_queue_order_and_capacity() -> None:
 
 
 def test_kv_limit_holds_calls_in_the_queue() -> None:
-    h = Harness(kv_cache_tokens=2500)
+    # prefill-first reserves input + output tokens at admission: two calls fit, the third
+    # waits in the worker's queue (vllm-v1 would admit it and preempt later).
+    h = Harness("prefill-first", kv_cache_tokens=2500)
 
     async def body() -> None:
         for n in range(3):

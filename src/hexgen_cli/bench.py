@@ -7,7 +7,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from hexgen_cli.options import add_calibration_option, positive_int
+from hexgen_cli.options import add_calibration_option, add_engine_options, positive_int
 from hexgen_flow.cluster import parse_cluster
 from hexgen_flow.errors import ConfigError
 
@@ -43,6 +43,7 @@ def register(commands: Any) -> None:
         help="worker processes (default 2; 1 runs everything in this process)",
     )
     add_calibration_option(bench, file_default=False)
+    add_engine_options(bench)
     bench.set_defaults(handler=_cmd_bench)
 
 
@@ -52,6 +53,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     plan = QUICK_PLAN if args.quick else FULL_PLAN
     if args.calibration is not None:
         plan = dataclasses.replace(plan, calibration=args.calibration)
+    plan = dataclasses.replace(plan, engine=args.engine, prefix_caching=args.prefix_caching)
     for _, spec in plan.clusters:  # a cluster the calibration cannot run fails here, once
         parse_cluster(spec, calibration=plan.calibration)
     out: Path = args.out

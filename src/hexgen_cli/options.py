@@ -17,6 +17,7 @@ from hexgen_client.addresses import DEFAULT_COORDINATOR  # constants only: no gr
 from hexgen_flow.calibration import DEFAULT_CALIBRATION, calibration_names, resolve_calibration
 from hexgen_flow.errors import HexgenFlowError
 from hexgen_flow.metrics import json_safe
+from hexgen_flow.sim.engines import DEFAULT_ENGINE_MODEL, ENGINE_MODELS, check_engine_model
 
 __all__ = [
     "DEFAULT_ARRIVAL_CV",
@@ -28,8 +29,10 @@ __all__ = [
     "PROG",
     "add_calibration_option",
     "add_coordinator_option",
+    "add_engine_options",
     "address",
     "alpha_or_auto",
+    "engine_model",
     "info",
     "integer",
     "positive_float",
@@ -129,6 +132,32 @@ def add_calibration_option(parser: argparse.ArgumentParser, *, file_default: boo
         metavar="NAME|measured:FILE",
         help=f"where the latency numbers come from: {', '.join(calibration_names())} (see "
         f"`{PROG} calibrations`; default: {fallback}{DEFAULT_CALIBRATION})",
+    )
+
+
+def engine_model(text: str) -> str:
+    """An engine model's name (`hexgen_flow.sim.engines.ENGINE_MODELS`)."""
+    try:
+        return check_engine_model(text)
+    except HexgenFlowError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_engine_options(parser: argparse.ArgumentParser) -> None:
+    """``--engine`` and ``--prefix-caching``: the simulated engine model of every instance."""
+    parser.add_argument(
+        "--engine",
+        type=engine_model,
+        default=DEFAULT_ENGINE_MODEL,
+        metavar="NAME",
+        help=f"engine model of every instance: {', '.join(sorted(ENGINE_MODELS))} "
+        f'(docs/design.md, "Simulated engine"; default {DEFAULT_ENGINE_MODEL})',
+    )
+    parser.add_argument(
+        "--prefix-caching",
+        action="store_true",
+        help="prefix caching in the engine model (vllm-v1 only; calls of one query with the "
+        "same step type are assumed to share most of their prompt)",
     )
 
 

@@ -21,6 +21,7 @@ from hexgen_cli.options import (
     DEFAULT_TRACE,
     PROG,
     add_calibration_option,
+    add_engine_options,
     alpha_or_auto,
     info,
     integer,
@@ -33,12 +34,12 @@ from hexgen_flow.cluster import DEFAULT_CLUSTER, DEFAULT_MODEL, Cluster, parse_c
 from hexgen_flow.errors import ConfigError
 from hexgen_flow.metrics import RunMetrics
 from hexgen_flow.policies.presets import PRESETS, Preset, resolve_policy
-from hexgen_flow.sim.simulator import SimConfig, simulate
+from hexgen_flow.sim.simulator import SimConfig, Simulation
 from hexgen_flow.traces import load_traces, take_queries
 from hexgen_flow.tuning import AlphaPoint, TuningResult, auto_tune, tune_alpha
 from hexgen_flow.workload import Query
 
-__all__ = ["calibration_row", "latency_row", "register"]
+__all__ = ["calibration_row", "engine_row", "latency_row", "register"]
 
 
 def register(commands: Any) -> None:
@@ -103,6 +104,7 @@ def _add_run_options(parser: argparse.ArgumentParser, *, policy_help: str) -> No
         help=f"model every instance serves unless the cluster file says (default {DEFAULT_MODEL})",
     )
     add_calibration_option(parser)
+    add_engine_options(parser)
     parser.add_argument("--policy", default=DEFAULT_POLICY, metavar="NAME", help=policy_help)
     parser.add_argument(
         "--qps",
@@ -166,7 +168,12 @@ def _setup(args: argparse.Namespace) -> RunSetup:
     queries = take_queries(load_traces(traces), args.num_queries)
     cluster = parse_cluster(args.cluster, args.model, args.calibration)
     config = SimConfig(
-        qps=args.qps, slo_scale=args.slo_scale, seed=args.seed, arrival_cv=args.arrival_cv
+        qps=args.qps,
+        slo_scale=args.slo_scale,
+        seed=args.seed,
+        arrival_cv=args.arrival_cv,
+        engine=args.engine,
+        prefix_caching=args.prefix_caching,
     )
     return RunSetup(traces, queries, cluster, preset, config)
 
@@ -212,7 +219,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         preset = preset.with_alpha(args.alpha)
 
     started = time.perf_counter()
-    metrics = simulate(run.queries, run.cluster, preset, run.config)
+    sim = Simulation(run.queries, run.cluster, preset, run.config)
+    metrics = sim.run()
     wall_s = time.perf_counter() - started
     calls = sum(q.workflow.num_calls for q in run.queries)
     speed = f"{calls:,} LLM calls in {wall_s:.3f} s ({calls / max(wall_s, 1e-9):,.0f} calls/s)"
@@ -226,6 +234,9 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         doc["arrival_cv"] = run.config.arrival_cv
         doc["model"] = run.cluster.instances[0].model
         doc["calibration"] = run.cluster.calibration.name
+        doc["engine"] = run.config.engine
+        doc["prefix_caching"] = run.config.prefix_caching
+        doc["preemptions"] = sim.preemptions
         if tuning is not None:
             doc["alpha_curve"] = [
                 {"alpha": p.alpha, "p95_s": p.p95_s, "slo_attainment": p.slo_attainment}
@@ -234,12 +245,25 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         print_json(doc)
         info(f"{PROG}: simulator speed: {speed}")
     else:
-        _print_summary(run, metrics, tuning, speed, sys.stdout)
+        _print_summary(run, metrics, tuning, speed, sim.preemptions, sys.stdout)
     return 0
 
 
+def engine_row(config: SimConfig, preemptions: int | None = None) -> tuple[str, str]:
+    """The ``engine`` row: the engine model every instance runs (and what it preempted)."""
+    text = config.engine + (" with prefix caching" if config.prefix_caching else "")
+    if preemptions is not None and config.engine == "vllm-v1":
+        text += f" ({preemptions:,} preemptions)"
+    return ("engine", text)
+
+
 def _print_summary(
-    run: RunSetup, metrics: RunMetrics, tuning: TuningResult | None, speed: str, out: TextIO
+    run: RunSetup,
+    metrics: RunMetrics,
+    tuning: TuningResult | None,
+    speed: str,
+    preemptions: int,
+    out: TextIO,
 ) -> None:
     if metrics.alpha is None:
         alpha = "none (policy has no alpha)"
@@ -257,6 +281,7 @@ def _print_summary(
             f"{run.cluster.instances[0].model})",
         ),
         calibration_row(run.cluster),
+        engine_row(config, preemptions),
         ("traces", f"{', '.join(run.traces)} ({metrics.num_queries} queries)"),
         ("arrivals", f"{config.qps:g} queries/s, cv {config.arrival_cv:g}, seed {config.seed}"),
         ("SLO", f"{config.slo_scale:g} x SLO_base = {metrics.slo_s:.1f} s"),
@@ -303,6 +328,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
                 "arrival_cv": run.config.arrival_cv,
                 "cluster": list(run.cluster.gpus),
                 "calibration": run.cluster.calibration.name,
+                "engine": run.config.engine,
+                "prefix_caching": run.config.prefix_caching,
                 "traces": list(run.traces),
                 "num_queries": len(run.queries),
                 "window": result.window,
@@ -314,7 +341,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         return 0
     print(
         f"alpha tuning: {run.preset.name} on {','.join(run.cluster.gpus)} "
-        f"(calibration {run.cluster.calibration.name}), "
+        f"(calibration {run.cluster.calibration.name}, engine {engine_row(run.config)[1]}), "
         f"{run.config.qps:g} queries/s, {result.window} queries, seed {run.config.seed}"
     )
     print(f"{'alpha':>6}  {'P95 (s)':>9}  {'mean (s)':>9}  {'attainment':>10}")

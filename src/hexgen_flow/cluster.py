@@ -20,7 +20,7 @@ as a YAML file::
         max_batch: 128            # optional override of vLLM's max_num_seqs (256)
 
 The latency data of a calibration (docs/hardware.md, "Calibrations"; default
-``chess-measured``, a ``--calibration`` option overrides the file's) covers each (model, GPU)
+``aiconfigurator``, a ``--calibration`` option overrides the file's) covers each (model, GPU)
 at one tp and precision, so for now an instance must be at those: other values are refused by
 name, not guessed.
 """
@@ -99,7 +99,7 @@ class Cluster:
     ) -> Cluster:
         """Instances from entries ({"gpu", "model", "tp", "precision", "kv_cache_tokens",
         "max_batch"}; all but "gpu" optional), GPU names resolved in `catalogue` (default:
-        the shipped one), latency from `calibration` (default: ``chess-measured``)."""
+        the shipped one), latency from `calibration` (default: ``aiconfigurator``)."""
         source = resolve_calibration(calibration)
         instances: list[InstanceSpec] = []
         for entry in entries:

@@ -80,6 +80,10 @@ class GpuSpec:
     """SXM module on an NVLink board, or PCIe card."""
     aiconfigurator_system: str | None
     """Name of this GPU in NVIDIA aiconfigurator's tables; None when it is not there."""
+    aiconfigurator_stand_in: str | None = None
+    """For a GPU aiconfigurator does not model: the catalogued GPU of the same link class
+    whose rows it is derived from (the stand-in's time plus the roofline difference between
+    the two parts, docs/hardware.md "Derived GPUs"); None when it has its own rows."""
 
     def flop_s(self, precision: Precision) -> float:
         """Peak dense FLOP/s at `precision`; a GPU without fp8 cannot run fp8."""
@@ -176,6 +180,7 @@ _GPU_FIELDS = (
     "interconnect_gb_s",
     "form_factor",
     "aiconfigurator_system",
+    "aiconfigurator_stand_in",
 )
 
 
@@ -192,6 +197,7 @@ def _parse_gpu(doc: object, where: str) -> GpuSpec:
         interconnect_gb_s=fields.number("interconnect_gb_s"),
         form_factor=cast(FormFactor, fields.choice("form_factor", _FORM_FACTORS)),
         aiconfigurator_system=fields.optional_text("aiconfigurator_system"),
+        aiconfigurator_stand_in=fields.optional_text("aiconfigurator_stand_in"),
     )
 
 

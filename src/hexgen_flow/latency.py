@@ -2,9 +2,10 @@
 builds it from a calibration and checks it against the physical floors.
 
 Where the numbers come from is a calibration (`hexgen_flow.calibration`, docs/hardware.md
-"Calibrations"): ``chess-measured`` by default (the measured vLLM tables, aiconfigurator
-ratios for the GPUs they lack, aiconfigurator alone for models without tables),
-``aiconfigurator``, or a profile file (``measured:FILE``). A `LatencyModel` answers, for one
+"Calibrations"): ``aiconfigurator`` by default (NVIDIA's kernel database; GPUs it lacks
+derived from a stand-in), ``chess-measured`` (the measured vLLM tables, aiconfigurator
+ratios for the GPUs they lack, aiconfigurator alone for models without tables), or a
+profile file (``measured:FILE``). A `LatencyModel` answers, for one
 instance: the single-request latency, its prefill part, the per-token decode slowdown at
 batch size B, and the KV-cache capacity in tokens. The GPUs and models themselves are the
 catalogues of `hexgen_flow.hardware`. Before a model is used, `hexgen_flow.roofline`
@@ -15,11 +16,12 @@ was measured with prefix caching.
 from __future__ import annotations
 
 import functools
+import itertools
+from dataclasses import dataclass
 
 import numpy as np
 
 from hexgen_flow.calibration import (
-    DEFAULT_CALIBRATION,
     Calibration,
     CalibrationCoverageError,
     resolve_calibration,
@@ -38,8 +40,10 @@ from hexgen_flow.latency_parameters import LatencyParameters, LatencySource, Sin
 from hexgen_flow.roofline import check_floors
 
 __all__ = [
+    "DECODE_REFERENCE_TOKENS",
     "MAX_NUM_SEQS",
     "PROFILED_PRECISION",
+    "DecodeStepFit",
     "LatencyModel",
     "LatencySource",
     "SingleRequestTable",
@@ -52,6 +56,40 @@ __all__ = [
 
 # vLLM's default --max-num-seqs.
 MAX_NUM_SEQS = 256
+
+# Output tokens over which `LatencyModel.decode_step_s` averages a call's batch-1 decode: long
+# enough that a table's constant terms and its residual corrections near measured pairs (which
+# can make a 4-token call's decode negative) average out, and inside the traces' outputs.
+DECODE_REFERENCE_TOKENS = 512
+
+# The grid `LatencyModel.decode_step_fit` fits over (states with batch x context above the
+# KV capacity are left out: no engine reaches them).
+_FIT_BATCHES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+_FIT_CONTEXTS = (128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeStepFit:
+    """A decode step's seconds as a + b x batch + c x KV tokens read, fitted by relative least
+    squares (coefficients kept >= 0) to `LatencyModel.decode_step_s` over a batch x context
+    grid: what a step-level engine model charges for the decodes of one step."""
+
+    a_s: float
+    """Seconds per step (weights read, launch overhead)."""
+    b_s: float
+    """Seconds per sequence in the step."""
+    c_s: float
+    """Seconds per KV-cache token read (the sum of the sequences' contexts)."""
+    max_rel_error: float
+    """Largest |fit / decode_step_s - 1| over the grid."""
+    rms_rel_error: float
+    """Root mean square of fit / decode_step_s - 1 over the grid."""
+    points: int
+    """Grid points fitted."""
+
+    def step_s(self, batch: int, kv_tokens: int) -> float:
+        """Seconds of one decode step of `batch` sequences reading `kv_tokens` KV tokens."""
+        return self.a_s + self.b_s * batch + self.c_s * kv_tokens
 
 
 def known_gpus(model: str | None = None, calibration: str | None = None) -> list[str]:
@@ -104,6 +142,7 @@ class LatencyModel:
         self._decode_scale = decode_scale
         self._cache: dict[tuple[int, int], tuple[float, float]] = {}
         self._single: dict[tuple[int, int], float] = {}
+        self._curve: dict[int, float] = {}
         self.kv_capacity_tokens = hardware.kv_capacity_tokens
         """KV-cache slots of the instance (vLLM's default 0.9 memory utilisation)."""
         self.max_batch = MAX_NUM_SEQS
@@ -125,6 +164,51 @@ class LatencyModel:
     def slowdown_table(self, up_to: int) -> tuple[float, ...]:
         """`slowdown(B)` for B = 0..up_to, for O(1) lookups on the hot path (B = 0 -> 1.0)."""
         return (1.0, *(self.slowdown(b) for b in range(1, up_to + 1)))
+
+    def decode_step_s(self, batch: int, context: int) -> float:
+        """Seconds of one decode step of `batch` sequences holding `context` KV tokens each:
+        the batch-1 decode time per output token of a call with a `context`-token prompt
+        (averaged over `DECODE_REFERENCE_TOKENS` outputs) stretched by `slowdown(batch)`."""
+        per_token = self.split(context, DECODE_REFERENCE_TOKENS)[1] / DECODE_REFERENCE_TOKENS
+        return per_token * self.slowdown(batch)
+
+    @functools.lru_cache(maxsize=16)  # noqa: B019 - a handful of models live for the process
+    def decode_step_fit(self, max_batch: int, kv_capacity: int) -> DecodeStepFit:
+        """`decode_step_s` fitted as a + b x batch + c x (batch x context) over batches up to
+        `max_batch` and contexts whose batch x context fits `kv_capacity` tokens."""
+        batches = sorted({b for b in _FIT_BATCHES if b <= max_batch} | {max_batch})
+        grid = [(b, n) for b in batches for n in _FIT_CONTEXTS if b * n <= max(kv_capacity, n)]
+        target = np.array([self.decode_step_s(b, n) for b, n in grid])
+        design = np.array([(1.0, b, b * n) for b, n in grid])
+        # Relative least squares, so that batch-1 steps (25 ms) weigh as much as full ones;
+        # negative coefficients are dropped in turn (a tiny non-negative least squares), since
+        # a negative per-token cost would make huge batches cheaper than small ones.
+        weighted = design / target[:, None]
+        ones = np.ones(len(grid))
+        best: tuple[float, np.ndarray] | None = None
+        for size in (3, 2, 1):
+            for columns in itertools.combinations(range(3), size):
+                sub, *_ = np.linalg.lstsq(weighted[:, columns], ones, rcond=None)
+                if (sub < 0).any():
+                    continue
+                coef = np.zeros(3)
+                coef[list(columns)] = sub
+                error = float(((weighted @ coef - 1.0) ** 2).sum())
+                if best is None or error < best[0]:
+                    best = (error, coef)
+            if best is not None:
+                break
+        assert best is not None  # a single column with positive targets fits with coef > 0
+        coef = best[1]
+        rel = design @ coef / target - 1.0
+        return DecodeStepFit(
+            float(coef[0]),
+            float(coef[1]),
+            float(coef[2]),
+            float(np.abs(rel).max()),
+            float(np.sqrt((rel**2).mean())),
+            len(grid),
+        )
 
     def split(self, input_tokens: int, output_tokens: int) -> tuple[float, float]:
         """(prefill seconds, batch-1 decode seconds); their sum is `single_s` (up to rounding)."""
@@ -163,6 +247,20 @@ class LatencyModel:
         # Outside the points: continue the nearest end segment (never below zero).
         (n0, s0), (n1, s1) = points[:2] if input_tokens < tokens[0] else points[-2:]
         return max(s1 + (s1 - s0) / (n1 - n0) * (input_tokens - n1), 0.0)
+
+    def prefill_curve_s(self, input_tokens: int) -> float:
+        """Prefill seconds of an `input_tokens` prompt by the prefill points or line alone
+        (scaled, without a table's cap at the single latency): the curve a chunked-prefill
+        engine charges a chunk from n to m tokens by, as curve(m) - curve(n)."""
+        cached = self._curve.get(input_tokens)
+        if cached is None:
+            if self._prefill_points:
+                prefill = self._prefill_through_points(input_tokens)
+            else:
+                intercept, slope = self._prefill_line
+                prefill = max(intercept + slope * input_tokens, 0.0)
+            cached = self._curve[input_tokens] = prefill * self._prefill_scale
+        return cached
 
     def single_s(self, input_tokens: int, output_tokens: int) -> float:
         key = (input_tokens, output_tokens)
@@ -220,24 +318,21 @@ def latency_model(
 ) -> LatencyModel:
     """The latency model of `model` on GPU type `gpu` (resolved in `catalogue`, by default
     the shipped one) at tensor-parallel degree `tp` and `precision` (default: those of the
-    calibration's data), from `calibration` (default: ``chess-measured``).
+    calibration's data), from `calibration` (default: ``aiconfigurator``).
 
     Unknown names, and a (model, GPU) pair without data in the calibration, list the known
     ones; a tp or precision the data was not taken at is refused rather than guessed; a model
     below a physical floor is refused unless its source was measured with prefix caching.
     """
     source = resolve_calibration(calibration)
-    default = source.name == DEFAULT_CALIBRATION
     spec = resolve_model(model)
     gpu_spec, label = (catalogue or gpu_catalogue()).lookup(gpu)
     covered = source.coverage(spec, gpu_spec)
     if covered is None:
         models = source.covered_models()
         if spec.name not in models:
-            kind = "model with latency data" + ("" if default else f" in calibration {source.name}")
+            kind = f"model with latency data in calibration {source.name}"
             raise UnknownNameError(kind, model, models)
-        if default:  # the message every earlier release gave
-            raise UnknownNameError(f"GPU type for {spec.name}", gpu, source.covered_gpus(spec))
         reason = source.uncovered_reason(spec, gpu_spec)
         raise CalibrationCoverageError(
             source.name, spec.name, label, source.covered_gpus(spec), reason
@@ -254,7 +349,7 @@ def latency_model(
     )
     degrees = source.tensor_parallel_degrees(spec, gpu_spec)
     if hardware.tensor_parallel not in degrees or hardware.precision != covered.precision:
-        where = "its tables were" if default else f"calibration {source.name}'s data was"
+        where = f"calibration {source.name}'s data was"
         raise ConfigError(
             f"no latency data for {spec.name} on {label} at tp {hardware.tensor_parallel}, "
             f"{hardware.precision}: {where} taken at tp {', '.join(map(str, degrees))}, "

@@ -46,7 +46,7 @@ class LocalClusterConfig:
     calibration: str | None = None
     """Where the latency numbers come from, for the coordinator's estimator, the workers'
     simulated engines and local queues, and the tuner's replays alike (``--calibration``);
-    None: the cluster file's ``calibration:``, else ``chess-measured``."""
+    None: the cluster file's ``calibration:``, else ``aiconfigurator``."""
     policy: str = "hexgen-flow"
     """The coordinator's policy: a preset or ``DISPATCH+QUEUE[+BUDGET]``."""
     alpha: float | None = None

@@ -161,7 +161,7 @@ def cluster_from_status(
 ) -> Cluster:
     """The coordinator's cluster as the simulator builds it: each slot's GPU and model, and
     its KV-cache size where the coordinator reports one, with latency from `calibration`
-    (the coordinator's; the status does not carry it; None: ``chess-measured``)."""
+    (the coordinator's; the status does not carry it; None: ``aiconfigurator``)."""
     entries: list[dict[str, object]] = []
     for inst in sorted(status.instances, key=lambda i: i.index):
         entry: dict[str, object] = {"gpu": inst.gpu, "model": inst.model}

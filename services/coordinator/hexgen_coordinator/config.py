@@ -25,7 +25,7 @@ class CoordinatorConfig:
     """Model served by every slot the cluster string does not say otherwise for."""
     calibration: str | None = None
     """Where the estimator's latency numbers come from (``--calibration``); None: the cluster
-    file's ``calibration:``, else ``chess-measured``. The workers must be given the same."""
+    file's ``calibration:``, else ``aiconfigurator``. The workers must be given the same."""
     policy: str = "hexgen-flow"
     """Preset (or DISPATCH+QUEUE[+BUDGET]) deciding dispatch, local queues and budgets."""
     alpha: float | None = None

@@ -62,6 +62,13 @@ def parse_config(argv: Sequence[str] | None = None) -> TunerConfig:
         "--seed", type=int, default=d.seed, help=f"seed of the replays (default {d.seed})"
     )
     parser.add_argument(
+        "--tolerance",
+        type=float,
+        default=d.tolerance,
+        help="alphas within this fraction of the best replayed P95 count as the best; the "
+        f"current one is then kept (default {d.tolerance:g})",
+    )
+    parser.add_argument(
         "--calibration",
         default=None,
         metavar="NAME|measured:FILE",
@@ -82,6 +89,7 @@ def parse_config(argv: Sequence[str] | None = None) -> TunerConfig:
             window=args.window,
             min_queries=args.min_queries,
             seed=args.seed,
+            tolerance=args.tolerance,
             calibration=args.calibration,
         )
     except HexgenFlowError as exc:

@@ -40,6 +40,11 @@ class TunerConfig:
     """α changes kept in Redis (``GetAlpha``'s history)."""
     seed: int = 0
     """Seed of the simulations (the policies' random choices)."""
+    tolerance: float = 0.05
+    """α whose replayed P95 is within this fraction of the best count as the best
+    (`hexgen_flow.tuning.decide`): the current α is kept when it is among them, else the
+    median of them is pushed. 0: any strictly better α is pushed (docs/design.md, "Shifting
+    load and online tuning", measures the two)."""
     calibration: str | None = None
     """Where the replays' latency numbers come from: the coordinator's calibration (None:
     ``chess-measured``)."""
@@ -58,5 +63,7 @@ class TunerConfig:
             raise ConfigError(
                 f"min-queries ({self.min_queries}) must not exceed the window ({self.window})"
             )
+        if not (math.isfinite(self.tolerance) and 0 <= self.tolerance < 1):
+            raise ConfigError(f"tolerance must be in [0, 1), got {self.tolerance}")
         if not self.rpc_timeout_s > 0:
             raise ConfigError(f"rpc timeout must be > 0, got {self.rpc_timeout_s}")

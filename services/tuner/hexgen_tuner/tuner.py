@@ -4,13 +4,16 @@ A run (docs/algorithm.md §6, online):
 
 1. read the last `window` finished queries from Redis (`read_window`);
 2. ask the coordinator for its cluster, policy and α (ClusterStatus);
-3. with at least `min_queries` of them and a policy that has an α, replay the window in the
-   simulator for every α of the grid (plus the current α, so the comparison is exact, and
-   the refining midpoints): `hexgen_flow.tuning.tune_alpha`, in a worker thread;
-4. push the best α with SetAlpha (reason: the run id) when it beats the current one;
+3. with a policy that has an α, `hexgen_flow.tuning.retune` (in a worker thread): with at
+   least `min_queries` queries, replay the window in the simulator for every α of the grid
+   (plus the current α, so the comparison is exact, and the refining midpoints) and decide
+   (`hexgen_flow.tuning.decide`) whether the best one beats the current α;
+4. push the new α with SetAlpha (reason: the run id) when it does;
 5. record the run (and any α change) in Redis (`TunerStore`).
 
-Every run is recorded, including those that changed nothing, with the reason why.
+Every run is recorded, including those that changed nothing, with the reason why. The
+tuning run itself (`retune`, `decide`, `tuning_grid`) is the core's: the simulator's online
+tuner (`hexgen_flow.tuning.OnlineTuner`) runs the very same code on its own windows.
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from opentelemetry import trace
@@ -32,8 +34,15 @@ from hexgen_client.errors import CoordinatorError, CoordinatorUnavailableError
 from hexgen_flow.cluster import Cluster
 from hexgen_flow.errors import HexgenFlowError
 from hexgen_flow.policies.presets import Preset, resolve_policy
-from hexgen_flow.sim.simulator import SimConfig
-from hexgen_flow.tuning import ALPHA_GRID, AlphaPoint, TuningResult, tune_alpha
+from hexgen_flow.tuning import (
+    Decision,
+    Retune,
+    TuningResult,
+    decide,
+    replay_window,
+    retune,
+    tuning_grid,
+)
 from hexgen_tuner.config import TunerConfig
 from hexgen_tuner.store import AlphaChange, TunerStore, TuningRunRecord
 from hexgen_tuner.window import TrafficWindow, read_window
@@ -47,54 +56,6 @@ OBSERVED = "observed at the coordinator"
 someone else)."""
 
 _SAME = 1e-9
-
-
-@dataclass(frozen=True, slots=True)
-class Decision:
-    """What a tuning result means for the coordinator's α."""
-
-    alpha: float
-    """The α to run with: the best one, or the current one when it is as good."""
-    change: bool
-    """Whether to push `alpha` to the coordinator."""
-    reason: str
-
-
-def _point(curve: tuple[AlphaPoint, ...], alpha: float) -> AlphaPoint | None:
-    return next((p for p in curve if abs(p.alpha - alpha) < _SAME), None)
-
-
-def decide(result: TuningResult, current: float) -> Decision:
-    """Change α only when the replays found one strictly better than the current α (lower
-    P95, then higher SLO attainment): a tie keeps the current α."""
-    best = result.best
-    over = f"over {result.window} queries"
-    if abs(best.alpha - current) < _SAME:
-        return Decision(
-            current, False, f"alpha {current:g} is already the best (P95 {best.p95_s:.1f} s {over})"
-        )
-    now = _point(result.curve, current)
-    if now is not None and now.rank()[:2] == best.rank()[:2]:
-        return Decision(
-            current,
-            False,
-            f"alpha {best.alpha:g} only ties the current alpha {current:g} "
-            f"(P95 {best.p95_s:.1f} s {over}): kept",
-        )
-    was = f"P95 {now.p95_s:.1f} s -> " if now is not None else ""
-    return Decision(
-        best.alpha,
-        True,
-        f"alpha {current:g} -> {best.alpha:g}: {was}P95 {best.p95_s:.1f} s {over}",
-    )
-
-
-def tuning_grid(current: float) -> tuple[float, ...]:
-    """The paper's grid, plus the current α when it is off the grid."""
-    grid = set(ALPHA_GRID)
-    if math.isfinite(current) and 0.0 <= current <= 1.0:
-        grid.add(round(current, 6))
-    return tuple(sorted(grid))
 
 
 class AlphaTuner:
@@ -210,18 +171,15 @@ class AlphaTuner:
             return await finish(f"the coordinator's policy is not known here: {exc}", previous)
         if not preset.has_alpha:
             return await finish(f"policy {preset.name!r} has no alpha: nothing to tune", previous)
-        if len(window.queries) < config.min_queries:
-            return await finish(
-                f"too few queries in the window ({len(window.queries)} < {config.min_queries})",
-                previous,
-            )
         try:
             cluster = cluster_from_status(status, config.calibration)
-            result = await asyncio.to_thread(self.replay_window, window, cluster, preset, previous)
+            run = await asyncio.to_thread(self.retune_window, window, cluster, preset, previous)
         except HexgenFlowError as exc:
             return await finish(f"cannot replay the window: {exc}", previous)
 
-        decision = decide(result, previous)
+        decision, result = run.decision, run.result
+        if result is None:  # too few queries to replay
+            return await finish(decision.reason, previous)
         if not decision.change:
             return await finish(decision.reason, previous, best=decision.alpha, result=result)
         try:
@@ -238,13 +196,27 @@ class AlphaTuner:
             decision.reason, previous, best=decision.alpha, result=result, applied=True
         )
 
+    def retune_window(
+        self, window: TrafficWindow, cluster: Cluster, preset: Preset, current: float
+    ) -> Retune:
+        """One tuning run on `window` (`hexgen_flow.tuning.retune`; CPU work: runs in a
+        worker thread)."""
+        return retune(
+            window.tuning,
+            cluster,
+            preset,
+            current,
+            min_queries=self.config.min_queries,
+            seed=self.config.seed,
+            tolerance=self.config.tolerance,
+        )
+
     def replay_window(
         self, window: TrafficWindow, cluster: Cluster, preset: Preset, current: float
     ) -> TuningResult:
-        """The replays (CPU work: runs in a worker thread). Every replayed query carries its
-        own arrival time and SLO: the config's rate and scale fill in nothing."""
-        sim_config = SimConfig(qps=window.qps or 1.0, seed=self.config.seed)
-        return tune_alpha(window.queries, cluster, preset, sim_config, grid=tuning_grid(current))
+        """The replays alone (`hexgen_flow.tuning.replay_window`). Every replayed query
+        carries its own arrival time and SLO: the config's rate and scale fill in nothing."""
+        return replay_window(window.tuning, cluster, preset, current, seed=self.config.seed)
 
     # ------------------------------------------------------------------------ loop
 

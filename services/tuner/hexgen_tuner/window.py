@@ -4,8 +4,10 @@ The coordinator appends one entry per finished query to the Redis stream
 ``P + "finished"``: ``query_id, tenant, arrival_s, finished_s, slo_s`` (cluster seconds, as
 strings) and ``submit`` (the serialized `SubmitQueryRequest`). A window is the last N
 entries, each rebuilt as a domain `Query` (``hexgen_service.convert.query_from_submit``)
-with its SLO made explicit (the one the coordinator gave it) and an explicit arrival time
-relative to the window's first arrival, so the simulator replays the traffic as it came.
+and handed to the core's `hexgen_flow.tuning.TuningWindow.of`, which makes its SLO explicit
+(the one the coordinator gave it) and its arrival time relative to the window's first
+arrival, so the simulator replays the traffic as it came (the simulator's online tuner
+builds its windows with the same function).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import redis.asyncio as aioredis
 
 from hexgen_api.v1 import coordinator_pb2
 from hexgen_flow.errors import HexgenFlowError
+from hexgen_flow.tuning import TuningWindow
 from hexgen_flow.workload import Query
 from hexgen_service.convert import query_from_submit
 from hexgen_service.errors import InvalidFieldError
@@ -95,19 +98,25 @@ def parse_finished(fields: Mapping[bytes, bytes]) -> FinishedQuery:
 class TrafficWindow:
     """Recent traffic, ready to replay."""
 
-    queries: tuple[Query, ...]
-    """In arrival order; ``arrival_s`` from the first arrival (0), ``slo_s`` explicit."""
-    qps: float
-    """Arrival rate over the window: (n - 1) / (last arrival - first); 0 when undefined."""
+    tuning: TuningWindow
+    """The queries as the core's tuning run takes them."""
     skipped: int = 0
     """Entries that could not be read (logged)."""
 
     @property
+    def queries(self) -> tuple[Query, ...]:
+        """In arrival order; ``arrival_s`` from the first arrival (0), ``slo_s`` explicit."""
+        return self.tuning.queries
+
+    @property
+    def qps(self) -> float:
+        """Arrival rate over the window: (n - 1) / (last arrival - first); 0 when undefined."""
+        return self.tuning.qps
+
+    @property
     def span_s(self) -> float:
         """Seconds from the first arrival to the last."""
-        if not self.queries:
-            return 0.0
-        return self.queries[-1].arrival_s or 0.0
+        return self.tuning.span_s
 
 
 def window_from_entries(entries: Sequence[StreamEntry]) -> TrafficWindow:
@@ -123,17 +132,8 @@ def window_from_entries(entries: Sequence[StreamEntry]) -> TrafficWindow:
             continue
         latest.pop(record.query.query_id, None)
         latest[record.query.query_id] = record
-    records = sorted(latest.values(), key=lambda r: (r.arrival_s, r.query.query_id))
-    if not records:
-        return TrafficWindow((), 0.0, skipped)
-    first = records[0].arrival_s
-    queries = tuple(
-        replace(r.query, arrival_s=r.arrival_s - first, slo_s=r.slo_s, slo_scale=None)
-        for r in records
-    )
-    span = records[-1].arrival_s - first
-    qps = (len(records) - 1) / span if span > 0 else 0.0
-    return TrafficWindow(queries, qps, skipped)
+    window = TuningWindow.of((r.query, r.arrival_s, r.slo_s) for r in latest.values())
+    return TrafficWindow(window, skipped)
 
 
 async def read_window(client: aioredis.Redis[bytes], prefix: str, size: int) -> TrafficWindow:

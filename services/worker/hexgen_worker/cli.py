@@ -19,6 +19,7 @@ from typing import Any, NoReturn
 
 from hexgen_flow.cluster import DEFAULT_MODEL
 from hexgen_flow.errors import HexgenFlowError
+from hexgen_flow.sim.engines import ENGINE_MODELS
 from hexgen_worker.config import ENGINE_KINDS, WorkerConfig
 from hexgen_worker.worker import EXIT_REJECTED, Worker
 
@@ -73,6 +74,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--engine", choices=ENGINE_KINDS, default=defaults.engine)
     parser.add_argument(
+        "--engine-model",
+        choices=sorted(ENGINE_MODELS),
+        default=defaults.engine_model,
+        help="simulated engine: the engine model it runs, as the simulator's --engine "
+        f"(default {defaults.engine_model})",
+    )
+    parser.add_argument(
+        "--prefix-caching",
+        action="store_true",
+        help="simulated engine: prefix caching in the engine model (vllm-v1 only)",
+    )
+    parser.add_argument(
         "--kv-cache-tokens", type=int, help="default: the latency model's KV capacity"
     )
     parser.add_argument("--max-batch", type=int, help="default: the latency model's (256)")
@@ -124,6 +137,8 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         model=args.model,
         calibration=args.calibration,
         engine=args.engine,
+        engine_model=args.engine_model,
+        prefix_caching=args.prefix_caching,
         kv_cache_tokens=args.kv_cache_tokens,
         max_batch=args.max_batch,
         max_concurrency=args.max_concurrency,

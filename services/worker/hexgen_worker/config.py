@@ -11,6 +11,7 @@ from typing import Any, Literal
 from hexgen_flow.cluster import DEFAULT_MODEL, Cluster, InstanceSpec
 from hexgen_flow.errors import ConfigError
 from hexgen_flow.latency import latency_model, resolve_model
+from hexgen_flow.sim.engines import DEFAULT_ENGINE_MODEL, check_engine_model
 
 __all__ = ["ENGINE_KINDS", "EngineKind", "WorkerConfig"]
 
@@ -37,6 +38,11 @@ class WorkerConfig:
     come from (``--calibration``); None: ``chess-measured``. The coordinator's, in a mesh."""
     engine: EngineKind = "simulated"
     """Engine behind the local queue: simulated, openai or vllm."""
+    engine_model: str = DEFAULT_ENGINE_MODEL
+    """simulated engine: the core's engine model it runs (``--engine-model``; the name the
+    simulator's ``--engine`` takes), so that the mesh and the simulator share it."""
+    prefix_caching: bool = False
+    """simulated engine: prefix caching in the engine model (vllm-v1 only)."""
     kv_cache_tokens: int | None = None
     """KV-cache tokens declared to the coordinator; None: the latency model's capacity."""
     max_batch: int | None = None
@@ -91,6 +97,10 @@ class WorkerConfig:
             raise ConfigError(
                 f"--engine: unknown engine {self.engine!r}; known: {', '.join(ENGINE_KINDS)}"
             )
+        try:
+            check_engine_model(self.engine_model, prefix_caching=self.prefix_caching)
+        except ConfigError as exc:
+            raise ConfigError(f"--engine-model: {exc}") from None
         model = resolve_model(self.model).name
         lat = latency_model(model, self.gpu, calibration=self.calibration)
         kv = lat.kv_capacity_tokens if self.kv_cache_tokens is None else self.kv_cache_tokens

@@ -8,8 +8,10 @@ from typing import Any
 
 from hexgen_flow.calibration import DEFAULT_CALIBRATION
 from hexgen_flow.policies.presets import PRESETS
+from hexgen_flow.sim.engines import DEFAULT_ENGINE_MODEL
 
 __all__ = [
+    "BAND_PRESETS",
     "BASELINE",
     "FLAGSHIP",
     "FULL_PLAN",
@@ -35,7 +37,16 @@ NEAR_BEST = 0.02
 """`FLAGSHIP` counts as tied with the best preset when its P95 is within this fraction."""
 TENANTS: tuple[tuple[str, float], ...] = (("strict", 1.0), ("relaxed", 2.0))
 """Multi-tenant run: (tenant, SLO scale), assigned to the queries alternately."""
-OPTIONAL_PARTS = ("slo_sweep", "load_sweep", "multi_tenant", "simulator_speed")
+BAND_PRESETS: tuple[str, ...] = (BASELINE, *LOAD_AWARE, FLAGSHIP)
+"""What the sensitivity band (bench/band.py) runs: the flagship and both kinds of baseline."""
+OPTIONAL_PARTS = (
+    "band",
+    "slo_sweep",
+    "load_sweep",
+    "multi_tenant",
+    "simulator_speed",
+    "shifting_load",
+)
 """The parts a plan may leave out, by their key in results.json. The matrix and goodput are
 always run: the headline and the README's figures come from them."""
 
@@ -55,6 +66,10 @@ class BenchPlan:
     """(label, cluster spec); the first is the cluster of the goodput and sweep parts."""
     calibration: str = DEFAULT_CALIBRATION
     """Where every simulation's latency numbers come from (``--calibration``)."""
+    engine: str = DEFAULT_ENGINE_MODEL
+    """The simulated engine model of every instance (``--engine``)."""
+    prefix_caching: bool = False
+    """Prefix caching in that engine model (``--prefix-caching``)."""
     qps: tuple[float, ...] = (0.5, 1.0)
     """Arrival rates of the matrix (queries/s)."""
     seed: int = 0
@@ -81,6 +96,16 @@ class BenchPlan:
     speed_queries: int = 2000
     speed_qps: float = 0.5
     speed_alpha: float = 0.5
+    band_calibrations: tuple[str, ...] = ("aiconfigurator", "chess-measured")
+    """The sensitivity band's calibrations (besides `calibration`, which comes first)."""
+    band_seeds: tuple[int, ...] = (0, 1, 2)
+    band_clusters: tuple[tuple[str, str], ...] = (
+        ("x1", "A100,A100,A6000,L40S"),
+        ("x2", "A100,A100,A6000,L40S,A100,A100,A6000,L40S"),
+        ("H100x4", "H100,H100,H100,H100"),
+        ("A100x4", "A100,A100,A100,A100"),
+    )
+    """(label, cluster spec) of the band: the matrix's clusters and homogeneous ones."""
 
     def __post_init__(self) -> None:
         if BASELINE not in self.presets:
@@ -95,6 +120,16 @@ class BenchPlan:
         unknown = set(self.parts) - set(OPTIONAL_PARTS)
         if unknown:
             raise ValueError(f"unknown bench parts {sorted(unknown)}; known: {OPTIONAL_PARTS}")
+
+    @property
+    def runs_band(self) -> bool:
+        """Whether the band runs: asked for, and a load-aware router to measure against."""
+        return "band" in self.parts and any(p in LOAD_AWARE for p in self.presets)
+
+    @property
+    def band_calibration_list(self) -> tuple[str, ...]:
+        """`calibration`, then the other `band_calibrations`, each once."""
+        return tuple(dict.fromkeys((self.calibration, *self.band_calibrations)))
 
     @property
     def goodput_policies(self) -> tuple[str, ...]:
@@ -118,6 +153,11 @@ QUICK_PLAN = BenchPlan(
     load_sweep_queries=100,
     tenant_queries=100,
     speed_queries=300,
+    band_seeds=(0, 1),
+    band_clusters=(("x1", "A100,A100,A6000,L40S"), ("H100x4", "H100,H100,H100,H100")),
+    # The shifting-load scenarios run their own phases for minutes even when small; their
+    # smoke run is tests/test_shifting_load.py's.
+    parts=tuple(p for p in OPTIONAL_PARTS if p != "shifting_load"),
 )
 
 
@@ -141,6 +181,8 @@ class Task:
     """Assign `TENANTS` to the queries alternately."""
     calibration: str = DEFAULT_CALIBRATION
     """The cluster's latency calibration."""
+    engine: str = DEFAULT_ENGINE_MODEL
+    prefix_caching: bool = False
     goodput: tuple[float, float, float] = (0.95, 2.0, 0.005)
     """(target attainment, highest rate, resolution) of a goodput search."""
 
@@ -161,6 +203,8 @@ def plan_tasks(plan: BenchPlan) -> list[Task]:
         cluster: str = x1,
         slo_scale: float = plan.slo_scale,
         tenants: bool = False,
+        seed: int = plan.seed,
+        calibration: str = plan.calibration,
     ) -> None:
         tasks.append(
             Task(
@@ -171,12 +215,14 @@ def plan_tasks(plan: BenchPlan) -> list[Task]:
                 preset,
                 qps,
                 num_queries,
-                seed=plan.seed,
+                seed=seed,
                 slo_scale=slo_scale,
                 arrival_cv=plan.arrival_cv,
                 tenants=tenants,
                 goodput=(plan.goodput_target, plan.goodput_max_qps, plan.goodput_resolution),
-                calibration=plan.calibration,
+                calibration=calibration,
+                engine=plan.engine,
+                prefix_caching=plan.prefix_caching,
             )
         )
 
@@ -203,6 +249,25 @@ def plan_tasks(plan: BenchPlan) -> list[Task]:
                         qps=qps,
                         num_queries=None,
                     )
+    if plan.runs_band:
+        band_presets = [p for p in BAND_PRESETS if p in plan.presets]
+        for calibration in plan.band_calibration_list:
+            for seed in plan.band_seeds:
+                for label, spec in plan.band_clusters:
+                    for trace in plan.traces:
+                        for qps in plan.qps:
+                            for preset in band_presets:
+                                add(
+                                    "run",
+                                    ("band", calibration, seed, label, trace, qps, preset),
+                                    preset=preset,
+                                    trace=trace,
+                                    cluster=spec,
+                                    qps=qps,
+                                    num_queries=None,
+                                    seed=seed,
+                                    calibration=calibration,
+                                )
     for preset in plan.presets:
         if "slo_sweep" in plan.parts:
             for scale in plan.slo_sweep_scales:

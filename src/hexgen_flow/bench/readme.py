@@ -13,6 +13,7 @@ from dataclasses import replace
 from typing import Any
 
 from hexgen_flow.bench.plan import BASELINE, FLAGSHIP, FULL_PLAN, LOAD_AWARE
+from hexgen_flow.calibration import DEFAULT_CALIBRATION
 
 __all__ = [
     "CALIBRATION",
@@ -30,9 +31,9 @@ README_END = "<!-- results:end -->"
 README_TABLE_PRESETS = (BASELINE, "hexgen-flow-paper", FLAGSHIP)
 """The presets of the README's table, in column order; the best load-aware router of each
 row gets a column after `BASELINE`."""
-CALIBRATION = "chess-measured"
-"""The latency calibration every simulated figure of the block rests on: the shipped measured
-tables (docs/algorithm.md §10 on why they are no physical truth)."""
+CALIBRATION = DEFAULT_CALIBRATION
+"""The latency calibration the block's table and goodput rest on: the default, NVIDIA
+aiconfigurator's database (docs/hardware.md); the band sentence adds the others."""
 
 README_PLAN = replace(
     FULL_PLAN,
@@ -41,8 +42,11 @@ README_PLAN = replace(
     # claim, and cost seconds), but only the goodput searches that the ratios need: the
     # flagship, the baseline and every load-aware router (the best of them is the other one).
     goodput_presets=(FLAGSHIP, BASELINE, *LOAD_AWARE),
-    parts=(),
+    parts=("band",),
     calibration=CALIBRATION,  # pinned: the block's prose names it
+    # The band on the paper's cluster and one homogeneous cluster (the full benchmark adds
+    # the doubled cluster and A100 x 4): its sentence needs both kinds, CI runs it.
+    band_clusters=(FULL_PLAN.band_clusters[0], FULL_PLAN.band_clusters[2]),
 )
 _WIDTH = 92
 """Line width of the README's prose."""
@@ -87,9 +91,9 @@ def render_readme_block(doc: dict[str, Any]) -> str:
     rows = doc["matrix_rows"]
     routers = _and([f"`{p}`" for p in doc["meta"]["load_aware"]])
     calibration = (
-        f"**Simulated** with the shipped measured latency tables (calibration `{CALIBRATION}`), "
-        "whose prefill sits below the physical floor (docs/algorithm.md §10): the figures "
-        "compare schedulers; they are not physics."
+        f"**Simulated** with calibration `{doc['meta']['calibration']}` and engine model "
+        f"`{doc['meta']['engine']}` (docs/hardware.md, docs/design.md): the figures compare "
+        "schedulers on a model of the engine; they are not measurements."
     )
     legend = (
         f"Best router: the lowest P95 of the load-aware routers {routers} on that row; the "
@@ -139,6 +143,7 @@ def render_readme_block(doc: dict[str, Any]) -> str:
         f"rate of the best load-aware router on {_span([r['trace'] for r in mine])}, and "
         f"`{FLAGSHIP}` is the best of the {presets} presets on {where} of the matrix."
     )
+    lines += _band_lines(doc)
     lines += [
         "",
         f"Goodput (the highest steady rate at which ≥ {100 * gp['target_attainment']:.0f} % of "
@@ -146,6 +151,29 @@ def render_readme_block(doc: dict[str, Any]) -> str:
         *_wrap(sentence),
     ]
     return "\n".join(lines) + "\n"
+
+
+def _band_lines(doc: dict[str, Any]) -> list[str]:
+    """The sensitivity band in one sentence per kind of cluster (nothing without a band)."""
+    band = doc.get("band")
+    if band is None:
+        return []
+
+    def span(homogeneous: bool, key: str) -> str:
+        spans = [s[key] for s in band["bands"] if s["homogeneous"] == homogeneous]
+        return f"{min(s['min'] for s in spans):.2f}-{max(s['max'] for s in spans):.2f}×"
+
+    calibrations = _and([f"`{c}`" for c in band["calibrations"]])
+    seeds = _and([str(s) for s in band["seeds"]])
+    sentence = (
+        f"**Band** (min-max over the calibrations {calibrations}, arrival seeds {seeds}, every "
+        f"trace and rate): on the heterogeneous clusters `{FLAGSHIP}`'s P95 is "
+        f"{span(False, 'speedup_vs_vllm')} lower than `{BASELINE}`'s and "
+        f"{span(False, 'speedup_vs_best_router')} lower than the best load-aware router's; on "
+        f"homogeneous clusters its speedup over the best router is "
+        f"{span(True, 'speedup_vs_best_router')}."
+    )
+    return ["", *_wrap(sentence)]
 
 
 def _marker_lines(lines: list[str]) -> tuple[int, int]:

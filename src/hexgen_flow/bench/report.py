@@ -6,6 +6,7 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from hexgen_flow.bench.band import band_lines
 from hexgen_flow.bench.plan import BASELINE, FLAGSHIP, NEAR_BEST, BenchPlan
 from hexgen_flow.bench.plots import plot_files
 from hexgen_flow.policies.presets import PRESETS
@@ -115,23 +116,35 @@ def render_markdown(plan: BenchPlan, doc: dict[str, Any]) -> str:
         "queries/s.",
         "",
         f"Latency calibration: `{meta['calibration']}` (`hexgen-flow calibrations` lists its "
-        "source and caveats); every figure below rests on it.",
+        f"source and caveats); engine model: `{meta['engine']}`"
+        f"{' with prefix caching' if meta['prefix_caching'] else ''} (docs/design.md, "
+        '"Simulated engine"); every figure below rests on both.',
         "",
         *_summary_lines(plan, doc),
         *_matrix_lines(plan, doc),
         *_goodput_lines(plan, doc),
     ]
     optional = {
+        "band": lambda _plan, doc: band_lines(doc["band"]),
         "slo_sweep": _slo_sweep_lines,
         "load_sweep": _load_sweep_lines,
         "multi_tenant": _tenant_lines,
         "simulator_speed": _speed_lines,
+        "shifting_load": _shifting_lines,
     }
     for part, section in optional.items():
         if part in doc:
             lines += section(plan, doc)
-    lines += ["", "Plots: " + ", ".join(f"`{p}`" for p in plot_files(doc)), ""]
+    plots = [*plot_files(doc), *(["shifting_load.png"] if "shifting_load" in doc else [])]
+    lines += ["", "Plots: " + ", ".join(f"`{p}`" for p in plots), ""]
     return "\n".join(lines)
+
+
+def _shifting_lines(plan: BenchPlan, doc: dict[str, Any]) -> list[str]:
+    # Imported here: bench/shifting.py renders its tables with this module's helpers.
+    from hexgen_flow.bench.shifting import render_markdown as render_shifting  # noqa: PLC0415
+
+    return ["", render_shifting(doc["shifting_load"])]
 
 
 def _matrix_lines(plan: BenchPlan, doc: dict[str, Any]) -> list[str]:

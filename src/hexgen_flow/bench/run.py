@@ -18,6 +18,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from hexgen_flow.bench.band import assemble_band
 from hexgen_flow.bench.plan import (
     BASELINE,
     FLAGSHIP,
@@ -30,6 +31,7 @@ from hexgen_flow.bench.plan import (
 )
 from hexgen_flow.bench.plots import plot
 from hexgen_flow.bench.report import render_markdown
+from hexgen_flow.bench.shifting import plot_shifting, run_shifting_load
 from hexgen_flow.bench.tasks import cached_cluster, cached_queries, run_task
 from hexgen_flow.metrics import json_safe
 from hexgen_flow.policies.presets import PRESETS
@@ -184,6 +186,8 @@ def _assemble(plan: BenchPlan, results: dict[tuple[Any, ...], dict[str, Any]]) -
             "traces": list(plan.traces),
             "clusters": {label: spec.split(",") for label, spec in plan.clusters},
             "calibration": plan.calibration,
+            "engine": plan.engine,
+            "prefix_caching": plan.prefix_caching,
             "qps": list(plan.qps),
             "seed": plan.seed,
             "slo_scale": plan.slo_scale,
@@ -206,6 +210,8 @@ def _assemble(plan: BenchPlan, results: dict[tuple[Any, ...], dict[str, Any]]) -
         },
     }
     # The optional parts keep their place (and so results.json its key order) when run.
+    if plan.runs_band:
+        doc["band"] = assemble_band(plan, results)
     if "slo_sweep" in plan.parts:
         doc["slo_sweep"] = {
             "cluster": x1_label,
@@ -292,7 +298,12 @@ def _measure_speed(plan: BenchPlan) -> dict[str, Any]:
     queries = cached_queries(plan.sweep_trace, plan.speed_queries, False)
     preset = PRESETS[FLAGSHIP].with_alpha(plan.speed_alpha)
     config = SimConfig(
-        qps=plan.speed_qps, slo_scale=plan.slo_scale, seed=plan.seed, arrival_cv=plan.arrival_cv
+        qps=plan.speed_qps,
+        slo_scale=plan.slo_scale,
+        seed=plan.seed,
+        arrival_cv=plan.arrival_cv,
+        engine=plan.engine,
+        prefix_caching=plan.prefix_caching,
     )
     calls = sum(q.workflow.num_calls for q in queries)
     started = time.perf_counter()
@@ -330,6 +341,11 @@ def run_plan(plan: BenchPlan, *, workers: int = 2) -> dict[str, Any]:
     doc = _assemble(plan, _run_tasks(tasks, workers))
     if "simulator_speed" in plan.parts:
         doc["simulator_speed"] = _measure_speed(plan)
+    if "shifting_load" in plan.parts:
+        # Serial, in this process: three long scenarios, each a chain of tuning replays.
+        doc["shifting_load"] = run_shifting_load(
+            quick=plan.name == "quick", progress=True, calibration=plan.calibration
+        )
     doc["meta"]["workers"] = workers
     return doc
 
@@ -350,6 +366,8 @@ def run_bench(plan: BenchPlan, out: Path, *, workers: int = 2) -> BenchOutcome:
     (out / "results.json").write_text(json.dumps(json_safe(doc), indent=1, allow_nan=False) + "\n")
     (out / "results.md").write_text(render_markdown(plan, doc))
     plots = plot(plan, doc, out)
+    if "shifting_load" in doc:
+        plots += plot_shifting(doc["shifting_load"], out)
     wall_s = time.perf_counter() - started
     files = ("results.md", "results.json", *plots)
     print(

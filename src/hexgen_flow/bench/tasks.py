@@ -123,7 +123,12 @@ def run_task(task: Task) -> dict[str, Any]:
 
     def config(qps: float) -> SimConfig:
         return SimConfig(
-            qps=qps, slo_scale=task.slo_scale, seed=task.seed, arrival_cv=task.arrival_cv
+            qps=qps,
+            slo_scale=task.slo_scale,
+            seed=task.seed,
+            arrival_cv=task.arrival_cv,
+            engine=task.engine,
+            prefix_caching=task.prefix_caching,
         )
 
     if task.kind == "run":

@@ -16,29 +16,43 @@ The step of B sequences at context C is then decode(C) x f(B); the tests bound h
 and the prefill curve sit from the rows. Every tp the sweep has is selectable (`tp:` in a cluster),
 the catalogue's where the sweep has it being the default.
 
-A GPU aiconfigurator does not model (the A6000) is refused, not derived: the L40S, the
-nearest card, prefills 4,096 tokens of Llama-3.1-70B at tp 4 in 5.1 s, 13 times the compute
-floor, so something other than FLOP/s (the PCIe all-reduce of 4 cards) sets it, and a FLOP/s
-or bandwidth ratio would be a guess dressed as a derivation.
+A GPU aiconfigurator does not model is derived from the catalogued GPU its entry names as
+`aiconfigurator_stand_in` (the A6000 from the L40S, the A100-40GB-SXM from the 80 GB part),
+at the same tp: every row is the stand-in's time plus the difference of the two parts'
+roofline times for that row (prefill: compute; a decode step: the larger of compute and
+memory traffic). Not a ratio: the L40S prefills 4,096 tokens of Llama-3.1-70B at tp 4 in
+5.1 s, 13 times its compute floor, so the PCIe all-reduce of 4 cards sets most of that time,
+and the A6000 shares that link; scaling the whole row by a FLOP/s ratio would charge the
+all-reduce to the slower tensor cores. The difference is added, so a derived row sits above
+the derived GPU's floor by as much as the stand-in's row sits above its own. A GPU without
+rows or stand-in is refused.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from hexgen_flow.calibration.base import Calibration, Coverage
-from hexgen_flow.hardware import GpuSpec, InstanceHardware, ModelSpec, profiled_tensor_parallel
+from hexgen_flow.hardware import (
+    GpuSpec,
+    InstanceHardware,
+    ModelSpec,
+    gpu_catalogue,
+    profiled_tensor_parallel,
+)
 from hexgen_flow.latency_parameters import LatencyParameters, LatencySource
 from hexgen_flow.profiles import SweepRow, aiconfigurator_sweep
+from hexgen_flow.roofline import decode_step_floor_s, prefill_floor_s
 
 __all__ = [
     "AICONFIGURATOR",
     "REFERENCE_CONTEXT",
     "Aiconfigurator",
     "SweepInstance",
+    "stand_in",
     "sweep_instances",
 ]
 
@@ -85,13 +99,55 @@ class SweepInstance:
         )
 
 
+def stand_in(gpu: GpuSpec) -> GpuSpec | None:
+    """The catalogued GPU whose rows `gpu` is derived from; None when `gpu` has rows of its
+    own or no stand-in (a stand-in without rows of its own does not count: no chains)."""
+    if gpu.aiconfigurator_system is not None or gpu.aiconfigurator_stand_in is None:
+        return None
+    proxy = gpu_catalogue().resolve(gpu.aiconfigurator_stand_in)
+    return proxy if proxy.aiconfigurator_system is not None else None
+
+
+def _roofline_s(hardware: InstanceHardware, row: SweepRow) -> float:
+    if row.phase == "prefill":
+        return prefill_floor_s(hardware, row.tokens)
+    # A decode step of B sequences is B tokens of compute or the weights and KV read,
+    # whichever takes longer.
+    return max(
+        prefill_floor_s(hardware, row.batch),
+        decode_step_floor_s(hardware, row.batch, row.tokens),
+    )
+
+
+def _derived(
+    instance: SweepInstance, mine: InstanceHardware, theirs: InstanceHardware
+) -> SweepInstance:
+    def shift(row: SweepRow) -> float:
+        return row.seconds + _roofline_s(mine, row) - _roofline_s(theirs, row)
+
+    prefill = tuple(
+        (n, s + prefill_floor_s(mine, n) - prefill_floor_s(theirs, n)) for n, s in instance.prefill
+    )
+    decode = tuple(replace(r, seconds=shift(r)) for r in instance.decode)
+    return SweepInstance(prefill, decode)
+
+
 @functools.cache
 def sweep_instances(model: ModelSpec, gpu: GpuSpec) -> dict[int, SweepInstance]:
-    """tp -> the sweep's usable rows of `model` on `gpu` (those the calibration fits)."""
+    """tp -> the sweep's usable rows of `model` on `gpu` (those the calibration fits);
+    derived from the stand-in's rows for a GPU aiconfigurator does not model."""
+    proxy = stand_in(gpu)
+    if proxy is not None:
+        out: dict[int, SweepInstance] = {}
+        for tp, instance in sweep_instances(model, proxy).items():
+            derived = InstanceHardware(model, gpu, tp, "bf16")
+            if derived.kv_capacity_tokens > 0:  # the weights fit in the derived part's memory
+                out[tp] = _derived(instance, derived, InstanceHardware(model, proxy, tp, "bf16"))
+        return out
     if gpu.aiconfigurator_system is None:
         return {}
     rows = [r for r in aiconfigurator_sweep(model.name) if r.system == gpu.aiconfigurator_system]
-    out: dict[int, SweepInstance] = {}
+    out = {}
     for tp in sorted({r.tensor_parallel for r in rows}):
         mine = [r for r in rows if r.tensor_parallel == tp]
         prefill = sorted(
@@ -127,7 +183,9 @@ class Aiconfigurator(Calibration):
         "in-flight batching, chunked prefill, prefix cache or scheduler overhead",
         "the batch slowdown is taken at one context (2,048 tokens): at long contexts a big "
         "batch decodes slower than that",
-        "GPU types aiconfigurator does not model (A6000) are refused, not derived",
+        "GPUs aiconfigurator does not model are derived from a stand-in (A6000 from L40S, "
+        "A100-40GB-SXM from A100-80GB-SXM): the stand-in's time plus the roofline "
+        "difference, which assumes both spend the same time off the roofline",
         "its L40S at tp 4 and 8 is bound by the PCIe all-reduce (Llama-3.1-70B prefill 13x "
         "and 51x the compute floor): an upper bound, far slower than chess-measured's L40S",
         "Qwen3-30B-A3B's decode step is not linear in the batch (a mixture of experts reads "
@@ -148,8 +206,8 @@ class Aiconfigurator(Calibration):
         return tuple(sweep_instances(model, gpu))
 
     def uncovered_reason(self, model: ModelSpec, gpu: GpuSpec) -> str | None:
-        if gpu.aiconfigurator_system is None:
-            return f"NVIDIA aiconfigurator does not model the {gpu.name}"
+        if gpu.aiconfigurator_system is None and stand_in(gpu) is None:
+            return f"NVIDIA aiconfigurator does not model the {gpu.name} and it has no stand-in"
         if not aiconfigurator_sweep(model.name):
             return f"no aiconfigurator rows for {model.name}"
         return None
@@ -158,8 +216,14 @@ class Aiconfigurator(Calibration):
         instance = sweep_instances(hardware.model, hardware.gpu)[hardware.tensor_parallel]
         intercept, per_context = _decode_line(instance.alone)
         slowdown = instance.slowdown_points
+        proxy = stand_in(hardware.gpu)
+        system = (
+            hardware.gpu.aiconfigurator_system
+            if proxy is None
+            else f"{hardware.gpu.name} derived from {proxy.aiconfigurator_system}"
+        )
         source = LatencySource(
-            f"aiconfigurator: {hardware.gpu.aiconfigurator_system} x{hardware.tensor_parallel}, "
+            f"aiconfigurator: {system} x{hardware.tensor_parallel}, "
             f"dense sweep (prefill {instance.prefill[0][0]}-{instance.prefill[-1][0]} tokens, "
             f"batches {min(slowdown)}-{max(slowdown)} at {REFERENCE_CONTEXT} context)",
             False,

@@ -36,15 +36,12 @@ from hexgen_flow.latency_parameters import (
 )
 from hexgen_flow.profiles import aiconfigurator_rows, measured_profile, read_table
 
-__all__ = ["ANCHOR_GPU", "CHESS_MEASURED", "PROFILED_PRECISION", "SLOWDOWN_STAND_IN"]
+__all__ = ["ANCHOR_GPU", "CHESS_MEASURED", "PROFILED_PRECISION"]
 
 # Every table of this calibration was taken with bf16 weights.
 PROFILED_PRECISION: Precision = "bf16"
 # The GPU whose measured table anchors the GPUs that only aiconfigurator knows.
 ANCHOR_GPU = "A100"
-# A6000 is not in aiconfigurator; its batch slowdown is taken from the other 48 GiB
-# PCIe-class card, the L40S (catalogue names).
-SLOWDOWN_STAND_IN = {"A6000": "L40S"}
 
 
 @functools.cache
@@ -86,7 +83,9 @@ class ChessMeasured(Calibration):
         spec, gpu = hardware.model, hardware.gpu
         catalogue = gpu_catalogue()
         ai = aiconfigurator_rows(spec.name)
-        stand_in = catalogue.resolve(SLOWDOWN_STAND_IN.get(gpu.name, gpu.name))
+        # A GPU aiconfigurator does not model (A6000) borrows its catalogued stand-in's
+        # slowdown (the L40S: the other 48 GiB PCIe card).
+        stand_in = catalogue.resolve(gpu.aiconfigurator_stand_in or gpu.name)
         system = stand_in.aiconfigurator_system
         slowdown = {bs: tpot for (sys_, bs), (_, tpot) in ai.items() if sys_ == system}
 

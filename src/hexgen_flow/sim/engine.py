@@ -46,6 +46,9 @@ class BatchingEngineModel:
         "running",
     )
 
+    preemptions = 0
+    """This model never preempts (the `EngineModel` interface asks every model)."""
+
     def __init__(self, spec: InstanceSpec) -> None:
         self.kv_capacity = spec.kv_cache_tokens
         self.max_batch = spec.max_batch
@@ -112,6 +115,10 @@ class BatchingEngineModel:
             batch = len(self._decoding)
             return self._clock + (self._decoding[0][0] - self._v) * self._slowdown[batch]
         return float("inf")
+
+    def peek_event_s(self) -> float:
+        """`next_event_s` (which has no side effects in this model)."""
+        return self.next_event_s()
 
     def advance(self, now: float) -> list[CallTicket]:
         """Move the engine to `now`; return the calls that finished, in finishing order."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import heapq
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from hexgen_flow.cluster import Cluster
@@ -24,7 +24,12 @@ from hexgen_flow.policies.presets import Preset
 from hexgen_flow.runtime import CallTicket
 from hexgen_flow.scheduler import GlobalScheduler, InstanceScheduler
 from hexgen_flow.sim.arrivals import arrival_times
-from hexgen_flow.sim.engine import BatchingEngineModel
+from hexgen_flow.sim.engines import (
+    DEFAULT_ENGINE_MODEL,
+    EngineModel,
+    check_engine_model,
+    create_engine_model,
+)
 from hexgen_flow.workload import Query
 
 __all__ = ["SimConfig", "Simulation", "simulate"]
@@ -42,6 +47,10 @@ class SimConfig:
     """Seeds the arrival process and every policy's random generator."""
     arrival_cv: float = 1.0
     """Coefficient of variation of inter-arrival gaps (1 = Poisson, > 1 = bursty)."""
+    engine: str = DEFAULT_ENGINE_MODEL
+    """Engine model of every instance, by name (`hexgen_flow.sim.engines.ENGINE_MODELS`)."""
+    prefix_caching: bool = False
+    """Prefix caching in the engine model (vllm-v1 only)."""
 
     def __post_init__(self) -> None:
         if not self.qps > 0:
@@ -50,10 +59,14 @@ class SimConfig:
             raise ConfigError(f"slo-scale must be > 0, got {self.slo_scale}")
         if not self.arrival_cv > 0:
             raise ConfigError(f"arrival-cv must be > 0, got {self.arrival_cv}")
+        check_engine_model(self.engine, prefix_caching=self.prefix_caching)
 
 
 class Simulation:
     """One run of `queries` on `cluster` under `preset`."""
+
+    _every: tuple[float, Callable[[float, Simulation], None]] | None = None
+    """(period, hook) set by `every`; None (the default) costs the event loop nothing."""
 
     def __init__(
         self,
@@ -76,7 +89,10 @@ class Simulation:
         rng = random.Random(config.seed)
         times = arrival_times(self.queries, config.qps, config.arrival_cv, rng)
         self._arrivals = sorted((t, i) for i, t in enumerate(times))
-        self.engines = [BatchingEngineModel(inst) for inst in cluster.instances]
+        self.engines: list[EngineModel] = [
+            create_engine_model(config.engine, inst, prefix_caching=config.prefix_caching)
+            for inst in cluster.instances
+        ]
         self.instances = [
             InstanceScheduler(self.scheduler.make_queue(inst.index), engine)
             for inst, engine in zip(cluster.instances, self.engines, strict=True)
@@ -102,8 +118,26 @@ class Simulation:
                     f"instance's KV cache (largest: {biggest} tokens)"
                 )
 
+    @property
+    def preemptions(self) -> int:
+        """Requests the engine models preempted so far, over all instances."""
+        return sum(engine.preemptions for engine in self.engines)
+
     def slo_of(self, query: Query) -> float:
         return self.scheduler.slo_of(query, self.config.slo_scale)
+
+    def every(self, period_s: float, hook: Callable[[float, Simulation], None]) -> None:
+        """Call ``hook(t, self)`` at t = period_s, 2 period_s, ... of simulated time, before
+        any event at t or later is handled, for as long as the run has events left: the
+        online α tuner's hook (it may call ``self.scheduler.set_alpha``)."""
+        if not period_s > 0:
+            raise ConfigError(f"the hook period must be > 0, got {period_s}")
+        self._every = (period_s, hook)
+
+    @property
+    def finished(self) -> Sequence[QueryOutcome]:
+        """The queries finished so far, in finishing order (read it, do not change it)."""
+        return self._outcomes
 
     # ----------------------------------------------------------------- event handling
 
@@ -115,9 +149,15 @@ class Simulation:
         n_arrivals = len(arrivals)
         next_arrival = 0
         inf = float("inf")
+        period_s, hook = self._every if self._every is not None else (inf, None)
+        next_tick = period_s
         while True:
             arrival_t = arrivals[next_arrival][0] if next_arrival < n_arrivals else inf
             if heap and heap[0][0] <= arrival_t:
+                if heap[0][0] >= next_tick and hook is not None:
+                    hook(next_tick, self)
+                    next_tick += period_s
+                    continue
                 now, _, i, g = heapq.heappop(heap)
                 if g != gen[i]:
                     continue
@@ -126,6 +166,10 @@ class Simulation:
                     self._complete(ticket, now)
                 self._mark(i)
             elif next_arrival < n_arrivals:
+                if arrival_t >= next_tick and hook is not None:
+                    hook(next_tick, self)
+                    next_tick += period_s
+                    continue
                 now, qi = arrivals[next_arrival]
                 next_arrival += 1
                 self._arrive(qi, now)

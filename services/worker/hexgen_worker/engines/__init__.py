@@ -23,7 +23,9 @@ __all__ = [
 
 
 def _simulated(config: WorkerConfig) -> Engine:
-    return SimulatedEngine(config.instance_spec())
+    return SimulatedEngine(
+        config.instance_spec(), config.engine_model, prefix_caching=config.prefix_caching
+    )
 
 
 def _openai(config: WorkerConfig) -> Engine:

@@ -1,20 +1,20 @@
-"""The simulated engine: the simulator's latency model, run in real time. No model runs.
+"""The simulated engine: the simulator's engine model, run in real time. No model runs.
 
-`SimulatedEngine` wraps the core's `BatchingEngineModel` (the very model the trace-driven
-simulator uses) for this worker's (model, GPU type, KV-cache size, max batch). A background
-task sleeps on the cluster clock until the model's next event (a prefill backlog draining
-or a call finishing), wakes early whenever a call is admitted, moves the model there and
-reports the calls that finished. Finish times are the model's own event times, so a call
-takes the modelled latency to the float, and a mesh at time scale k replays a trace k
-times faster than real time with the simulator's timings.
+`SimulatedEngine` wraps one of the core's engine models (`hexgen_flow.sim.engines`, the very
+models the trace-driven simulator uses; ``--engine-model`` picks it: ``prefill-first`` by
+default, or ``vllm-v1``) for this worker's (model, GPU type, KV-cache size, max batch). A
+background task sleeps on the cluster clock until the model's next event (a step or a
+prefill backlog ending, a call finishing), wakes early whenever a call is admitted, moves
+the model there and reports the calls that finished. Finish times are the model's own event
+times, so a call takes the modelled latency to the float, and a mesh at time scale k replays
+a trace k times faster than real time with the simulator's timings.
 
 It is a simulation and says so: its engine kind is ENGINE_KIND_SIMULATED, its log lines
 name it, and the text of every call is a placeholder such as
 ``[simulated A100] 678 tokens``.
 
-Limitation: the core model has no abort, so a cancelled call keeps its KV reservation and
-batch slot until its modelled end; nothing is reported for it, and a `CapacityReleased`
-event then tells the worker to admit again.
+A cancelled call is aborted in the model (its KV and batch slot are freed at once); nothing
+is reported for it, and a `CapacityReleased` event tells the worker to admit again.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import time
 
 from hexgen_flow.cluster import InstanceSpec
 from hexgen_flow.runtime import CallTicket
-from hexgen_flow.sim.engine import BatchingEngineModel
+from hexgen_flow.sim.engines import DEFAULT_ENGINE_MODEL, EngineModel, create_engine_model
 from hexgen_service.clock import ClusterClock
 from hexgen_worker.engines.base import Engine, EngineLoad, translate_time
 from hexgen_worker.events import CallFinished, CallStarted, CapacityReleased
@@ -36,6 +36,9 @@ __all__ = ["SimulatedEngine", "simulated_text"]
 log = logging.getLogger(__name__)
 
 _INF = float("inf")
+_SAME_TIME_EVENTS = 64
+"""Events at one model time `_advance_to` handles before handing over (a model that keeps
+answering the same time without progress would otherwise spin)."""
 
 
 def simulated_text(gpu: str, output_tokens: int) -> str:
@@ -44,15 +47,24 @@ def simulated_text(gpu: str, output_tokens: int) -> str:
 
 
 class SimulatedEngine(Engine):
-    """`BatchingEngineModel` in real time on the cluster clock (a simulation)."""
+    """An engine model in real time on the cluster clock (a simulation)."""
 
     kind = "simulated"
 
-    def __init__(self, spec: InstanceSpec) -> None:
+    def __init__(
+        self,
+        spec: InstanceSpec,
+        engine_model: str = DEFAULT_ENGINE_MODEL,
+        *,
+        prefix_caching: bool = False,
+    ) -> None:
         super().__init__()
         self.spec = spec
         """The instance modelled: GPU type, model, KV-cache tokens, max batch."""
-        self._model = BatchingEngineModel(spec)
+        self.engine_model = engine_model
+        """The engine model's name (`hexgen_flow.sim.engines.ENGINE_MODELS`)."""
+        self._prefix_caching = prefix_caching
+        self._model: EngineModel = self._new_model()
         self._offset = 0.0
         """Model time minus cluster time (non-zero only after the cluster clock changed)."""
         self._last = -_INF
@@ -67,11 +79,13 @@ class SimulatedEngine(Engine):
     async def start(self) -> None:
         log.info(
             "simulated engine (a simulation, no model runs): %s on %s, %d KV-cache tokens, "
-            "max batch %d",
+            "max batch %d, engine model %s%s",
             self.spec.model,
             self.spec.gpu,
             self.spec.kv_cache_tokens,
             self.spec.max_batch,
+            self.engine_model,
+            " with prefix caching" if self._prefix_caching else "",
         )
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name="simulated-engine")
@@ -93,11 +107,13 @@ class SimulatedEngine(Engine):
     def admit(self, ticket: CallTicket, now: float) -> None:
         if self._model.running == 0 and self._offset != 0.0:
             # idle after a clock change: start a fresh model on the new clock
-            self._model = BatchingEngineModel(self.spec)
+            self._model = self._new_model()
             self._offset = 0.0
             self._last = -_INF
         self.take_prompt(ticket)  # a simulation reads no prompt
-        model_now = self._advance_to(now + self._offset)
+        # Events before now only: a step that would start now is planned by the run loop,
+        # after every call of this instant was admitted (as the simulator does).
+        model_now = self._advance_to(now + self._offset, before=True)
         self._model.admit(ticket, model_now)
         call_id = ticket.call_id
         self._running[call_id] = ticket
@@ -124,6 +140,11 @@ class SimulatedEngine(Engine):
 
     # ------------------------------------------------------------------ the model's clock
 
+    def _new_model(self) -> EngineModel:
+        return create_engine_model(
+            self.engine_model, self.spec, prefix_caching=self._prefix_caching
+        )
+
     def _clock_changed(self, old: ClusterClock, new: ClusterClock) -> None:
         unix = time.time()
         old_now = (unix - old.epoch_unix_s) * old.time_scale
@@ -136,16 +157,24 @@ class SimulatedEngine(Engine):
     def _model_now(self) -> float:
         return self.clock.now() + self._offset
 
-    def _advance_to(self, model_now: float) -> float:
-        """Process every model event up to `model_now`, at its own time; return the time."""
+    def _advance_to(self, model_now: float, *, before: bool = False) -> float:
+        """Process every model event up to `model_now` (`before`: only those before it), at
+        its own time; return the time."""
         model_now = max(model_now, self._last)
         model = self._model
         previous = -_INF
+        same = 0
         while True:
-            t = model.next_event_s()
-            if t > model_now or t <= previous:
-                break  # (t <= previous: no progress at t; the caller moves the model on)
-            previous = t
+            t = model.peek_event_s()
+            if t > model_now or (before and t >= model_now):
+                break
+            t = model.next_event_s()  # (a vllm-v1 model plans its next step here)
+            if t > model_now:
+                break
+            same = same + 1 if t <= previous else 0
+            if same >= _SAME_TIME_EVENTS:
+                break  # no progress at t: the caller moves the model on
+            previous = max(previous, t)
             for ticket in model.advance(max(t, self._last)):
                 self._report(ticket, max(t, self._last))
             self._last = max(self._last, t)

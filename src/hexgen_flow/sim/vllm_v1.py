@@ -1,0 +1,582 @@
+"""vLLM V1's scheduler as an engine model of one instance: `VllmV1EngineModel` ("vllm-v1").
+
+It follows vLLM V1's `Scheduler.schedule` and `KVCacheManager` at the level of steps
+(docs/design.md, "Simulated engine", has the whole story and the measurements):
+
+- A step schedules at most `max_num_batched_tokens` tokens (vLLM's OpenAI-server default:
+  2048; 8192 on GPUs of 70 GiB or more other than the A100) over at most `max_num_seqs`
+  (`spec.max_batch`) requests. Running requests go first, in the order they started (a
+  decode is one token, a prompt being prefilled takes what is left: chunked prefill); then
+  waiting requests start, in order, while fewer than `max_num_seqs` run and nobody was
+  preempted in the step; the first whose blocks do not fit stops the others.
+- Step time = the prefill cost of the chunks + a + b x decodes + c x KV tokens the decodes
+  read. Chunks cost the call's own prefill spread along the calibration's prefill curve, so
+  a prompt alone costs exactly its calibrated prefill; (a, b, c) is
+  `LatencyModel.decode_step_fit`. The last prefill chunk samples the first output token.
+- KV blocks of 16 tokens, allocated as tokens are computed. A waiting request starts only
+  if the blocks of its whole prompt (plus what it generated before a preemption) fit:
+  vLLM's `scheduler_reserve_full_isl`, on by default in current releases; `admit_full_prompt=False`
+  checks only the first chunk, as earlier V1 releases did.
+- When a running request cannot get a block, the request that started last is preempted
+  (vLLM's FCFS rule) until the block fits: its blocks are freed, and it goes back to the
+  front of the waiting list to recompute its prompt and the tokens it generated.
+- Prefix caching (off by default) assumes, since a call carries no prompt text, that calls
+  of one query with the same step type share the first `prefix_share` of their prompt: its
+  full blocks are cached as they are computed and reused by later such calls; unused
+  cached blocks count as free and are evicted least recently used first
+  (`hexgen_flow.sim.prefix_cache` keeps the entries).
+- `fits` (the urgency queue's admission check) accepts a call while running + waiting
+  requests are fewer than `max_num_seqs` and the free blocks, less those the waiting
+  requests need to start, hold what the call needs to start.
+
+Speed: runs of steps of one shape (the same decodes, plus one prompt taking the whole
+leftover budget, or waiting requests that cannot start) are one segment with a closed-form
+duration, ended by the first finish, the step where the prompt completes or the blocks run
+out, and cut at the step in progress when a call arrives or leaves. Decodes are tracked in
+aggregate (`hexgen_flow.sim.vllm_v1_requests`, with the request record): a global step
+counter gives each its context and output, a heap its last step, and 16 counters (by block
+phase) the blocks any number of steps allocate.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from hexgen_flow.cluster import InstanceSpec
+from hexgen_flow.errors import ConfigError
+from hexgen_flow.latency import DecodeStepFit
+from hexgen_flow.runtime import CallTicket
+from hexgen_flow.sim.prefix_cache import PrefixCache
+from hexgen_flow.sim.vllm_v1_requests import (
+    DECODE,
+    FINISHED,
+    PREFILL,
+    WAITING,
+    DecodeBatch,
+    Request,
+)
+
+__all__ = [
+    "BLOCK_SIZE",
+    "DEFAULT_PREFIX_SHARE",
+    "VllmV1EngineModel",
+    "default_max_num_batched_tokens",
+]
+
+BLOCK_SIZE = 16
+"""vLLM's default KV-cache block size on CUDA, in tokens."""
+DEFAULT_PREFIX_SHARE = 0.75
+"""Assumed fraction of a prompt shared by the calls of one query with the same step type
+(the database schema and question that CHESS's prompts of one step repeat)."""
+
+_SERVER_BATCHED_TOKENS = 2048
+_LARGE_GPU_SERVER_BATCHED_TOKENS = 8192
+
+
+def default_max_num_batched_tokens(spec: InstanceSpec) -> int:
+    """vLLM's default token budget per step for an OpenAI-compatible server on `spec`'s GPU:
+    8192 on GPUs of 70 GiB or more except the A100 (where vLLM measured a larger budget to
+    cost throughput), else 2048; never below `max_num_seqs`, which vLLM requires."""
+    gpu = spec.latency.hardware.gpu
+    a100 = any("a100" in name.lower() for name in (gpu.name, *gpu.aliases))
+    large = gpu.memory_gib >= 70 and not a100
+    return max(
+        _LARGE_GPU_SERVER_BATCHED_TOKENS if large else _SERVER_BATCHED_TOKENS, spec.max_batch
+    )
+
+
+def _blocks(tokens: int) -> int:
+    return -(-tokens // BLOCK_SIZE)
+
+
+class VllmV1EngineModel:
+    """Execution state of one instance under vLLM V1's scheduler; the caller drives it with
+    times it chooses (the interface of `BatchingEngineModel`)."""
+
+    def __init__(
+        self,
+        spec: InstanceSpec,
+        *,
+        max_num_batched_tokens: int | None = None,
+        enable_prefix_caching: bool = False,
+        prefix_share: float = DEFAULT_PREFIX_SHARE,
+        admit_full_prompt: bool = True,
+        coalesce: bool = True,
+    ) -> None:
+        budget = default_max_num_batched_tokens(spec)
+        if max_num_batched_tokens is not None:
+            budget = max_num_batched_tokens
+        if budget < spec.max_batch:
+            raise ConfigError(
+                f"max_num_batched_tokens ({budget}) must be >= max_num_seqs ({spec.max_batch})"
+            )
+        if not 0.0 <= prefix_share <= 1.0:
+            raise ConfigError(f"prefix_share must be in [0, 1], got {prefix_share}")
+        self.kv_capacity = spec.kv_cache_tokens
+        self.max_batch = spec.max_batch
+        self.max_num_batched_tokens = budget
+        self.enable_prefix_caching = enable_prefix_caching
+        self.prefix_share = prefix_share
+        self.admit_full_prompt = admit_full_prompt
+        self.coalesce = coalesce
+        """Whether runs of same-shaped steps are one segment (False: every step is one
+        event, the reference the coalesced model must agree with)."""
+        self.step_fit: DecodeStepFit = spec.latency.decode_step_fit(
+            spec.max_batch, spec.kv_cache_tokens
+        )
+        """The decode-step plane a + b x batch + c x KV tokens this engine charges."""
+        self._a, self._b, self._c = self.step_fit.a_s, self.step_fit.b_s, self.step_fit.c_s
+        self._latency = spec.latency
+        self._curve = spec.latency.prefill_curve_s
+        self._curve_cache: dict[int, float] = {}
+        self._total_blocks = _blocks(spec.kv_cache_tokens)
+        self.running = 0
+        """Calls handed to the engine and not yet finished (waiting, running or finishing)."""
+        self.preemptions = 0
+        """Requests preempted so far (each preemption of a request counts)."""
+        self._used = 0  # blocks held by requests and by prefix entries in use
+        self._S = 0  # steps executed
+        self._t = 0.0  # end of the last committed step
+        self._busy = False  # that step has not been reached by `advance` yet
+        self._reqs: dict[CallTicket, Request] = {}
+        self._order: dict[Request, None] = {}  # running requests in the order they started
+        self._tail: Request | None = None  # the running request still prefilling, if any
+        self._waiting: deque[Request] = deque()
+        self._waiting_blocks = 0  # blocks the waiting requests need to start
+        self._pending: list[tuple[Request, int]] = []  # finished in the committed step, blocks
+        self._dec = DecodeBatch(BLOCK_SIZE)  # the decoding requests, in aggregate
+        # the planned segment of same-shaped steps (none while _run_n == 0)
+        self._run_n = 0
+        self._run_t0 = 0.0
+        self._run_end = 0.0
+        self._run_s0 = 0
+        self._run_d = 0
+        self._run_const = 0.0
+        self._run_beta = 0
+        self._run_c0 = 0
+        self._run_blocks = 0
+        self._run_tail: Request | None = None
+        # the prefix cache: the blocks of its unused entries are free ones, not in _used
+        self._prefixes = PrefixCache(BLOCK_SIZE)
+
+    # ------------------------------------------------------------------ the engine interface
+
+    @property
+    def kv_used(self) -> int:
+        """KV-cache tokens in allocated blocks (including the planned segment's)."""
+        return (self._used + self._run_blocks) * BLOCK_SIZE
+
+    def fits(self, ticket: CallTicket) -> bool:
+        if len(self._order) + len(self._waiting) >= self.max_batch:
+            return False
+        start = ticket.call.input_tokens
+        if start > self.max_num_batched_tokens and not self.admit_full_prompt:
+            start = self.max_num_batched_tokens
+        free = self._total_blocks - self._used - self._run_blocks - self._waiting_blocks
+        return (start + BLOCK_SIZE - 1) // BLOCK_SIZE <= free
+
+    def admit(self, ticket: CallTicket, now: float) -> None:
+        """Put `ticket` on the waiting list at `now` (the caller checked `fits`)."""
+        self._sync(now)
+        if not (self._busy or self._order or self._waiting) and self._t < now:
+            self._t = now  # idle: the next step starts now
+        call = ticket.call
+        prefill = self._latency.split(call.input_tokens, call.output_tokens)[0]
+        curve = self._curve(call.input_tokens)
+        key: object = None
+        pblocks = 0
+        if self.enable_prefix_caching:
+            key = (ticket.query_id, call.step)
+            pblocks = int(self.prefix_share * call.input_tokens) // BLOCK_SIZE
+        req = Request(ticket, prefill / curve if curve > 0 else 0.0, key, pblocks)
+        self._reqs[ticket] = req
+        self._push_waiting(req, front=False)
+        self.running += 1
+        ticket.admitted_s = now
+
+    def abort(self, ticket: CallTicket, now: float) -> bool:
+        """Stop a call at `now` and free its blocks; False if it is not here."""
+        req = self._reqs.pop(ticket, None)
+        if req is None:
+            return False
+        self._sync(now)
+        if req.state == WAITING:
+            self._waiting.remove(req)
+            self._waiting_blocks -= req.first
+        elif req.state == FINISHED:
+            for i, (held, blocks) in enumerate(self._pending):
+                if held is req:
+                    del self._pending[i]
+                    self._free(req, blocks)
+                    break
+        else:
+            self._release(req)
+        self.running -= 1
+        return True
+
+    def next_event_s(self) -> float:
+        """When the state next changes by itself: the end of the planned segment or of the
+        step in progress.
+
+        At a step boundary with work, this is where the next step is planned (vLLM
+        schedules a step when the previous one ends): every call handed over before it is
+        asked, such as the calls that the boundary's finished calls released, joins it.
+        """
+        if self._run_n:
+            return self._run_end
+        if not self._busy:
+            if not (self._order or self._waiting):
+                return float("inf")
+            self._plan()
+            if self._run_n:
+                return self._run_end
+        return self._t
+
+    def peek_event_s(self) -> float:
+        """`next_event_s` without planning: at a step boundary, the boundary itself."""
+        if self._run_n:
+            return self._run_end
+        if self._busy or self._order or self._waiting:
+            return self._t
+        return float("inf")
+
+    def advance(self, now: float) -> list[CallTicket]:
+        """Move the engine to `now`; return the calls that finished, in finishing order
+        (the engine moves on only when `next_event_s` plans its next step)."""
+        if self._run_n and self._run_end <= now:
+            self._commit_run(self._run_n)
+        if not self._busy or self._t > now:
+            return []
+        self._busy = False
+        if not self._pending:
+            return []
+        done: list[CallTicket] = []
+        for req, blocks in self._pending:
+            self._free(req, blocks)
+            ticket = req.ticket
+            del self._reqs[ticket]
+            ticket.finished_s = self._t
+            done.append(ticket)
+        self.running -= len(done)
+        self._pending.clear()
+        return done
+
+    def progress(self, ticket: CallTicket) -> tuple[int, int] | None:
+        """(tokens of the call in the KV cache, output tokens generated) as of the steps
+        committed so far; None when the call is not here (or was reported finished)."""
+        req = self._reqs.get(ticket)
+        if req is None:
+            return None
+        if req.state == DECODE:
+            return req.base + self._S, req.out - (req.fin - self._S)
+        return req.done, req.gen
+
+    # ------------------------------------------------------------------ planning
+
+    def _plan(self) -> None:
+        """At a step boundary: plan a segment of same-shaped steps, else commit one step."""
+        s = self._S
+        free = self._total_blocks - self._used
+        tail = self._tail
+        n = 0
+        if not self.coalesce:
+            pass
+        elif tail is not None:
+            beta = self.max_num_batched_tokens - self._dec.count
+            n = (tail.target - tail.done - 1) // beta  # steps the prompt takes all budget
+        elif self._dec.count and self._waiting_blocked(s, free):
+            n = 1 << 62
+        if n > 0 and self._dec.count:
+            n = min(n, self._dec.next_fin() - s)
+        if n > 0:
+            # Within a segment no cached prefix may be evicted: an eviction can unblock the
+            # waiting head (it no longer has cached blocks to take back), so it ends one.
+            n = self._fit_blocks(n, free - self._prefixes.cached_free)
+        if n > 0:
+            self._start_run(n)
+        else:
+            self._step()
+
+    def _waiting_blocked(self, s: int, free: int) -> bool:
+        if not self._waiting or len(self._order) >= self.max_batch:
+            return True
+        head = self._waiting[0]
+        hit, revive = self._prefixes.lookup(head) if self.enable_prefix_caching else (0, 0)
+        decodes = self._dec.step_blocks(s) if self._dec.count else 0
+        return self._start_blocks(head, hit) + revive > free - decodes
+
+    def _fit_blocks(self, n: int, free: int) -> int:
+        """The most steps, up to n, of the segment that would start now whose blocks fit."""
+        s, tail, dec = self._S, self._tail, self._dec
+        beta = self.max_num_batched_tokens - dec.count
+        c0 = tail.done if tail is not None else 0
+
+        def need(k: int) -> int:
+            if tail is None:
+                return dec.blocks(s, k)
+            return dec.blocks(s, k) + _blocks(c0 + k * beta) - _blocks(c0)
+
+        if need(n) <= free:
+            return n
+        lo, hi = 0, n
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if need(mid) <= free:
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+    def _start_run(self, n: int) -> None:
+        tail, d = self._tail, self._dec.count
+        self._run_s0, self._run_d, self._run_tail = self._S, d, tail
+        self._run_const = (
+            self._a + self._b * d + self._c * self._dec.kv_tokens(self._S) if d else 0.0
+        )
+        if tail is not None:
+            self._run_beta = self.max_num_batched_tokens - d
+            self._run_c0 = tail.done
+            grown = _blocks(tail.done + n * self._run_beta) - _blocks(tail.done)
+        else:
+            self._run_beta = self._run_c0 = grown = 0
+        self._run_blocks = self._dec.blocks(self._S, n) + grown
+        self._run_n = n
+        self._run_t0 = self._t
+        self._run_end = self._t + self._run_dur(n)
+
+    def _run_dur(self, k: int) -> float:
+        """Seconds of the segment's first k steps."""
+        d = self._run_d
+        dur = k * self._run_const + self._c * d * k * (k - 1) / 2 if d else 0.0
+        tail = self._run_tail
+        if tail is not None:
+            dur += self._chunk_s(tail, self._run_c0, self._run_c0 + k * self._run_beta)
+        return dur
+
+    def _sync(self, now: float) -> None:
+        """Cut the planned segment at the step in progress at `now` and commit it."""
+        n = self._run_n
+        if not n:
+            return
+        t0 = self._run_t0
+        lo, hi = 0, n  # steps ended before now: lo; the step in progress: hi
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if t0 + self._run_dur(mid) < now:
+                lo = mid
+            else:
+                hi = mid
+        self._commit_run(hi)
+
+    def _commit_run(self, k: int) -> None:
+        tail = self._run_tail
+        self._run_n = 0
+        self._run_blocks = 0
+        self._t = self._run_t0 + self._run_dur(k)
+        self._busy = True
+        self._alloc(self._dec.blocks(self._run_s0, k))
+        if tail is not None:
+            done = self._run_c0 + k * self._run_beta
+            self._alloc(_blocks(done) - _blocks(tail.done))
+            tail.done = done
+            if tail.key is not None:
+                self._prefixes.register(tail)
+        self._S = self._run_s0 + k
+        self._finish_decodes()
+
+    # ------------------------------------------------------------------ one step
+
+    def _step(self) -> None:
+        """Schedule and commit one step at the boundary `_t` (vLLM's `schedule`)."""
+        s = self._S
+        budget = self.max_num_batched_tokens
+        preempted = False
+        dec = self._dec
+        if dec.count:
+            need = dec.step_blocks(s)
+            if need > self._total_blocks - self._used:
+                preempted = self._preempt_for_decodes(s)
+            else:
+                self._alloc(need)
+        budget -= dec.count
+        cost = 0.0
+        prefilled: list[Request] = []
+        tail = self._tail
+        if tail is not None and not preempted:
+            start = tail.done
+            chunk = tail.target - start
+            chunk = min(chunk, budget)
+            grow = (start + chunk + BLOCK_SIZE - 1) // BLOCK_SIZE - (
+                start + BLOCK_SIZE - 1
+            ) // BLOCK_SIZE
+            if grow > self._total_blocks - self._used:
+                self._release(tail)  # the tail of the running list preempts itself
+                self._preempted(tail)
+                preempted = True
+            else:
+                self._alloc(grow)
+                cost += self._chunk_s(tail, start, start + chunk)
+                tail.done = start + chunk
+                budget -= chunk
+                if tail.key is not None:
+                    self._prefixes.register(tail)
+                if tail.done == tail.target:
+                    prefilled.append(tail)
+                    self._tail = None
+        waiting, order, prefixes = self._waiting, self._order, self._prefixes
+        caching = self.enable_prefix_caching
+        while not preempted and waiting and budget > 0 and len(order) < self.max_batch:
+            req = waiting[0]
+            hit, revive = prefixes.lookup(req) if caching else (0, 0)
+            if self._start_blocks(req, hit) + revive > self._total_blocks - self._used:
+                if order or not hit:
+                    break
+                hit = 0  # an idle engine starts it without the cached prefix, not never
+            waiting.popleft()
+            self._waiting_blocks -= req.first
+            if hit:
+                self._used += prefixes.attach(req, hit)
+            start = req.done
+            chunk = req.target - start
+            chunk = min(chunk, budget)
+            end = start + chunk
+            self._alloc(
+                (end + BLOCK_SIZE - 1) // BLOCK_SIZE - (start + BLOCK_SIZE - 1) // BLOCK_SIZE
+            )
+            cost += self._chunk_s(req, start, end)
+            req.done = end
+            budget -= chunk
+            req.state = PREFILL
+            order[req] = None
+            if caching:
+                prefixes.register(req)
+            if req.done == req.target:
+                prefilled.append(req)
+            else:
+                self._tail = req
+        d = dec.count
+        if d:
+            cost += self._a + self._b * d + self._c * dec.kv_tokens(s)
+        elif not order:
+            raise RuntimeError("vllm-v1 engine model: a step with nothing to run")
+        self._S = s + 1
+        self._t += cost
+        self._busy = True
+        self._finish_decodes()
+        for req in prefilled:
+            req.gen += 1  # the last chunk's step samples the next token
+            if req.gen >= req.out:
+                del self._order[req]
+                req.state = FINISHED
+                self._pending.append((req, _blocks(req.done) - req.shared))
+            else:
+                self._to_decode(req)
+
+    def _preempt_for_decodes(self, s: int) -> bool:
+        """Allocate this step's decode blocks in running order, preempting from the tail of
+        the running list while they do not fit (rare: only when the cache is full)."""
+        order = list(self._order)
+        mask = BLOCK_SIZE - 1
+        i = 0
+        while i < len(order):
+            req = order[i]
+            if req.state != DECODE:
+                break  # the prefilling tail: scheduled after the decodes
+            need = 1 if (req.base + s) & mask == 0 else 0
+            while need > self._total_blocks - self._used:
+                victim = order.pop()
+                self._release(victim)
+                self._preempted(victim)
+                if victim is req:
+                    return True
+            self._alloc(need)
+            i += 1
+        return True  # called only when the blocks did not fit: someone was preempted
+
+    # ------------------------------------------------------------------ request states
+
+    def _to_decode(self, req: Request) -> None:
+        e = self._S  # its first decode step
+        req.state = DECODE
+        req.base = req.done - e
+        req.fin = e + req.out - req.gen
+        self._dec.add(req)
+
+    def _finish_decodes(self) -> None:
+        """Move the decodes whose last step is committed to the finished list."""
+        s = self._S
+        for req in self._dec.pop_finished(s):
+            req.done = req.base + s  # its tokens in the KV cache, for `progress`
+            req.gen = req.out
+            del self._order[req]
+            req.state = FINISHED
+            self._pending.append((req, _blocks(req.done) - req.shared))
+
+    def _release(self, req: Request) -> None:
+        """Take a running request out of the running list and free its blocks."""
+        if req.state == DECODE:
+            blocks = _blocks(req.base + self._S)
+            self._dec.remove(req)
+            req.gen = req.out - (req.fin - self._S)
+        else:
+            blocks = _blocks(req.done)
+            if req is self._tail:
+                self._tail = None
+        del self._order[req]
+        self._free(req, blocks - req.shared)
+
+    def _preempted(self, req: Request) -> None:
+        """A released request goes back to the front of the waiting list to recompute."""
+        self.preemptions += 1
+        req.state = WAITING
+        req.target = req.prompt + req.gen
+        req.done = 0
+        self._push_waiting(req, front=True)
+
+    def _push_waiting(self, req: Request, *, front: bool) -> None:
+        if front:
+            self._waiting.appendleft(req)
+        else:
+            self._waiting.append(req)
+        start = req.target
+        if not self.admit_full_prompt:
+            start = min(start, self.max_num_batched_tokens)
+        req.first = _blocks(start)
+        self._waiting_blocks += req.first
+
+    def _start_blocks(self, req: Request, hit: int) -> int:
+        """Blocks a waiting request needs to start, beyond the `hit` cached ones: those of
+        its whole prompt (`admit_full_prompt`), else of its first chunk."""
+        if not hit:
+            return req.first
+        if self.admit_full_prompt:
+            return _blocks(req.target) - hit
+        start = hit * BLOCK_SIZE
+        return _blocks(start + min(req.target - start, self.max_num_batched_tokens)) - hit
+
+    def _chunk_s(self, req: Request, start: int, end: int) -> float:
+        """Seconds of computing tokens [start, end) of a request's prefill."""
+        cache = self._curve_cache
+        cost = cache.get(end)
+        if cost is None:
+            cost = cache[end] = self._curve(end)
+        if start:
+            before = cache.get(start)
+            if before is None:
+                before = cache[start] = self._curve(start)
+            cost -= before
+        return req.scale * cost if cost > 0 else 0.0
+
+    # ------------------------------------------------------------------ blocks
+
+    def _alloc(self, blocks: int) -> None:
+        self._used += blocks
+        # Unused cached prefixes are free blocks: evict those the allocation needs (the
+        # check first, as most allocations need none).
+        free = self._total_blocks - self._used
+        if self._prefixes.cached_free > free:
+            self._prefixes.evict(free)
+
+    def _free(self, req: Request, own_blocks: int) -> None:
+        self._used -= own_blocks
+        self._used -= self._prefixes.release(req)  # its entry's, if it was the last user

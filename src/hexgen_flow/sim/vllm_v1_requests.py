@@ -1,0 +1,134 @@
+"""The requests inside the vLLM V1 engine model (`hexgen_flow.sim.vllm_v1`): one call's
+record (`Request`, in one of the states `WAITING`, `PREFILL`, `DECODE`, `FINISHED`) and
+the decoding ones in aggregate (`DecodeBatch`).
+
+Every decode adds one token per step, so against the engine's global step counter S a
+decoding request's context is `base + S` and its last step is a fixed `fin`: nothing per
+request changes from step to step. `DecodeBatch` answers what the engine asks of all
+decodes at once, whatever the number of steps: the KV tokens a step reads (a running sum),
+the blocks any number of steps allocate (counters of decodes by `base` mod the block size:
+a decode takes a new block in the steps where its context crosses a block boundary), and
+the next finishing step (a heap with lazy deletion).
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from hexgen_flow.runtime import CallTicket
+from hexgen_flow.sim.prefix_cache import PrefixEntry
+
+__all__ = ["DECODE", "FINISHED", "PREFILL", "WAITING", "DecodeBatch", "Request"]
+
+WAITING, PREFILL, DECODE, FINISHED = range(4)
+
+
+class Request:
+    """One call inside the engine."""
+
+    __slots__ = (
+        "base",
+        "done",
+        "entry",
+        "fin",
+        "first",
+        "gen",
+        "hseq",
+        "key",
+        "out",
+        "pblocks",
+        "prompt",
+        "scale",
+        "shared",
+        "state",
+        "target",
+        "ticket",
+    )
+
+    def __init__(self, ticket: CallTicket, scale: float, key: object, pblocks: int) -> None:
+        call = ticket.call
+        self.ticket = ticket
+        self.prompt = call.input_tokens
+        self.out = call.output_tokens
+        self.scale = scale  # its prefill over the prefill curve: what its chunks scale by
+        self.key = key  # prefix-cache key, or None
+        self.pblocks = pblocks  # full blocks of its shared prefix
+        self.state = WAITING
+        self.gen = 0  # output tokens generated (while decoding: at its last state change)
+        self.target = self.prompt  # tokens to compute before decoding (+ gen after preemption)
+        self.done = 0  # tokens of target computed
+        self.first = 0  # while waiting: blocks it needs to start
+        self.shared = 0  # of its blocks, those counted in its prefix-cache entry
+        self.entry: PrefixEntry | None = None
+        self.base = 0  # while decoding: its context is base + the step counter
+        self.fin = 0  # while decoding: the step counter after its last step
+        self.hseq = -1  # sequence number of its live entry in the finish heap
+
+
+class DecodeBatch:
+    """The requests decoding now, by their `base` and `fin` (set before `add`)."""
+
+    __slots__ = ("_heap", "_hseq", "_mask", "_phase", "_sum_k", "count")
+
+    def __init__(self, block_size: int) -> None:
+        if block_size <= 0 or block_size & (block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {block_size}")
+        self._mask = block_size - 1
+        self.count = 0
+        """Requests decoding (read-only outside)."""
+        self._sum_k = 0  # sum of (base + 1): the KV read of step S is _sum_k + count x S
+        self._phase = [0] * block_size  # decodes by base mod block size
+        self._heap: list[tuple[int, int, Request]] = []  # (fin, hseq, request), stale too
+        self._hseq = 0
+
+    def add(self, req: Request) -> None:
+        self.count += 1
+        self._sum_k += req.base + 1
+        self._phase[req.base & self._mask] += 1
+        self._hseq += 1
+        req.hseq = self._hseq
+        heapq.heappush(self._heap, (req.fin, self._hseq, req))
+
+    def remove(self, req: Request) -> None:
+        """Take a decoding request out (its heap entry goes stale)."""
+        self.count -= 1
+        self._sum_k -= req.base + 1
+        self._phase[req.base & self._mask] -= 1
+        req.hseq = -1
+
+    def kv_tokens(self, s: int) -> int:
+        """KV-cache tokens the decodes read in step `s`."""
+        return self._sum_k + self.count * s
+
+    def step_blocks(self, s: int) -> int:
+        """Blocks the decodes allocate in step `s`."""
+        return self._phase[-s & self._mask]
+
+    def blocks(self, s: int, steps: int) -> int:
+        """Blocks the decodes allocate in `steps` steps from step `s`."""
+        if not self.count or steps <= 0:
+            return 0
+        cycles, rest = divmod(steps, self._mask + 1)
+        need = cycles * self.count
+        phase, mask = self._phase, self._mask
+        for j in range(rest):
+            need += phase[-(s + j) & mask]
+        return need
+
+    def next_fin(self) -> int:
+        """The step counter after the next decode's last step (some request decodes)."""
+        heap = self._heap
+        while heap[0][2].hseq != heap[0][1]:
+            heapq.heappop(heap)  # stale: the request left decoding since
+        return heap[0][0]
+
+    def pop_finished(self, s: int) -> list[Request]:
+        """Take out the decodes whose last step ends by step `s`, in finishing order."""
+        heap = self._heap
+        done: list[Request] = []
+        while heap and heap[0][0] <= s:
+            _, hseq, req = heapq.heappop(heap)
+            if req.hseq == hseq:
+                self.remove(req)
+                done.append(req)
+        return done
