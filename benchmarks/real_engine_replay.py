@@ -53,7 +53,7 @@ import yaml
 from hexgen_api.v1 import coordinator_pb2 as cpb
 from hexgen_client.client import CoordinatorClient
 from hexgen_client.cluster import LocalCluster, LocalClusterConfig, WorkerLaunch
-from hexgen_client.processes import ManagedProcess, free_port, stop_processes
+from hexgen_client.processes import ManagedProcess, free_port, stop_processes, vllm_cpu_env
 from hexgen_client.replay import replay
 from hexgen_flow.cluster import Cluster, parse_cluster
 from hexgen_flow.metrics import json_safe, percentile
@@ -71,7 +71,6 @@ __all__ = [
     "measure",
     "predict",
     "sim_cluster",
-    "vllm_env",
 ]
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,29 +116,6 @@ def info(message: str) -> None:
 
 
 # ---------------------------------------------------------------------------- vLLM servers
-
-
-def vllm_env(python: str, core: int | None) -> dict[str, str]:
-    """The environment of a vLLM server (docs/real-engines.md, step 4); with `core`, vLLM's
-    OpenMP threads (the model's compute) are bound to that core."""
-    env = {
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "VLLM_NO_USAGE_STATS": "1",
-        "DO_NOT_TRACK": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),  # GiB
-        "PYTHONUNBUFFERED": "1",
-    }
-    if core is not None:
-        # vLLM's CPU worker binds its OpenMP threads to this list (one thread per core); the
-        # server's other processes are confined to the same core by `server_argv`.
-        env["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
-    iomp = Path(python).parent.parent / "lib" / "libiomp5.so"  # <venv>/bin/python
-    if iomp.is_file():
-        preload = os.environ.get("LD_PRELOAD", "")
-        env["LD_PRELOAD"] = f"{iomp}:{preload}" if preload else str(iomp)
-    return env
 
 
 def server_argv(python: str, model_dir: str, port: int, dtype: str, core: int) -> list[str]:
@@ -214,7 +190,7 @@ class Servers:
             port = free_port()
             core = self.core(i)
             argv = server_argv(self.python, self.model_dir, port, self.dtype, core)
-            env = {**os.environ, **vllm_env(self.python, core)}
+            env = {**os.environ, **vllm_cpu_env(self.python, core)}
             proc = ManagedProcess(f"vllm server {i}", argv, self.log_dir / f"vllm-{i}.log", env)
             info(f"  starting vLLM server {i} on port {port}, confined to core {core}")
             proc.start()

@@ -40,6 +40,7 @@ from hexgen_client.processes import (
     find_redis_server,
     free_port,
     stop_processes,
+    vllm_cpu_env,
 )
 
 PYTHON_VAR = "HEXGEN_VLLM_PYTHON"
@@ -69,24 +70,6 @@ class RealEngines:
     """Extra environment of every vLLM process."""
 
 
-def vllm_env(python: str) -> dict[str, str]:
-    """The environment vLLM on CPU wants (docs/real-engines.md): a local model and no
-    network, a KV cache size, and Intel's OpenMP preloaded when the venv has it."""
-    env = {
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "VLLM_NO_USAGE_STATS": "1",
-        "DO_NOT_TRACK": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),  # GiB
-    }
-    iomp = Path(python).parent.parent / "lib" / "libiomp5.so"  # <venv>/bin/python
-    if iomp.is_file():
-        preload = os.environ.get("LD_PRELOAD", "")
-        env["LD_PRELOAD"] = f"{iomp}:{preload}" if preload else str(iomp)
-    return env
-
-
 @pytest.fixture(scope="session")
 def real_engines() -> RealEngines:
     python, model = os.environ.get(PYTHON_VAR, ""), os.environ.get(MODEL_VAR, "")
@@ -109,7 +92,7 @@ def real_engines() -> RealEngines:
             f"{MODEL_VAR}={model} has no config.json: run "
             f"`{python} scripts/prepare_smollm2.py {model}`"
         )
-    return RealEngines(python, model_dir, vllm_env(python))
+    return RealEngines(python, model_dir, vllm_cpu_env(python))
 
 
 # ----------------------------------------------------------------------------- processes

@@ -35,6 +35,7 @@ __all__ = [
     "resolve_address",
     "split_address",
     "stop_processes",
+    "vllm_cpu_env",
 ]
 
 POLL_S = 0.1
@@ -274,3 +275,26 @@ class RedisServer:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+def vllm_cpu_env(python: str, core: int | None = None) -> dict[str, str]:
+    """The environment a vLLM server on CPU wants (docs/real-engines.md): a local model and
+    no network, a KV-cache size, Intel's OpenMP preloaded when `python`'s venv has it, and
+    with `core` its OpenMP threads (the model's compute) bound to that core."""
+    env = {
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),  # GiB
+        "PYTHONUNBUFFERED": "1",
+    }
+    if core is not None:
+        # vLLM's CPU worker binds its OpenMP threads to this list (one thread per core).
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
+    iomp = Path(python).parent.parent / "lib" / "libiomp5.so"  # <venv>/bin/python
+    if iomp.is_file():
+        preload = os.environ.get("LD_PRELOAD", "")
+        env["LD_PRELOAD"] = f"{iomp}:{preload}" if preload else str(iomp)
+    return env
