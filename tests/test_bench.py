@@ -128,6 +128,9 @@ def test_results_do_not_depend_on_the_worker_count(tmp_path: Path) -> None:
         load_sweep_queries=30,
         tenant_queries=30,
         speed_queries=30,
+        # Every part but the shifting-load scenarios (minutes, serial in the parent process
+        # whatever the worker count; tests/test_shifting_load.py runs a small one).
+        parts=QUICK_PLAN.parts,
     )
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
