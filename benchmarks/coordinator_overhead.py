@@ -8,6 +8,13 @@ coordinator measured of itself (`ClusterStatus.overhead`): call completion recei
 the calls it releases handed to their workers' streams, and query submitted -> its first
 calls handed out. Goal: p50 <= 1 ms and p99 <= 5 ms at 500 completions/s; sustain 1,000.
 
+It then measures the same wire to wire: the coordinator alone (with its private
+redis-server) serves instant workers that this script runs over the real WorkerService
+protocol, each answering a dispatched call with its CallFinished at once; a call's wire
+time is from the moment its releasing completion was written to the worker stream to the
+moment the released call's DispatchCall arrived, so it includes both gRPC hops, protobuf
+and this script's own event loop on the same two cores.
+
     .venv/bin/python benchmarks/coordinator_overhead.py [--rates 500 1000] [--seconds 15]
 """
 
@@ -15,11 +22,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import subprocess
+import sys
 import time
+from collections.abc import AsyncIterable, AsyncIterator
 
-from hexgen_api.v1 import coordinator_pb2
+import grpc
+
+from hexgen_api.v1 import coordinator_pb2, worker_pb2, worker_pb2_grpc
 from hexgen_client.client import CoordinatorClient
 from hexgen_client.cluster import LocalCluster, LocalClusterConfig
+from hexgen_client.processes import RedisServer, free_port
+from hexgen_flow.cluster import parse_cluster
+from hexgen_flow.metrics import percentile
 from hexgen_flow.traces import load_trace, take_queries
 from hexgen_service.convert import submit_from_query
 
@@ -52,6 +67,118 @@ async def drive(
     return status.overhead.completions / elapsed, status.overhead
 
 
+class InstantWorkers:
+    """Workers that finish every call the moment it arrives, over the real protocol, and
+    time each stage's first dispatch from the completion that released it."""
+
+    def __init__(self, address: str, cluster: str) -> None:
+        self.address = address
+        self.instances = parse_cluster(cluster).instances
+        self.sent_at: dict[str, float] = {}  # query id -> its latest completion sent
+        self.seen: set[tuple[str, int]] = set()
+        self.wire_ms: list[float] = []
+        self.completions = 0
+
+    async def run_slot(self, slot: int, stop: asyncio.Event) -> None:
+        inst = self.instances[slot]
+        out: asyncio.Queue[worker_pb2.ConnectRequest] = asyncio.Queue()
+        out.put_nowait(
+            worker_pb2.ConnectRequest(
+                hello=worker_pb2.WorkerHello(
+                    worker_id=f"instant-{slot}",
+                    slot=slot,
+                    gpu=inst.gpu,
+                    engine=worker_pb2.ENGINE_KIND_SIMULATED,
+                    kv_cache_tokens=inst.kv_cache_tokens,
+                    max_batch=inst.max_batch,
+                )
+            )
+        )
+
+        async def requests() -> AsyncIterator[worker_pb2.ConnectRequest]:
+            while True:
+                yield await out.get()
+
+        async def heartbeats() -> None:
+            while True:
+                await asyncio.sleep(0.25)
+                out.put_nowait(worker_pb2.ConnectRequest(heartbeat=worker_pb2.WorkerHeartbeat()))
+
+        async with grpc.aio.insecure_channel(self.address) as channel:
+            stream = worker_pb2_grpc.WorkerServiceStub(channel).Connect(requests())
+            beat = asyncio.create_task(heartbeats())
+            stopped = asyncio.create_task(stop.wait())
+            try:
+                async for message in _until(stream, stopped):
+                    if message.WhichOneof("message") != "dispatch":
+                        continue
+                    d = message.dispatch
+                    now = time.perf_counter()
+                    key = (d.query_id, d.stage)
+                    if d.stage > 0 and key not in self.seen and d.query_id in self.sent_at:
+                        self.wire_ms.append((now - self.sent_at[d.query_id]) * 1e3)
+                    self.seen.add(key)
+                    finished = worker_pb2.CallFinished(
+                        call_id=d.call_id, output_tokens=d.output_tokens, attempt=d.attempt
+                    )
+                    self.sent_at[d.query_id] = time.perf_counter()
+                    out.put_nowait(worker_pb2.ConnectRequest(finished=finished))
+                    self.completions += 1
+            finally:
+                beat.cancel()
+                stream.cancel()
+
+
+async def _until(
+    stream: AsyncIterable[worker_pb2.ConnectResponse], stopped: asyncio.Task[bool]
+) -> AsyncIterator[worker_pb2.ConnectResponse]:
+    iterator = aiter(stream)
+    while True:
+        nxt = asyncio.ensure_future(anext(iterator))
+        await asyncio.wait({nxt, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if not nxt.done():
+            nxt.cancel()
+            return
+        yield nxt.result()
+
+
+async def drive_wire(
+    address: str, cluster: str, rate: float, seconds: float
+) -> tuple[float, list[float], coordinator_pb2.CoordinatorOverhead]:
+    workers = InstantWorkers(address, cluster)
+    stop = asyncio.Event()
+    async with CoordinatorClient(address) as client:
+        await client.wait_ready(timeout_s=30)
+        tasks = [
+            asyncio.create_task(workers.run_slot(i, stop)) for i in range(len(workers.instances))
+        ]
+        while not all(i.connected for i in (await client.status()).instances):
+            await asyncio.sleep(0.05)
+        achieved, overhead = await drive(address, rate, seconds)
+    stop.set()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return achieved, workers.wire_ms, overhead
+
+
+def wire_run(
+    rate: float, seconds: float
+) -> tuple[float, list[float], coordinator_pb2.CoordinatorOverhead]:
+    """One wire-to-wire run: a private redis-server, the coordinator, instant workers."""
+    cluster = "A100,A100,A6000,L40S"
+    with RedisServer(appendfsync="always") as redis_server:
+        port = free_port()
+        coordinator = subprocess.Popen(
+            [sys.executable, "-m", "hexgen_coordinator", "--listen", f"127.0.0.1:{port}",
+             "--redis-url", redis_server.url, "--cluster", cluster, "--admission", "off",
+             "--time-scale", repr(TIME_SCALE), "--log-level", "ERROR"],
+        )  # fmt: skip
+        try:
+            return asyncio.run(drive_wire(f"127.0.0.1:{port}", cluster, rate, seconds))
+        finally:
+            coordinator.terminate()
+            coordinator.wait(timeout=30)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -68,7 +195,9 @@ def main() -> None:
         f"| submit->dispatch ms p50 / p99 / max"
     )
     for rate in args.rates:
-        config = LocalClusterConfig(listen="127.0.0.1:0", tuner=False, time_scale=TIME_SCALE)
+        config = LocalClusterConfig(
+            listen="127.0.0.1:0", tuner=False, time_scale=TIME_SCALE, admission="off"
+        )
         with LocalCluster(config) as mesh:
             achieved, overhead = asyncio.run(drive(mesh.coordinator_address, rate, args.seconds))
         c = overhead.completion_to_dispatch_ms
@@ -76,6 +205,20 @@ def main() -> None:
         print(
             f"{rate:9.0f} {achieved:10.0f} | {c.p50:8.2f} / {c.p99:6.2f} / {c.max:6.1f} "
             f"| {s.p50:8.2f} / {s.p99:6.2f} / {s.max:6.1f}",
+            flush=True,
+        )
+    print()
+    print(
+        f"{'target/s':>9} {'achieved/s':>10} | wire to wire ms p50 / p99 / max (n) "
+        f"| in-handler ms p50 / p99"
+    )
+    for rate in args.rates:
+        achieved, wire, overhead = wire_run(rate, args.seconds)
+        c = overhead.completion_to_dispatch_ms
+        print(
+            f"{rate:9.0f} {achieved:10.0f} | {percentile(wire, 50):8.2f} / "
+            f"{percentile(wire, 99):6.2f} / {max(wire):6.1f} ({len(wire)}) "
+            f"| {c.p50:8.2f} / {c.p99:6.2f}",
             flush=True,
         )
 

@@ -52,6 +52,9 @@ def test_the_library_commands_do_not_load_grpc() -> None:
         (("demo", "--time-scale", "0"), ("--time-scale",)),
         (("demo", "--trace", "no-such-trace"), ("no-such-trace",)),
         (("up", "--listen", "127.0.0.1:99999"), ("HOST:PORT",)),
+        (("up", "--admission", "maybe"), ("--admission", "invalid choice: 'maybe'")),
+        (("up", "--retention-s", "0"), ("--retention-s",)),
+        (("up", "--max-call-attempts", "0"), ("--max-call-attempts",)),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(args: tuple[str, ...], fragments: tuple[str]) -> None:
@@ -86,4 +89,18 @@ def test_up_without_redis_server_says_how_to_install_it(tmp_path: Path) -> None:
 
 def test_choosing_no_command_lists_the_mesh_commands() -> None:
     proc = run_cli()
-    assert_usage_error(proc, "up, replay, ask, status, demo")
+    assert_usage_error(proc, "up, replay, ask, status", "demo")
+
+
+def test_up_documents_supervision_and_the_coordinator_options() -> None:
+    proc = run_cli("up", "--help")
+    assert proc.returncode == 0, proc.stderr
+    text = " ".join(proc.stdout.split())
+    for fragment in (
+        "--admission {reject,best-effort,off}",
+        "--retention-s FLOAT",
+        "--max-call-attempts N",
+        "A service that dies is restarted",
+        "kill -9",
+    ):
+        assert fragment in text

@@ -23,9 +23,11 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 import yaml
 
+from hexgen_api.v1 import coordinator_pb2
 from hexgen_client.processes import free_port
 from hexgen_flow.cluster import DEFAULT_CLUSTER
 from hexgen_service.server import GrpcServer
@@ -134,6 +136,32 @@ def test_compose_file_declares_the_mesh() -> None:
     assert "16686:16686" in services["jaeger"]["ports"]
 
 
+def test_every_service_restarts_and_redis_keeps_its_state() -> None:
+    services = _doc()["services"]
+    for name, service in services.items():
+        assert service["restart"] == "unless-stopped", name
+    command = services["redis"]["command"]
+    assert command[command.index("--appendonly") + 1] == "yes"
+    assert command[command.index("--appendfsync") + 1] == "always"
+    assert services["redis"]["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
+
+
+def test_every_worker_is_healthy_when_the_coordinator_has_it_connected() -> None:
+    services = _doc()["services"]
+    for name in WORKERS:
+        test = services[name]["healthcheck"]["test"]
+        assert test[:3] == ["CMD", "python", "-c"]
+        assert test[3] == _worker_check_code()  # the same check for all
+        assert f"--worker-id={test[4]}" in services[name]["command"]
+        assert services[name]["healthcheck"]["start_period"]
+
+
+def _worker_check_code() -> str:
+    code = _doc()["services"]["worker-0"]["healthcheck"]["test"][3]
+    assert isinstance(code, str)
+    return code
+
+
 def test_the_collector_exports_traces_to_jaeger_over_otlp() -> None:
     volume = _doc()["services"]["otel-collector"]["volumes"][0]
     source = ROOT / volume.split(":")[0]
@@ -170,6 +198,15 @@ def test_compose_validates_the_file() -> None:
     coordinator = resolved["services"]["coordinator"]
     assert "--time-scale=1" in coordinator["command"]  # ${HEXGEN_TIME_SCALE:-1}
     assert coordinator["depends_on"]["redis"]["condition"] == "service_healthy"
+    for name in SERVICES:
+        assert resolved["services"][name]["restart"] == "unless-stopped", name
+    for name in HEXGEN_SERVICES:
+        assert resolved["services"][name]["healthcheck"]["test"][0] == "CMD", name
+    # The YAML alias resolves to the check's code, one argument.
+    assert resolved["services"]["worker-3"]["healthcheck"]["test"][3:] == [
+        _worker_check_code(),
+        "worker-3",
+    ]
 
 
 @needs_compose
@@ -218,5 +255,58 @@ async def test_healthcheck_command_passes_against_a_serving_server() -> None:
             "hexgen_flow.v1.TunerService",
         )
         assert await proc.wait() == 0
+    finally:
+        await server.stop()
+
+
+async def _cluster_status(
+    request: coordinator_pb2.ClusterStatusRequest, context: object
+) -> coordinator_pb2.ClusterStatusResponse:
+    """A coordinator's ClusterStatus: worker-0 connected, worker-1 known but not connected."""
+    return coordinator_pb2.ClusterStatusResponse(
+        instances=[
+            coordinator_pb2.InstanceStatus(index=0, worker_id="worker-0", connected=True),
+            coordinator_pb2.InstanceStatus(index=1, worker_id="worker-1", connected=False),
+            coordinator_pb2.InstanceStatus(index=2),
+        ]
+    )
+
+
+def _register_cluster_status(server: grpc.aio.Server) -> None:
+    handler = grpc.unary_unary_rpc_method_handler(
+        _cluster_status,
+        request_deserializer=coordinator_pb2.ClusterStatusRequest.FromString,
+        response_serializer=coordinator_pb2.ClusterStatusResponse.SerializeToString,
+    )
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                "hexgen_flow.v1.CoordinatorService", {"ClusterStatus": handler}
+            ),
+        )
+    )
+
+
+async def test_the_worker_health_check_asks_the_coordinator() -> None:
+    address = f"127.0.0.1:{free_port()}"
+    code = _worker_check_code()
+    assert code.count('"coordinator:50051"') == 1
+    code = code.replace('"coordinator:50051"', repr(address))
+    server = GrpcServer(
+        address, _register_cluster_status, ["hexgen_flow.v1.CoordinatorService"], grace_s=0.1
+    )
+
+    async def check(worker_id: str) -> int:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", code, worker_id, stderr=asyncio.subprocess.DEVNULL
+        )
+        return await proc.wait()
+
+    assert await check("worker-0") == 1  # nothing listens yet
+    await server.start()
+    try:
+        assert await check("worker-0") == 0
+        assert await check("worker-1") == 1  # known, not connected
+        assert await check("worker-2") == 1  # unknown
     finally:
         await server.stop()

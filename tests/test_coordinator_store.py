@@ -1,5 +1,7 @@
 """The coordinator's Redis state: idempotent submission, exactly-once completion, atomic
-stage release. Runs against the real Redis at HEXGEN_TEST_REDIS (default 127.0.0.1:6379)."""
+stage release, placements that never undo a completion, failures up to a limit, retention
+and keys no id can collide with. Runs against the real Redis at HEXGEN_TEST_REDIS (default
+127.0.0.1:6379)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,14 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as aioredis
 
-from hexgen_coordinator.store import WorkflowStore
+from hexgen_coordinator.store import (
+    ALPHA_HISTORY_MAX,
+    COMPLETE_DUPLICATE,
+    COMPLETE_STALE,
+    FailureResult,
+    Placement,
+    WorkflowStore,
+)
 
 REDIS_URL = os.environ.get("HEXGEN_TEST_REDIS", "redis://127.0.0.1:6379/0")
 
@@ -109,3 +118,92 @@ async def test_the_cluster_clock_and_alpha_survive_a_new_store(store: WorkflowSt
     assert await again.alpha() is None
     await again.set_alpha(0.7, 5.0, "test")
     assert await store.alpha() == 0.7
+
+
+# ----------------------------------------------------------------------- exactly once
+
+
+async def test_a_late_placement_never_overwrites_a_completed_call(store: WorkflowStore) -> None:
+    await _diamond(store)
+    assert (await store.complete("q", "q/0.0", 0, [1, 2], 11.0, _record("q/0.0"))).applied
+    # The write-behind of the call's (earlier) placement lands after its completion.
+    assert await store.place("q", {"q/0.0": Placement(0, 7, 1)}, {0: 50.0})
+    stored = await store.load("q")
+    assert stored is not None and stored.call("q/0.0") == "done"
+    again = await store.complete("q", "q/0.0", 0, [1, 2], 12.0, _record("q/0.0"), slot=0)
+    assert again.status == COMPLETE_DUPLICATE
+    stored = await store.load("q")
+    assert stored is not None and stored.fields["calls_left"] == "4"
+
+
+async def test_a_completion_is_taken_only_from_the_slot_and_attempt_it_was_placed_on(
+    store: WorkflowStore,
+) -> None:
+    await _diamond(store)
+    await store.place("q", {"q/0.0": Placement(1, 0, 2)}, {})
+    wrong_slot = await store.complete("q", "q/0.0", 0, [1, 2], 11.0, _record("x"), slot=0)
+    old_attempt = await store.complete(
+        "q", "q/0.0", 0, [1, 2], 11.0, _record("x"), slot=1, attempt=1
+    )
+    assert wrong_slot.status == old_attempt.status == COMPLETE_STALE
+    assert await store.redis.xlen(store.completions_key) == 0
+    right = await store.complete("q", "q/0.0", 0, [1, 2], 11.0, _record("x"), slot=1, attempt=2)
+    assert right.applied and set(right.released) == {1, 2}
+
+
+async def test_a_call_failing_on_every_attempt_fails_its_query_once(store: WorkflowStore) -> None:
+    await _diamond(store)
+
+    async def fail(attempt: int) -> FailureResult:
+        await store.place("q", {"q/0.0": Placement(0, 0, attempt)}, {})
+        return await store.fail_call(
+            "q", "q/0.0", slot=0, attempt=attempt, max_attempts=3, now=20.0, reason="boom"
+        )
+
+    assert (await fail(1)).retry
+    # The failed attempt is over: its late completion is not taken for the next one.
+    late = await store.complete("q", "q/0.0", 0, [1, 2], 11.0, _record("x"), slot=0, attempt=1)
+    assert late.status == COMPLETE_STALE
+    assert (await fail(2)).retry
+    last = await fail(3)
+    assert last.query_failed and last.failures == 3
+    stored = await store.load("q")
+    assert stored is not None
+    assert (stored.fields["state"], stored.fields["reason"]) == ("failed", "boom")
+    assert await store.active_ids() == []
+    assert 0 < await store.redis.pttl(store.qkey("q")) <= store.retention_ms
+    assert (await fail(4)).status == -1  # ended: nothing more is counted
+
+
+async def test_finished_queries_expire_after_the_retention_window(store: WorkflowStore) -> None:
+    short = WorkflowStore(store.redis, store.prefix, retention_s=0.2, stream_maxlen=10)
+    await short.submit("q", b"spec", "acme", 0.0, 100.0, [1], [0], shape=b"shape")
+    await short.place("q", {}, {}, [b"event"])
+    r = await short.complete("q", "q/0.0", 0, [], 1.0, _record("q/0.0"))
+    assert r.applied and r.calls_left == 0
+    (entry,) = await store.redis.xrange(short.finished_key)
+    assert entry[1][b"submit"] == b"shape"  # the finished stream keeps no prompts
+    await short.place("q", {}, {}, [b"late event"])  # a log written after the end expires too
+    assert 0 < await store.redis.pttl(short.evkey("q")) <= 200
+    await asyncio.sleep(0.4)
+    assert await store.redis.exists(short.qkey("q"), short.evkey("q")) == 0
+    assert not await short.place("q", {}, {}, [b"after expiry"])  # nothing recreated
+    assert await store.redis.exists(short.evkey("q")) == 0
+
+
+async def test_no_query_id_can_reach_another_querys_keys(store: WorkflowStore) -> None:
+    ids = ["x", "x:ev", "ev:x", "q:x", "active", "x/0.0"]
+    for query_id in ids:
+        assert (await store.submit(query_id, b"s", "t", 0.0, 10.0, [1], [0]))[0]
+        await store.place(query_id, {}, {}, [query_id.encode()])
+    for query_id in ids:
+        assert await store.events(query_id) == [query_id.encode()]
+        stored = await store.load(query_id)
+        assert stored is not None and stored.fields["state"] == "running"
+    assert await store.active_ids() == sorted(ids)
+
+
+async def test_alpha_history_is_bounded(store: WorkflowStore) -> None:
+    for n in range(ALPHA_HISTORY_MAX + 20):
+        await store.set_alpha(0.5, float(n), "test")
+    assert await store.redis.llen(f"{store.prefix}alpha:history") == ALPHA_HISTORY_MAX

@@ -1,7 +1,8 @@
 """`LocalCluster`'s process supervision, with real processes: the private redis-server
-starts, answers and goes away with its folder; a service that dies while starting stops
-everything already started; SIGTERM escalates to SIGKILL after the grace period; nothing
-starts before `start`."""
+starts (with an append-only file), answers and goes away with its folder; a service that
+dies while starting stops everything already started; SIGTERM escalates to SIGKILL after
+the grace period; nothing starts before `start`. Restarts of services that die are in
+tests/test_supervision.py."""
 
 from __future__ import annotations
 
@@ -15,7 +16,13 @@ from pathlib import Path
 import pytest
 import redis
 
-from hexgen_client.cluster import LocalCluster, LocalClusterConfig, WorkerLaunch, worker_argv
+from hexgen_client.cluster import (
+    LocalCluster,
+    LocalClusterConfig,
+    WorkerLaunch,
+    coordinator_argv,
+    worker_argv,
+)
 from hexgen_client.errors import ClusterError
 from hexgen_client.processes import ManagedProcess, RedisServer, stop_processes
 from hexgen_flow.errors import ConfigError
@@ -35,7 +42,7 @@ def _gone(pid: int) -> bool:
 
 
 @needs_redis_server
-def test_private_redis_starts_without_persistence_and_goes_away() -> None:
+def test_private_redis_starts_with_an_append_only_file_and_goes_away() -> None:
     server = RedisServer()
     url = server.start()
     assert server.process is not None and server.dir is not None
@@ -44,8 +51,10 @@ def test_private_redis_starts_without_persistence_and_goes_away() -> None:
     client = redis.Redis.from_url(url)
     try:
         assert client.ping()
-        assert client.config_get("save") == {"save": ""}
-        assert client.config_get("appendonly") == {"appendonly": "no"}
+        assert client.config_get("save") == {"save": ""}  # no RDB snapshots
+        assert client.config_get("appendonly") == {"appendonly": "yes"}
+        assert client.config_get("appendfsync") == {"appendfsync": "always"}
+        assert client.config_get("dir")["dir"] == str(folder.resolve())
         assert client.config_get("bind")["bind"] == "127.0.0.1"
     finally:
         client.close()
@@ -53,6 +62,18 @@ def test_private_redis_starts_without_persistence_and_goes_away() -> None:
     assert _gone(pid)
     assert not folder.exists()
     server.stop()  # twice is fine
+
+
+@needs_redis_server
+def test_private_redis_without_persistence() -> None:
+    with RedisServer(appendfsync=None) as server:
+        client = redis.Redis.from_url(server.url)
+        try:
+            assert client.config_get("appendonly") == {"appendonly": "no"}
+        finally:
+            client.close()
+    with pytest.raises(ConfigError, match="appendfsync 'sometimes'"):
+        RedisServer(appendfsync="sometimes")
 
 
 def test_a_missing_redis_binary_says_how_to_install_it() -> None:
@@ -80,6 +101,28 @@ def test_constructing_a_cluster_starts_nothing_and_checks_its_config() -> None:
         LocalCluster(LocalClusterConfig(policy="no-such-policy"))
     with pytest.raises(ConfigError, match="time scale"):
         LocalCluster(LocalClusterConfig(time_scale=0))
+    with pytest.raises(ConfigError, match="admission 'maybe'"):
+        LocalCluster(LocalClusterConfig(admission="maybe"))
+    with pytest.raises(ConfigError, match="retention"):
+        LocalCluster(LocalClusterConfig(retention_s=0))
+    with pytest.raises(ConfigError, match="max call attempts"):
+        LocalCluster(LocalClusterConfig(max_call_attempts=0))
+    with pytest.raises(ConfigError, match="restart delays"):
+        LocalCluster(LocalClusterConfig(restart_delay_s=5, restart_max_delay_s=1))
+    cluster = LocalCluster()
+    assert cluster.restarts == {}
+    with pytest.raises(ClusterError, match="not started"):
+        cluster.supervise()
+
+
+def test_the_coordinator_gets_the_admission_retention_and_attempt_options() -> None:
+    plain = coordinator_argv(LocalClusterConfig(), "127.0.0.1:1", "redis://r/0")
+    assert not {"--admission", "--retention-s", "--max-call-attempts"} & set(plain)
+    config = LocalClusterConfig(admission="best-effort", retention_s=60.0, max_call_attempts=2)
+    argv = coordinator_argv(config, "127.0.0.1:1", "redis://r/0")
+    assert argv[len(plain) :] == [
+        "--admission", "best-effort", "--retention-s", "60.0", "--max-call-attempts", "2",
+    ]  # fmt: skip
 
 
 @needs_redis_server

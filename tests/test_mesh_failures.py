@@ -53,7 +53,11 @@ CALL_IDS = {
 @pytest.fixture
 def mesh() -> Iterator[LocalCluster]:
     config = LocalClusterConfig(
-        listen="127.0.0.1:0", tuner=False, time_scale=TIME_SCALE, start_timeout_s=30
+        listen="127.0.0.1:0",
+        tuner=False,
+        time_scale=TIME_SCALE,
+        start_timeout_s=30,
+        admission="off",  # every query is admitted: the point is what faults do to them
     )
     with LocalCluster(config) as cluster:
         yield cluster

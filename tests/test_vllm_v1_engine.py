@@ -70,6 +70,8 @@ def _prefill_s(spec: InstanceSpec, call: LLMCall, start: int, end: int) -> float
         call.input_tokens
     )
     before = lat.prefill_curve_s(start) if start else 0.0
+    if end == 0:  # the curve's intercept: the fixed part of the step that starts the prompt
+        return scale * lat.prefill_curve_s(0)
     return scale * (lat.prefill_curve_s(end) - before)
 
 
@@ -130,19 +132,43 @@ def test_a_long_prompt_is_chunked_between_the_running_decodes() -> None:
     assert done == [a, b]
     # a's three decode steps: the first alone, the next two each carrying a 2047-token chunk
     # of b's prompt (the 2048-token budget less a's decode): a finishes long before b's
-    # prompt is through, where a prefill-first engine would pause a for all of it.
+    # prompt is through, where a prefill-first engine would pause a for all of it. The step
+    # that starts b's prompt pays one fixed cost (the larger of b's prefill intercept and
+    # the decode plane's), not both.
     chunk = engine.max_num_batched_tokens - 1
+    intercept_b = _prefill_s(spec, CANDIDATE, 0, 0)
+    assert intercept_b > 0 and fit.a_s > 0
     expected = (
         prefill_a
         + fit.step_s(1, 301)
         + fit.step_s(1, 302)
+        - fit.a_s
+        + max(intercept_b, fit.a_s)
         + _prefill_s(spec, CANDIDATE, 0, chunk)
+        - intercept_b
         + fit.step_s(1, 303)
         + _prefill_s(spec, CANDIDATE, chunk, 2 * chunk)
     )
     assert a.finished_s == pytest.approx(expected, abs=1e-9)
     prefill_b = spec.latency.split(CANDIDATE.input_tokens, CANDIDATE.output_tokens)[0]
     assert _finished(a) < prefill_a + prefill_b < _finished(b)
+
+
+def test_prompts_that_join_one_step_pay_its_fixed_cost_once() -> None:
+    # Two short prompts admitted together into an idle engine share one step: the step
+    # costs the larger intercept plus each prompt's marginal tokens, not two intercepts.
+    spec = _spec()
+    engine = VllmV1EngineModel(spec)
+    short = LLMCall("extract_keywords", 400, 1)
+    a, b = _ticket(short), _ticket(short)
+    engine.admit(a, 0.0)
+    engine.admit(b, 0.0)
+    assert _drain(engine) == [a, b]
+    intercept = _prefill_s(spec, short, 0, 0)
+    marginal = _prefill_s(spec, short, 0, 400) - intercept
+    assert intercept > 0 and marginal > 0
+    assert _finished(b) == pytest.approx(intercept + 2 * marginal, abs=1e-9)
+    assert _finished(b) < 2 * spec.latency.split(400, 1)[0]
 
 
 # ----------------------------------------------------------------------- preemption
@@ -311,9 +337,10 @@ def test_prefix_caching_shortens_a_later_call_of_the_same_query_and_step() -> No
         latencies[caching] = [_finished(k) - k.released_s for k in (first, same, other)]
     plain, cached = latencies[False], latencies[True]
     assert plain[0] == pytest.approx(plain[1]) == pytest.approx(cached[0])
-    # The second call of the step starts with the cached full blocks of 75 % of its prompt.
+    # The second call of the step starts with the cached full blocks of 75 % of its prompt:
+    # it saves their compute, not the fixed cost of the step that starts it.
     hit = int(DEFAULT_PREFIX_SHARE * 6000) // BLOCK_SIZE * BLOCK_SIZE
-    saved = _prefill_s(spec, call, 0, 6000) - _prefill_s(spec, call, hit, 6000)
+    saved = _prefill_s(spec, call, 0, hit) - _prefill_s(spec, call, 0, 0)
     assert saved > 0.1
     assert cached[1] == pytest.approx(plain[1] - saved, abs=1e-9)
     # Another step type of the same query shares nothing.

@@ -95,6 +95,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             # a Redis of one's own may hold an earlier demo's queries under the same ids
             redis_prefix=f"hf-demo-{uuid.uuid4().hex[:8]}:" if args.redis_url else "hf:",
             tuner=False,  # alpha stays put, so the simulator can be given the very same one
+            admission="off",  # the simulator admits every query: so does the mesh here
         )
     )
 

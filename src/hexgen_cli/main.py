@@ -8,7 +8,17 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from hexgen_cli import bench, calibrations, demo, estimate, mesh, policies, profile, simulation
+from hexgen_cli import (
+    bench,
+    calibrations,
+    check_state,
+    demo,
+    estimate,
+    mesh,
+    policies,
+    profile,
+    simulation,
+)
 from hexgen_cli.options import PROG
 from hexgen_flow import __version__
 from hexgen_flow.errors import HexgenFlowError
@@ -27,6 +37,7 @@ COMMANDS = (
     "replay",
     "ask",
     "status",
+    "check-state",
     "demo",
 )
 EXIT_USAGE = 2
@@ -62,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     estimate.register(commands)
     profile.register(commands)
     mesh.register(commands)  # up, replay, ask, status
+    check_state.register(commands)
     demo.register(commands)
     return parser
 

@@ -79,7 +79,10 @@ def register(commands: Any) -> None:
         description="Start the coordinator, the alpha tuner and one worker per instance "
         "(simulated engines) as local processes, with a private redis-server unless "
         "--redis-url is given; wait until every worker has connected, print the addresses, "
-        "and run until Ctrl-C or SIGTERM, which stops everything.",
+        "and run until Ctrl-C or SIGTERM, which stops everything. A service that dies is "
+        "restarted (after 0.5 s, doubling to 10 s; back to 0.5 s once it stayed up 10 s), "
+        "the private Redis keeps an append-only file so that a restart loses no state, and "
+        "on Linux every service dies with `up` itself, even on kill -9.",
     )
     add_cluster_options(up, time_scale=1.0)
     up.add_argument(
@@ -114,6 +117,29 @@ def register(commands: Any) -> None:
         default=30.0,
         metavar="FLOAT",
         help="wall seconds between tuning runs (default 30)",
+    )
+    up.add_argument(
+        "--admission",
+        choices=("reject", "best-effort", "off"),
+        default=None,
+        help="the coordinator's admission control for queries predicted to miss their SLO: "
+        "reject them, admit them best-effort, or admit everything (default: the "
+        "coordinator's, reject)",
+    )
+    up.add_argument(
+        "--retention-s",
+        type=positive_float,
+        default=None,
+        metavar="FLOAT",
+        help="wall seconds a finished query stays in Redis (default: the coordinator's, 3600)",
+    )
+    up.add_argument(
+        "--max-call-attempts",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="dispatches a call gets when its engine fails it before its query fails "
+        "(default: the coordinator's, 3)",
     )
     up.add_argument(
         "--log-dir",
@@ -153,6 +179,12 @@ def register(commands: Any) -> None:
     )
     rep.add_argument(
         "--seed", type=integer, default=DEFAULT_SEED, metavar="INT", help="arrival seed (default 0)"
+    )
+    rep.add_argument(
+        "--retry-rejected",
+        action="store_true",
+        help="submit a query that admission control refused again after the coordinator's "
+        "retry-after hint (default: count it as rejected)",
     )
     rep.add_argument(
         "--arrival-cv",
@@ -288,6 +320,9 @@ def _cmd_up(args: argparse.Namespace) -> int:
             policy=args.policy,
             alpha=args.alpha,
             slo_scale=args.slo_scale,
+            admission=args.admission,
+            retention_s=args.retention_s,
+            max_call_attempts=args.max_call_attempts,
             time_scale=args.time_scale,
             listen=args.listen,
             redis_url=args.redis_url,
@@ -308,24 +343,44 @@ def _cmd_up(args: argparse.Namespace) -> int:
         info(f"{PROG}: starting {len(cluster.gpus)} simulated workers ({args.cluster}) ...")
         cluster.start()
         _print_up(cluster, args)
-        while True:
-            time.sleep(0.5)
-            for proc in cluster.exited():
-                raise proc.failure(f"exited with code {proc.returncode}")
+        while True:  # supervision: a service that dies is restarted, with backoff
+            for line in cluster.supervise():
+                info(f"{PROG}: {line}")
+            time.sleep(SUPERVISE_PERIOD_S)
     except KeyboardInterrupt:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the stop
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         info(f"{PROG}: stopping ...")
         cluster.stop()
-        info(f"{PROG}: stopped")
+        info(f"{PROG}: stopped ({_restart_summary(cluster.restarts)})")
         return 0
     finally:
         cluster.stop()
         signal.signal(signal.SIGTERM, previous)
 
 
+SUPERVISE_PERIOD_S = 0.2
+"""How often `up` looks for services that died (wall seconds)."""
+
+
+def _restart_summary(restarts: dict[str, int]) -> str:
+    done = [f"{key} {count}" for key, count in restarts.items() if count]
+    return "restarts: " + (", ".join(done) if done else "none")
+
+
 def _print_up(cluster: Any, args: argparse.Namespace) -> None:
-    redis_note = "given" if args.redis_url else "private, removed on exit"
+    redis_note = (
+        "given" if args.redis_url else "private, append-only file fsynced always, removed on exit"
+    )
+    coordinator_options = [
+        f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}"
+        for flag, value in (
+            ("admission", args.admission),
+            ("retention", args.retention_s),
+            ("max call attempts", args.max_call_attempts),
+        )
+        if value is not None
+    ]
     rows = [
         ("coordinator", cluster.coordinator_address),
         (
@@ -337,8 +392,23 @@ def _print_up(cluster: Any, args: argparse.Namespace) -> None:
         ("redis", f"{cluster.redis_url} ({redis_note}, keys {args.redis_prefix}*)"),
         ("instances", f"{','.join(cluster.gpus)}: simulated engines"),
         ("calibration", cluster.calibration.name),
-        ("policy", args.policy + (f", alpha {args.alpha:g}" if args.alpha is not None else "")),
+        (
+            "policy",
+            ", ".join(
+                [
+                    args.policy,
+                    *([f"alpha {args.alpha:g}"] if args.alpha is not None else []),
+                    *coordinator_options,
+                ]
+            ),
+        ),
         ("time scale", f"{args.time_scale:g} cluster seconds per wall second"),
+        ("supervision", cluster.restart_policy.describe()),
+        (
+            "on exit",
+            "every service stops with up"
+            + (", even on kill -9" if cluster.dies_with_parent else " (Ctrl-C, SIGTERM)"),
+        ),
         ("logs", str(cluster.log_dir)),
     ]
     print(f"{PROG} up: the mesh is running")
@@ -370,6 +440,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
                 arrival_cv=args.arrival_cv,
                 slo_scale=args.slo_scale,
                 progress=progress,
+                retry_rejected=args.retry_rejected,
             )
             return metrics, await client.status()
 
@@ -398,8 +469,19 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         ("traces", f"{', '.join(traces)} ({metrics.num_queries} queries)"),
         ("arrivals", f"{args.qps:g} queries/s, cv {args.arrival_cv:g}, seed {args.seed}"),
         ("SLO", f"{slo_scale:g} x SLO_base = {metrics.slo_s:.1f} s"),
-        ("completed", f"{metrics.completed} / {metrics.num_queries}"),
-        ("SLO attainment", f"{100 * metrics.slo_attainment:.1f} %"),
+        (
+            "admitted",
+            f"{metrics.extra.get('admitted', metrics.num_queries)} of "
+            f"{metrics.extra.get('submitted', metrics.num_queries)} submitted "
+            f"({metrics.extra.get('rejected', 0)} rejected by admission control, "
+            f"{metrics.extra.get('best_effort', 0)} best-effort)",
+        ),
+        (
+            "completed",
+            f"{metrics.completed} / {metrics.num_queries} admitted "
+            f"({metrics.extra.get('failed', 0)} failed)",
+        ),
+        ("SLO attainment", f"{100 * metrics.slo_attainment:.1f} % of the admitted"),
         latency_row(metrics),
         ("throughput", f"{metrics.throughput_qps:.3f} queries/s over {metrics.makespan_s:.1f} s"),
     ]

@@ -22,6 +22,9 @@ from hexgen_flow.workload import STANDARD_TEMPLATE, LLMCall, Workflow
 
 __all__ = ["REPRESENTATIVE_TOKENS", "EstimateMode", "Estimator", "WorkflowPlan"]
 
+PLAN_CACHE_MAX = 4096
+"""Workflow plans kept before the cache starts over (a plan holds its workflow alive)."""
+
 EstimateMode = Literal["step", "call"]
 
 # Typical (input, output) tokens per CHESS step type (docs/algorithm.md §1).
@@ -119,5 +122,7 @@ class Estimator:
                 max(self.mean_time(call, mode) for call in stage.calls) for stage in workflow.stages
             ]
             plan = WorkflowPlan(workflow, stage_s)
+            if len(self._plans) >= PLAN_CACHE_MAX:  # a service plans endless workflows
+                self._plans.clear()
             self._plans[key] = plan
         return plan

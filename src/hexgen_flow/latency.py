@@ -64,6 +64,9 @@ DECODE_REFERENCE_TOKENS = 512
 
 # The grid `LatencyModel.decode_step_fit` fits over (states with batch x context above the
 # KV capacity are left out: no engine reaches them).
+CACHE_MAX = 1 << 16
+"""Entries a latency model's memo tables hold before they start over (a service runs for
+weeks over arbitrary token counts; a simulation's distinct counts fit many times over)."""
 _FIT_BATCHES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 _FIT_CONTEXTS = (128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
@@ -232,6 +235,9 @@ class LatencyModel:
             per_token = self._decode_per_token_s + self._decode_per_context_token_s * input_tokens
             decode = output_tokens * per_token
         result = (prefill * self._prefill_scale, decode * self._decode_scale)
+        if len(self._cache) >= CACHE_MAX:  # a long-running service sees endless token counts
+            self._cache.clear()
+            self._single.clear()
         self._cache[key] = result
         # On a measured GPU the single latency is the table's value itself: prefill + decode
         # can round one ulp away from it, and measured pairs must come back exactly.
@@ -259,6 +265,8 @@ class LatencyModel:
             else:
                 intercept, slope = self._prefill_line
                 prefill = max(intercept + slope * input_tokens, 0.0)
+            if len(self._curve) >= CACHE_MAX:
+                self._curve.clear()
             cached = self._curve[input_tokens] = prefill * self._prefill_scale
         return cached
 

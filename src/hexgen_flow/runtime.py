@@ -87,6 +87,7 @@ class CallTicket:
 
     __slots__ = (
         "admitted_s",
+        "attempt",
         "call",
         "call_id",
         "deadline_s",
@@ -142,6 +143,8 @@ class CallTicket:
         """Owned by the local queue holding the ticket (its ordering key)."""
         self.admitted_s: float | None = None
         self.finished_s: float | None = None
+        self.attempt = 0
+        """Dispatches of the call so far (the services count them; a completion names its own)."""
 
     @classmethod
     def detached(
@@ -158,6 +161,7 @@ class CallTicket:
         deadline_s: float,
         query_deadline_s: float,
         remaining_after_s: float,
+        attempt: int = 0,
     ) -> CallTicket:
         """A ticket without its query's runtime state: what a worker's queue holds."""
         ticket = cls.__new__(cls)
@@ -178,6 +182,7 @@ class CallTicket:
         ticket.key = None
         ticket.admitted_s = None
         ticket.finished_s = None
+        ticket.attempt = attempt
         return ticket
 
     def __repr__(self) -> str:

@@ -22,10 +22,17 @@ import grpc
 from hexgen_api.v1 import coordinator_pb2, coordinator_pb2_grpc
 from hexgen_client.addresses import DEFAULT_COORDINATOR
 from hexgen_client.convert import is_terminal, submit_request
-from hexgen_client.errors import CoordinatorError, CoordinatorUnavailableError
+from hexgen_client.errors import (
+    CoordinatorError,
+    CoordinatorOverloadedError,
+    CoordinatorUnavailableError,
+)
 from hexgen_flow.workload import Query
 
-__all__ = ["CoordinatorClient"]
+__all__ = ["RETRY_AFTER_KEY", "CoordinatorClient"]
+
+RETRY_AFTER_KEY = "retry-after-s"
+"""Trailing metadata of a RESOURCE_EXHAUSTED answer: wall seconds until a retry may succeed."""
 
 _UNREACHABLE_STATES = (
     grpc.ChannelConnectivity.IDLE,
@@ -103,7 +110,8 @@ class CoordinatorClient:
     ) -> coordinator_pb2.SubmitQueryResponse:
         """Admit `query` (idempotent on its id: `created` is False when it was known).
         `slo_scale` applies when the query carries no SLO of its own; `prompts` are the
-        calls' prompts, per stage (see `submit_request`)."""
+        calls' prompts, per stage (see `submit_request`). A refusal by admission control
+        raises `CoordinatorOverloadedError` (with the coordinator's retry-after hint)."""
         request = submit_request(query, slo_scale, prompts)
         try:
             return await self.stub.SubmitQuery(request, timeout=self.timeout_s)
@@ -111,7 +119,7 @@ class CoordinatorClient:
             raise self._error(exc) from None
 
     async def watch(self, query_id: str) -> AsyncIterator[coordinator_pb2.QueryEvent]:
-        """The query's events, past ones first, until it succeeds or is cancelled."""
+        """The query's events, past ones first, until it succeeds, fails or is cancelled."""
         call = self.stub.WatchQuery(coordinator_pb2.WatchQueryRequest(query_id=query_id))
         async for event in self._until_terminal(call):
             yield event
@@ -187,4 +195,18 @@ class CoordinatorClient:
         )
         if unreachable:
             return CoordinatorUnavailableError(self.address, details)
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return CoordinatorOverloadedError(self.address, details, _retry_after(exc))
         return CoordinatorError(self.address, code, details)
+
+
+def _retry_after(exc: grpc.aio.AioRpcError) -> float | None:
+    """The ``retry-after-s`` trailer of a refusal, None when absent or unreadable."""
+    for key, value in exc.trailing_metadata() or ():
+        if key == RETRY_AFTER_KEY:
+            try:
+                seconds = float(value)
+            except (TypeError, ValueError):
+                return None
+            return seconds if seconds >= 0 else None
+    return None

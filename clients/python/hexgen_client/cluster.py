@@ -16,7 +16,13 @@ Python of a vLLM venv). ``hexgen-flow up`` and
         cluster.restart_coordinator()
 
 Children run in their own session, so a Ctrl-C in the terminal reaches only the parent,
-which then stops them in order. Importing this module starts nothing.
+which then stops them in order; on Linux they also die with it (a ``kill -9`` of the parent
+SIGKILLs every child: see `hexgen_client.processes`). `supervise`, called every few tenths
+of a second (``hexgen-flow up`` does), restarts a service that died, private Redis
+included, with exponential backoff, and counts the restarts in `restarts`. The private
+Redis keeps an append-only file (``appendfsync always``), so a restarted Redis has the
+mesh's state, and a restarted coordinator rebuilds its running queries from it. Importing
+this module starts nothing.
 """
 
 from __future__ import annotations
@@ -41,9 +47,12 @@ from hexgen_client.cluster_config import (
 )
 from hexgen_client.errors import ClusterError
 from hexgen_client.processes import (
+    CAN_DIE_WITH_PARENT,
     POLL_S,
     ManagedProcess,
     RedisServer,
+    RestartPolicy,
+    Supervisor,
     find_redis_server,
     resolve_address,
     stop_processes,
@@ -84,6 +93,7 @@ class LocalCluster:
             )
         # Bad settings fail here, before any process starts.
         resolve_policy(self.config.policy)
+        _check_config(self.config)
         if self.config.redis_url is None:
             find_redis_server(self.config.redis_binary)
         self.coordinator_address = self.config.listen
@@ -96,6 +106,8 @@ class LocalCluster:
         self.workers: list[ManagedProcess] = []
         self._own_log_dir = False
         self._env: dict[str, str] = {}
+        self._supervisor: Supervisor | None = None
+        self._restarts: dict[str, int] = {}
 
     # ------------------------------------------------------------------------ lifecycle
 
@@ -113,7 +125,11 @@ class LocalCluster:
                 self._own_log_dir = True
             self._env = {**os.environ, "PYTHONUNBUFFERED": "1", **config.env}
             if self.redis_url is None:
-                self.redis = RedisServer(config.redis_binary, grace_s=config.stop_grace_s)
+                self.redis = RedisServer(
+                    config.redis_binary,
+                    grace_s=config.stop_grace_s,
+                    appendfsync=config.redis_appendfsync,
+                )
                 self.redis_url = self.redis.start()
             self._start_coordinator()
             if self.tuner_address is not None:
@@ -147,6 +163,9 @@ class LocalCluster:
     def stop(self) -> None:
         """Workers and tuner, then the coordinator, then the private Redis: SIGTERM, then
         SIGKILL after the grace period."""
+        if self._supervisor is not None:
+            self._restarts = dict(self._supervisor.restarts)
+            self._supervisor = None  # nothing restarts what is being stopped
         grace = self.config.stop_grace_s
         stop_processes([*self.workers, *([self.tuner] if self.tuner else [])], grace)
         if self.coordinator is not None:
@@ -201,6 +220,51 @@ class LocalCluster:
         """The services that have exited since they were started."""
         procs = [self.coordinator, self.tuner, *self.workers]
         return [p for p in procs if p is not None and p.popen is not None and not p.running]
+
+    # -------------------------------------------------------------------- supervision
+
+    @property
+    def dies_with_parent(self) -> bool:
+        """Whether the services are SIGKILLed by the kernel when this process dies."""
+        return CAN_DIE_WITH_PARENT
+
+    @property
+    def restart_policy(self) -> RestartPolicy:
+        """How `supervise` restarts a service that died."""
+        config = self.config
+        return RestartPolicy(
+            config.restart_delay_s, config.restart_max_delay_s, config.restart_reset_s
+        )
+
+    def supervise(self) -> list[str]:
+        """Restart every service that died (coordinator, tuner, workers, private Redis)
+        with `restart_policy`'s backoff; returns a line for each death noticed (with the
+        planned restart) and each restart that failed. Never blocks: call it every few
+        tenths of a second after `start`. The first call starts watching; a service that
+        died before it is restarted too."""
+        if self._supervisor is None:
+            if self.coordinator is None:
+                raise ClusterError("the cluster is not started")
+            supervisor = Supervisor(self.restart_policy)
+            if self.redis is not None and self.redis.process is not None:
+                supervisor.watch("redis", self.redis.process, self.redis.restart)
+            supervisor.watch("coordinator", self.coordinator)
+            if self.tuner is not None:
+                supervisor.watch("tuner", self.tuner)
+            for slot, worker in enumerate(self.workers):
+                supervisor.watch(f"worker-{slot}", worker)
+            for key, count in self._restarts.items():
+                supervisor.restarts[key] = count
+            self._supervisor = supervisor
+        return self._supervisor.step()
+
+    @property
+    def restarts(self) -> dict[str, int]:
+        """Restarts by `supervise` of each service ("redis", "coordinator", "tuner",
+        "worker-0", ...), counted when the death is noticed; empty before `supervise`."""
+        if self._supervisor is not None:
+            return dict(self._supervisor.restarts)
+        return dict(self._restarts)
 
     # ------------------------------------------------------------------------- status
 
@@ -288,3 +352,19 @@ class LocalCluster:
                     f"did not report SERVING within {self.config.start_timeout_s:g} s ({problem})"
                 )
             time.sleep(POLL_S)
+
+
+def _check_config(config: LocalClusterConfig) -> None:
+    """The coordinator options and the restart policy, checked before anything starts."""
+    if config.admission is not None and config.admission not in ("reject", "best-effort", "off"):
+        raise ConfigError(f"admission {config.admission!r}: expected reject, best-effort or off")
+    if config.retention_s is not None and not config.retention_s > 0:
+        raise ConfigError(f"retention must be > 0 s, got {config.retention_s}")
+    if config.max_call_attempts is not None and config.max_call_attempts < 1:
+        raise ConfigError(f"max call attempts must be >= 1, got {config.max_call_attempts}")
+    if not 0 < config.restart_delay_s <= config.restart_max_delay_s:
+        raise ConfigError(
+            f"restart delays: need 0 < {config.restart_delay_s} <= {config.restart_max_delay_s}"
+        )
+    if config.restart_reset_s < 0:
+        raise ConfigError(f"restart reset must be >= 0 s, got {config.restart_reset_s}")

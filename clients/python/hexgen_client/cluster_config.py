@@ -53,6 +53,13 @@ class LocalClusterConfig:
     """The coordinator's initial α; None: its default."""
     slo_scale: float = 3.0
     """The coordinator's default SLO scale (SLO = scale x SLO_base)."""
+    admission: str | None = None
+    """The coordinator's ``--admission``: reject, best-effort or off; None: its default."""
+    retention_s: float | None = None
+    """The coordinator's ``--retention-s`` (how long a finished query stays in Redis);
+    None: its default."""
+    max_call_attempts: int | None = None
+    """The coordinator's ``--max-call-attempts``; None: its default."""
     time_scale: float = 1.0
     """Cluster seconds per wall second (simulated engines run this much faster)."""
     listen: str = DEFAULT_COORDINATOR
@@ -63,6 +70,10 @@ class LocalClusterConfig:
     """Prefix of the mesh's Redis keys."""
     redis_binary: str = "redis-server"
     """The Redis server program for the private Redis (looked up on PATH)."""
+    redis_appendfsync: str | None = "always"
+    """The private Redis's append-only file: ``always`` (every write on disk before it is
+    acknowledged, so a restarted Redis has all of the mesh's state), ``everysec`` or
+    ``no``; None: no persistence."""
     tuner: bool = True
     """Whether to run the α tuner."""
     tuner_listen: str = DEFAULT_TUNER
@@ -81,6 +92,13 @@ class LocalClusterConfig:
     """How long services may take to stop after SIGTERM before SIGKILL."""
     env: Mapping[str, str] = field(default_factory=dict)
     """Extra environment of the services (e.g. OTEL_EXPORTER_OTLP_ENDPOINT)."""
+    restart_delay_s: float = 0.5
+    """`LocalCluster.supervise`: wall seconds before a dead service is restarted; doubles
+    with each restart of that service."""
+    restart_max_delay_s: float = 10.0
+    """The longest restart delay."""
+    restart_reset_s: float = 10.0
+    """A service that stayed up this long is restarted after `restart_delay_s` again."""
     workers: tuple[WorkerLaunch, ...] = ()
     """How to start the worker of each slot, in slot order; slots past the end get
     ``WorkerLaunch()`` (a simulated engine)."""
@@ -110,6 +128,13 @@ def coordinator_argv(
     ]  # fmt: skip
     if config.alpha is not None:
         argv += ["--alpha", repr(config.alpha)]
+    # Options left at None go unsaid: the coordinator's own defaults apply.
+    if config.admission is not None:
+        argv += ["--admission", config.admission]
+    if config.retention_s is not None:
+        argv += ["--retention-s", repr(config.retention_s)]
+    if config.max_call_attempts is not None:
+        argv += ["--max-call-attempts", str(config.max_call_attempts)]
     return argv + _calibration_args(calibration)
 
 

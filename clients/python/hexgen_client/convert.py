@@ -44,11 +44,16 @@ TERMINAL_EVENTS = frozenset(
     {
         coordinator_pb2.QUERY_EVENT_KIND_SUCCEEDED,
         coordinator_pb2.QUERY_EVENT_KIND_CANCELLED,
+        coordinator_pb2.QUERY_EVENT_KIND_FAILED,
     }
 )
 """Event kinds after which a query has no more events."""
 TERMINAL_STATES = frozenset(
-    {coordinator_pb2.QUERY_STATE_SUCCEEDED, coordinator_pb2.QUERY_STATE_CANCELLED}
+    {
+        coordinator_pb2.QUERY_STATE_SUCCEEDED,
+        coordinator_pb2.QUERY_STATE_CANCELLED,
+        coordinator_pb2.QUERY_STATE_FAILED,
+    }
 )
 """Query states that do not change any more."""
 

@@ -6,7 +6,12 @@ import grpc
 
 from hexgen_flow.errors import HexgenFlowError
 
-__all__ = ["ClusterError", "CoordinatorError", "CoordinatorUnavailableError"]
+__all__ = [
+    "ClusterError",
+    "CoordinatorError",
+    "CoordinatorOverloadedError",
+    "CoordinatorUnavailableError",
+]
 
 
 class CoordinatorError(HexgenFlowError):
@@ -24,15 +29,27 @@ class CoordinatorError(HexgenFlowError):
 
 
 class CoordinatorUnavailableError(CoordinatorError):
-    """Nothing answers at the coordinator's address (or it stopped answering)."""
+    """Nothing answers at the coordinator's address (or it stopped answering), or it
+    answered UNAVAILABLE (its Redis is unreachable): worth retrying."""
 
     def __init__(self, address: str, details: str = "") -> None:
         super().__init__(
             address,
             grpc.StatusCode.UNAVAILABLE,
             details,
-            f"cannot reach the coordinator at {address}: is `hexgen-flow up` running?",
+            f"coordinator at {address}: UNAVAILABLE: {details}"
+            if details.startswith("redis unavailable")
+            else f"cannot reach the coordinator at {address}: is `hexgen-flow up` running?",
         )
+
+
+class CoordinatorOverloadedError(CoordinatorError):
+    """The coordinator refused a submission (RESOURCE_EXHAUSTED: admission control, or a
+    limit on running queries); `retry_after_s` is its hint (wall seconds), None without one."""
+
+    def __init__(self, address: str, details: str, retry_after_s: float | None) -> None:
+        self.retry_after_s = retry_after_s
+        super().__init__(address, grpc.StatusCode.RESOURCE_EXHAUSTED, details)
 
 
 class ClusterError(HexgenFlowError):

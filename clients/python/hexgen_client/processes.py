@@ -1,8 +1,15 @@
-"""Local child processes for `LocalCluster`: `ManagedProcess`, `RedisServer`, free ports.
+"""Local child processes for `LocalCluster`: `ManagedProcess`, `RedisServer`,
+`Supervisor`, free ports.
 
 A child runs in a session of its own with its output in a log file, so a Ctrl-C in the
 terminal reaches only the parent, which then stops its children in order (SIGTERM, then
-SIGKILL after a grace period). Importing this module starts nothing.
+SIGKILL after a grace period). On Linux a child also dies with its parent: it is started
+through a tiny launcher that sets the parent-death signal (``prctl(PR_SET_PDEATHSIG,
+SIGKILL)``) and then execs the service, so a ``kill -9`` of the parent leaves no child and
+no listening port behind. The kernel sends that signal when the *thread* that forked the
+child ends, so every child is forked by one daemon thread that lives as long as the
+process (`_SPAWNER`), whichever thread asked. `Supervisor` restarts children that die,
+with exponential backoff. Importing this module starts nothing.
 """
 
 from __future__ import annotations
@@ -13,10 +20,15 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
+import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
+from queue import SimpleQueue
 from types import TracebackType
 from typing import IO
 
@@ -27,11 +39,15 @@ from hexgen_client.errors import ClusterError
 from hexgen_flow.errors import ConfigError
 
 __all__ = [
+    "CAN_DIE_WITH_PARENT",
     "POLL_S",
     "ManagedProcess",
     "RedisServer",
+    "RestartPolicy",
+    "Supervisor",
     "find_redis_server",
     "free_port",
+    "launcher_argv",
     "resolve_address",
     "split_address",
     "stop_processes",
@@ -83,17 +99,95 @@ def _tail(path: Path, lines: int = 15) -> str:
 
 # ----------------------------------------------------------------------------- processes
 
+CAN_DIE_WITH_PARENT = sys.platform.startswith("linux") and bool(sys.executable)
+"""Whether children can be made to die with their parent (Linux's parent-death signal)."""
+
+_LAUNCHER = """\
+import ctypes, os, sys
+parent = int(sys.argv[1])
+if ctypes.CDLL(None, use_errno=True).prctl(1, 9, 0, 0, 0) != 0:  # PR_SET_PDEATHSIG, SIGKILL
+    sys.stderr.write("hexgen-flow launcher: prctl(PR_SET_PDEATHSIG) failed\\n")
+    sys.exit(126)
+if os.getppid() != parent:  # the parent died before the signal was armed
+    sys.exit(1)
+try:
+    os.execvp(sys.argv[2], sys.argv[2:])
+except OSError as exc:
+    sys.stderr.write(f"hexgen-flow launcher: cannot run {sys.argv[2]}: {exc}\\n")
+    sys.exit(127)
+"""
+"""Sets the parent-death signal, checks the parent is still there, and execs the service:
+the signal survives exec, and the service keeps the launcher's pid."""
+
+
+def launcher_argv(argv: list[str]) -> list[str]:
+    """`argv` run through the launcher, so that it is SIGKILLed when this process dies."""
+    return [sys.executable, "-I", "-S", "-c", _LAUNCHER, str(os.getpid()), *argv]
+
+
+class _Spawner:
+    """Forks every child from one daemon thread that lives as long as this process: the
+    parent-death signal fires when the thread that forked a child ends, so a child forked
+    by a short-lived thread (``asyncio.to_thread``, a thread pool) would die with it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._jobs: SimpleQueue[
+            tuple[Callable[[], subprocess.Popen[bytes]], Future[subprocess.Popen[bytes]]]
+        ] = SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._pid = 0
+
+    def popen(self, make: Callable[[], subprocess.Popen[bytes]]) -> subprocess.Popen[bytes]:
+        with self._lock:
+            # A forked copy of this process has no spawner thread: start one of its own.
+            if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
+                self._jobs = SimpleQueue()
+                self._thread = threading.Thread(
+                    target=self._run, args=(self._jobs,), name="hexgen-spawner", daemon=True
+                )
+                self._thread.start()
+                self._pid = os.getpid()
+            jobs = self._jobs
+        future: Future[subprocess.Popen[bytes]] = Future()
+        jobs.put((make, future))
+        return future.result()
+
+    @staticmethod
+    def _run(
+        jobs: SimpleQueue[
+            tuple[Callable[[], subprocess.Popen[bytes]], Future[subprocess.Popen[bytes]]]
+        ],
+    ) -> None:
+        while True:
+            make, future = jobs.get()
+            try:
+                future.set_result(make())
+            except BaseException as exc:  # handed to the caller
+                future.set_exception(exc)
+
+
+_SPAWNER = _Spawner()
+
 
 class ManagedProcess:
-    """One child process with its output in `log_path`, in a session of its own."""
+    """One child process with its output in `log_path`, in a session of its own; with
+    `die_with_parent` (on Linux) it is SIGKILLed by the kernel when this process dies."""
 
     def __init__(
-        self, name: str, argv: list[str], log_path: Path, env: Mapping[str, str] | None = None
+        self,
+        name: str,
+        argv: list[str],
+        log_path: Path,
+        env: Mapping[str, str] | None = None,
+        *,
+        die_with_parent: bool = True,
     ) -> None:
         self.name = name
         self.argv = argv
         self.log_path = log_path
         self.env = dict(env) if env is not None else None
+        self.die_with_parent = die_with_parent and CAN_DIE_WITH_PARENT
         self.popen: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
 
@@ -101,15 +195,28 @@ class ManagedProcess:
         if self.running:
             raise ClusterError(f"{self.name} is already running (pid {self.pid})")
         self._close_log()
-        self._log = self.log_path.open("ab")
+        argv = self.argv
+        if self.die_with_parent:
+            path = (self.env or os.environ).get("PATH", os.defpath)
+            if shutil.which(argv[0], path=path) is None:
+                raise ClusterError(
+                    f"cannot start {self.name} ({argv[0]}): no such program"
+                ) from None
+            argv = launcher_argv(argv)
         try:
-            self.popen = subprocess.Popen(
-                self.argv,
-                stdin=subprocess.DEVNULL,
-                stdout=self._log,
-                stderr=subprocess.STDOUT,
-                env=self.env,
-                start_new_session=True,
+            log = self._log = self.log_path.open("ab")
+        except OSError as exc:
+            raise ClusterError(f"cannot open the log of {self.name}: {exc}") from None
+        try:
+            self.popen = _SPAWNER.popen(
+                lambda: subprocess.Popen(
+                    argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=self.env,
+                    start_new_session=True,
+                )
             )
         except OSError as exc:
             self._close_log()
@@ -176,6 +283,89 @@ def stop_processes(processes: Iterable[ManagedProcess], grace_s: float) -> None:
         proc.close()
 
 
+# ---------------------------------------------------------------------------- supervision
+
+
+@dataclass(frozen=True, slots=True)
+class RestartPolicy:
+    """How `Supervisor` restarts a child that died: after `delay_s`, doubling with each
+    restart up to `max_delay_s`; a child that stayed up `reset_after_s` starts over."""
+
+    delay_s: float = 0.5
+    max_delay_s: float = 10.0
+    reset_after_s: float = 10.0
+
+    def describe(self) -> str:
+        return (
+            f"restart a dead service after {self.delay_s:g} s, doubling to "
+            f"{self.max_delay_s:g} s (back to {self.delay_s:g} s once up {self.reset_after_s:g} s)"
+        )
+
+
+@dataclass(slots=True)
+class _Watched:
+    key: str
+    process: ManagedProcess
+    restart: Callable[[], None]
+    delay_s: float
+    started: float
+    """When it was last (re)started, on the supervisor's clock."""
+    due: float | None = None
+    """When it is to be restarted; None: it is not waiting for a restart."""
+
+
+class Supervisor:
+    """Restarts the children it watches when they die, with `RestartPolicy`'s backoff.
+
+    `step` does the work and never blocks: call it every few tenths of a second. It
+    returns one line per thing it did (a death noticed and the restart planned, or a
+    restart that failed to start); `restarts` counts the restarts of each child by key.
+    """
+
+    def __init__(
+        self, policy: RestartPolicy | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.policy = policy or RestartPolicy()
+        self.clock = clock
+        self.restarts: dict[str, int] = {}
+        self._watched: dict[str, _Watched] = {}
+
+    def watch(
+        self, key: str, process: ManagedProcess, restart: Callable[[], None] | None = None
+    ) -> None:
+        """Watch `process` under `key`; `restart` starts it again (default its `start`)."""
+        self._watched[key] = _Watched(
+            key, process, restart or process.start, self.policy.delay_s, self.clock()
+        )
+        self.restarts.setdefault(key, 0)
+
+    def step(self) -> list[str]:
+        lines: list[str] = []
+        now = self.clock()
+        for watched in self._watched.values():
+            proc = watched.process
+            if watched.due is None:
+                if proc.popen is None or proc.running:
+                    continue
+                if now - watched.started >= self.policy.reset_after_s:
+                    watched.delay_s = self.policy.delay_s
+                self.restarts[watched.key] += 1
+                watched.due = now + watched.delay_s
+                lines.append(
+                    f"{proc.name} exited with code {proc.returncode}; restarting in "
+                    f"{watched.delay_s:g} s (restart {self.restarts[watched.key]})"
+                )
+                watched.delay_s = min(watched.delay_s * 2, self.policy.max_delay_s)
+            elif now >= watched.due:
+                watched.due = None
+                watched.started = now
+                try:
+                    watched.restart()
+                except ClusterError as exc:  # noticed as dead again at the next step
+                    lines.append(f"{proc.name} did not restart: {exc}")
+        return lines
+
+
 # --------------------------------------------------------------------------------- Redis
 
 
@@ -191,8 +381,10 @@ def find_redis_server(binary: str = "redis-server") -> str:
 
 
 class RedisServer:
-    """A private ``redis-server`` on a free port of 127.0.0.1 with a temporary folder and no
-    persistence (``--save "" --appendonly no``); the folder goes with `stop`."""
+    """A private ``redis-server`` on a free port of 127.0.0.1 with a temporary folder; the
+    folder goes with `stop`. No RDB snapshots (``--save ""``); with `appendfsync` (default
+    ``always``) an append-only file in that folder, so that `restart` (same port, same
+    folder) finds every acknowledged write again; None: no persistence at all."""
 
     def __init__(
         self,
@@ -201,11 +393,15 @@ class RedisServer:
         host: str = "127.0.0.1",
         start_timeout_s: float = 10.0,
         grace_s: float = 5.0,
+        appendfsync: str | None = "always",
     ) -> None:
+        if appendfsync not in (None, "always", "everysec", "no"):
+            raise ConfigError(f"appendfsync {appendfsync!r}: expected always, everysec or no")
         self.binary = binary
         self.host = host
         self.start_timeout_s = start_timeout_s
         self.grace_s = grace_s
+        self.appendfsync = appendfsync
         self.port: int | None = None
         self.dir: Path | None = None
         self.process: ManagedProcess | None = None
@@ -227,7 +423,7 @@ class RedisServer:
                 "--port", str(self.port),
                 "--bind", self.host,
                 "--save", "",
-                "--appendonly", "no",
+                *self._persistence_args(),
                 "--dir", str(self.dir),
                 "--daemonize", "no",
             ]  # fmt: skip
@@ -241,6 +437,20 @@ class RedisServer:
             if not in_use:
                 raise error
         raise ClusterError("redis-server could not find a free port (3 attempts)")
+
+    def _persistence_args(self) -> list[str]:
+        if self.appendfsync is None:
+            return ["--appendonly", "no"]
+        return ["--appendonly", "yes", "--appendfsync", self.appendfsync]
+
+    def restart(self, *, wait: bool = False) -> None:
+        """Start the server again on its port and folder (after it died): with the
+        append-only file it loads every write it acknowledged. `wait`: until it answers."""
+        if self.process is None:
+            raise ClusterError("the Redis server is not started")
+        self.process.start()
+        if wait and not self._wait_ready():
+            raise self.process.failure(f"did not restart on port {self.port}")
 
     def _wait_ready(self) -> bool:
         assert self.process is not None and self.port is not None

@@ -7,11 +7,21 @@ compare directly with ``simulate``'s. Query ids are the caller's (``take_queries
 the simulator's), and submission is idempotent on them: replaying the same queries into the
 same coordinator again submits nothing new and reports the earlier results (counted in
 ``extra["resubmitted"]``).
+
+Under overload the coordinator's admission control refuses submissions
+(RESOURCE_EXHAUSTED): they are counted as rejected, not retried (unless `retry_rejected`,
+which waits for the coordinator's retry-after hint). A submission that finds the
+coordinator unavailable (restarting, or its Redis unreachable) is retried with exponential
+back-off for up to `retry_s`. The metrics count what was admitted: ``num_queries`` and
+``slo_attainment`` are over the admitted queries, and ``extra`` says ``submitted``,
+``admitted``, ``rejected``, ``failed`` (ended FAILED) and ``best_effort`` (admitted at the
+lowest urgency).
 """
 
 from __future__ import annotations
 
 import asyncio
+import random
 import sys
 from collections.abc import Sequence
 
@@ -26,7 +36,7 @@ from hexgen_client.convert import (
     policy_alpha,
     run_metrics,
 )
-from hexgen_client.errors import CoordinatorUnavailableError
+from hexgen_client.errors import CoordinatorOverloadedError, CoordinatorUnavailableError
 from hexgen_flow.errors import ConfigError
 from hexgen_flow.metrics import RunMetrics
 from hexgen_flow.workload import Query
@@ -34,6 +44,8 @@ from hexgen_flow.workload import Query
 __all__ = ["replay"]
 
 _RETRY_PAUSE_S = 0.5
+_BACKOFF_FIRST_S = 0.1
+_BACKOFF_MAX_S = 2.0
 
 
 async def replay(
@@ -46,13 +58,17 @@ async def replay(
     slo_scale: float | None = None,
     progress: bool = False,
     retry_s: float = 30.0,
+    retry_rejected: bool = False,
 ) -> RunMetrics:
     """Replay `queries` at `qps` into the coordinator behind `client`; wait for all of them.
 
     `slo_scale` None leaves queries without an SLO of their own to the coordinator's
     default scale. `progress` shows a tqdm bar on stderr. While the coordinator is
-    unreachable (a restart), submissions and watches are retried for up to `retry_s` wall
-    seconds before `CoordinatorUnavailableError` is raised.
+    unreachable (a restart) or answers UNAVAILABLE, submissions and watches are retried
+    for up to `retry_s` wall seconds before `CoordinatorUnavailableError` is raised. A
+    submission refused by admission control counts as rejected; with `retry_rejected` it is
+    submitted again after the coordinator's retry-after hint, for up to `retry_s` after its
+    arrival.
     """
     if not queries:
         raise ConfigError("no queries to replay")
@@ -66,6 +82,8 @@ async def replay(
 
     loop = asyncio.get_running_loop()
     infos: dict[int, coordinator_pb2.QueryInfo] = {}
+    rejected: set[int] = set()
+    best_effort: set[int] = set()
     resubmitted = 0
     bar = tqdm(
         total=len(queries), desc="replay", unit="query", file=sys.stderr, disable=not progress
@@ -75,6 +93,18 @@ async def replay(
         infos[index] = await _await_end(client, queries[index].query_id, retry_s)
         bar.update(1)
 
+    async def submit_and_follow(index: int) -> None:
+        nonlocal resubmitted
+        response = await _submit(client, queries[index], slo_scale, retry_s, retry_rejected)
+        if response is None:
+            rejected.add(index)
+            bar.update(1)
+            return
+        resubmitted += not response.created
+        if response.query.best_effort:
+            best_effort.add(index)
+        await follow(index)
+
     tasks: list[asyncio.Task[None]] = []
     started = loop.time()
     try:
@@ -82,9 +112,19 @@ async def replay(
             delay = started + arrival_s / time_scale - loop.time()
             if delay > 0:
                 await asyncio.sleep(delay)
-            response = await _submit(client, queries[index], slo_scale, retry_s)
-            resubmitted += not response.created
-            tasks.append(asyncio.create_task(follow(index)))
+            if retry_rejected:
+                # Retries wait for their hint without holding back later arrivals.
+                tasks.append(asyncio.create_task(submit_and_follow(index)))
+            else:
+                response = await _submit(client, queries[index], slo_scale, retry_s, False)
+                if response is None:
+                    rejected.add(index)
+                    bar.update(1)
+                else:
+                    resubmitted += not response.created
+                    if response.query.best_effort:
+                        best_effort.add(index)
+                    tasks.append(asyncio.create_task(follow(index)))
             # A follower that failed fails the run now, not after every submission.
             for task in tasks:
                 if task.done() and task.exception() is not None:
@@ -96,8 +136,14 @@ async def replay(
         bar.close()
 
     final = await client.status()
-    ordered = [infos[i] for i in range(len(queries))]
-    extra: dict[str, object] = {}
+    ordered = [infos[i] for i in range(len(queries)) if i in infos]
+    extra: dict[str, object] = {
+        "submitted": len(queries),
+        "admitted": len(ordered),
+        "rejected": len(rejected),
+        "failed": sum(info.state == coordinator_pb2.QUERY_STATE_FAILED for info in ordered),
+        "best_effort": len(best_effort | {i for i, info in infos.items() if info.best_effort}),
+    }
     if resubmitted:
         extra["resubmitted"] = resubmitted
     if final.alpha != status.alpha:
@@ -107,7 +153,7 @@ async def replay(
         policy=final.policy,
         alpha=policy_alpha(final.policy, final.alpha),
         qps=qps,
-        num_queries=len(queries),
+        num_queries=len(ordered),
         slo_s=(
             slo_scale * final.slo_base_s
             if slo_scale is not None
@@ -118,31 +164,48 @@ async def replay(
 
 
 async def _submit(
-    client: CoordinatorClient, query: Query, slo_scale: float | None, retry_s: float
-) -> coordinator_pb2.SubmitQueryResponse:
+    client: CoordinatorClient,
+    query: Query,
+    slo_scale: float | None,
+    retry_s: float,
+    retry_rejected: bool,
+) -> coordinator_pb2.SubmitQueryResponse | None:
+    """The coordinator's answer to the submission of `query`, None when it refused it.
+
+    UNAVAILABLE (the coordinator restarting, or its Redis unreachable) is retried with
+    exponential back-off (0.1 s doubling to 2 s, jittered) for up to `retry_s`; a refusal
+    is retried after its retry-after hint only with `retry_rejected`, within `retry_s`."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + retry_s
+    backoff = _BACKOFF_FIRST_S
     while True:
         try:
             return await client.submit(query, slo_scale=slo_scale)
         except CoordinatorUnavailableError:
             if loop.time() >= deadline:
                 raise
-        await asyncio.sleep(_RETRY_PAUSE_S)
+            pause = backoff * random.uniform(0.5, 1.0)
+            backoff = min(backoff * 2, _BACKOFF_MAX_S)
+        except CoordinatorOverloadedError as exc:
+            hint = exc.retry_after_s if exc.retry_after_s is not None else _RETRY_PAUSE_S
+            if not retry_rejected or loop.time() + hint >= deadline:
+                return None
+            pause = hint
+        await asyncio.sleep(max(0.0, min(pause, deadline - loop.time())))
 
 
 async def _await_end(
     client: CoordinatorClient, query_id: str, retry_s: float
 ) -> coordinator_pb2.QueryInfo:
-    """The query's final `QueryInfo`, once it has succeeded or been cancelled. Watches its
-    events until the terminal one (re-watching after a dropped stream: the coordinator
-    replays past events first), then reads its state."""
+    """The query's final `QueryInfo`, once it has succeeded, failed or been cancelled.
+    Watches its events until the terminal one (re-watching after a dropped stream: the
+    coordinator replays past events first), then reads its state."""
     loop = asyncio.get_running_loop()
     unreachable_since: float | None = None
     while True:
         try:
             async for _event in client.watch(query_id):
-                pass
+                unreachable_since = None  # it answered: an outage later starts a new count
             info = (await client.get(query_id)).query
             if info.state in TERMINAL_STATES:
                 return info

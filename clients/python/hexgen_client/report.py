@@ -55,6 +55,9 @@ def status_json(status: coordinator_pb2.ClusterStatusResponse) -> dict[str, Any]
         "slo_base_s": status.slo_base_s,
         "queries_running": status.queries_running,
         "queries_finished": status.queries_finished,
+        "queries_failed": status.queries_failed,
+        "queries_rejected": status.queries_rejected,
+        "retention_s": status.retention_s,
         "instances": [
             {
                 "index": i.index,
@@ -83,7 +86,8 @@ def status_lines(status: coordinator_pb2.ClusterStatusResponse, address: str) ->
         f"policy       {status.policy} (alpha {status.alpha:g})",
         f"clock        {status.now_s:.1f} s (time scale {status.time_scale:g}x)",
         f"SLO_base     {status.slo_base_s:.1f} s",
-        f"queries      {status.queries_running} running, {status.queries_finished} finished",
+        f"queries      {status.queries_running} running, {status.queries_finished} finished, "
+        f"{status.queries_failed} failed, {status.queries_rejected} rejected",
         "",
     ]
     header = (

@@ -8,6 +8,8 @@ into a policy.
 from __future__ import annotations
 
 import math
+import re
+from dataclasses import dataclass
 
 from hexgen_api.v1 import coordinator_pb2, worker_pb2, workflow_pb2
 from hexgen_flow.errors import WorkloadError
@@ -18,12 +20,14 @@ from hexgen_service.errors import InvalidFieldError
 __all__ = [
     "MAX_CALLS_PER_QUERY",
     "MAX_TOKENS_PER_CALL",
+    "SubmitLimits",
     "dispatch_to_ticket",
     "expand_workflow",
     "parse_submit",
     "query_from_submit",
     "submit_from_query",
     "ticket_to_dispatch",
+    "without_prompts",
     "workflow_from_proto",
     "workflow_to_proto",
 ]
@@ -31,6 +35,51 @@ __all__ = [
 # Guards against a request that would take the coordinator down rather than be served.
 MAX_CALLS_PER_QUERY = 10_000
 MAX_TOKENS_PER_CALL = 10_000_000
+MAX_ID_CHARACTERS = 256
+
+# C0 and C1 control characters (NUL, newlines, escapes, DEL): never part of an id or name.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
+
+
+@dataclass(frozen=True, slots=True)
+class SubmitLimits:
+    """How large a submission may be. The defaults are what `parse_submit` has always
+    accepted (a query stored by an earlier coordinator parses again); the coordinator
+    passes its own (`--max-calls`, `--max-prompt-bytes`, ...). Sizes of strings are UTF-8
+    bytes, except `max_id_chars`."""
+
+    max_calls: int = MAX_CALLS_PER_QUERY
+    """Calls of the workflow, repeats unrolled."""
+    max_stages: int = MAX_CALLS_PER_QUERY
+    """Stages of the workflow, repeats unrolled."""
+    max_prompt_bytes: int | None = None
+    """Largest prompt of one call; None: no limit."""
+    max_id_bytes: int | None = None
+    """Longest query id (and stage id, step name); None: only `max_id_chars`."""
+    max_id_chars: int = MAX_ID_CHARACTERS
+    max_tenant_bytes: int | None = None
+    """Longest tenant name; None: no limit."""
+    max_slo_s: float = math.inf
+    """Largest slo_s."""
+    allow_control_characters: bool = True
+    """Whether ids, tenant, stage ids and step names may hold control characters (NUL,
+    newlines, ...)."""
+
+
+DEFAULT_LIMITS = SubmitLimits()
+
+
+def _check_text(field: str, value: str, max_bytes: int | None, limits: SubmitLimits) -> None:
+    if max_bytes is not None:
+        size = len(value.encode("utf-8"))
+        if size > max_bytes:
+            raise InvalidFieldError(field, f"must be at most {max_bytes} bytes, got {size}")
+    if not limits.allow_control_characters:
+        bad = _CONTROL.search(value)
+        if bad is not None:
+            raise InvalidFieldError(
+                field, f"must not contain control characters (found {bad.group()!r})"
+            )
 
 
 def workflow_to_proto(workflow: Workflow) -> workflow_pb2.Workflow:
@@ -61,7 +110,7 @@ def workflow_from_proto(pb: workflow_pb2.Workflow, field: str = "workflow") -> W
 
 
 def expand_workflow(
-    pb: workflow_pb2.Workflow, field: str = "workflow"
+    pb: workflow_pb2.Workflow, field: str = "workflow", limits: SubmitLimits = DEFAULT_LIMITS
 ) -> tuple[Workflow, list[tuple[str, ...]]]:
     """The domain workflow and, per expanded stage, the prompts of its calls ("" if none)."""
     if not pb.stages:
@@ -70,15 +119,25 @@ def expand_workflow(
     prompts: list[tuple[str, ...]] = []
     last_of: dict[str, int] = {}
     total_calls = 0
+    max_calls = min(limits.max_calls, MAX_CALLS_PER_QUERY)
+    max_prompt = limits.max_prompt_bytes
     for n, spb in enumerate(pb.stages):
         where = f"{field}.stages[{n}]"
+        if len(stages) >= limits.max_stages:
+            raise InvalidFieldError(
+                f"{field}.stages", f"the workflow exceeds {limits.max_stages} stages"
+            )
+        _check_text(f"{where}.id", spb.id, limits.max_id_bytes, limits)
         sid = spb.id or f"#{n}"
         if sid in last_of:
             raise InvalidFieldError(f"{where}.id", f"duplicate stage id {sid!r}")
         if not spb.step:
             raise InvalidFieldError(f"{where}.step", "must not be empty")
+        _check_text(f"{where}.step", spb.step, limits.max_id_bytes, limits)
         if not spb.calls:
             raise InvalidFieldError(f"{where}.calls", "a stage needs at least one call")
+        if len(spb.calls) > max_calls:
+            raise InvalidFieldError(f"{where}.calls", f"the workflow exceeds {max_calls} calls")
         if spb.repeat < 0:
             raise InvalidFieldError(f"{where}.repeat", f"must be >= 0, got {spb.repeat}")
         step = canonical_step(spb.step)
@@ -90,6 +149,14 @@ def expand_workflow(
                 if not 1 <= value <= MAX_TOKENS_PER_CALL:
                     raise InvalidFieldError(
                         f"{cwhere}.{name}", f"must be in [1, {MAX_TOKENS_PER_CALL}], got {value}"
+                    )
+            if cpb.step:
+                _check_text(f"{cwhere}.step", cpb.step, limits.max_id_bytes, limits)
+            if max_prompt is not None and len(cpb.prompt) > max_prompt // 4:
+                size = len(cpb.prompt.encode("utf-8"))
+                if size > max_prompt:
+                    raise InvalidFieldError(
+                        f"{cwhere}.prompt", f"must be at most {max_prompt} bytes, got {size}"
                     )
             calls.append(
                 LLMCall(
@@ -106,14 +173,20 @@ def expand_workflow(
                 )
             after.append(last_of[dep])
         deps = tuple(sorted(set(after)))
+        stage_prompts = tuple(cpb.prompt for cpb in spb.calls)
         for _ in range(max(spb.repeat, 1)):
             total_calls += len(calls)
-            if total_calls > MAX_CALLS_PER_QUERY:
+            if total_calls > max_calls:
                 raise InvalidFieldError(
-                    f"{where}.repeat", f"the workflow exceeds {MAX_CALLS_PER_QUERY} calls"
+                    f"{where}.repeat" if spb.repeat > 1 else f"{where}.calls",
+                    f"the workflow exceeds {max_calls} calls",
+                )
+            if len(stages) >= limits.max_stages:
+                raise InvalidFieldError(
+                    f"{where}.repeat", f"the workflow exceeds {limits.max_stages} stages"
                 )
             stages.append(Stage(step=step, calls=tuple(calls), after=deps))
-            prompts.append(tuple(cpb.prompt for cpb in spb.calls))
+            prompts.append(stage_prompts)
             deps = (len(stages) - 1,)
         last_of[sid] = len(stages) - 1
     try:
@@ -128,30 +201,52 @@ def query_from_submit(request: coordinator_pb2.SubmitQueryRequest) -> Query:
 
 
 def parse_submit(
-    request: coordinator_pb2.SubmitQueryRequest,
+    request: coordinator_pb2.SubmitQueryRequest, limits: SubmitLimits = DEFAULT_LIMITS
 ) -> tuple[Query, list[tuple[str, ...]]]:
-    """The domain query of a submission and, per expanded stage, its calls' prompts."""
+    """The domain query of a submission and, per expanded stage, its calls' prompts;
+    `InvalidFieldError` naming the first field outside `limits` (default: what the
+    coordinator has always accepted)."""
     if not request.query_id:
         raise InvalidFieldError("query_id", "must not be empty (it is the idempotency key)")
-    if len(request.query_id) > 256:
-        raise InvalidFieldError("query_id", "must be at most 256 characters")
+    if len(request.query_id) > limits.max_id_chars:
+        raise InvalidFieldError("query_id", f"must be at most {limits.max_id_chars} characters")
+    _check_text("query_id", request.query_id, limits.max_id_bytes, limits)
+    _check_text("tenant", request.tenant, limits.max_tenant_bytes, limits)
     for name in ("slo_s", "slo_scale"):
         value = getattr(request, name)
         if not math.isfinite(value) or value < 0:
             raise InvalidFieldError(name, f"must be a finite number >= 0, got {value}")
+    if request.slo_s > limits.max_slo_s:
+        raise InvalidFieldError(
+            "slo_s", f"must be at most {limits.max_slo_s:g} s, got {request.slo_s:g}"
+        )
     if request.slo_s and request.slo_scale:
         raise InvalidFieldError("slo_s", "give slo_s or slo_scale, not both")
     if not request.HasField("workflow"):
         raise InvalidFieldError("workflow", "is required")
-    workflow, prompts = expand_workflow(request.workflow)
-    query = Query(
-        query_id=request.query_id,
-        workflow=workflow,
-        tenant=request.tenant or "default",
-        slo_s=request.slo_s or None,
-        slo_scale=request.slo_scale or None,
-    )
+    workflow, prompts = expand_workflow(request.workflow, "workflow", limits)
+    try:
+        query = Query(
+            query_id=request.query_id,
+            workflow=workflow,
+            tenant=request.tenant or "default",
+            slo_s=request.slo_s or None,
+            slo_scale=request.slo_scale or None,
+        )
+    except WorkloadError as exc:  # e.g. a denormal SLO that is not > 0
+        raise InvalidFieldError("query", str(exc)) from None
     return query, prompts
+
+
+def without_prompts(request: coordinator_pb2.SubmitQueryRequest) -> bytes:
+    """The submission's bytes with every prompt emptied: its shape, which is all that a
+    replay of the workflow (the tuner's window) needs, at a fraction of the size."""
+    shape = coordinator_pb2.SubmitQueryRequest()
+    shape.CopyFrom(request)
+    for stage in shape.workflow.stages:
+        for call in stage.calls:
+            call.prompt = ""
+    return shape.SerializeToString()
 
 
 def submit_from_query(query: Query) -> coordinator_pb2.SubmitQueryRequest:
@@ -184,6 +279,7 @@ def ticket_to_dispatch(
         query_deadline_s=ticket.query_deadline_s,
         remaining_after_s=ticket.remaining_after_s,
         traceparent=traceparent,
+        attempt=ticket.attempt,
     )
 
 
@@ -201,4 +297,5 @@ def dispatch_to_ticket(pb: worker_pb2.DispatchCall) -> CallTicket:
         deadline_s=pb.deadline_s,
         query_deadline_s=pb.query_deadline_s,
         remaining_after_s=pb.remaining_after_s,
+        attempt=pb.attempt,
     )

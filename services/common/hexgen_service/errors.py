@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import grpc
 
-__all__ = ["InvalidFieldError", "abort_invalid"]
+__all__ = [
+    "AlreadyExistsError",
+    "InvalidFieldError",
+    "OverloadedError",
+    "UnavailableError",
+    "abort_invalid",
+]
 
 
 class InvalidFieldError(ValueError):
@@ -14,6 +20,27 @@ class InvalidFieldError(ValueError):
     def __init__(self, field: str, message: str) -> None:
         self.field = field
         super().__init__(f"{field}: {message}")
+
+
+class AlreadyExistsError(ValueError):
+    """An id resubmitted with different content (ALREADY_EXISTS at the edge)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field = field
+        super().__init__(f"{field}: {message}")
+
+
+class OverloadedError(RuntimeError):
+    """Admission control refused a request (RESOURCE_EXHAUSTED at the edge); the client may
+    retry after `retry_after_s` wall seconds (sent as the ``retry-after-s`` trailer)."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        self.retry_after_s = retry_after_s
+        super().__init__(message)
+
+
+class UnavailableError(RuntimeError):
+    """A dependency (Redis) is unreachable for now (UNAVAILABLE at the edge: retryable)."""
 
 
 async def abort_invalid(

@@ -9,12 +9,11 @@ import sys
 from dataclasses import fields
 
 import grpc
-import redis.asyncio as aioredis
 
-from hexgen_api.v1 import coordinator_pb2_grpc, worker_pb2_grpc
 from hexgen_coordinator.config import CoordinatorConfig
 from hexgen_coordinator.coordinator import Coordinator
-from hexgen_coordinator.service import CoordinatorServicer, WorkerServicer
+from hexgen_coordinator.edge import add_coordinator_services
+from hexgen_coordinator.redis_retry import redis_client
 from hexgen_flow.errors import HexgenFlowError
 from hexgen_service.server import GrpcServer
 
@@ -44,6 +43,21 @@ def parse_args(argv: list[str] | None = None) -> tuple[CoordinatorConfig, str]:
     parser.add_argument("--heartbeat-interval-s", type=float, default=defaults.heartbeat_interval_s)
     parser.add_argument("--heartbeat-timeout-s", type=float, default=defaults.heartbeat_timeout_s)
     parser.add_argument("--resume-grace-s", type=float, default=defaults.resume_grace_s)
+    parser.add_argument("--max-call-attempts", type=int, default=defaults.max_call_attempts)
+    parser.add_argument("--retention-s", type=float, default=defaults.retention_s)
+    parser.add_argument("--stream-maxlen", type=int, default=defaults.stream_maxlen)
+    parser.add_argument(
+        "--admission", choices=("reject", "best-effort", "off"), default=defaults.admission
+    )
+    parser.add_argument("--admission-slack", type=float, default=defaults.admission_slack)
+    parser.add_argument("--max-running-queries", type=int, default=defaults.max_running_queries)
+    parser.add_argument("--max-tenant-queries", type=int, default=defaults.max_tenant_queries)
+    parser.add_argument("--max-prompt-bytes", type=int, default=defaults.max_prompt_bytes)
+    parser.add_argument("--max-calls", type=int, default=defaults.max_calls)
+    parser.add_argument("--max-stages", type=int, default=defaults.max_stages)
+    parser.add_argument("--max-id-bytes", type=int, default=defaults.max_id_bytes)
+    parser.add_argument("--max-tenant-bytes", type=int, default=defaults.max_tenant_bytes)
+    parser.add_argument("--max-slo-s", type=float, default=defaults.max_slo_s)
     parser.add_argument("--log-level", default="INFO")
     del docs
     args = parser.parse_args(argv)
@@ -53,6 +67,23 @@ def parse_args(argv: list[str] | None = None) -> tuple[CoordinatorConfig, str]:
         parser.error("--slo-scale must be > 0")
     if args.alpha is not None and not 0 <= args.alpha <= 1:
         parser.error("--alpha must be in [0, 1]")
+    for flag in (
+        "max_call_attempts",
+        "stream_maxlen",
+        "max_running_queries",
+        "max_prompt_bytes",
+        "max_calls",
+        "max_stages",
+        "max_id_bytes",
+        "max_tenant_bytes",
+    ):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1")
+    for flag in ("retention_s", "admission_slack", "max_slo_s"):
+        if not getattr(args, flag) > 0:
+            parser.error(f"--{flag.replace('_', '-')} must be > 0")
+    if args.max_tenant_queries < 0:
+        parser.error("--max-tenant-queries must be >= 0 (0: no limit)")
     config = CoordinatorConfig(
         listen=args.listen,
         redis_url=args.redis_url,
@@ -67,6 +98,19 @@ def parse_args(argv: list[str] | None = None) -> tuple[CoordinatorConfig, str]:
         heartbeat_interval_s=args.heartbeat_interval_s,
         heartbeat_timeout_s=args.heartbeat_timeout_s,
         resume_grace_s=args.resume_grace_s,
+        max_call_attempts=args.max_call_attempts,
+        retention_s=args.retention_s,
+        stream_maxlen=args.stream_maxlen,
+        admission=args.admission,
+        admission_slack=args.admission_slack,
+        max_running_queries=args.max_running_queries,
+        max_tenant_queries=args.max_tenant_queries,
+        max_prompt_bytes=args.max_prompt_bytes,
+        max_calls=args.max_calls,
+        max_stages=args.max_stages,
+        max_id_bytes=args.max_id_bytes,
+        max_tenant_bytes=args.max_tenant_bytes,
+        max_slo_s=args.max_slo_s,
     )
     return config, args.log_level
 
@@ -74,11 +118,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[CoordinatorConfig, str]:
 async def serve(config: CoordinatorConfig) -> None:
     # Bursts of submissions, completion batches and write-behind share the pool: callers
     # wait for a connection rather than fail when it is busy.
-    redis: aioredis.Redis[bytes] = aioredis.Redis(
-        connection_pool=aioredis.BlockingConnectionPool.from_url(
-            config.redis_url, max_connections=64, timeout=30
-        )
-    )
+    redis = redis_client(config.redis_url)
     try:
         await redis.ping()
     except Exception as exc:  # any connection failure reads the same to a user
@@ -89,10 +129,7 @@ async def serve(config: CoordinatorConfig) -> None:
     await coordinator.start()
 
     def register(server: grpc.aio.Server) -> None:
-        coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(
-            CoordinatorServicer(coordinator), server
-        )
-        worker_pb2_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(coordinator), server)
+        add_coordinator_services(server, coordinator)
 
     server = GrpcServer(config.listen, register, SERVICE_NAMES)
     await server.start()

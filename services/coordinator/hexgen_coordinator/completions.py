@@ -6,16 +6,18 @@ then in memory, under the query's lock (`hexgen_coordinator.ledger` says why).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
 from hexgen_api.v1 import coordinator_pb2 as cpb
 from hexgen_api.v1 import worker_pb2 as wpb
 from hexgen_coordinator.dispatch import Dispatch
-from hexgen_coordinator.events import record_event
+from hexgen_coordinator.events import end_watch, record_event
 from hexgen_coordinator.ledger import ActiveQuery, Ledger, parse_call_id
 from hexgen_coordinator.links import WorkerLink
-from hexgen_coordinator.store import WorkflowStore
+from hexgen_coordinator.redis_retry import until_stored
+from hexgen_coordinator.store import COMPLETE_DUPLICATE, WorkflowStore
 from hexgen_coordinator.views import QueryViews
 from hexgen_coordinator.write_behind import WriteBehind
 from hexgen_flow.cluster import Cluster
@@ -39,7 +41,10 @@ class Completions:
         dispatch: Dispatch,
         writes: WriteBehind,
         views: QueryViews,
+        max_attempts: int = 3,
     ) -> None:
+        self.max_attempts = max_attempts
+        """Failed attempts after which a call's query ends FAILED."""
         self.cluster = cluster
         self.scheduler = scheduler
         self.store = store
@@ -79,6 +84,18 @@ class Completions:
             text=msg.text,
         )
 
+    def _stale(self, link: WorkerLink, ticket: CallTicket, attempt: int) -> str | None:
+        """Why a report about `ticket` from `link` is not the one the coordinator waits
+        for (None: it is): the call was dispatched elsewhere, or again since."""
+        if ticket.instance >= 0:
+            if ticket.instance != link.slot:
+                return f"the call is on slot {ticket.instance}, not {link.slot}"
+        elif self.ledger.adoptable.get(ticket.call_id) != link.slot:
+            return "the call waits to be dispatched again"
+        if attempt and ticket.attempt and attempt != ticket.attempt:
+            return f"attempt {attempt} is not the latest ({ticket.attempt})"
+        return None
+
     async def on_finished(self, link: WorkerLink, msg: wpb.CallFinished) -> None:
         t0 = time.perf_counter()
         ledger = self.ledger
@@ -98,11 +115,13 @@ class Completions:
             if ticket is None:  # already applied (a resend)
                 link.ack(call_id)
                 return
+            stale = self._stale(link, ticket, msg.attempt)
+            if stale is not None:
+                log.info("ignored a result of %s from %s: %s", call_id, link.worker_id, stale)
+                link.ack(call_id)  # the worker forgets it; the latest attempt will report
+                return
             if msg.error:
-                log.warning("call %s failed on %s: %s", call_id, link.worker_id, msg.error)
-                link.ack(call_id)
-                self.dispatch.redispatch(ticket, f"engine error: {msg.error}")
-                self.writes.persist(entry, [ticket])
+                await self._failed(entry, ticket, link, msg)
                 return
             now = ledger.clock.now()
             run = entry.run
@@ -124,17 +143,35 @@ class Completions:
                 "started_s": repr(msg.started_s),
                 "finished_s": repr(msg.finished_s or now),
             }
-            result = await self.store.complete(
-                query_id, call_id, stage, run.query.workflow.dependents[stage], now, record
+            dependents = run.query.workflow.dependents[stage]
+            result = await until_stored(
+                f"completing {call_id}",
+                lambda: self.store.complete(
+                    query_id,
+                    call_id,
+                    stage,
+                    dependents,
+                    now,
+                    record,
+                    slot=link.slot,
+                    attempt=msg.attempt,
+                ),
             )
             link.ack(call_id)
-            if not result.applied:
+            if result.status == COMPLETE_DUPLICATE:
+                # Redis has it and memory does not: an earlier try's reply was lost on the
+                # way back (Redis went away after applying it). Memory catches up.
+                log.info("completion of %s was already in redis; applying it in memory", call_id)
+            elif not result.applied:
+                log.warning(
+                    "redis refused the completion of %s (status %d)", call_id, result.status
+                )
                 return
             del ledger.tickets[call_id]
             ledger.completions += 1
             released = self.scheduler.complete(ticket, now)
             stages_released = sorted({t.stage for t in released})
-            if tuple(stages_released) != tuple(sorted(result.released)):
+            if result.applied and tuple(stages_released) != tuple(sorted(result.released)):
                 log.error(
                     "release mismatch for %s: redis %s, memory %s",
                     query_id,
@@ -169,11 +206,93 @@ class Completions:
             if run.finished_s is not None:
                 self.finish(entry)
 
+    async def _failed(
+        self, entry: ActiveQuery, ticket: CallTicket, link: WorkerLink, msg: wpb.CallFinished
+    ) -> None:
+        """An attempt of a call failed: retry it elsewhere after a backoff, or, at the
+        attempt limit, end the query FAILED (the caller holds the query's lock)."""
+        ledger, call_id = self.ledger, ticket.call_id
+        now = ledger.clock.now()
+        limit = self.max_attempts
+        reason = f"call {call_id} failed {limit} times; last error: {msg.error}"
+        result = await until_stored(
+            f"failing {call_id}",
+            lambda: self.store.fail_call(
+                ticket.query_id,
+                call_id,
+                slot=link.slot,
+                attempt=msg.attempt,
+                max_attempts=limit,
+                now=now,
+                reason=reason,
+            ),
+        )
+        link.ack(call_id)
+        if not (result.retry or result.query_failed):
+            log.warning("redis refused the failure of %s (status %d)", call_id, result.status)
+            return
+        log.warning(
+            "call %s failed on %s (%d of %d attempts): %s",
+            call_id,
+            link.worker_id,
+            result.failures,
+            limit,
+            msg.error,
+        )
+        instance = self.cluster.instances[link.slot].name if link.slot >= 0 else ""
+        record_event(
+            entry,
+            K.QUERY_EVENT_KIND_CALL_FAILED,
+            now,
+            stage=ticket.stage,
+            call_id=call_id,
+            instance=instance,
+            text=msg.error,
+        )
+        if result.query_failed:
+            self._drop_calls(entry)
+            record_event(entry, K.QUERY_EVENT_KIND_FAILED, now, text=reason)
+            self.writes.persist(entry, [])
+            await self.writes.flush()  # GetQuery reads a finished query's log from Redis
+            ledger.queries_failed += 1
+            self.finish(entry)
+            return
+        failed_on = ticket.instance if ticket.instance >= 0 else link.slot
+        self.scheduler.withdraw(ticket)  # off the failing instance while it waits
+        self.writes.persist(entry, [ticket])
+        delay = min(0.1 * 2 ** (result.failures - 1), 2.0)  # wall seconds
+        asyncio.get_running_loop().call_later(delay, self._retry, ticket, failed_on, msg.error)
+
+    def _retry(self, ticket: CallTicket, avoid: int, error: str) -> None:
+        entry = self.ledger.active.get(ticket.query_id)
+        if entry is None or self.ledger.tickets.get(ticket.call_id) is not ticket:
+            return  # the query ended meanwhile
+        if ticket.instance >= 0:
+            return  # dispatched meanwhile (an instance came back and took the parked call)
+        self.dispatch.redispatch(ticket, f"engine error: {error}", avoid=avoid)
+        self.writes.persist(entry, [ticket])
+
+    def _drop_calls(self, entry: ActiveQuery) -> None:
+        """Withdraw every call of a query that ended early, aborting those on workers."""
+        ledger = self.ledger
+        query_id = entry.run.query.query_id
+        for ticket in [t for t in ledger.tickets.values() if t.query_id == query_id]:
+            if ticket.instance >= 0:
+                link = ledger.links[ticket.instance]
+                if link is not None:
+                    link.send(wpb.ConnectResponse(cancel=wpb.CancelCall(call_id=ticket.call_id)))
+            self.scheduler.withdraw(ticket)
+            del ledger.tickets[ticket.call_id]
+            ledger.adoptable.pop(ticket.call_id, None)
+            span = ledger.call_spans.pop(ticket.call_id, None)
+            if span is not None:
+                span.end()
+
     def finish(self, entry: ActiveQuery) -> None:
         query_id = entry.run.query.query_id
         entry.span.end()
         for watcher in entry.watchers:
-            watcher.put_nowait(None)
+            end_watch(watcher)
         self.ledger.active.pop(query_id, None)
         if entry.run.finished_s is not None:  # succeeded (the `finished` stream counts these)
             self.ledger.queries_finished += 1
@@ -184,20 +303,11 @@ class Completions:
         if entry is None:
             return await self.views.get_info(query_id)  # raises UnknownQueryError if none
         async with entry.lock:
+            if ledger.active.get(query_id) is not entry:  # ended while we waited for the lock
+                return await self.views.get_info(query_id)
             now = ledger.clock.now()
-            await self.store.cancel(query_id, now)
-            for ticket in [t for t in ledger.tickets.values() if t.query_id == query_id]:
-                if ticket.instance >= 0:
-                    link = ledger.links[ticket.instance]
-                    if link is not None:
-                        link.send(
-                            wpb.ConnectResponse(cancel=wpb.CancelCall(call_id=ticket.call_id))
-                        )
-                self.scheduler.withdraw(ticket)
-                del ledger.tickets[ticket.call_id]
-                span = ledger.call_spans.pop(ticket.call_id, None)
-                if span is not None:
-                    span.end()
+            await self.store.cancel(query_id, now)  # Redis away: UNAVAILABLE, retryable
+            self._drop_calls(entry)
             record_event(entry, K.QUERY_EVENT_KIND_CANCELLED, now)
             self.writes.persist(entry, [])
             await self.writes.flush()

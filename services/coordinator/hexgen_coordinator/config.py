@@ -44,3 +44,35 @@ class CoordinatorConfig:
     they still hold before those calls are dispatched again."""
     seed: int = 0
     """Seeds the dispatcher's random generator (pow2)."""
+    # ---------------------------------------------------------------- faults and retention
+    max_call_attempts: int = 3
+    """Dispatches a call gets when its engine reports an error; after the last one fails its
+    query ends FAILED with the error as the reason."""
+    retention_s: float = 3600.0
+    """Wall seconds a finished query (its hash and event log) stays in Redis."""
+    stream_maxlen: int = 10_000
+    """Approximate length the `completions` and `finished` streams are trimmed to."""
+    # ---------------------------------------------------------------- admission control
+    admission: str = "reject"
+    """What to do with a query predicted to miss its SLO under the current load: "reject"
+    (RESOURCE_EXHAUSTED with a retry-after hint), "best-effort" (admit it at the lowest
+    urgency) or "off" (admit everything)."""
+    admission_slack: float = 1.0
+    """A query is admitted when its predicted completion is within slack x its SLO."""
+    max_running_queries: int = 10_000
+    """Running queries the coordinator holds at most (RESOURCE_EXHAUSTED beyond)."""
+    max_tenant_queries: int = 0
+    """Running queries one tenant may hold at most; 0: no per-tenant limit."""
+    # ---------------------------------------------------------------- input limits
+    max_prompt_bytes: int = 1 << 20
+    """Largest prompt of one call (UTF-8 bytes)."""
+    max_calls: int = 1024
+    """Most calls in one workflow (repeats unrolled)."""
+    max_stages: int = 256
+    """Most stages in one workflow (repeats unrolled)."""
+    max_id_bytes: int = 256
+    """Longest query id."""
+    max_tenant_bytes: int = 64
+    """Longest tenant name."""
+    max_slo_s: float = 86_400.0
+    """Largest SLO a query may ask for (seconds on the cluster clock)."""

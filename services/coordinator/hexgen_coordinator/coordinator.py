@@ -57,7 +57,12 @@ class Coordinator:
         self.cluster = parse_cluster(config.cluster, config.model, config.calibration)
         preset = resolve_policy(config.policy)
         self.scheduler = GlobalScheduler(self.cluster, preset, seed=config.seed)
-        self.store = WorkflowStore(redis, config.redis_prefix)
+        self.store = WorkflowStore(
+            redis,
+            config.redis_prefix,
+            retention_s=config.retention_s,
+            stream_maxlen=config.stream_maxlen,
+        )
         self.redis = redis
         self.slo_base_s = self.scheduler.slo_base_s
         self.tracer = setup_tracing("hexgen-coordinator")
@@ -75,7 +80,14 @@ class Coordinator:
             config, scheduler, store, self.tracer, ledger, self._dispatch, self._writes, self._views
         )
         self._completions = Completions(
-            cluster, scheduler, store, ledger, self._dispatch, self._writes, self._views
+            cluster,
+            scheduler,
+            store,
+            ledger,
+            self._dispatch,
+            self._writes,
+            self._views,
+            max_attempts=config.max_call_attempts,
         )
         self._recovery = Recovery(
             config, scheduler, store, redis, self.tracer, ledger, self._dispatch
@@ -120,6 +132,7 @@ class Coordinator:
         self._tasks.append(asyncio.create_task(self._workers.watch_heartbeats()))
 
     async def stop(self) -> None:
+        await self._admission.stop()
         await self.flush()
         for task in self._tasks:
             task.cancel()
@@ -138,7 +151,16 @@ class Coordinator:
 
     async def submit(self, request: cpb.SubmitQueryRequest) -> tuple[cpb.QueryInfo, bool]:
         """Admit a query (idempotent on its id); raises InvalidFieldError for bad input."""
-        return await self._admission.submit(request)
+        info, created = await self._admission.submit(request)
+        if (
+            not created
+            and info.state == cpb.QUERY_STATE_RUNNING
+            and info.query_id not in self.ledger.active
+        ):
+            # Stored and running, yet not in memory: the submit script ran on an earlier
+            # try whose reply was lost (Redis went away). Take it up as a restart would.
+            await self._recovery.resume_one(info.query_id)
+        return info, created
 
     async def cancel(self, query_id: str) -> cpb.QueryInfo:
         return await self._completions.cancel(query_id)

@@ -72,6 +72,7 @@ class Dispatch:
                 self.redispatch(ticket, "instance went away")
                 continue
             entry = ledger.active[ticket.query_id]
+            ticket.attempt += 1  # a completion is taken only from the latest attempt
             span = self.tracer.start_span(
                 "call",
                 context=trace.set_span_in_context(entry.span),
@@ -110,10 +111,11 @@ class Dispatch:
             self.ledger.submit_ms.append((time.perf_counter() - entry.first_dispatch_pending) * 1e3)
             entry.first_dispatch_pending = None
 
-    def redispatch(self, ticket: CallTicket, reason: str) -> None:
+    def redispatch(self, ticket: CallTicket, reason: str, avoid: int = -1) -> None:
+        """Send a call again, to another instance than `avoid` where another can take it."""
         self.scheduler.withdraw(ticket)
         try:
-            self.scheduler.dispatch(ticket, self.ledger.clock.now())
+            self._dispatch_avoiding(ticket, avoid)
         except NoInstanceError:
             log.warning("no instance can take %s now; parked", ticket.call_id)
             return
@@ -128,6 +130,19 @@ class Dispatch:
                 text=reason,
             )
         self.send([ticket])
+
+    def _dispatch_avoiding(self, ticket: CallTicket, avoid: int) -> None:
+        load, now = self.scheduler.load, self.ledger.clock.now()
+        if avoid >= 0 and load.available[avoid]:
+            load.set_available(avoid, False)
+            try:
+                self.scheduler.dispatch(ticket, now)
+                return
+            except NoInstanceError:
+                pass  # the only instance that can take it: it gets the call again
+            finally:
+                load.set_available(avoid, True)
+        self.scheduler.dispatch(ticket, now)
 
     def dispatch_parked(self, now: float) -> None:
         """Dispatch the calls that wait for an instance, in release order; those a worker

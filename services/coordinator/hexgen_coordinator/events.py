@@ -15,7 +15,11 @@ from hexgen_coordinator.ledger import ActiveQuery, Ledger
 from hexgen_coordinator.store import WorkflowStore
 from hexgen_coordinator.views import QueryViews
 
-__all__ = ["record_event", "watch"]
+__all__ = ["WATCH_BUFFER", "end_watch", "record_event", "watch"]
+
+WATCH_BUFFER = 10_000
+"""Events a watcher may fall behind by; one that falls further has its stream ended (it
+can watch again: past events come back from the log)."""
 
 K = cpb.QueryEventKind
 
@@ -42,8 +46,22 @@ def record_event(
     )
     if kind != K.QUERY_EVENT_KIND_CALL_TOKENS:  # token chunks are live only
         entry.events.append(event)
-    for watcher in entry.watchers:
-        watcher.put_nowait(event)
+    for watcher in list(entry.watchers):
+        try:
+            watcher.put_nowait(event)
+        except asyncio.QueueFull:  # a watcher that stopped reading: its stream ends
+            entry.watchers.discard(watcher)
+            end_watch(watcher)
+
+
+def end_watch(watcher: asyncio.Queue[cpb.QueryEvent | None]) -> None:
+    """End a watcher's stream (what it has not read yet is dropped if its buffer is full)."""
+    while True:
+        try:
+            watcher.put_nowait(None)
+            return
+        except asyncio.QueueFull:
+            watcher.get_nowait()
 
 
 async def watch(
@@ -56,7 +74,7 @@ async def watch(
         for raw in await store.events(query_id):
             yield cpb.QueryEvent.FromString(raw)
         return
-    queue: asyncio.Queue[cpb.QueryEvent | None] = asyncio.Queue()
+    queue: asyncio.Queue[cpb.QueryEvent | None] = asyncio.Queue(maxsize=WATCH_BUFFER)
     past = list(entry.events)  # snapshot and subscribe with no await in between
     entry.watchers.add(queue)
     try:

@@ -73,3 +73,7 @@ class Ledger:
         self.submit_ms: deque[float] = deque(maxlen=200_000)
         self.completions = 0
         self.queries_finished = 0
+        self.queries_failed = 0
+        """Queries that ended FAILED since this coordinator started."""
+        self.queries_rejected = 0
+        """Submissions refused by admission control since this coordinator started."""

@@ -17,7 +17,7 @@ from hexgen_api.v1 import coordinator_pb2 as cpb
 from hexgen_coordinator.config import CoordinatorConfig
 from hexgen_coordinator.dispatch import Dispatch
 from hexgen_coordinator.ledger import ActiveQuery, Ledger, call_id_of
-from hexgen_coordinator.store import StoredQuery, WorkflowStore
+from hexgen_coordinator.store import StoredQuery, WorkflowStore, parse_placement
 from hexgen_flow.runtime import CallTicket
 from hexgen_flow.scheduler import GlobalScheduler
 from hexgen_service.convert import parse_submit
@@ -69,6 +69,24 @@ class Recovery:
             return asyncio.create_task(self._end_grace())
         return None
 
+    async def resume_one(self, query_id: str) -> None:
+        """Take up one stored running query this coordinator does not hold, and dispatch
+        its released calls."""
+        stored = await self.store.load(query_id)
+        if (
+            stored is None
+            or stored.fields.get("state") != "running"
+            or query_id in self.ledger.active
+        ):
+            return
+        logged = int(await self.redis.llen(self.store.evkey(query_id)))
+        max_seq = self._resume_query(stored, logged)
+        self.scheduler.next_seq = max(self.scheduler.next_seq, max_seq + 1)
+        for call_id in [c for c in self.ledger.adoptable if c.startswith(f"{query_id}/")]:
+            del self.ledger.adoptable[call_id]  # no worker holds a call of a query never taken
+        log.info("took up query %s, stored by a try whose reply was lost", query_id)
+        self.dispatch.dispatch_parked(self.ledger.clock.now())
+
     def _resume_query(self, stored: StoredQuery, logged_events: int) -> int:
         ledger = self.ledger
         request = cpb.SubmitQueryRequest.FromString(stored.submit)
@@ -102,17 +120,19 @@ class Recovery:
                 state = stored.call(call_id)
                 if state == "done":
                     continue
-                seq = self.scheduler.next_seq
-                slot = -1
-                if state:
-                    slot_s, _, seq_s = state.partition(":")
-                    slot, seq = int(slot_s), int(seq_s)
-                else:
+                placed = parse_placement(state) if state else None
+                slot, attempt = -1, 0
+                if placed is not None and placed.seq >= 0 and placed.slot >= 0:
+                    slot, seq, attempt = placed.slot, placed.seq, placed.attempt
+                else:  # never placed, or between attempts: a new release order
+                    seq = self.scheduler.next_seq
                     self.scheduler.next_seq += 1
+                    attempt = placed.attempt if placed is not None else 0
                 ticket = CallTicket(
                     seq, run, k, call, rel_s, deadline, plan.tail_s[k] - plan.stage_s[k]
                 )
                 ticket.call_id = call_id
+                ticket.attempt = attempt
                 ledger.tickets[call_id] = ticket
                 max_seq = max(max_seq, seq)
                 if slot >= 0:

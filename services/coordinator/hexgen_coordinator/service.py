@@ -20,7 +20,7 @@ from hexgen_coordinator.coordinator import (
     UnknownQueryError,
     WorkerLink,
 )
-from hexgen_service.errors import InvalidFieldError
+from hexgen_coordinator.edge import statuses
 
 __all__ = ["CoordinatorServicer", "WorkerServicer"]
 
@@ -30,76 +30,81 @@ Context = grpc.aio.ServicerContext
 
 
 class CoordinatorServicer(cpb_grpc.CoordinatorServiceServicer):
+    """Every handler runs in `statuses`: errors become statuses with a one-line message
+    (INVALID_ARGUMENT, ALREADY_EXISTS, RESOURCE_EXHAUSTED with ``retry-after-s``,
+    UNAVAILABLE while Redis is unreachable, NOT_FOUND for an unknown query)."""
+
     def __init__(self, coordinator: Coordinator) -> None:
         self.c = coordinator
 
     async def SubmitQuery(  # noqa: N802 - gRPC method name
         self, request: cpb.SubmitQueryRequest, context: Context[object, object]
     ) -> cpb.SubmitQueryResponse:
-        try:
+        async with statuses(context):
             info, created = await self.c.submit(request)
-        except InvalidFieldError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        return cpb.SubmitQueryResponse(query=info, created=created)
+            return cpb.SubmitQueryResponse(query=info, created=created)
+        raise AssertionError("unreachable")
 
     async def WatchQuery(  # noqa: N802
         self, request: cpb.WatchQueryRequest, context: Context[object, object]
     ) -> AsyncIterator[cpb.WatchQueryResponse]:
         if not request.query_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "query_id: must not be empty")
-        try:
-            async for event in self.c.watch(request.query_id):
-                yield cpb.WatchQueryResponse(event=event)
-        except UnknownQueryError:
-            await context.abort(
-                grpc.StatusCode.NOT_FOUND, f"query_id: no query {request.query_id!r}"
-            )
+        async with statuses(context):
+            try:
+                async for event in self.c.watch(request.query_id):
+                    yield cpb.WatchQueryResponse(event=event)
+            except UnknownQueryError:
+                await _not_found(context, request.query_id)
 
     async def RunQuery(  # noqa: N802
         self, request: cpb.RunQueryRequest, context: Context[object, object]
     ) -> AsyncIterator[cpb.RunQueryResponse]:
-        try:
+        async with statuses(context, "query."):
             info, _ = await self.c.submit(request.query)
-        except InvalidFieldError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"query.{exc}")
-        async for event in self.c.watch(info.query_id):
-            yield cpb.RunQueryResponse(event=event)
+        async with statuses(context):
+            async for event in self.c.watch(info.query_id):
+                yield cpb.RunQueryResponse(event=event)
 
     async def CancelQuery(  # noqa: N802
         self, request: cpb.CancelQueryRequest, context: Context[object, object]
     ) -> cpb.CancelQueryResponse:
-        try:
-            return cpb.CancelQueryResponse(query=await self.c.cancel(request.query_id))
-        except UnknownQueryError:
-            await context.abort(
-                grpc.StatusCode.NOT_FOUND, f"query_id: no query {request.query_id!r}"
-            )
+        async with statuses(context):
+            try:
+                return cpb.CancelQueryResponse(query=await self.c.cancel(request.query_id))
+            except UnknownQueryError:
+                await _not_found(context, request.query_id)
         raise AssertionError("unreachable")
 
     async def GetQuery(  # noqa: N802
         self, request: cpb.GetQueryRequest, context: Context[object, object]
     ) -> cpb.GetQueryResponse:
-        try:
-            info, events = await self.c.get(request.query_id)
-        except UnknownQueryError:
-            await context.abort(
-                grpc.StatusCode.NOT_FOUND, f"query_id: no query {request.query_id!r}"
-            )
-        return cpb.GetQueryResponse(query=info, events=events)
+        async with statuses(context):
+            try:
+                info, events = await self.c.get(request.query_id)
+            except UnknownQueryError:
+                await _not_found(context, request.query_id)
+            return cpb.GetQueryResponse(query=info, events=events)
+        raise AssertionError("unreachable")
 
     async def ClusterStatus(  # noqa: N802
         self, request: cpb.ClusterStatusRequest, context: Context[object, object]
     ) -> cpb.ClusterStatusResponse:
-        return self.c.status()
+        async with statuses(context):
+            return self.c.status()
+        raise AssertionError("unreachable")
 
     async def SetAlpha(  # noqa: N802
         self, request: cpb.SetAlphaRequest, context: Context[object, object]
     ) -> cpb.SetAlphaResponse:
-        try:
+        async with statuses(context):
             previous = await self.c.set_alpha(request.alpha, request.reason)
-        except InvalidFieldError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        return cpb.SetAlphaResponse(previous_alpha=previous, alpha=request.alpha)
+            return cpb.SetAlphaResponse(previous_alpha=previous, alpha=request.alpha)
+        raise AssertionError("unreachable")
+
+
+async def _not_found(context: Context[object, object], query_id: str) -> None:
+    await context.abort(grpc.StatusCode.NOT_FOUND, f"query_id: no query {query_id!r}")
 
 
 class WorkerServicer(wpb_grpc.WorkerServiceServicer):
@@ -113,7 +118,8 @@ class WorkerServicer(wpb_grpc.WorkerServiceServicer):
         request_iterator: AsyncIterator[wpb.ConnectRequest],
         context: Context[object, object],
     ) -> AsyncIterator[wpb.ConnectResponse]:
-        first = await anext(aiter(request_iterator), None)
+        async with statuses(context):
+            first = await anext(aiter(request_iterator), None)
         if first is None or first.WhichOneof("message") != "hello":
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, "hello: the first message must be a WorkerHello"
@@ -125,12 +131,11 @@ class WorkerServicer(wpb_grpc.WorkerServiceServicer):
                 grpc.StatusCode.INVALID_ARGUMENT, "hello.worker_id: must not be empty"
             )
         link = WorkerLink(worker_id=hello.worker_id, engine=wpb.EngineKind.Name(hello.engine))
-        try:
-            self.c.connect(hello, link)
-        except InvalidFieldError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except SlotTakenError as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"hello.slot: {exc}")
+        async with statuses(context):
+            try:
+                self.c.connect(hello, link)
+            except SlotTakenError as exc:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"hello.slot: {exc}")
         reader = asyncio.create_task(self._read(link, request_iterator))
         try:
             while True:

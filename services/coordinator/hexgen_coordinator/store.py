@@ -5,22 +5,35 @@ Key layout (every key starts with the configured prefix P, default ``hf:``)::
     P meta                 hash   epoch_unix_s, time_scale, alpha
     P qseq                 string arrival counter of queries (query_seq)
     P active               set    ids of running queries (what a restarted coordinator resumes)
-    P q:{id}               hash   the query: submit (SubmitQueryRequest bytes), tenant,
-                                  index, arrival_s, slo_s, deadline_s, state, finished_s,
-                                  calls_total, calls_left, stages_total, stages_done;
+    P q:{id}               hash   the query: submit (SubmitQueryRequest bytes), shape (the
+                                  same without prompts), tenant, index, arrival_s, slo_s,
+                                  deadline_s, state, reason, finished_s, calls_total,
+                                  calls_left, stages_total, stages_done;
                                   per stage k: s{k}:left, s{k}:deps, s{k}:rel, s{k}:fin, s{k}:dl;
-                                  per call: c:{call_id} = "slot:seq" while dispatched, "done"
-    P q:{id}:ev            list   the query's events (QueryEvent bytes), in order
+                                  per call: c:{call_id} = "slot:seq:attempt" while dispatched,
+                                  "done" once complete; f:{call_id} = failed attempts
+    P ev:{id}              list   the query's events (QueryEvent bytes), in order
     P completions          stream one entry per finished call (what the tuner reads)
-    P finished             stream one entry per finished query, with its submit bytes
-    P alpha:history        list   JSON of every alpha change
+    P finished             stream one entry per finished query, with its shape
+    P alpha:history        list   JSON of the latest alpha changes
 
-Everything that decides what runs next happens in one Lua script per call completion
-(`complete`): it marks the call done (exactly once: a second completion of the same call
-is rejected), closes the stage when it was its last call, releases every stage whose
-dependencies are all done, counts the query down, finishes it, and appends the completion
-records. A coordinator that dies at any point either did or did not apply a completion;
-there is no half-applied one.
+No id can make two keys collide: a query's two keys sit in different namespaces (``q:`` and
+``ev:``), and neither can spell a fixed key.
+
+Every change that decides what runs next is one Lua script that checks the state it
+changes, so it applies exactly once whatever order or number of times it arrives:
+
+- `submit` creates a query only if its id is new;
+- `place` records where calls went, never over a completed call or a finished query;
+- `complete` accepts a completion only for a call not yet done, from the slot and attempt
+  it was last placed on; it closes the stage, releases every stage whose dependencies are
+  done, counts the query down and finishes it;
+- `fail_call` counts a failed attempt from the slot and attempt it was placed on and, at the
+  limit, ends the query FAILED;
+- `cancel` ends a running query.
+
+A finished query (succeeded, cancelled or failed) expires after the retention window; both
+streams are trimmed to about `stream_maxlen` entries.
 """
 
 from __future__ import annotations
@@ -32,50 +45,119 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-__all__ = ["CompletionResult", "StoredQuery", "WorkflowStore"]
+__all__ = [
+    "COMPLETE_APPLIED",
+    "COMPLETE_DUPLICATE",
+    "COMPLETE_NOT_RUNNING",
+    "COMPLETE_STALE",
+    "CompletionResult",
+    "FailureResult",
+    "Placement",
+    "StoredQuery",
+    "WorkflowStore",
+    "parse_placement",
+]
+
+COMPLETE_APPLIED = 1
+COMPLETE_DUPLICATE = 0
+COMPLETE_NOT_RUNNING = -1
+COMPLETE_STALE = -2
+
+ALPHA_HISTORY_MAX = 1000
+"""alpha:history keeps this many latest changes."""
 
 _SUBMIT = """
--- KEYS: q, qseq, active ; ARGV: submit, tenant, arrival_s, slo_s, deadline_s,
---        calls_total, stages_total, then per stage: left, deps ; returns {created, index}
+-- KEYS: q, qseq, active ; ARGV: submit, shape, tenant, arrival_s, slo_s, deadline_s,
+--        calls_total, stages_total, then per stage: left, deps, then query_id
+-- returns {created, index}
 if redis.call('EXISTS', KEYS[1]) == 1 then
   return {0, tonumber(redis.call('HGET', KEYS[1], 'index'))}
 end
 local index = redis.call('INCR', KEYS[2]) - 1
-redis.call('HSET', KEYS[1], 'submit', ARGV[1], 'tenant', ARGV[2], 'index', index,
-  'arrival_s', ARGV[3], 'slo_s', ARGV[4], 'deadline_s', ARGV[5], 'state', 'running',
-  'finished_s', 0, 'calls_total', ARGV[6], 'calls_left', ARGV[6],
-  'stages_total', ARGV[7], 'stages_done', 0)
-local n = tonumber(ARGV[7])
+redis.call('HSET', KEYS[1], 'submit', ARGV[1], 'shape', ARGV[2], 'tenant', ARGV[3],
+  'index', index, 'arrival_s', ARGV[4], 'slo_s', ARGV[5], 'deadline_s', ARGV[6],
+  'state', 'running', 'finished_s', 0, 'calls_total', ARGV[7], 'calls_left', ARGV[7],
+  'stages_total', ARGV[8], 'stages_done', 0)
+local n = tonumber(ARGV[8])
 for k = 0, n - 1 do
-  redis.call('HSET', KEYS[1], 's' .. k .. ':left', ARGV[8 + 2 * k],
-    's' .. k .. ':deps', ARGV[9 + 2 * k])
-  if tonumber(ARGV[9 + 2 * k]) == 0 then
-    redis.call('HSET', KEYS[1], 's' .. k .. ':rel', ARGV[3])
+  redis.call('HSET', KEYS[1], 's' .. k .. ':left', ARGV[9 + 2 * k],
+    's' .. k .. ':deps', ARGV[10 + 2 * k])
+  if tonumber(ARGV[10 + 2 * k]) == 0 then
+    redis.call('HSET', KEYS[1], 's' .. k .. ':rel', ARGV[4])
   end
 end
-redis.call('SADD', KEYS[3], ARGV[8 + 2 * n])
+redis.call('SADD', KEYS[3], ARGV[9 + 2 * n])
 return {1, index}
 """
 
-_COMPLETE = """
--- KEYS: q, active, completions, finished
--- ARGV: query_id, call_id, stage, now, n_dependents, dependents..., then the completion
---       record as field/value pairs
--- returns {status, calls_left, released stages...}; status 1 applied, 0 duplicate,
--- -1 unknown or not running
+# Shared by the scripts below: is `placed` (a c:{id} value) the dispatch (slot, attempt)
+# names? A call not placed yet (its placement still behind) matches any; attempt 0 is a
+# worker that does not count attempts and matches any attempt on its slot.
+_MATCHES = """
+local function matches(placed, slot, attempt)
+  if not placed then return true end
+  local s, _, a = string.match(placed, '^(-?%d+):(-?%d+):?(%d*)$')
+  if s == nil then return false end
+  if tonumber(slot) >= 0 and tonumber(s) ~= tonumber(slot) then return false end
+  if tonumber(attempt) > 0 and a ~= '' and tonumber(a) ~= tonumber(attempt) then
+    return false
+  end
+  return true
+end
+local function expire(q, ev, ms)
+  redis.call('PEXPIRE', q, ms)
+  if redis.call('EXISTS', ev) == 1 then redis.call('PEXPIRE', ev, ms) end
+end
+"""
+
+_PLACE = """
+-- KEYS: q, ev ; ARGV: n_fields, then field/value pairs (c:{id} placements first, stage
+--       deadlines after: a placement is written only over a call not done), then events
+-- returns 1 if the query exists, 0 if it expired (nothing written)
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+local running = redis.call('HGET', KEYS[1], 'state') == 'running'
+local n = tonumber(ARGV[1])
+for i = 0, n - 1 do
+  local field, value = ARGV[2 + 2 * i], ARGV[3 + 2 * i]
+  if string.sub(field, 1, 2) == 'c:' then
+    if running and redis.call('HGET', KEYS[1], field) ~= 'done' then
+      redis.call('HSET', KEYS[1], field, value)
+    end
+  elseif running then
+    redis.call('HSET', KEYS[1], field, value)
+  end
+end
+if #ARGV > 1 + 2 * n then
+  redis.call('RPUSH', KEYS[2], unpack(ARGV, 2 + 2 * n))
+  local ttl = redis.call('PTTL', KEYS[1])
+  if ttl > 0 then redis.call('PEXPIRE', KEYS[2], ttl) end
+end
+return 1
+"""
+
+_COMPLETE = (
+    _MATCHES
+    + """
+-- KEYS: q, active, completions, finished, ev
+-- ARGV: query_id, call_id, stage, now, slot, attempt, retention_ms, maxlen, n_dependents,
+--       dependents..., then the completion record as field/value pairs
+-- returns {status, calls_left, released stages...}: status 1 applied, 0 already done,
+-- -1 unknown or not running, -2 not from the slot and attempt the call was placed on
 if redis.call('HGET', KEYS[1], 'state') ~= 'running' then return {-1, -1} end
 local ckey = 'c:' .. ARGV[2]
-if redis.call('HGET', KEYS[1], ckey) == 'done' then return {0, -1} end
+local placed = redis.call('HGET', KEYS[1], ckey)
+if placed == 'done' then return {0, -1} end
+if not matches(placed, ARGV[5], ARGV[6]) then return {-2, -1} end
 redis.call('HSET', KEYS[1], ckey, 'done')
 local k = ARGV[3]
 local now = ARGV[4]
+local ndep = tonumber(ARGV[9])
 local released = {}
 if redis.call('HINCRBY', KEYS[1], 's' .. k .. ':left', -1) == 0 then
   redis.call('HSET', KEYS[1], 's' .. k .. ':fin', now)
   redis.call('HINCRBY', KEYS[1], 'stages_done', 1)
-  local ndep = tonumber(ARGV[5])
   for i = 1, ndep do
-    local j = ARGV[5 + i]
+    local j = ARGV[9 + i]
     if redis.call('HINCRBY', KEYS[1], 's' .. j .. ':deps', -1) == 0 then
       redis.call('HSET', KEYS[1], 's' .. j .. ':rel', now)
       table.insert(released, tonumber(j))
@@ -83,41 +165,110 @@ if redis.call('HINCRBY', KEYS[1], 's' .. k .. ':left', -1) == 0 then
   end
 end
 local record = {}
-local ndep = tonumber(ARGV[5])
-for i = 6 + ndep, #ARGV do table.insert(record, ARGV[i]) end
-redis.call('XADD', KEYS[3], 'MAXLEN', '~', 100000, '*', unpack(record))
+for i = 10 + ndep, #ARGV do table.insert(record, ARGV[i]) end
+redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[8], '*', unpack(record))
 local left = redis.call('HINCRBY', KEYS[1], 'calls_left', -1)
 if left == 0 then
   redis.call('HSET', KEYS[1], 'state', 'succeeded', 'finished_s', now)
   redis.call('SREM', KEYS[2], ARGV[1])
-  local q = redis.call('HMGET', KEYS[1], 'tenant', 'arrival_s', 'slo_s', 'submit')
-  redis.call('XADD', KEYS[4], 'MAXLEN', '~', 100000, '*', 'query_id', ARGV[1],
+  local q = redis.call('HMGET', KEYS[1], 'tenant', 'arrival_s', 'slo_s', 'shape')
+  redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[8], '*', 'query_id', ARGV[1],
     'tenant', q[1], 'arrival_s', q[2], 'finished_s', now, 'slo_s', q[3], 'submit', q[4])
+  expire(KEYS[1], KEYS[5], ARGV[7])
 end
 local out = {1, left}
 for _, j in ipairs(released) do table.insert(out, j) end
 return out
 """
+)
 
-_CANCEL = """
--- KEYS: q, active ; ARGV: query_id, now ; returns 1 if cancelled now, 0 if not running
+_FAIL_CALL = (
+    _MATCHES
+    + """
+-- KEYS: q, active, ev ; ARGV: query_id, call_id, slot, attempt, max_attempts, now, reason,
+--       retention_ms
+-- returns {status, failures}: status 1 counted (retry), 2 counted and the query failed,
+-- 0 already done, -1 not running, -2 not from where the call was placed
+if redis.call('HGET', KEYS[1], 'state') ~= 'running' then return {-1, 0} end
+local placed = redis.call('HGET', KEYS[1], 'c:' .. ARGV[2])
+if placed == 'done' then return {0, 0} end
+if not matches(placed, ARGV[3], ARGV[4]) then return {-2, 0} end
+-- the attempt is over: on no slot until placed again, so that a late completion of it is
+-- not taken for the next attempt
+redis.call('HSET', KEYS[1], 'c:' .. ARGV[2], '-1:0:' .. ARGV[4])
+local failures = redis.call('HINCRBY', KEYS[1], 'f:' .. ARGV[2], 1)
+if failures < tonumber(ARGV[5]) then return {1, failures} end
+redis.call('HSET', KEYS[1], 'state', 'failed', 'finished_s', ARGV[6], 'reason', ARGV[7])
+redis.call('SREM', KEYS[2], ARGV[1])
+expire(KEYS[1], KEYS[3], ARGV[8])
+return {2, failures}
+"""
+)
+
+_CANCEL = (
+    _MATCHES
+    + """
+-- KEYS: q, active, ev ; ARGV: query_id, now, retention_ms
+-- returns 1 if cancelled now, 0 if not running
 if redis.call('HGET', KEYS[1], 'state') ~= 'running' then return 0 end
 redis.call('HSET', KEYS[1], 'state', 'cancelled', 'finished_s', ARGV[2])
 redis.call('SREM', KEYS[2], ARGV[1])
+expire(KEYS[1], KEYS[3], ARGV[3])
 return 1
 """
+)
 
 
 @dataclass(frozen=True, slots=True)
 class CompletionResult:
     status: int
-    """1: applied; 0: the call was already complete; -1: the query is not running."""
+    """COMPLETE_APPLIED, COMPLETE_DUPLICATE, COMPLETE_NOT_RUNNING or COMPLETE_STALE."""
     calls_left: int
     released: tuple[int, ...]
 
     @property
     def applied(self) -> bool:
+        return self.status == COMPLETE_APPLIED
+
+
+@dataclass(frozen=True, slots=True)
+class FailureResult:
+    status: int
+    """1: counted, retry the call; 2: counted, the query failed; 0: the call is done; -1: the
+    query is not running; -2: not from where the call was placed (a stale attempt)."""
+    failures: int
+
+    @property
+    def retry(self) -> bool:
         return self.status == 1
+
+    @property
+    def query_failed(self) -> bool:
+        return self.status == 2
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a call was dispatched: a slot, the call's release order, the attempt."""
+
+    slot: int
+    seq: int
+    attempt: int
+
+    def encode(self) -> str:
+        return f"{self.slot}:{self.seq}:{self.attempt}"
+
+
+def parse_placement(value: str) -> Placement | None:
+    """A c:{id} field's placement; None for "done" or anything unreadable."""
+    parts = value.split(":")
+    if len(parts) not in (2, 3):
+        return None
+    try:
+        nums = [int(p) for p in parts]
+    except ValueError:
+        return None
+    return Placement(nums[0], nums[1], nums[2] if len(nums) == 3 else 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,13 +288,28 @@ class StoredQuery:
     def call(self, call_id: str) -> str | None:
         return self.fields.get(f"c:{call_id}")
 
+    def failures(self, call_id: str) -> int:
+        return int(self.fields.get(f"f:{call_id}", 0))
+
 
 class WorkflowStore:
-    def __init__(self, redis: aioredis.Redis[bytes], prefix: str = "hf:") -> None:
+    def __init__(
+        self,
+        redis: aioredis.Redis[bytes],
+        prefix: str = "hf:",
+        *,
+        retention_s: float = 3600.0,
+        stream_maxlen: int = 10_000,
+    ) -> None:
         self.redis = redis
         self.prefix = prefix
+        self.retention_ms = max(1, int(retention_s * 1000))
+        """How long a finished query's keys stay (wall milliseconds)."""
+        self.stream_maxlen = stream_maxlen
         self._submit = redis.register_script(_SUBMIT)
+        self._place = redis.register_script(_PLACE)
         self._complete = redis.register_script(_COMPLETE)
+        self._fail_call = redis.register_script(_FAIL_CALL)
         self._cancel = redis.register_script(_CANCEL)
 
     # ------------------------------------------------------------------ keys
@@ -152,7 +318,11 @@ class WorkflowStore:
         return f"{self.prefix}q:{query_id}"
 
     def evkey(self, query_id: str) -> str:
-        return f"{self.prefix}q:{query_id}:ev"
+        return f"{self.prefix}ev:{query_id}"
+
+    @property
+    def active_key(self) -> str:
+        return f"{self.prefix}active"
 
     @property
     def completions_key(self) -> str:
@@ -178,12 +348,11 @@ class WorkflowStore:
         return float(value) if value is not None else None
 
     async def set_alpha(self, alpha: float, now: float, reason: str) -> None:
+        history = f"{self.prefix}alpha:history"
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(f"{self.prefix}meta", "alpha", repr(alpha))
-            pipe.rpush(
-                f"{self.prefix}alpha:history",
-                json.dumps({"time_s": now, "alpha": alpha, "reason": reason}),
-            )
+            pipe.rpush(history, json.dumps({"time_s": now, "alpha": alpha, "reason": reason}))
+            pipe.ltrim(history, -ALPHA_HISTORY_MAX, -1)
             await pipe.execute()
 
     # ------------------------------------------------------------------ queries
@@ -197,13 +366,16 @@ class WorkflowStore:
         slo_s: float,
         stage_calls: Sequence[int],
         stage_deps: Sequence[int],
+        shape: bytes = b"",
     ) -> tuple[bool, int]:
         """Record a new query (root stages released); (created, query index).
 
         Idempotent: an id already stored is left untouched and reported as not created.
+        `shape` is the submission without its prompts (what the `finished` stream keeps).
         """
         args: list[Any] = [
             submit,
+            shape or submit,
             tenant,
             repr(arrival_s),
             repr(slo_s),
@@ -214,9 +386,33 @@ class WorkflowStore:
         for calls, deps in zip(stage_calls, stage_deps, strict=True):
             args += [calls, deps]
         args.append(query_id)
-        keys = [self.qkey(query_id), f"{self.prefix}qseq", f"{self.prefix}active"]
+        keys = [self.qkey(query_id), f"{self.prefix}qseq", self.active_key]
         created, index = await self._submit(keys=keys, args=args)
         return bool(created), int(index)
+
+    async def place(
+        self,
+        query_id: str,
+        placements: Mapping[str, Placement],
+        stage_deadlines: Mapping[int, float],
+        events: Sequence[bytes] = (),
+        *,
+        pipe: aioredis.client.Pipeline[bytes] | None = None,
+    ) -> bool:
+        """Record where calls went (never over a completed call), stage deadlines and new
+        events; False when the query is no longer stored (expired). With `pipe`, the script
+        is queued on that pipeline instead (its result comes from `pipe.execute()`)."""
+        fields: list[Any] = []
+        for call_id, placement in placements.items():
+            fields += [f"c:{call_id}", placement.encode()]
+        for stage, deadline in stage_deadlines.items():
+            fields += [f"s{stage}:dl", repr(deadline)]
+        args = [len(fields) // 2, *fields, *events]
+        keys = [self.qkey(query_id), self.evkey(query_id)]
+        if pipe is not None:
+            await self._place(keys=keys, args=args, client=pipe)
+            return True
+        return bool(await self._place(keys=keys, args=args))
 
     async def complete(
         self,
@@ -226,25 +422,68 @@ class WorkflowStore:
         dependents: Sequence[int],
         now: float,
         record: Mapping[str, str | int | float],
+        *,
+        slot: int = -1,
+        attempt: int = 0,
     ) -> CompletionResult:
-        args: list[Any] = [query_id, call_id, stage, repr(now), len(dependents), *dependents]
+        """Apply a call's completion reported by the worker on `slot` for `attempt` (-1 / 0:
+        any); see `COMPLETE_*` for the outcomes."""
+        args: list[Any] = [
+            query_id,
+            call_id,
+            stage,
+            repr(now),
+            slot,
+            attempt,
+            self.retention_ms,
+            self.stream_maxlen,
+            len(dependents),
+            *dependents,
+        ]
         for k, v in record.items():
             args += [k, v]
         keys = [
             self.qkey(query_id),
-            f"{self.prefix}active",
+            self.active_key,
             self.completions_key,
             self.finished_key,
+            self.evkey(query_id),
         ]
         out = await self._complete(keys=keys, args=args)
         return CompletionResult(int(out[0]), int(out[1]), tuple(int(j) for j in out[2:]))
 
+    async def fail_call(
+        self,
+        query_id: str,
+        call_id: str,
+        *,
+        slot: int,
+        attempt: int,
+        max_attempts: int,
+        now: float,
+        reason: str,
+    ) -> FailureResult:
+        """Count a failed attempt of a call; the query fails at `max_attempts` failures."""
+        keys = [self.qkey(query_id), self.active_key, self.evkey(query_id)]
+        args: list[Any] = [
+            query_id,
+            call_id,
+            slot,
+            attempt,
+            max_attempts,
+            repr(now),
+            reason,
+            self.retention_ms,
+        ]
+        status, failures = await self._fail_call(keys=keys, args=args)
+        return FailureResult(int(status), int(failures))
+
     async def cancel(self, query_id: str, now: float) -> bool:
-        keys = [self.qkey(query_id), f"{self.prefix}active"]
-        return bool(await self._cancel(keys=keys, args=[query_id, repr(now)]))
+        keys = [self.qkey(query_id), self.active_key, self.evkey(query_id)]
+        return bool(await self._cancel(keys=keys, args=[query_id, repr(now), self.retention_ms]))
 
     async def active_ids(self) -> list[str]:
-        members = await self.redis.smembers(f"{self.prefix}active")
+        members = await self.redis.smembers(self.active_key)
         return sorted(m.decode() if isinstance(m, bytes) else m for m in members)
 
     async def load(self, query_id: str) -> StoredQuery | None:
@@ -253,6 +492,7 @@ class WorkflowStore:
             return None
         fields = {(k.decode() if isinstance(k, bytes) else k): v for k, v in raw.items()}
         submit = fields.pop("submit")
+        fields.pop("shape", None)
         text = {k: (v.decode() if isinstance(v, bytes) else str(v)) for k, v in fields.items()}
         return StoredQuery(query_id, text, submit if isinstance(submit, bytes) else submit.encode())
 

@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from hexgen_api.v1 import coordinator_pb2 as cpb
 from hexgen_coordinator.ledger import Ledger
 from hexgen_coordinator.store import StoredQuery, WorkflowStore
+from hexgen_flow.admission import is_best_effort
 from hexgen_flow.cluster import Cluster
 from hexgen_flow.metrics import percentile
 from hexgen_flow.runtime import QueryRun
@@ -22,6 +23,7 @@ _STATES = {
     "running": cpb.QUERY_STATE_RUNNING,
     "succeeded": cpb.QUERY_STATE_SUCCEEDED,
     "cancelled": cpb.QUERY_STATE_CANCELLED,
+    "failed": cpb.QUERY_STATE_FAILED,
 }
 
 
@@ -72,6 +74,7 @@ class QueryViews:
             stages_done=stages_done,
             calls_total=q.workflow.num_calls,
             calls_done=q.workflow.num_calls - run.calls_left,
+            best_effort=is_best_effort(run),
         )
 
     def info_of_stored(self, stored: StoredQuery) -> cpb.QueryInfo:
@@ -88,6 +91,7 @@ class QueryViews:
             stages_done=int(f["stages_done"]),
             calls_total=int(f["calls_total"]),
             calls_done=int(f["calls_total"]) - int(f["calls_left"]),
+            failure_reason=f.get("reason", ""),
         )
 
     def status(self) -> cpb.ClusterStatusResponse:
@@ -121,6 +125,9 @@ class QueryViews:
             now_s=ledger.clock.now(),
             queries_running=len(ledger.active),
             queries_finished=ledger.queries_finished,
+            queries_failed=ledger.queries_failed,
+            queries_rejected=ledger.queries_rejected,
+            retention_s=self.store.retention_ms / 1000,
             slo_base_s=self.scheduler.slo_base_s,
             cluster=self.cluster.description,
             overhead=cpb.CoordinatorOverhead(

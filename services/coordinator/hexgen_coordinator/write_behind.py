@@ -1,8 +1,10 @@
 """Write-behind: where calls went and each query's new events, written off the critical path.
 
-The writes that decide what runs next (submission, completion, cancel) go to Redis through
-`WorkflowStore` before the coordinator acts on them; this module only records what can be
-rebuilt: which slot a call went to, a stage's budget and the event log.
+The writes that decide what runs next (submission, completion, failure, cancel) go to Redis
+through `WorkflowStore` before the coordinator acts on them; this module only records what
+can be rebuilt: which slot and attempt a call went to, a stage's budget and the event log.
+Placements go through the store's `place` script, which never overwrites a completed call,
+so a write that lands late cannot undo a completion.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from collections.abc import Iterable
 import redis.asyncio as aioredis
 
 from hexgen_coordinator.ledger import ActiveQuery
-from hexgen_coordinator.store import WorkflowStore
+from hexgen_coordinator.redis_retry import REDIS_UNAVAILABLE
+from hexgen_coordinator.store import Placement, WorkflowStore
 from hexgen_flow.runtime import CallTicket
 
 __all__ = ["WriteBehind"]
@@ -35,7 +38,7 @@ class WriteBehind:
         Writes of every query are gathered and sent in one pipeline per loop turn, after
         the calls were sent. A crash before the write loses no call: recovery
         (`hexgen_coordinator.recovery`) dispatches what Redis does not place, and workers
-        reclaim what they hold.
+        reclaim what they hold. While Redis is away the writes wait and are sent again.
         """
         self._pending_writes.append((entry, list(tickets)))
         if self._writer is None or self._writer.done():
@@ -43,25 +46,36 @@ class WriteBehind:
             self._writer.add_done_callback(_log_failure)
 
     async def _write_behind(self) -> None:
+        delay = 0.1
         while self._pending_writes:
             batch, self._pending_writes = self._pending_writes, []
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for entry, tickets in batch:
-                    query_id = entry.run.query.query_id
-                    qkey = self.store.qkey(query_id)
-                    for ticket in tickets:
-                        if ticket.instance >= 0:
-                            pipe.hset(
-                                qkey, f"c:{ticket.call_id}", f"{ticket.instance}:{ticket.seq}"
-                            )
-                        pipe.hset(qkey, f"s{ticket.stage}:dl", repr(ticket.deadline_s))
-                    unsaved = entry.events[entry.saved :]
-                    if unsaved:
-                        pipe.rpush(
-                            self.store.evkey(query_id), *[e.SerializeToString() for e in unsaved]
-                        )
+            merged: dict[str, tuple[ActiveQuery, dict[str, Placement], dict[int, float]]] = {}
+            for entry, tickets in batch:
+                query_id = entry.run.query.query_id
+                _, placements, deadlines = merged.setdefault(query_id, (entry, {}, {}))
+                for ticket in tickets:
+                    placements[ticket.call_id] = Placement(
+                        ticket.instance, ticket.seq, ticket.attempt
+                    )
+                    deadlines[ticket.stage] = ticket.deadline_s
+            saved = {query_id: entry.saved for query_id, (entry, _, _) in merged.items()}
+            try:
+                async with self.redis.pipeline(transaction=True) as pipe:
+                    for query_id, (entry, placements, deadlines) in merged.items():
+                        unsaved = [e.SerializeToString() for e in entry.events[entry.saved :]]
                         entry.saved = len(entry.events)
-                await pipe.execute()
+                        await self.store.place(query_id, placements, deadlines, unsaved, pipe=pipe)
+                    await pipe.execute()
+            except REDIS_UNAVAILABLE as exc:
+                # Redis is away: keep the batch (ahead of what came since) and try again.
+                for query_id, (entry, _, _) in merged.items():
+                    entry.saved = min(entry.saved, saved[query_id])
+                self._pending_writes[:0] = batch
+                log.warning("redis unavailable for the write-behind (%s); retrying", exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+                continue
+            delay = 0.1
 
     async def flush(self) -> None:
         """Wait until every write behind has reached Redis."""

@@ -109,6 +109,7 @@ def finished_message(event: CallFinished) -> worker_pb2.CallFinished:
         started_s=event.started_s,
         finished_s=event.finished_s,
         error=event.error,
+        attempt=event.attempt,
     )
 
 

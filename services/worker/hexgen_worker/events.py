@@ -51,7 +51,9 @@ class CallFinished:
     finished_s: float
     """When it ended (cluster clock)."""
     error: str = ""
-    """Non-empty when the engine failed the call; the coordinator redispatches it."""
+    """Non-empty when the engine failed the call; the coordinator retries it elsewhere."""
+    attempt: int = 0
+    """The dispatch attempt this result answers (the worker's state sets it)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -295,17 +295,25 @@ class WorkerState:
         finished = self._outbox.get(call_id)
         if finished is not None:
             log.info("call %s dispatched again after it finished: resending its result", call_id)
+            # The result answers the latest dispatch: the coordinator accepts only that one.
+            finished = self._outbox[call_id] = dataclasses.replace(finished, attempt=ticket.attempt)
             self._send(finished)
             return DispatchOutcome.RESENT
-        if call_id in self._calls:
+        held = self._calls.get(call_id)
+        if held is not None:
             log.info("call %s dispatched again while it is here: ignored", call_id)
+            held.ticket.attempt = max(held.ticket.attempt, ticket.attempt)
             return DispatchOutcome.DUPLICATE
         if self.scheduler is None or self.clock is None:
             raise RuntimeError("a dispatch before the welcome")
         now = self.clock.now()
         tokens = ticket.call.input_tokens + ticket.call.output_tokens
         if tokens > self.kv_cache_tokens:
-            self.fail(call_id, f"{tokens} tokens can never fit {self.kv_cache_tokens} KV tokens")
+            self.fail(
+                call_id,
+                f"{tokens} tokens can never fit {self.kv_cache_tokens} KV tokens",
+                attempt=ticket.attempt,
+            )
             return DispatchOutcome.REJECTED
         if not self.accepting:
             log.info("call %s dispatched while stopping: not taken", call_id)
@@ -329,11 +337,11 @@ class WorkerState:
         self.admit_ready()
         return DispatchOutcome.QUEUED
 
-    def fail(self, call_id: str, error: str) -> None:
-        """Report a call that cannot run here as failed (the coordinator redispatches it)."""
+    def fail(self, call_id: str, error: str, *, attempt: int = 0) -> None:
+        """Report a call that cannot run here as failed (the coordinator retries it)."""
         log.warning("call %s failed here: %s", call_id, error)
         now = self.clock.now() if self.clock is not None else 0.0
-        finished = CallFinished(call_id, 0, "", now, now, error)
+        finished = CallFinished(call_id, 0, "", now, now, error, attempt)
         self._outbox[call_id] = finished
         self._send(finished)
 
@@ -405,6 +413,7 @@ class WorkerState:
             self._send(event)
         else:
             del self._calls[event.call_id]
+            event = dataclasses.replace(event, attempt=call.ticket.attempt)
             self._outbox[event.call_id] = event
             span = call.span
             span.set_attribute("hexgen.queue_wait_s", event.started_s - call.queued_s)

@@ -337,7 +337,7 @@ class Worker:
             try:
                 ticket = dispatch_to_ticket(pb)
             except (WorkloadError, ValueError) as exc:
-                state.fail(pb.call_id, f"invalid dispatch: {exc}")
+                state.fail(pb.call_id, f"invalid dispatch: {exc}", attempt=pb.attempt)
                 return
             state.dispatch(ticket, prompt=pb.prompt, traceparent=pb.traceparent)
         elif kind == "cancel":

@@ -400,6 +400,10 @@ class VllmV1EngineModel:
                 self._alloc(need)
         budget -= dec.count
         cost = 0.0
+        # A step's fixed cost (scheduler, model runner, sampler) is paid once however many
+        # prompts join it: the largest new prompt's prefill intercept, or the decode plane's
+        # `a`; each prompt chunk adds only its marginal cost.
+        fixed = 0.0
         prefilled: list[Request] = []
         tail = self._tail
         if tail is not None and not preempted:
@@ -415,7 +419,9 @@ class VllmV1EngineModel:
                 preempted = True
             else:
                 self._alloc(grow)
-                cost += self._chunk_s(tail, start, start + chunk)
+                if start == 0:
+                    fixed = self._intercept_s(tail)
+                cost += self._chunk_s(tail, start, start + chunk, marginal=True)
                 tail.done = start + chunk
                 budget -= chunk
                 if tail.key is not None:
@@ -443,7 +449,8 @@ class VllmV1EngineModel:
             self._alloc(
                 (end + BLOCK_SIZE - 1) // BLOCK_SIZE - (start + BLOCK_SIZE - 1) // BLOCK_SIZE
             )
-            cost += self._chunk_s(req, start, end)
+            fixed = max(fixed, self._intercept_s(req))
+            cost += self._chunk_s(req, start, end, marginal=True)
             req.done = end
             budget -= chunk
             req.state = PREFILL
@@ -456,8 +463,10 @@ class VllmV1EngineModel:
                 self._tail = req
         d = dec.count
         if d:
-            cost += self._a + self._b * d + self._c * dec.kv_tokens(s)
-        elif not order:
+            cost += max(fixed, self._a) + self._b * d + self._c * dec.kv_tokens(s)
+        else:
+            cost += fixed
+        if not d and not order:
             raise RuntimeError("vllm-v1 engine model: a step with nothing to run")
         self._S = s + 1
         self._t += cost
@@ -554,17 +563,24 @@ class VllmV1EngineModel:
         start = hit * BLOCK_SIZE
         return _blocks(start + min(req.target - start, self.max_num_batched_tokens)) - hit
 
-    def _chunk_s(self, req: Request, start: int, end: int) -> float:
-        """Seconds of computing tokens [start, end) of a request's prefill."""
+    def _curve_s(self, tokens: int) -> float:
         cache = self._curve_cache
-        cost = cache.get(end)
+        cost = cache.get(tokens)
         if cost is None:
-            cost = cache[end] = self._curve(end)
-        if start:
-            before = cache.get(start)
-            if before is None:
-                before = cache[start] = self._curve(start)
-            cost -= before
+            cost = cache[tokens] = self._curve(tokens)
+        return cost
+
+    def _intercept_s(self, req: Request) -> float:
+        """The fixed part of a step that starts `req`'s prompt: its prefill curve at zero
+        tokens (the profile's time to first token extrapolated to an empty prompt)."""
+        return req.scale * self._curve_s(0)
+
+    def _chunk_s(self, req: Request, start: int, end: int, marginal: bool = False) -> float:
+        """Seconds of computing tokens [start, end) of a request's prefill; with `marginal`,
+        without the curve's intercept (the step's fixed cost, charged once per step)."""
+        cost = self._curve_s(end)
+        if start or marginal:
+            cost -= self._curve_s(start)
         return req.scale * cost if cost > 0 else 0.0
 
     # ------------------------------------------------------------------ blocks

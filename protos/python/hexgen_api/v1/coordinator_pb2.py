@@ -25,55 +25,55 @@ _sym_db = _symbol_database.Default()
 from hexgen_api.v1 import workflow_pb2 as hexgen__flow_dot_v1_dot_workflow__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n hexgen_flow/v1/coordinator.proto\x12\x0ehexgen_flow.v1\x1a\x1dhexgen_flow/v1/workflow.proto\"\xae\x01\n\nQueryEvent\x12\x10\n\x08query_id\x18\x01 \x01(\t\x12,\n\x04kind\x18\x02 \x01(\x0e\x32\x1e.hexgen_flow.v1.QueryEventKind\x12\x0e\n\x06time_s\x18\x03 \x01(\x01\x12\r\n\x05stage\x18\x04 \x01(\x05\x12\x0f\n\x07\x63\x61ll_id\x18\x05 \x01(\t\x12\x10\n\x08instance\x18\x06 \x01(\t\x12\x0c\n\x04text\x18\x07 \x01(\t\x12\x10\n\x08sequence\x18\x08 \x01(\x03\"\xf6\x01\n\tQueryInfo\x12\x10\n\x08query_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12)\n\x05state\x18\x03 \x01(\x0e\x32\x1a.hexgen_flow.v1.QueryState\x12\x11\n\tarrival_s\x18\x04 \x01(\x01\x12\r\n\x05slo_s\x18\x05 \x01(\x01\x12\x12\n\ndeadline_s\x18\x06 \x01(\x01\x12\x12\n\nfinished_s\x18\x07 \x01(\x01\x12\x14\n\x0cstages_total\x18\x08 \x01(\x05\x12\x13\n\x0bstages_done\x18\t \x01(\x05\x12\x13\n\x0b\x63\x61lls_total\x18\n \x01(\x05\x12\x12\n\ncalls_done\x18\x0b \x01(\x05\"\x84\x01\n\x12SubmitQueryRequest\x12\x10\n\x08query_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12*\n\x08workflow\x18\x03 \x01(\x0b\x32\x18.hexgen_flow.v1.Workflow\x12\r\n\x05slo_s\x18\x04 \x01(\x01\x12\x11\n\tslo_scale\x18\x05 \x01(\x01\"P\n\x13SubmitQueryResponse\x12(\n\x05query\x18\x01 \x01(\x0b\x32\x19.hexgen_flow.v1.QueryInfo\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x08\"%\n\x11WatchQueryRequest\x12\x10\n\x08query_id\x18\x01 \x01(\t\"?\n\x12WatchQueryResponse\x12)\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x1a.hexgen_flow.v1.QueryEvent\"D\n\x0fRunQueryRequest\x12\x31\n\x05query\x18\x01 \x01(\x0b\x32\".hexgen_flow.v1.SubmitQueryRequest\"=\n\x10RunQueryResponse\x12)\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x1a.hexgen_flow.v1.QueryEvent\"&\n\x12\x43\x61ncelQueryRequest\x12\x10\n\x08query_id\x18\x01 \x01(\t\"?\n\x13\x43\x61ncelQueryResponse\x12(\n\x05query\x18\x01 \x01(\x0b\x32\x19.hexgen_flow.v1.QueryInfo\"#\n\x0fGetQueryRequest\x12\x10\n\x08query_id\x18\x01 \x01(\t\"h\n\x10GetQueryResponse\x12(\n\x05query\x18\x01 \x01(\x0b\x32\x19.hexgen_flow.v1.QueryInfo\x12*\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x1a.hexgen_flow.v1.QueryEvent\"\x16\n\x14\x43lusterStatusRequest\"\xfe\x01\n\x0eInstanceStatus\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0b\n\x03gpu\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x11\n\tworker_id\x18\x05 \x01(\t\x12\x11\n\tconnected\x18\x06 \x01(\x08\x12\x0e\n\x06\x65ngine\x18\x07 \x01(\t\x12\x11\n\tin_flight\x18\x08 \x01(\x05\x12\x0f\n\x07running\x18\t \x01(\x05\x12\x0e\n\x06queued\x18\n \x01(\x05\x12\x16\n\x0ekv_used_tokens\x18\x0b \x01(\x03\x12\x1a\n\x12kv_capacity_tokens\x18\x0c \x01(\x03\x12\x15\n\routstanding_s\x18\r \x01(\x01\"\x9b\x02\n\x15\x43lusterStatusResponse\x12\x31\n\tinstances\x18\x01 \x03(\x0b\x32\x1e.hexgen_flow.v1.InstanceStatus\x12\x0e\n\x06policy\x18\x02 \x01(\t\x12\r\n\x05\x61lpha\x18\x03 \x01(\x01\x12\x12\n\ntime_scale\x18\x04 \x01(\x01\x12\r\n\x05now_s\x18\x05 \x01(\x01\x12\x17\n\x0fqueries_running\x18\x06 \x01(\x03\x12\x18\n\x10queries_finished\x18\x07 \x01(\x03\x12\x12\n\nslo_base_s\x18\x08 \x01(\x01\x12\x0f\n\x07\x63luster\x18\t \x01(\t\x12\x35\n\x08overhead\x18\n \x01(\x0b\x32#.hexgen_flow.v1.CoordinatorOverhead\"\xac\x01\n\x13\x43oordinatorOverhead\x12\x41\n\x19\x63ompletion_to_dispatch_ms\x18\x01 \x01(\x0b\x32\x1e.hexgen_flow.v1.LatencySummary\x12=\n\x15submit_to_dispatch_ms\x18\x02 \x01(\x0b\x32\x1e.hexgen_flow.v1.LatencySummary\x12\x13\n\x0b\x63ompletions\x18\x03 \x01(\x03\"F\n\x0eLatencySummary\x12\r\n\x05\x63ount\x18\x01 \x01(\x03\x12\x0b\n\x03p50\x18\x02 \x01(\x01\x12\x0b\n\x03p99\x18\x03 \x01(\x01\x12\x0b\n\x03max\x18\x04 \x01(\x01\"0\n\x0fSetAlphaRequest\x12\r\n\x05\x61lpha\x18\x01 \x01(\x01\x12\x0e\n\x06reason\x18\x02 \x01(\t\"9\n\x10SetAlphaResponse\x12\x16\n\x0eprevious_alpha\x18\x01 \x01(\x01\x12\r\n\x05\x61lpha\x18\x02 \x01(\x01*x\n\nQueryState\x12\x1b\n\x17QUERY_STATE_UNSPECIFIED\x10\x00\x12\x17\n\x13QUERY_STATE_RUNNING\x10\x01\x12\x19\n\x15QUERY_STATE_SUCCEEDED\x10\x02\x12\x19\n\x15QUERY_STATE_CANCELLED\x10\x03*\x93\x03\n\x0eQueryEventKind\x12 \n\x1cQUERY_EVENT_KIND_UNSPECIFIED\x10\x00\x12\x1e\n\x1aQUERY_EVENT_KIND_SUBMITTED\x10\x01\x12#\n\x1fQUERY_EVENT_KIND_STAGE_RELEASED\x10\x02\x12$\n QUERY_EVENT_KIND_CALL_DISPATCHED\x10\x03\x12!\n\x1dQUERY_EVENT_KIND_CALL_STARTED\x10\x04\x12 \n\x1cQUERY_EVENT_KIND_CALL_TOKENS\x10\x05\x12\"\n\x1eQUERY_EVENT_KIND_CALL_FINISHED\x10\x06\x12#\n\x1fQUERY_EVENT_KIND_STAGE_FINISHED\x10\x07\x12&\n\"QUERY_EVENT_KIND_CALL_REDISPATCHED\x10\x08\x12\x1e\n\x1aQUERY_EVENT_KIND_SUCCEEDED\x10\t\x12\x1e\n\x1aQUERY_EVENT_KIND_CANCELLED\x10\n2\xe8\x04\n\x12\x43oordinatorService\x12V\n\x0bSubmitQuery\x12\".hexgen_flow.v1.SubmitQueryRequest\x1a#.hexgen_flow.v1.SubmitQueryResponse\x12U\n\nWatchQuery\x12!.hexgen_flow.v1.WatchQueryRequest\x1a\".hexgen_flow.v1.WatchQueryResponse0\x01\x12O\n\x08RunQuery\x12\x1f.hexgen_flow.v1.RunQueryRequest\x1a .hexgen_flow.v1.RunQueryResponse0\x01\x12V\n\x0b\x43\x61ncelQuery\x12\".hexgen_flow.v1.CancelQueryRequest\x1a#.hexgen_flow.v1.CancelQueryResponse\x12M\n\x08GetQuery\x12\x1f.hexgen_flow.v1.GetQueryRequest\x1a .hexgen_flow.v1.GetQueryResponse\x12\\\n\rClusterStatus\x12$.hexgen_flow.v1.ClusterStatusRequest\x1a%.hexgen_flow.v1.ClusterStatusResponse\x12M\n\x08SetAlpha\x12\x1f.hexgen_flow.v1.SetAlphaRequest\x1a .hexgen_flow.v1.SetAlphaResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n hexgen_flow/v1/coordinator.proto\x12\x0ehexgen_flow.v1\x1a\x1dhexgen_flow/v1/workflow.proto\"\xae\x01\n\nQueryEvent\x12\x10\n\x08query_id\x18\x01 \x01(\t\x12,\n\x04kind\x18\x02 \x01(\x0e\x32\x1e.hexgen_flow.v1.QueryEventKind\x12\x0e\n\x06time_s\x18\x03 \x01(\x01\x12\r\n\x05stage\x18\x04 \x01(\x05\x12\x0f\n\x07\x63\x61ll_id\x18\x05 \x01(\t\x12\x10\n\x08instance\x18\x06 \x01(\t\x12\x0c\n\x04text\x18\x07 \x01(\t\x12\x10\n\x08sequence\x18\x08 \x01(\x03\"\xa3\x02\n\tQueryInfo\x12\x10\n\x08query_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12)\n\x05state\x18\x03 \x01(\x0e\x32\x1a.hexgen_flow.v1.QueryState\x12\x11\n\tarrival_s\x18\x04 \x01(\x01\x12\r\n\x05slo_s\x18\x05 \x01(\x01\x12\x12\n\ndeadline_s\x18\x06 \x01(\x01\x12\x12\n\nfinished_s\x18\x07 \x01(\x01\x12\x14\n\x0cstages_total\x18\x08 \x01(\x05\x12\x13\n\x0bstages_done\x18\t \x01(\x05\x12\x13\n\x0b\x63\x61lls_total\x18\n \x01(\x05\x12\x12\n\ncalls_done\x18\x0b \x01(\x05\x12\x16\n\x0e\x66\x61ilure_reason\x18\x0c \x01(\t\x12\x13\n\x0b\x62\x65st_effort\x18\r \x01(\x08\"\x84\x01\n\x12SubmitQueryRequest\x12\x10\n\x08query_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12*\n\x08workflow\x18\x03 \x01(\x0b\x32\x18.hexgen_flow.v1.Workflow\x12\r\n\x05slo_s\x18\x04 \x01(\x01\x12\x11\n\tslo_scale\x18\x05 \x01(\x01\"P\n\x13SubmitQueryResponse\x12(\n\x05query\x18\x01 \x01(\x0b\x32\x19.hexgen_flow.v1.QueryInfo\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x08\"%\n\x11WatchQueryRequest\x12\x10\n\x08query_id\x18\x01 \x01(\t\"?\n\x12WatchQueryResponse\x12)\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x1a.hexgen_flow.v1.QueryEvent\"D\n\x0fRunQueryRequest\x12\x31\n\x05query\x18\x01 \x01(\x0b\x32\".hexgen_flow.v1.SubmitQueryRequest\"=\n\x10RunQueryResponse\x12)\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x1a.hexgen_flow.v1.QueryEvent\"&\n\x12\x43\x61ncelQueryRequest\x12\x10\n\x08query_id\x18\x01 \x01(\t\"?\n\x13\x43\x61ncelQueryResponse\x12(\n\x05query\x18\x01 \x01(\x0b\x32\x19.hexgen_flow.v1.QueryInfo\"#\n\x0fGetQueryRequest\x12\x10\n\x08query_id\x18\x01 \x01(\t\"h\n\x10GetQueryResponse\x12(\n\x05query\x18\x01 \x01(\x0b\x32\x19.hexgen_flow.v1.QueryInfo\x12*\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x1a.hexgen_flow.v1.QueryEvent\"\x16\n\x14\x43lusterStatusRequest\"\xfe\x01\n\x0eInstanceStatus\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0b\n\x03gpu\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x11\n\tworker_id\x18\x05 \x01(\t\x12\x11\n\tconnected\x18\x06 \x01(\x08\x12\x0e\n\x06\x65ngine\x18\x07 \x01(\t\x12\x11\n\tin_flight\x18\x08 \x01(\x05\x12\x0f\n\x07running\x18\t \x01(\x05\x12\x0e\n\x06queued\x18\n \x01(\x05\x12\x16\n\x0ekv_used_tokens\x18\x0b \x01(\x03\x12\x1a\n\x12kv_capacity_tokens\x18\x0c \x01(\x03\x12\x15\n\routstanding_s\x18\r \x01(\x01\"\xe2\x02\n\x15\x43lusterStatusResponse\x12\x31\n\tinstances\x18\x01 \x03(\x0b\x32\x1e.hexgen_flow.v1.InstanceStatus\x12\x0e\n\x06policy\x18\x02 \x01(\t\x12\r\n\x05\x61lpha\x18\x03 \x01(\x01\x12\x12\n\ntime_scale\x18\x04 \x01(\x01\x12\r\n\x05now_s\x18\x05 \x01(\x01\x12\x17\n\x0fqueries_running\x18\x06 \x01(\x03\x12\x18\n\x10queries_finished\x18\x07 \x01(\x03\x12\x12\n\nslo_base_s\x18\x08 \x01(\x01\x12\x0f\n\x07\x63luster\x18\t \x01(\t\x12\x35\n\x08overhead\x18\n \x01(\x0b\x32#.hexgen_flow.v1.CoordinatorOverhead\x12\x16\n\x0equeries_failed\x18\x0b \x01(\x03\x12\x18\n\x10queries_rejected\x18\x0c \x01(\x03\x12\x13\n\x0bretention_s\x18\r \x01(\x01\"\xac\x01\n\x13\x43oordinatorOverhead\x12\x41\n\x19\x63ompletion_to_dispatch_ms\x18\x01 \x01(\x0b\x32\x1e.hexgen_flow.v1.LatencySummary\x12=\n\x15submit_to_dispatch_ms\x18\x02 \x01(\x0b\x32\x1e.hexgen_flow.v1.LatencySummary\x12\x13\n\x0b\x63ompletions\x18\x03 \x01(\x03\"F\n\x0eLatencySummary\x12\r\n\x05\x63ount\x18\x01 \x01(\x03\x12\x0b\n\x03p50\x18\x02 \x01(\x01\x12\x0b\n\x03p99\x18\x03 \x01(\x01\x12\x0b\n\x03max\x18\x04 \x01(\x01\"0\n\x0fSetAlphaRequest\x12\r\n\x05\x61lpha\x18\x01 \x01(\x01\x12\x0e\n\x06reason\x18\x02 \x01(\t\"9\n\x10SetAlphaResponse\x12\x16\n\x0eprevious_alpha\x18\x01 \x01(\x01\x12\r\n\x05\x61lpha\x18\x02 \x01(\x01*\x90\x01\n\nQueryState\x12\x1b\n\x17QUERY_STATE_UNSPECIFIED\x10\x00\x12\x17\n\x13QUERY_STATE_RUNNING\x10\x01\x12\x19\n\x15QUERY_STATE_SUCCEEDED\x10\x02\x12\x19\n\x15QUERY_STATE_CANCELLED\x10\x03\x12\x16\n\x12QUERY_STATE_FAILED\x10\x04*\xd2\x03\n\x0eQueryEventKind\x12 \n\x1cQUERY_EVENT_KIND_UNSPECIFIED\x10\x00\x12\x1e\n\x1aQUERY_EVENT_KIND_SUBMITTED\x10\x01\x12#\n\x1fQUERY_EVENT_KIND_STAGE_RELEASED\x10\x02\x12$\n QUERY_EVENT_KIND_CALL_DISPATCHED\x10\x03\x12!\n\x1dQUERY_EVENT_KIND_CALL_STARTED\x10\x04\x12 \n\x1cQUERY_EVENT_KIND_CALL_TOKENS\x10\x05\x12\"\n\x1eQUERY_EVENT_KIND_CALL_FINISHED\x10\x06\x12#\n\x1fQUERY_EVENT_KIND_STAGE_FINISHED\x10\x07\x12&\n\"QUERY_EVENT_KIND_CALL_REDISPATCHED\x10\x08\x12\x1e\n\x1aQUERY_EVENT_KIND_SUCCEEDED\x10\t\x12\x1e\n\x1aQUERY_EVENT_KIND_CANCELLED\x10\n\x12 \n\x1cQUERY_EVENT_KIND_CALL_FAILED\x10\x0b\x12\x1b\n\x17QUERY_EVENT_KIND_FAILED\x10\x0c\x32\xe8\x04\n\x12\x43oordinatorService\x12V\n\x0bSubmitQuery\x12\".hexgen_flow.v1.SubmitQueryRequest\x1a#.hexgen_flow.v1.SubmitQueryResponse\x12U\n\nWatchQuery\x12!.hexgen_flow.v1.WatchQueryRequest\x1a\".hexgen_flow.v1.WatchQueryResponse0\x01\x12O\n\x08RunQuery\x12\x1f.hexgen_flow.v1.RunQueryRequest\x1a .hexgen_flow.v1.RunQueryResponse0\x01\x12V\n\x0b\x43\x61ncelQuery\x12\".hexgen_flow.v1.CancelQueryRequest\x1a#.hexgen_flow.v1.CancelQueryResponse\x12M\n\x08GetQuery\x12\x1f.hexgen_flow.v1.GetQueryRequest\x1a .hexgen_flow.v1.GetQueryResponse\x12\\\n\rClusterStatus\x12$.hexgen_flow.v1.ClusterStatusRequest\x1a%.hexgen_flow.v1.ClusterStatusResponse\x12M\n\x08SetAlpha\x12\x1f.hexgen_flow.v1.SetAlphaRequest\x1a .hexgen_flow.v1.SetAlphaResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'hexgen_flow.v1.coordinator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_QUERYSTATE']._serialized_start=2134
-  _globals['_QUERYSTATE']._serialized_end=2254
-  _globals['_QUERYEVENTKIND']._serialized_start=2257
-  _globals['_QUERYEVENTKIND']._serialized_end=2660
+  _globals['_QUERYSTATE']._serialized_start=2251
+  _globals['_QUERYSTATE']._serialized_end=2395
+  _globals['_QUERYEVENTKIND']._serialized_start=2398
+  _globals['_QUERYEVENTKIND']._serialized_end=2864
   _globals['_QUERYEVENT']._serialized_start=84
   _globals['_QUERYEVENT']._serialized_end=258
   _globals['_QUERYINFO']._serialized_start=261
-  _globals['_QUERYINFO']._serialized_end=507
-  _globals['_SUBMITQUERYREQUEST']._serialized_start=510
-  _globals['_SUBMITQUERYREQUEST']._serialized_end=642
-  _globals['_SUBMITQUERYRESPONSE']._serialized_start=644
-  _globals['_SUBMITQUERYRESPONSE']._serialized_end=724
-  _globals['_WATCHQUERYREQUEST']._serialized_start=726
-  _globals['_WATCHQUERYREQUEST']._serialized_end=763
-  _globals['_WATCHQUERYRESPONSE']._serialized_start=765
-  _globals['_WATCHQUERYRESPONSE']._serialized_end=828
-  _globals['_RUNQUERYREQUEST']._serialized_start=830
-  _globals['_RUNQUERYREQUEST']._serialized_end=898
-  _globals['_RUNQUERYRESPONSE']._serialized_start=900
-  _globals['_RUNQUERYRESPONSE']._serialized_end=961
-  _globals['_CANCELQUERYREQUEST']._serialized_start=963
-  _globals['_CANCELQUERYREQUEST']._serialized_end=1001
-  _globals['_CANCELQUERYRESPONSE']._serialized_start=1003
-  _globals['_CANCELQUERYRESPONSE']._serialized_end=1066
-  _globals['_GETQUERYREQUEST']._serialized_start=1068
-  _globals['_GETQUERYREQUEST']._serialized_end=1103
-  _globals['_GETQUERYRESPONSE']._serialized_start=1105
-  _globals['_GETQUERYRESPONSE']._serialized_end=1209
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=1211
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=1233
-  _globals['_INSTANCESTATUS']._serialized_start=1236
-  _globals['_INSTANCESTATUS']._serialized_end=1490
-  _globals['_CLUSTERSTATUSRESPONSE']._serialized_start=1493
-  _globals['_CLUSTERSTATUSRESPONSE']._serialized_end=1776
-  _globals['_COORDINATOROVERHEAD']._serialized_start=1779
-  _globals['_COORDINATOROVERHEAD']._serialized_end=1951
-  _globals['_LATENCYSUMMARY']._serialized_start=1953
-  _globals['_LATENCYSUMMARY']._serialized_end=2023
-  _globals['_SETALPHAREQUEST']._serialized_start=2025
-  _globals['_SETALPHAREQUEST']._serialized_end=2073
-  _globals['_SETALPHARESPONSE']._serialized_start=2075
-  _globals['_SETALPHARESPONSE']._serialized_end=2132
-  _globals['_COORDINATORSERVICE']._serialized_start=2663
-  _globals['_COORDINATORSERVICE']._serialized_end=3279
+  _globals['_QUERYINFO']._serialized_end=552
+  _globals['_SUBMITQUERYREQUEST']._serialized_start=555
+  _globals['_SUBMITQUERYREQUEST']._serialized_end=687
+  _globals['_SUBMITQUERYRESPONSE']._serialized_start=689
+  _globals['_SUBMITQUERYRESPONSE']._serialized_end=769
+  _globals['_WATCHQUERYREQUEST']._serialized_start=771
+  _globals['_WATCHQUERYREQUEST']._serialized_end=808
+  _globals['_WATCHQUERYRESPONSE']._serialized_start=810
+  _globals['_WATCHQUERYRESPONSE']._serialized_end=873
+  _globals['_RUNQUERYREQUEST']._serialized_start=875
+  _globals['_RUNQUERYREQUEST']._serialized_end=943
+  _globals['_RUNQUERYRESPONSE']._serialized_start=945
+  _globals['_RUNQUERYRESPONSE']._serialized_end=1006
+  _globals['_CANCELQUERYREQUEST']._serialized_start=1008
+  _globals['_CANCELQUERYREQUEST']._serialized_end=1046
+  _globals['_CANCELQUERYRESPONSE']._serialized_start=1048
+  _globals['_CANCELQUERYRESPONSE']._serialized_end=1111
+  _globals['_GETQUERYREQUEST']._serialized_start=1113
+  _globals['_GETQUERYREQUEST']._serialized_end=1148
+  _globals['_GETQUERYRESPONSE']._serialized_start=1150
+  _globals['_GETQUERYRESPONSE']._serialized_end=1254
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=1256
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=1278
+  _globals['_INSTANCESTATUS']._serialized_start=1281
+  _globals['_INSTANCESTATUS']._serialized_end=1535
+  _globals['_CLUSTERSTATUSRESPONSE']._serialized_start=1538
+  _globals['_CLUSTERSTATUSRESPONSE']._serialized_end=1892
+  _globals['_COORDINATOROVERHEAD']._serialized_start=1895
+  _globals['_COORDINATOROVERHEAD']._serialized_end=2067
+  _globals['_LATENCYSUMMARY']._serialized_start=2069
+  _globals['_LATENCYSUMMARY']._serialized_end=2139
+  _globals['_SETALPHAREQUEST']._serialized_start=2141
+  _globals['_SETALPHAREQUEST']._serialized_end=2189
+  _globals['_SETALPHARESPONSE']._serialized_start=2191
+  _globals['_SETALPHARESPONSE']._serialized_end=2248
+  _globals['_COORDINATORSERVICE']._serialized_start=2867
+  _globals['_COORDINATORSERVICE']._serialized_end=3483
 # @@protoc_insertion_point(module_scope)

@@ -30,6 +30,8 @@ class _QueryStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_QueryState
     QUERY_STATE_RUNNING: _QueryState.ValueType  # 1
     QUERY_STATE_SUCCEEDED: _QueryState.ValueType  # 2
     QUERY_STATE_CANCELLED: _QueryState.ValueType  # 3
+    QUERY_STATE_FAILED: _QueryState.ValueType  # 4
+    """A call failed on every attempt the coordinator allows (QueryInfo.failure_reason says why)."""
 
 class QueryState(_QueryState, metaclass=_QueryStateEnumTypeWrapper): ...
 
@@ -37,6 +39,8 @@ QUERY_STATE_UNSPECIFIED: QueryState.ValueType  # 0
 QUERY_STATE_RUNNING: QueryState.ValueType  # 1
 QUERY_STATE_SUCCEEDED: QueryState.ValueType  # 2
 QUERY_STATE_CANCELLED: QueryState.ValueType  # 3
+QUERY_STATE_FAILED: QueryState.ValueType  # 4
+"""A call failed on every attempt the coordinator allows (QueryInfo.failure_reason says why)."""
 Global___QueryState: _TypeAlias = QueryState  # noqa: Y015
 
 class _QueryEventKind:
@@ -56,6 +60,10 @@ class _QueryEventKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_QueryE
     QUERY_EVENT_KIND_CALL_REDISPATCHED: _QueryEventKind.ValueType  # 8
     QUERY_EVENT_KIND_SUCCEEDED: _QueryEventKind.ValueType  # 9
     QUERY_EVENT_KIND_CANCELLED: _QueryEventKind.ValueType  # 10
+    QUERY_EVENT_KIND_CALL_FAILED: _QueryEventKind.ValueType  # 11
+    """One attempt of a call failed (text: the error); it is retried elsewhere or the query fails."""
+    QUERY_EVENT_KIND_FAILED: _QueryEventKind.ValueType  # 12
+    """The query ended FAILED (text: the reason)."""
 
 class QueryEventKind(_QueryEventKind, metaclass=_QueryEventKindEnumTypeWrapper): ...
 
@@ -70,6 +78,10 @@ QUERY_EVENT_KIND_STAGE_FINISHED: QueryEventKind.ValueType  # 7
 QUERY_EVENT_KIND_CALL_REDISPATCHED: QueryEventKind.ValueType  # 8
 QUERY_EVENT_KIND_SUCCEEDED: QueryEventKind.ValueType  # 9
 QUERY_EVENT_KIND_CANCELLED: QueryEventKind.ValueType  # 10
+QUERY_EVENT_KIND_CALL_FAILED: QueryEventKind.ValueType  # 11
+"""One attempt of a call failed (text: the error); it is retried elsewhere or the query fails."""
+QUERY_EVENT_KIND_FAILED: QueryEventKind.ValueType  # 12
+"""The query ended FAILED (text: the reason)."""
 Global___QueryEventKind: _TypeAlias = QueryEventKind  # noqa: Y015
 
 @_typing.final
@@ -136,6 +148,8 @@ class QueryInfo(_message.Message):
     STAGES_DONE_FIELD_NUMBER: _builtins.int
     CALLS_TOTAL_FIELD_NUMBER: _builtins.int
     CALLS_DONE_FIELD_NUMBER: _builtins.int
+    FAILURE_REASON_FIELD_NUMBER: _builtins.int
+    BEST_EFFORT_FIELD_NUMBER: _builtins.int
     query_id: _builtins.str
     tenant: _builtins.str
     state: Global___QueryState.ValueType
@@ -148,6 +162,12 @@ class QueryInfo(_message.Message):
     stages_done: _builtins.int
     calls_total: _builtins.int
     calls_done: _builtins.int
+    failure_reason: _builtins.str
+    """Why the query failed; empty unless state is QUERY_STATE_FAILED."""
+    best_effort: _builtins.bool
+    """Admitted over the admission check's prediction, at the lowest urgency (overload policy
+    "best-effort"): its SLO was not expected to be met.
+    """
     def __init__(
         self,
         *,
@@ -162,10 +182,12 @@ class QueryInfo(_message.Message):
         stages_done: _builtins.int = ...,
         calls_total: _builtins.int = ...,
         calls_done: _builtins.int = ...,
+        failure_reason: _builtins.str = ...,
+        best_effort: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["arrival_s", b"arrival_s", "calls_done", b"calls_done", "calls_total", b"calls_total", "deadline_s", b"deadline_s", "finished_s", b"finished_s", "query_id", b"query_id", "slo_s", b"slo_s", "stages_done", b"stages_done", "stages_total", b"stages_total", "state", b"state", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arrival_s", b"arrival_s", "best_effort", b"best_effort", "calls_done", b"calls_done", "calls_total", b"calls_total", "deadline_s", b"deadline_s", "failure_reason", b"failure_reason", "finished_s", b"finished_s", "query_id", b"query_id", "slo_s", b"slo_s", "stages_done", b"stages_done", "stages_total", b"stages_total", "state", b"state", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -480,6 +502,9 @@ class ClusterStatusResponse(_message.Message):
     SLO_BASE_S_FIELD_NUMBER: _builtins.int
     CLUSTER_FIELD_NUMBER: _builtins.int
     OVERHEAD_FIELD_NUMBER: _builtins.int
+    QUERIES_FAILED_FIELD_NUMBER: _builtins.int
+    QUERIES_REJECTED_FIELD_NUMBER: _builtins.int
+    RETENTION_S_FIELD_NUMBER: _builtins.int
     policy: _builtins.str
     alpha: _builtins.float
     time_scale: _builtins.float
@@ -489,6 +514,12 @@ class ClusterStatusResponse(_message.Message):
     slo_base_s: _builtins.float
     cluster: _builtins.str
     """The cluster as `--cluster` writes it (e.g. "A100,A100,A6000,L40S")."""
+    queries_failed: _builtins.int
+    """Queries that ended FAILED since this coordinator started."""
+    queries_rejected: _builtins.int
+    """Submissions refused by admission control (RESOURCE_EXHAUSTED) since it started."""
+    retention_s: _builtins.float
+    """Wall seconds a finished query stays readable before Redis drops it."""
     @_builtins.property
     def instances(self) -> _containers.RepeatedCompositeFieldContainer[Global___InstanceStatus]: ...
     @_builtins.property
@@ -508,10 +539,13 @@ class ClusterStatusResponse(_message.Message):
         slo_base_s: _builtins.float = ...,
         cluster: _builtins.str = ...,
         overhead: Global___CoordinatorOverhead | None = ...,
+        queries_failed: _builtins.int = ...,
+        queries_rejected: _builtins.int = ...,
+        retention_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["overhead", b"overhead"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["alpha", b"alpha", "cluster", b"cluster", "instances", b"instances", "now_s", b"now_s", "overhead", b"overhead", "policy", b"policy", "queries_finished", b"queries_finished", "queries_running", b"queries_running", "slo_base_s", b"slo_base_s", "time_scale", b"time_scale"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alpha", b"alpha", "cluster", b"cluster", "instances", b"instances", "now_s", b"now_s", "overhead", b"overhead", "policy", b"policy", "queries_failed", b"queries_failed", "queries_finished", b"queries_finished", "queries_rejected", b"queries_rejected", "queries_running", b"queries_running", "retention_s", b"retention_s", "slo_base_s", b"slo_base_s", "time_scale", b"time_scale"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

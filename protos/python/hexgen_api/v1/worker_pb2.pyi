@@ -275,6 +275,7 @@ class DispatchCall(_message.Message):
     QUERY_DEADLINE_S_FIELD_NUMBER: _builtins.int
     REMAINING_AFTER_S_FIELD_NUMBER: _builtins.int
     TRACEPARENT_FIELD_NUMBER: _builtins.int
+    ATTEMPT_FIELD_NUMBER: _builtins.int
     call_id: _builtins.str
     query_id: _builtins.str
     tenant: _builtins.str
@@ -295,6 +296,10 @@ class DispatchCall(_message.Message):
     """Estimated time the query still needs after this call's stage."""
     traceparent: _builtins.str
     """W3C traceparent of the call's span."""
+    attempt: _builtins.int
+    """1 for the first dispatch of the call, +1 for each redispatch; the worker echoes it in
+    CallFinished, and the coordinator accepts a completion only from the latest attempt.
+    """
     def __init__(
         self,
         *,
@@ -313,10 +318,11 @@ class DispatchCall(_message.Message):
         query_deadline_s: _builtins.float = ...,
         remaining_after_s: _builtins.float = ...,
         traceparent: _builtins.str = ...,
+        attempt: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["call_id", b"call_id", "deadline_s", b"deadline_s", "input_tokens", b"input_tokens", "output_tokens", b"output_tokens", "prompt", b"prompt", "query_deadline_s", b"query_deadline_s", "query_id", b"query_id", "query_sequence", b"query_sequence", "released_s", b"released_s", "remaining_after_s", b"remaining_after_s", "sequence", b"sequence", "stage", b"stage", "step", b"step", "tenant", b"tenant", "traceparent", b"traceparent"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "call_id", b"call_id", "deadline_s", b"deadline_s", "input_tokens", b"input_tokens", "output_tokens", b"output_tokens", "prompt", b"prompt", "query_deadline_s", b"query_deadline_s", "query_id", b"query_id", "query_sequence", b"query_sequence", "released_s", b"released_s", "remaining_after_s", b"remaining_after_s", "sequence", b"sequence", "stage", b"stage", "step", b"step", "tenant", b"tenant", "traceparent", b"traceparent"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -434,6 +440,7 @@ class CallFinished(_message.Message):
     STARTED_S_FIELD_NUMBER: _builtins.int
     FINISHED_S_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    ATTEMPT_FIELD_NUMBER: _builtins.int
     call_id: _builtins.str
     output_tokens: _builtins.int
     text: _builtins.str
@@ -441,7 +448,11 @@ class CallFinished(_message.Message):
     """Seconds on the cluster clock."""
     finished_s: _builtins.float
     error: _builtins.str
-    """Non-empty when the engine failed the call; the coordinator redispatches it."""
+    """Non-empty when the engine failed the call; the coordinator retries it elsewhere up to
+    its attempt limit, then fails the query.
+    """
+    attempt: _builtins.int
+    """DispatchCall.attempt of the dispatch this result answers."""
     def __init__(
         self,
         *,
@@ -451,10 +462,11 @@ class CallFinished(_message.Message):
         started_s: _builtins.float = ...,
         finished_s: _builtins.float = ...,
         error: _builtins.str = ...,
+        attempt: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["call_id", b"call_id", "error", b"error", "finished_s", b"finished_s", "output_tokens", b"output_tokens", "started_s", b"started_s", "text", b"text"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "call_id", b"call_id", "error", b"error", "finished_s", b"finished_s", "output_tokens", b"output_tokens", "started_s", b"started_s", "text", b"text"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,225 @@
+"""`python -m hexgen_coordinator.check_state`: an fsck for the workflow state in Redis.
+
+Reads every key under the prefix (`hexgen_coordinator.store` documents the layout) and
+counts what should never happen:
+
+- duplicate completions: a query counted down more often than it has completed calls (a
+  call applied twice), a count below zero, or a call twice in the `completions` stream;
+- missing completions: completed calls that were not counted, or a succeeded query whose
+  calls are not all complete;
+- stuck queries: a running query the `active` set does not list (no coordinator would
+  resume it), an `active` id with no running query, and, with ``--stuck-after-s``, a query
+  still running that long (cluster seconds) after it arrived;
+- orphan keys: a finished query or event log that never expires, an event log without its
+  query, and keys under the prefix that belong to nothing.
+
+Exit status: 0 when the last four are all zero, 1 otherwise, 2 for bad usage or no Redis.
+``hexgen-flow check-state`` runs this module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+
+import redis
+
+__all__ = ["StateReport", "check_state", "main"]
+
+_FIXED = ("meta", "qseq", "active", "completions", "finished", "alpha:history")
+_TUNER = ("tuner:runs", "tuner:alpha_history", "tuner:run_seq")
+"""The tuner's keys under the same prefix (capped lists and a counter)."""
+
+
+@dataclass
+class StateReport:
+    queries: int = 0
+    calls: int = 0
+    running: int = 0
+    duplicate_completions: int = 0
+    missing_completions: int = 0
+    stuck_queries: int = 0
+    orphan_keys: int = 0
+    problems: list[str] = field(default_factory=list)
+    """One line per finding (at most 50 kept)."""
+
+    @property
+    def clean(self) -> bool:
+        return not (
+            self.duplicate_completions
+            or self.missing_completions
+            or self.stuck_queries
+            or self.orphan_keys
+        )
+
+    def note(self, line: str) -> None:
+        if len(self.problems) < 50:
+            self.problems.append(line)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+
+
+def check_state(
+    client: redis.Redis[bytes], prefix: str, stuck_after_s: float | None
+) -> StateReport:
+    report = StateReport()
+    fixed = {prefix + name for name in (*_FIXED, *_TUNER)}
+    queries: list[str] = []
+    logs: list[str] = []
+    for raw in client.scan_iter(match=_escape(prefix) + "*", count=1000):
+        key = _text(raw)
+        rest = key[len(prefix) :]
+        if key in fixed:
+            continue
+        if rest.startswith("q:"):
+            queries.append(rest[2:])
+        elif rest.startswith("ev:"):
+            logs.append(rest[3:])
+        else:
+            report.orphan_keys += 1
+            report.note(f"orphan key {key!r}: not part of the layout")
+    active = {_text(m) for m in client.smembers(prefix + "active")}
+    meta = {_text(k): _text(v) for k, v in client.hgetall(prefix + "meta").items()}
+    now_s = None
+    if "epoch_unix_s" in meta and "time_scale" in meta:
+        now_s = (time.time() - float(meta["epoch_unix_s"])) * float(meta["time_scale"])
+    stored: set[str] = set()
+    for query_id in queries:
+        key = f"{prefix}q:{query_id}"
+        if _text(client.type(key)) != "hash":  # type: ignore[no-untyped-call]
+            report.orphan_keys += 1
+            report.note(f"orphan key {key!r}: a query key that is not a hash")
+            continue
+        fields = {_text(k): v for k, v in client.hgetall(key).items()}
+        if not fields:
+            continue  # expired between the scan and the read
+        stored.add(query_id)
+        _check_query(report, query_id, fields, client.pttl(key), active, now_s, stuck_after_s)
+    for query_id in logs:
+        key = f"{prefix}ev:{query_id}"
+        ttl = client.pttl(key)
+        if query_id not in stored and ttl < 0:
+            report.orphan_keys += 1
+            report.note(f"orphan key {key!r}: an event log without its query")
+    for query_id in active - stored:
+        report.stuck_queries += 1
+        report.note(f"query {query_id!r} is in the active set but not stored")
+    seen = Counter(
+        _text(entry.get(b"call_id", b""))
+        for _, entry in client.xrange(prefix + "completions")  # trimmed: bounded
+    )
+    for call_id, count in seen.items():
+        if call_id and count > 1:
+            report.duplicate_completions += count - 1
+            report.note(f"call {call_id!r} is {count} times in the completions stream")
+    return report
+
+
+def _check_query(
+    report: StateReport,
+    query_id: str,
+    raw: dict[str, bytes],
+    ttl_ms: int,
+    active: set[str],
+    now_s: float | None,
+    stuck_after_s: float | None,
+) -> None:
+    f = {k: _text(v) for k, v in raw.items() if k not in ("submit", "shape")}
+    report.queries += 1
+    try:
+        state = f["state"]
+        total, left = int(f["calls_total"]), int(f["calls_left"])
+        stages = int(f["stages_total"])
+        stages_done = int(f["stages_done"])
+    except (KeyError, ValueError):
+        report.orphan_keys += 1
+        report.note(f"query {query_id!r}: an unreadable hash")
+        return
+    report.calls += total
+    done = sum(1 for k, v in f.items() if k.startswith("c:") and v == "done")
+    counted = total - left
+    if left < 0 or counted > done or stages_done > stages:
+        report.duplicate_completions += max(counted - done, 1)
+        report.note(f"query {query_id!r}: {counted} counted down, {done} calls complete")
+    for k in range(stages):
+        if int(f.get(f"s{k}:left", 0)) < 0 or int(f.get(f"s{k}:deps", 0)) < 0:
+            report.duplicate_completions += 1
+            report.note(f"query {query_id!r}: stage {k} counted below zero")
+    if done > counted:
+        report.missing_completions += done - counted
+        report.note(f"query {query_id!r}: {done} calls complete, {counted} counted down")
+    if state == "succeeded" and (left != 0 or done != total):
+        report.missing_completions += max(left, total - done, 1)
+        report.note(f"query {query_id!r} succeeded with {done} of {total} calls complete")
+    if state == "running":
+        report.running += 1
+        if query_id not in active:
+            report.stuck_queries += 1
+            report.note(f"query {query_id!r} runs but is not in the active set")
+        elif stuck_after_s is not None and now_s is not None:
+            age = now_s - float(f.get("arrival_s", now_s))
+            if age > stuck_after_s:
+                report.stuck_queries += 1
+                report.note(f"query {query_id!r} still runs {age:.0f} s after it arrived")
+    elif ttl_ms < 0:
+        report.orphan_keys += 1
+        report.note(f"query {query_id!r} ended {state} and never expires")
+    elif query_id in active:
+        report.stuck_queries += 1
+        report.note(f"query {query_id!r} ended {state} but is still in the active set")
+
+
+def _escape(prefix: str) -> str:
+    """`prefix` as a literal SCAN pattern."""
+    return "".join("\\" + c if c in "*?[]\\" else c for c in prefix)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]  # exits, one line
+        sys.stderr.write(f"hexgen-flow check-state: error: {message}\n")
+        sys.exit(2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _Parser(prog="hexgen-flow check-state", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    parser.add_argument("--prefix", default="hf:", help="the coordinator's --redis-prefix")
+    parser.add_argument(
+        "--stuck-after-s",
+        type=float,
+        default=None,
+        help="also count queries running longer than this (cluster seconds) as stuck",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args(argv)
+    client: redis.Redis[bytes] = redis.Redis.from_url(args.redis_url, socket_connect_timeout=5)
+    try:
+        report = check_state(client, args.prefix, args.stuck_after_s)
+    except redis.exceptions.ConnectionError as exc:
+        sys.stderr.write(f"hexgen-flow check-state: error: cannot reach {args.redis_url}: {exc}\n")
+        return 2
+    finally:
+        client.close()
+    if args.json:
+        print(json.dumps(asdict(report)))
+    else:
+        print(
+            f"{report.queries} queries ({report.running} running), {report.calls} calls: "
+            f"{report.duplicate_completions} duplicate completions, "
+            f"{report.missing_completions} missing, {report.stuck_queries} stuck queries, "
+            f"{report.orphan_keys} orphan keys"
+        )
+        for line in report.problems:
+            print(f"  {line}")
+        print("clean" if report.clean else "NOT clean")
+    return 0 if report.clean else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

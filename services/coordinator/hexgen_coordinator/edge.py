@@ -1,0 +1,216 @@
+"""The coordinator's service edge: every failure a client can cause or see becomes a gRPC
+status with a one-line message, never UNKNOWN with a traceback.
+
+- `statuses`: the async context manager every handler runs in; it maps the coordinator's
+  exceptions to statuses (`InvalidFieldError` -> INVALID_ARGUMENT, `AlreadyExistsError` ->
+  ALREADY_EXISTS, `OverloadedError` -> RESOURCE_EXHAUSTED with the ``retry-after-s``
+  trailer, Redis unreachable -> UNAVAILABLE, anything unexpected -> INTERNAL, logged here).
+- `add_coordinator_services`: registers the CoordinatorService and WorkerService with
+  request deserializers that answer undecodable bytes with INVALID_ARGUMENT (grpc's
+  generated ``add_*_to_server`` decodes with ``FromString``, whose DecodeError grpc reports
+  as UNKNOWN and logs with a traceback).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+import redis.exceptions
+from google.protobuf.message import DecodeError
+
+from hexgen_service.errors import (
+    AlreadyExistsError,
+    InvalidFieldError,
+    OverloadedError,
+    UnavailableError,
+)
+
+__all__ = [
+    "RETRY_AFTER_KEY",
+    "add_coordinator_services",
+    "add_services",
+    "statuses",
+]
+
+log = logging.getLogger(__name__)
+
+RETRY_AFTER_KEY = "retry-after-s"
+"""Trailing metadata of RESOURCE_EXHAUSTED: wall seconds after which a retry may succeed."""
+
+Context = grpc.aio.ServicerContext
+
+_REDIS_DOWN = (
+    UnavailableError,
+    redis.exceptions.ConnectionError,  # BusyLoadingError is one
+    redis.exceptions.TimeoutError,
+    redis.exceptions.BusyLoadingError,
+)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+@contextlib.asynccontextmanager
+async def statuses(context: Context[Any, Any], field_prefix: str = "") -> AsyncIterator[None]:
+    """Run a handler's body; turn what it raises into the matching status (see the module
+    docstring). `field_prefix` is put before a field path (``query.`` in RunQuery)."""
+    try:
+        yield
+    except InvalidFieldError as exc:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _one_line(field_prefix + str(exc)))
+    except AlreadyExistsError as exc:
+        await context.abort(grpc.StatusCode.ALREADY_EXISTS, _one_line(field_prefix + str(exc)))
+    except OverloadedError as exc:
+        await context.abort(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            _one_line(str(exc)),
+            trailing_metadata=((RETRY_AFTER_KEY, f"{exc.retry_after_s:.3f}"),),
+        )
+    except _REDIS_DOWN as exc:
+        await context.abort(
+            grpc.StatusCode.UNAVAILABLE, _one_line(f"redis unavailable: {exc}, retry")
+        )
+    except (grpc.aio.AbortError, GeneratorExit):
+        raise
+    except Exception as exc:
+        log.exception("internal error")
+        await context.abort(
+            grpc.StatusCode.INTERNAL, _one_line(f"internal error: {type(exc).__name__}: {exc}")
+        )
+
+
+# ------------------------------------------------------------------ safe deserializers
+
+
+class _Undecodable:
+    """What a safe deserializer returns for bytes that are no message of its type."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+def _safe(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserialize is None:
+        return None
+
+    def safe(data: bytes) -> Any:
+        try:
+            return deserialize(data)
+        except (DecodeError, ValueError, TypeError) as exc:
+            return _Undecodable(_one_line(str(exc)) or type(exc).__name__)
+
+    return safe
+
+
+async def _reject(context: Context[Any, Any], request: _Undecodable) -> None:
+    await context.abort(
+        grpc.StatusCode.INVALID_ARGUMENT, f"request: undecodable message ({request.error})"
+    )
+
+
+async def _checked(requests: AsyncIterator[Any], context: Context[Any, Any]) -> AsyncIterator[Any]:
+    async for request in requests:
+        if isinstance(request, _Undecodable):
+            await _reject(context, request)
+        yield request
+
+
+def _wrap(handler: grpc.RpcMethodHandler[Any, Any]) -> grpc.RpcMethodHandler[Any, Any]:
+    """The same handler, whose undecodable requests end in INVALID_ARGUMENT."""
+    deserializer = _safe(handler.request_deserializer)
+    serializer = handler.response_serializer
+    if handler.unary_unary is not None:
+        inner_uu: Any = handler.unary_unary
+
+        async def unary_unary(request: Any, context: Context[Any, Any]) -> Any:
+            if isinstance(request, _Undecodable):
+                await _reject(context, request)
+            return await inner_uu(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(unary_unary, deserializer, serializer)
+    if handler.unary_stream is not None:
+        inner_us: Any = handler.unary_stream
+
+        async def unary_stream(request: Any, context: Context[Any, Any]) -> AsyncIterator[Any]:
+            if isinstance(request, _Undecodable):
+                await _reject(context, request)
+            async for response in inner_us(request, context):
+                yield response
+
+        return grpc.unary_stream_rpc_method_handler(unary_stream, deserializer, serializer)
+    if handler.stream_unary is not None:
+        inner_su: Any = handler.stream_unary
+
+        async def stream_unary(requests: AsyncIterator[Any], context: Context[Any, Any]) -> Any:
+            return await inner_su(_checked(requests, context), context)
+
+        return grpc.stream_unary_rpc_method_handler(stream_unary, deserializer, serializer)
+    inner_ss: Any = handler.stream_stream
+    assert inner_ss is not None
+
+    async def stream_stream(
+        requests: AsyncIterator[Any], context: Context[Any, Any]
+    ) -> AsyncIterator[Any]:
+        async for response in inner_ss(_checked(requests, context), context):
+            yield response
+
+    return grpc.stream_stream_rpc_method_handler(stream_stream, deserializer, serializer)
+
+
+class _Capture:
+    """Stands in for the server in a generated ``add_*_to_server``: keeps its handlers."""
+
+    def __init__(self) -> None:
+        self.services: dict[str, dict[str, grpc.RpcMethodHandler[Any, Any]]] = {}
+
+    def add_registered_method_handlers(
+        self, service: str, handlers: dict[str, grpc.RpcMethodHandler[Any, Any]]
+    ) -> None:
+        self.services[service] = handlers
+
+    def add_generic_rpc_handlers(self, handlers: object) -> None:
+        pass  # the same handlers come through add_registered_method_handlers
+
+
+def add_services(
+    server: grpc.aio.Server, add_to_server: Callable[[Any, Any], None], servicer: object
+) -> None:
+    """``add_to_server(servicer, server)`` (a generated ``add_*_to_server``), with request
+    deserializers that answer undecodable bytes with INVALID_ARGUMENT."""
+    capture = _Capture()
+    add_to_server(servicer, capture)
+    if not capture.services:
+        raise RuntimeError(f"{add_to_server.__name__} registered no service")
+    for service, handlers in capture.services.items():
+        wrapped = {name: _wrap(handler) for name, handler in handlers.items()}
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, wrapped),))
+        register = getattr(server, "add_registered_method_handlers", None)
+        if register is not None:
+            register(service, wrapped)
+
+
+def add_coordinator_services(server: grpc.aio.Server, coordinator: Any) -> None:
+    """Register `coordinator`'s CoordinatorService and WorkerService on `server` (what
+    ``python -m hexgen_coordinator`` serves), undecodable requests answered with
+    INVALID_ARGUMENT."""
+    from hexgen_api.v1 import coordinator_pb2_grpc, worker_pb2_grpc  # noqa: PLC0415
+    from hexgen_coordinator.service import (  # noqa: PLC0415 - service imports this module
+        CoordinatorServicer,
+        WorkerServicer,
+    )
+
+    add_services(
+        server,
+        coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server,
+        CoordinatorServicer(coordinator),
+    )
+    add_services(
+        server, worker_pb2_grpc.add_WorkerServiceServicer_to_server, WorkerServicer(coordinator)
+    )

@@ -1,0 +1,385 @@
+"""Admission control through real processes: a coordinator (``python -m
+hexgen_coordinator``) and two simulated A100 workers on the Redis at 127.0.0.1:6379 (a
+private key prefix per test), driven by ``hexgen-flow replay`` and the Python client.
+
+- overload: 100 trace3 queries at 20 q/s into two A100s through ``hexgen-flow replay
+  --json`` (without admission control every one misses its SLO), one worker SIGKILLed
+  mid-run and started again a second later, as a supervisor would: every query is either
+  completed or rejected, none fails, and >= 90 % of the admitted meet their SLO;
+- best-effort: the same overload admitted whole, the queries predicted to miss held back
+  and run after the others, which keep their SLO;
+- per-tenant and cluster-wide limits on running queries: RESOURCE_EXHAUSTED with a
+  retry-after hint;
+- `replay` itself against a stand-in client: refusals counted, retried only when asked,
+  UNAVAILABLE retried, FAILED queries counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, cast
+
+import grpc
+import pytest
+import redis
+
+from hexgen_api.v1 import coordinator_pb2 as cpb
+from hexgen_api.v1 import coordinator_pb2_grpc as cpb_grpc
+from hexgen_client.client import CoordinatorClient
+from hexgen_client.cluster_config import worker_argv
+from hexgen_client.errors import CoordinatorOverloadedError, CoordinatorUnavailableError
+from hexgen_client.replay import replay
+from hexgen_flow.traces import load_trace, take_queries
+from hexgen_flow.workload import Query
+from hexgen_service.convert import submit_from_query
+from hexgen_service.healthcheck import check
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+CLUSTER = "A100,A100"
+MODEL = "llama-3.1-70b"
+TIME_SCALE = 10.0
+
+
+def _redis_up() -> bool:
+    try:
+        return bool(redis.Redis.from_url(REDIS_URL, socket_timeout=1).ping())
+    except redis.RedisError:
+        return False
+
+
+pytestmark = pytest.mark.skipif(not _redis_up(), reason=f"no Redis at {REDIS_URL}")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class _Mesh:
+    """A coordinator with `coordinator_args` and `workers` simulated workers (one per
+    slot), each a process logging into `logs`; `stop` ends them and drops the keys."""
+
+    def __init__(
+        self,
+        logs: Path,
+        coordinator_args: list[str],
+        workers: int = 2,
+        time_scale: float = TIME_SCALE,
+    ) -> None:
+        self.logs = logs
+        self.prefix = f"test-admission-{uuid.uuid4().hex[:8]}:"
+        self.address = f"127.0.0.1:{_free_port()}"
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._start(
+            "coordinator",
+            [
+                sys.executable, "-m", "hexgen_coordinator",
+                "--listen", self.address,
+                "--redis-url", REDIS_URL,
+                "--redis-prefix", self.prefix,
+                "--cluster", CLUSTER,
+                "--time-scale", repr(time_scale),
+                "--log-level", "WARNING",
+                *coordinator_args,
+            ],
+        )  # fmt: skip
+        try:
+            deadline = time.monotonic() + 30
+            while check(self.address, timeout_s=1.0) is not None:
+                self._alive("coordinator")
+                assert time.monotonic() < deadline, "the coordinator did not start"
+                time.sleep(0.1)
+            for slot in range(workers):
+                self.start_worker(slot)
+            if workers:
+                self.wait_connected(workers)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, name: str, argv: list[str]) -> None:
+        with (self.logs / f"{name}.log").open("ab") as log:
+            self.procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+
+    def _alive(self, name: str) -> None:
+        proc = self.procs[name]
+        if proc.poll() is not None:
+            tail = (self.logs / f"{name}.log").read_text(errors="replace")[-3000:]
+            raise AssertionError(f"{name} exited with {proc.returncode}:\n{tail}")
+
+    def start_worker(self, slot: int) -> None:
+        argv = worker_argv(sys.executable, self.address, slot, "A100", MODEL)
+        self._start(f"worker-{slot}", argv)
+
+    def kill_worker(self, slot: int) -> None:
+        proc = self.procs[f"worker-{slot}"]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+
+    def status(self) -> cpb.ClusterStatusResponse:
+        with grpc.insecure_channel(self.address) as channel:
+            stub = cpb_grpc.CoordinatorServiceStub(channel)
+            return stub.ClusterStatus(cpb.ClusterStatusRequest(), timeout=5)
+
+    def wait_connected(self, n: int, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while sum(i.connected for i in self.status().instances) < n:
+            for name in self.procs:
+                self._alive(name)
+            assert time.monotonic() < deadline, "the workers did not connect"
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs.values()):
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        client = redis.Redis.from_url(REDIS_URL)
+        keys = list(client.scan_iter(match=f"{self.prefix}*", count=1000))
+        if keys:
+            client.delete(*keys)
+        client.close()
+
+
+MeshFactory = Callable[..., _Mesh]
+
+
+@pytest.fixture
+def mesh_factory(tmp_path: Path) -> Iterator[MeshFactory]:
+    """``mesh_factory(coordinator_args, workers=2, time_scale=TIME_SCALE)``: a `_Mesh`,
+    stopped after the test."""
+    started: list[_Mesh] = []
+
+    def start(
+        coordinator_args: list[str], workers: int = 2, time_scale: float = TIME_SCALE
+    ) -> _Mesh:
+        mesh = _Mesh(tmp_path, coordinator_args, workers, time_scale)
+        started.append(mesh)
+        return mesh
+
+    try:
+        yield start
+    finally:
+        for mesh in started:
+            mesh.stop()
+
+
+def _queries(n: int, tag: str) -> list[Query]:
+    return [
+        replace(q, query_id=f"{tag}/{q.query_id}") for q in take_queries(load_trace("trace3"), n)
+    ]
+
+
+# ------------------------------------------------------------------------------ overload
+
+
+def test_overload_with_a_worker_killed_rejects_the_excess_and_keeps_the_slo(
+    mesh_factory: MeshFactory,
+) -> None:
+    # --admission reject (the default), with 10 % of the SLO kept for the failure: the calls
+    # in flight on the killed worker start again from scratch elsewhere.
+    mesh = mesh_factory(["--admission-slack", "0.9"])
+    cli = subprocess.Popen(
+        [
+            sys.executable, "-m", "hexgen_cli", "replay",
+            "--trace", "trace3", "--num-queries", "100", "--qps", "20",
+            "--coordinator", mesh.address, "--json", "--no-progress",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        started = time.monotonic()
+        # The arrivals take 5 cluster seconds (0.5 s wall); 3 s wall in, the admitted
+        # queries are running: a refused submission carries a retry-after hint.
+        time.sleep(3.0)
+        with grpc.insecure_channel(mesh.address) as channel:
+            stub = cpb_grpc.CoordinatorServiceStub(channel)
+            extra = submit_from_query(_queries(1, "late")[0])
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.SubmitQuery(extra, timeout=5)
+        call = cast(grpc.Call, refused.value)
+        assert call.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, call.details()
+        retry_after = dict(call.trailing_metadata() or ())["retry-after-s"]
+        assert 0 < float(retry_after) <= 600
+        # Mid-run, one worker dies; its calls go to the other; it comes back 1 s later.
+        assert mesh.status().instances[1].in_flight > 0, "nothing running on the worker"
+        mesh.kill_worker(1)
+        time.sleep(1.0)
+        mesh.start_worker(1)
+        out, err = cli.communicate(timeout=240)
+        wall = time.monotonic() - started
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+            cli.wait()
+    assert cli.returncode == 0, err.decode()
+    doc = json.loads(out)
+    status = mesh.status()
+    print(
+        f"\n100 trace3 queries at 20 q/s on {CLUSTER}, worker 1 SIGKILLed 3 s in: "
+        f"{doc['submitted']} submitted, {doc['admitted']} admitted, {doc['rejected']} "
+        f"rejected, {doc['completed']} completed, {doc['failed']} failed; SLO "
+        f"{doc['slo_s']:.1f} s, attainment of the admitted {100 * doc['slo_attainment']:.1f} %, "
+        f"P95 {doc['latency_s']['p95']:.1f} s; coordinator counted {status.queries_rejected} "
+        f"rejections; {wall:.1f} s wall"
+    )
+    assert doc["submitted"] == 100
+    assert doc["completed"] + doc["rejected"] == 100
+    assert doc["failed"] == 0 and doc["best_effort"] == 0
+    assert doc["rejected"] > 0 and doc["completed"] >= 5
+    assert doc["num_queries"] == doc["admitted"] == doc["completed"]
+    assert doc["slo_attainment"] >= 0.9
+    assert status.queries_rejected == doc["rejected"] + 1  # the late one
+    assert status.queries_running == 0
+
+
+# ----------------------------------------------------------------------------- best effort
+
+
+async def test_best_effort_admits_everything_and_keeps_the_slo_of_the_predicted(
+    mesh_factory: MeshFactory,
+) -> None:
+    mesh = mesh_factory(["--admission", "best-effort"], time_scale=20.0)
+    queries = _queries(30, "best-effort")
+
+    async def follow(client: CoordinatorClient, query_id: str) -> cpb.QueryInfo:
+        async for _event in client.watch(query_id):
+            pass
+        return (await client.get(query_id)).query
+
+    async with CoordinatorClient(mesh.address) as client:
+        answers, followers = [], []
+        for q in queries:  # 20 q/s on the cluster clock
+            answers.append(await client.submit(q))
+            followers.append(asyncio.create_task(follow(client, q.query_id)))
+            await asyncio.sleep(1 / 20 / 20.0)
+        ended = await asyncio.gather(*followers)
+    assert all(a.created for a in answers)
+    assert all(i.state == cpb.QUERY_STATE_SUCCEEDED for i in ended)
+    best = [e for a, e in zip(answers, ended, strict=True) if a.query.best_effort]
+    normal = [e for a, e in zip(answers, ended, strict=True) if not a.query.best_effort]
+    met = [i.finished_s - i.arrival_s <= i.slo_s for i in normal]
+    print(
+        f"\n30 trace3 queries at 20 q/s, best-effort: {len(normal)} at normal urgency "
+        f"({sum(met)} met their SLO), {len(best)} best-effort"
+    )
+    assert best and normal and sum(met) >= 0.9 * len(normal)
+    # Their SLO stays the real one, for reporting; they are served after the others.
+    assert {a.query.slo_s for a in answers} == {normal[0].slo_s}
+    assert max(i.finished_s for i in normal) <= max(i.finished_s for i in best)
+    assert mesh.status().queries_rejected == 0
+
+
+# ------------------------------------------------------------------------ running limits
+
+
+async def test_per_tenant_and_cluster_limits_on_running_queries(
+    mesh_factory: MeshFactory,
+) -> None:
+    # No workers: admitted queries wait parked, so they stay running.
+    mesh = mesh_factory(
+        ["--admission", "off", "--max-tenant-queries", "2", "--max-running-queries", "3"],
+        workers=0,
+    )
+    base = _queries(1, "limits")[0]
+
+    def query(n: int, tenant: str) -> Query:
+        return replace(base, query_id=f"limits/{tenant}/{n}", tenant=tenant)
+
+    async with CoordinatorClient(mesh.address) as client:
+        for n in range(2):
+            assert (await client.submit(query(n, "a"))).created
+        with pytest.raises(CoordinatorOverloadedError) as tenant_full:
+            await client.submit(query(2, "a"))
+        assert "tenant 'a'" in tenant_full.value.details
+        assert tenant_full.value.retry_after_s is not None and tenant_full.value.retry_after_s > 0
+        # Another tenant still gets in, up to the cluster's limit.
+        assert (await client.submit(query(0, "b"))).created
+        with pytest.raises(CoordinatorOverloadedError) as cluster_full:
+            await client.submit(query(1, "b"))
+        assert "3 queries are running" in cluster_full.value.details
+        # A resubmission of a running query is answered, not refused.
+        again = await client.submit(query(0, "a"))
+        assert not again.created
+        # Cancelling one frees a place.
+        await client.cancel(query(0, "a").query_id)
+        assert (await client.submit(query(2, "a"))).created
+        status = await client.status()
+    assert status.queries_rejected == 2
+    assert status.queries_running == 3
+    await asyncio.sleep(0)
+
+
+# ------------------------------------------------------------ the client, without a mesh
+
+
+class _FakeCoordinator:
+    """A `CoordinatorClient` stand-in: refuses each query's first `refusals` submissions
+    (RESOURCE_EXHAUSTED, retry after 10 ms) after `outages` UNAVAILABLE answers."""
+
+    def __init__(self, refusals: int, outages: int = 0) -> None:
+        self.refusals = refusals
+        self.outages = outages
+        self.attempts: dict[str, int] = {}
+        self.address = "fake"
+
+    async def status(self) -> cpb.ClusterStatusResponse:
+        return cpb.ClusterStatusResponse(policy="hexgen-flow", time_scale=1000.0, slo_base_s=10)
+
+    async def submit(self, query: Query, **_: object) -> cpb.SubmitQueryResponse:
+        n = self.attempts[query.query_id] = self.attempts.get(query.query_id, 0) + 1
+        if n <= self.outages:
+            raise CoordinatorUnavailableError(self.address, "redis unavailable: down, retry")
+        if n <= self.outages + self.refusals:
+            raise CoordinatorOverloadedError(self.address, "overloaded", 0.01)
+        return cpb.SubmitQueryResponse(created=True, query=cpb.QueryInfo(query_id=query.query_id))
+
+    async def watch(self, query_id: str) -> AsyncIterator[cpb.QueryEvent]:
+        for _ in ():
+            yield cpb.QueryEvent()
+
+    async def get(self, query_id: str) -> cpb.GetQueryResponse:
+        failed = query_id.endswith("-1")
+        info = cpb.QueryInfo(
+            query_id=query_id,
+            state=cpb.QUERY_STATE_FAILED if failed else cpb.QUERY_STATE_SUCCEEDED,
+            arrival_s=1.0,
+            finished_s=0.0 if failed else 5.0,
+            slo_s=30.0,
+        )
+        return cpb.GetQueryResponse(query=info)
+
+
+async def test_replay_counts_refusals_and_retries_them_only_when_asked() -> None:
+    queries = _queries(4, "fake")
+    refused = await replay(cast(Any, _FakeCoordinator(refusals=1)), queries, qps=100.0)
+    assert refused.extra["rejected"] == 4 and refused.extra["admitted"] == 0
+    assert refused.completed == 0 and math.isnan(refused.slo_attainment)
+
+    fake = _FakeCoordinator(refusals=2, outages=2)
+    retried = await replay(cast(Any, fake), queries, qps=100.0, retry_rejected=True)
+    assert set(fake.attempts.values()) == {5}
+    extra = retried.extra
+    assert (extra["submitted"], extra["admitted"], extra["rejected"]) == (4, 4, 0)
+    # trace3-1 ended FAILED: admitted, not completed, and it counts against attainment.
+    assert extra["failed"] == 1 and retried.completed == 3
+    assert retried.num_queries == 4 and retried.slo_attainment == 0.75
