@@ -20,7 +20,6 @@ import asyncio
 import json
 import math
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -39,33 +38,20 @@ from hexgen_api.v1 import coordinator_pb2_grpc as cpb_grpc
 from hexgen_client.client import CoordinatorClient
 from hexgen_client.cluster_config import worker_argv
 from hexgen_client.errors import CoordinatorOverloadedError, CoordinatorUnavailableError
+from hexgen_client.processes import free_port
 from hexgen_client.replay import replay
 from hexgen_flow.traces import load_trace, take_queries
 from hexgen_flow.workload import Query
 from hexgen_service.convert import submit_from_query
 from hexgen_service.healthcheck import check
+from redis_here import REDIS_URL, needs_redis
 
-REDIS_URL = "redis://127.0.0.1:6379/0"
 CLUSTER = "A100,A100"
 MODEL = "llama-3.1-70b"
 TIME_SCALE = 10.0
 
 
-def _redis_up() -> bool:
-    try:
-        return bool(redis.Redis.from_url(REDIS_URL, socket_timeout=1).ping())
-    except redis.RedisError:
-        return False
-
-
-pytestmark = pytest.mark.skipif(not _redis_up(), reason=f"no Redis at {REDIS_URL}")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+pytestmark = needs_redis
 
 
 class _Mesh:
@@ -81,7 +67,7 @@ class _Mesh:
     ) -> None:
         self.logs = logs
         self.prefix = f"test-admission-{uuid.uuid4().hex[:8]}:"
-        self.address = f"127.0.0.1:{_free_port()}"
+        self.address = f"127.0.0.1:{free_port()}"
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self._start(
             "coordinator",

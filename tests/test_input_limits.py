@@ -14,7 +14,6 @@ import asyncio
 import itertools
 import math
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -32,11 +31,12 @@ from hypothesis import strategies as st
 from hexgen_api.v1 import coordinator_pb2 as cpb
 from hexgen_api.v1 import coordinator_pb2_grpc as cpb_grpc
 from hexgen_api.v1 import workflow_pb2 as wpb
+from hexgen_client.processes import free_port
 from hexgen_coordinator.edge import add_coordinator_services, add_services
 from hexgen_coordinator.service import CoordinatorServicer
 from hexgen_service.healthcheck import check
+from redis_here import REDIS_URL, needs_redis
 
-REDIS_URL = "redis://127.0.0.1:6379/0"
 LIMITS = {
     "--max-prompt-bytes": 1000,
     "--max-calls": 50,
@@ -53,21 +53,7 @@ ALLOWED = {
 }
 
 
-def _redis_up() -> bool:
-    try:
-        return bool(redis.Redis.from_url(REDIS_URL, socket_timeout=1).ping())
-    except redis.RedisError:
-        return False
-
-
-pytestmark = pytest.mark.skipif(not _redis_up(), reason=f"no Redis at {REDIS_URL}")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+pytestmark = needs_redis
 
 
 class _Coordinator:
@@ -75,7 +61,7 @@ class _Coordinator:
 
     def __init__(self, log: Path, *args: str) -> None:
         self.prefix = f"test-limits-{uuid.uuid4().hex[:8]}:"
-        self.address = f"127.0.0.1:{_free_port()}"
+        self.address = f"127.0.0.1:{free_port()}"
         argv = [
             sys.executable, "-m", "hexgen_coordinator",
             "--listen", self.address,
@@ -516,7 +502,7 @@ def test_the_coordinator_is_still_up_after_all_that(
 
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="no redis-server binary")
 def test_redis_going_away_is_unavailable_not_unknown(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     redis_proc = subprocess.Popen(
         ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
          "--appendonly", "no", "--dir", str(tmp_path)],
