@@ -14,6 +14,7 @@ from hexgen_cli import (
     check_state,
     demo,
     estimate,
+    get,
     mesh,
     policies,
     profile,
@@ -37,6 +38,7 @@ COMMANDS = (
     "replay",
     "ask",
     "status",
+    "get",
     "check-state",
     "demo",
 )
@@ -73,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     estimate.register(commands)
     profile.register(commands)
     mesh.register(commands)  # up, replay, ask, status
+    get.register(commands)
     check_state.register(commands)
     demo.register(commands)
     return parser

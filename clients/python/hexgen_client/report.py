@@ -1,5 +1,5 @@
 """Plain-text and JSON renderings of the coordinator's messages for the CLI
-(``hexgen-flow ask`` and ``hexgen-flow status``)."""
+(``hexgen-flow ask``, ``hexgen-flow get`` and ``hexgen-flow status``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,15 @@ from typing import Any
 
 from hexgen_api.v1 import coordinator_pb2
 
-__all__ = ["event_kind", "event_line", "state_name", "status_json", "status_lines"]
+__all__ = [
+    "event_kind",
+    "event_line",
+    "query_json",
+    "query_lines",
+    "state_name",
+    "status_json",
+    "status_lines",
+]
 
 _TEXT_SHOWN = 60
 
@@ -132,3 +140,107 @@ def status_lines(status: coordinator_pb2.ClusterStatusResponse, address: str) ->
         ]
         lines.append("  ".join(cells).rstrip())
     return lines
+
+
+def _calls(events: Any) -> dict[str, dict[str, Any]]:
+    """Per call id, from a query's events: stage, instance, dispatches, failures, times."""
+    k = coordinator_pb2
+    calls: dict[str, dict[str, Any]] = {}
+    for e in events:
+        if not e.call_id:
+            continue
+        call = calls.setdefault(
+            e.call_id,
+            {"call_id": e.call_id, "stage": e.stage, "instance": "", "dispatches": 0,
+             "failures": 0, "started_s": None, "finished_s": None},
+        )  # fmt: skip
+        if e.kind in (k.QUERY_EVENT_KIND_CALL_DISPATCHED, k.QUERY_EVENT_KIND_CALL_REDISPATCHED):
+            call["dispatches"] += e.kind == k.QUERY_EVENT_KIND_CALL_DISPATCHED
+            call["instance"] = e.instance or call["instance"]
+        elif e.kind == k.QUERY_EVENT_KIND_CALL_STARTED:
+            call["started_s"] = e.time_s
+        elif e.kind == k.QUERY_EVENT_KIND_CALL_FINISHED:
+            call["finished_s"] = e.time_s
+            call["instance"] = e.instance or call["instance"]
+        elif e.kind == k.QUERY_EVENT_KIND_CALL_FAILED:
+            call["failures"] += 1
+    return calls
+
+
+def query_json(reply: coordinator_pb2.GetQueryResponse) -> dict[str, Any]:
+    """A query's state, stages (with their deadlines) and calls, as one JSON object."""
+    q = reply.query
+    return {
+        "query_id": q.query_id,
+        "tenant": q.tenant,
+        "state": state_name(q.state),
+        "failure_reason": q.failure_reason,
+        "best_effort": q.best_effort,
+        "arrival_s": q.arrival_s,
+        "slo_s": q.slo_s,
+        "deadline_s": q.deadline_s,
+        "finished_s": q.finished_s or None,
+        "latency_s": (q.finished_s - q.arrival_s) if q.finished_s else None,
+        "slo_met": (q.finished_s <= q.deadline_s) if q.finished_s else None,
+        "stages": [
+            {
+                "index": st.index,
+                "step": st.step,
+                "after": list(st.after),
+                "calls_total": st.calls_total,
+                "calls_done": st.calls_done,
+                "released_s": st.released_s if st.released_s or st.deadline_s else None,
+                "finished_s": st.finished_s or None,
+                "deadline_s": st.deadline_s or None,
+                "slack_s": (st.deadline_s - st.finished_s)
+                if st.finished_s and st.deadline_s
+                else None,
+            }
+            for st in reply.stages
+        ],
+        "calls": list(_calls(reply.events).values()),
+    }
+
+
+def _t(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def query_lines(reply: coordinator_pb2.GetQueryResponse) -> list[str]:
+    """A query's state, a table of its stages with their deadlines, and its calls."""
+    doc = query_json(reply)
+    verdict = ""
+    if doc["slo_met"] is not None:
+        verdict = f", {'met' if doc['slo_met'] else 'missed'} its SLO"
+    head = [
+        f"query {doc['query_id']} ({doc['tenant']}): {doc['state']}{verdict}",
+        f"  arrived {_t(doc['arrival_s'])} s, SLO {_t(doc['slo_s'])} s, deadline "
+        f"{_t(doc['deadline_s'])} s, finished {_t(doc['finished_s'])} s",
+    ]
+    if doc["failure_reason"]:
+        head.append(f"  failed: {doc['failure_reason']}")
+    if doc["best_effort"]:
+        head.append("  admitted best-effort (served after every query admitted on time)")
+    rows = [("stage", "step", "calls", "released s", "deadline s", "finished s", "slack s")]
+    for st in doc["stages"]:
+        rows.append(
+            (
+                str(st["index"]),
+                st["step"],
+                f"{st['calls_done']}/{st['calls_total']}",
+                _t(st["released_s"]),
+                _t(st["deadline_s"]),
+                _t(st["finished_s"]),
+                _t(st["slack_s"]),
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    table = ["  " + "  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    calls = [
+        f"  {c['call_id']}  on {c['instance'] or '-'}  started {_t(c['started_s'])}  finished "
+        f"{_t(c['finished_s'])}"
+        + (f"  ({c['dispatches']} dispatches)" if c["dispatches"] > 1 else "")
+        + (f"  ({c['failures']} failed)" if c["failures"] else "")
+        for c in doc["calls"]
+    ]
+    return [*head, "", *table, "", f"calls ({len(calls)}):", *calls]

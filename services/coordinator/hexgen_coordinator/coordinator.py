@@ -172,7 +172,8 @@ class Coordinator:
     async def get_info(self, query_id: str) -> cpb.QueryInfo:
         return await self._views.get_info(query_id)
 
-    async def get(self, query_id: str) -> tuple[cpb.QueryInfo, list[cpb.QueryEvent]]:
+    async def get(self, query_id: str) -> cpb.GetQueryResponse:
+        """The query's info, events and stages; raises UnknownQueryError."""
         return await self._views.get(query_id)
 
     def status(self) -> cpb.ClusterStatusResponse:

@@ -81,10 +81,9 @@ class CoordinatorServicer(cpb_grpc.CoordinatorServiceServicer):
     ) -> cpb.GetQueryResponse:
         async with statuses(context):
             try:
-                info, events = await self.c.get(request.query_id)
+                return await self.c.get(request.query_id)
             except UnknownQueryError:
                 await _not_found(context, request.query_id)
-            return cpb.GetQueryResponse(query=info, events=events)
         raise AssertionError("unreachable")
 
     async def ClusterStatus(  # noqa: N802

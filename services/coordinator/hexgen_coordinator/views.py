@@ -16,6 +16,7 @@ from hexgen_flow.cluster import Cluster
 from hexgen_flow.metrics import percentile
 from hexgen_flow.runtime import QueryRun
 from hexgen_flow.scheduler import GlobalScheduler
+from hexgen_service.convert import query_from_submit
 
 __all__ = ["QueryViews", "UnknownQueryError"]
 
@@ -49,13 +50,53 @@ class QueryViews:
             raise UnknownQueryError(query_id)
         return self.info_of_stored(stored)
 
-    async def get(self, query_id: str) -> tuple[cpb.QueryInfo, list[cpb.QueryEvent]]:
+    async def get(self, query_id: str) -> cpb.GetQueryResponse:
+        """The query's info, its event log and its stages."""
         info = await self.get_info(query_id)
         entry = self.ledger.active.get(query_id)
-        stored = [cpb.QueryEvent.FromString(r) for r in await self.store.events(query_id)]
+        stored = await self.store.load(query_id)
+        events = [cpb.QueryEvent.FromString(r) for r in await self.store.events(query_id)]
         if entry is not None:
-            return info, stored[: entry.event_base] + list(entry.events)
-        return info, stored
+            events = events[: entry.event_base] + list(entry.events)
+        return cpb.GetQueryResponse(query=info, events=events, stages=self._stages(stored))
+
+    def _stages(self, stored: StoredQuery | None) -> list[cpb.StageInfo]:
+        """Each stage from Redis, overlaid with what memory knows ahead of the writes still
+        behind (a running query's releases, finishes and deadlines)."""
+        if stored is None:
+            return []  # expired between the reads
+        entry = self.ledger.active.get(stored.query_id)
+        if entry is not None:
+            workflow = entry.run.query.workflow
+        else:
+            request = cpb.SubmitQueryRequest.FromString(stored.submit)
+            workflow = query_from_submit(request).workflow
+        deadlines: dict[int, float] = {}
+        if entry is not None:
+            for ticket in self.ledger.tickets.values():
+                if ticket.query_id == stored.query_id:
+                    deadlines[ticket.stage] = ticket.deadline_s
+        stages = []
+        for k, stage in enumerate(workflow.stages):
+            released, finished = stored.stage(k, "rel"), stored.stage(k, "fin")
+            left = int(stored.stage(k, "left") or len(stage.calls))
+            info = cpb.StageInfo(
+                index=k,
+                step=stage.step,
+                after=list(stage.after),
+                calls_total=len(stage.calls),
+                calls_done=len(stage.calls) - left,
+                released_s=float(released) if released is not None else 0.0,
+                finished_s=float(finished) if finished is not None else 0.0,
+                deadline_s=deadlines.get(k, float(stored.stage(k, "dl") or 0.0)),
+            )
+            if entry is not None:
+                run = entry.run
+                info.released_s = run.stage_released_s[k] or 0.0
+                info.finished_s = run.stage_finished_s[k] or 0.0
+                info.calls_done = len(stage.calls) - run.stage_calls_left[k]
+            stages.append(info)
+        return stages
 
     def info_of_run(self, run: QueryRun) -> cpb.QueryInfo:
         q = run.query

@@ -396,23 +396,77 @@ class GetQueryResponse(_message.Message):
 
     QUERY_FIELD_NUMBER: _builtins.int
     EVENTS_FIELD_NUMBER: _builtins.int
+    STAGES_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def query(self) -> Global___QueryInfo: ...
     @_builtins.property
     def events(self) -> _containers.RepeatedCompositeFieldContainer[Global___QueryEvent]: ...
+    @_builtins.property
+    def stages(self) -> _containers.RepeatedCompositeFieldContainer[Global___StageInfo]:
+        """The query's stages (repeats unrolled), in workflow order."""
+
     def __init__(
         self,
         *,
         query: Global___QueryInfo | None = ...,
         events: _abc.Iterable[Global___QueryEvent] | None = ...,
+        stages: _abc.Iterable[Global___StageInfo] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["query", b"query"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events", "query", b"query"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events", "query", b"query", "stages", b"stages"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetQueryResponse: _TypeAlias = GetQueryResponse  # noqa: Y015
+
+@_typing.final
+class StageInfo(_message.Message):
+    """One stage of a query, on the cluster clock."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDEX_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    AFTER_FIELD_NUMBER: _builtins.int
+    CALLS_TOTAL_FIELD_NUMBER: _builtins.int
+    CALLS_DONE_FIELD_NUMBER: _builtins.int
+    RELEASED_S_FIELD_NUMBER: _builtins.int
+    FINISHED_S_FIELD_NUMBER: _builtins.int
+    DEADLINE_S_FIELD_NUMBER: _builtins.int
+    index: _builtins.int
+    step: _builtins.str
+    """Step type of the stage's calls, e.g. "generate_candidate"."""
+    calls_total: _builtins.int
+    calls_done: _builtins.int
+    released_s: _builtins.float
+    """0 until the stage is released / finished."""
+    finished_s: _builtins.float
+    deadline_s: _builtins.float
+    """The deadline the stage budget gave it at release (0 until released)."""
+    @_builtins.property
+    def after(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Indices of the stages it waits for."""
+
+    def __init__(
+        self,
+        *,
+        index: _builtins.int = ...,
+        step: _builtins.str = ...,
+        after: _abc.Iterable[_builtins.int] | None = ...,
+        calls_total: _builtins.int = ...,
+        calls_done: _builtins.int = ...,
+        released_s: _builtins.float = ...,
+        finished_s: _builtins.float = ...,
+        deadline_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after", b"after", "calls_done", b"calls_done", "calls_total", b"calls_total", "deadline_s", b"deadline_s", "finished_s", b"finished_s", "index", b"index", "released_s", b"released_s", "step", b"step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StageInfo: _TypeAlias = StageInfo  # noqa: Y015
 
 @_typing.final
 class ClusterStatusRequest(_message.Message):

@@ -1,0 +1,93 @@
+"""``hexgen-flow get``: a finished three-stage workflow's stages with their deadlines and
+its calls, read from a real `hexgen-flow up` (and an unknown id refused in one line)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from hexgen_client.client import CoordinatorClient
+from hexgen_client.errors import ClusterError
+from hexgen_client.processes import find_redis_server
+from hexgen_flow.workload import LLMCall, Query, Workflow
+from up_runner import Up, running_up
+
+try:
+    find_redis_server()
+    HAVE_REDIS_SERVER = True
+except ClusterError:
+    HAVE_REDIS_SERVER = False
+
+pytestmark = pytest.mark.skipif(not HAVE_REDIS_SERVER, reason="redis-server is not installed")
+
+WORKFLOW = Workflow.chain(
+    [
+        (LLMCall("information_retriever", 3000, 40),),
+        (LLMCall("generate_candidate", 6000, 300), LLMCall("generate_candidate", 6000, 300)),
+        (LLMCall("evaluate", 900, 20),),
+    ]
+)
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
+    folder: Path = tmp_path_factory.mktemp("up")
+    with running_up(folder, "--time-scale", "50", "--admission", "off") as running:
+        yield running
+
+
+def _get(up: Up, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "hexgen_cli", "get", *args, "--coordinator", up.coordinator],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+
+
+def test_get_shows_the_stages_with_their_deadlines_and_the_calls(up: Up) -> None:
+    async def run() -> None:
+        async with CoordinatorClient(up.coordinator) as client:
+            await client.submit(Query("three-stages", WORKFLOW))
+            async for _event in client.watch("three-stages"):
+                pass
+
+    asyncio.run(run())
+    done = _get(up, "three-stages", "--json")
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(done.stdout)
+    assert doc["state"] == "SUCCEEDED" and doc["latency_s"] > 0
+    stages = doc["stages"]
+    assert [s["step"] for s in stages] == [
+        "information_retriever",
+        "generate_candidate",
+        "evaluate",
+    ]
+    assert [s["calls_done"] for s in stages] == [1, 2, 1]
+    for before, after in itertools.pairwise(stages):
+        # each stage is released when the one before it finishes, with a deadline of its own
+        assert after["released_s"] == pytest.approx(before["finished_s"])
+        assert before["released_s"] < before["deadline_s"] <= doc["deadline_s"]
+    assert stages[-1]["deadline_s"] <= doc["deadline_s"] + 1e-6
+    assert {c["call_id"] for c in doc["calls"]} == {
+        "three-stages/0.0", "three-stages/1.0", "three-stages/1.1", "three-stages/2.0"
+    }  # fmt: skip
+    assert all(c["instance"] and c["finished_s"] for c in doc["calls"])
+
+    text = _get(up, "three-stages")
+    assert text.returncode == 0, text.stderr
+    assert "SUCCEEDED" in text.stdout and "deadline s" in text.stdout
+    assert "generate_candidate" in text.stdout and "calls (4):" in text.stdout
+
+
+def test_get_of_an_unknown_id_is_one_line_and_exit_2(up: Up) -> None:
+    done = _get(up, "no-such-query")
+    assert done.returncode == 2
+    assert done.stdout == ""
+    (line,) = done.stderr.strip().splitlines()
+    assert "no query 'no-such-query'" in line
