@@ -13,6 +13,7 @@ import grpc
 from hexgen_coordinator.config import CoordinatorConfig
 from hexgen_coordinator.coordinator import Coordinator
 from hexgen_coordinator.edge import add_coordinator_services
+from hexgen_coordinator.metrics import serve_metrics
 from hexgen_coordinator.redis_retry import redis_client
 from hexgen_flow.errors import HexgenFlowError
 from hexgen_service.server import GrpcServer
@@ -58,6 +59,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[CoordinatorConfig, str]:
     parser.add_argument("--max-id-bytes", type=int, default=defaults.max_id_bytes)
     parser.add_argument("--max-tenant-bytes", type=int, default=defaults.max_tenant_bytes)
     parser.add_argument("--max-slo-s", type=float, default=defaults.max_slo_s)
+    parser.add_argument(
+        "--metrics-listen",
+        default=defaults.metrics_listen,
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics on http://HOST:PORT/metrics (default: not served)",
+    )
     parser.add_argument("--log-level", default="INFO")
     del docs
     args = parser.parse_args(argv)
@@ -111,6 +118,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[CoordinatorConfig, str]:
         max_id_bytes=args.max_id_bytes,
         max_tenant_bytes=args.max_tenant_bytes,
         max_slo_s=args.max_slo_s,
+        metrics_listen=args.metrics_listen,
     )
     return config, args.log_level
 
@@ -142,9 +150,15 @@ async def serve(config: CoordinatorConfig) -> None:
         coordinator.scheduler.alpha,
         coordinator.clock.time_scale,
     )
+    metrics_server = None
+    if config.metrics_listen:
+        address, metrics_server = serve_metrics(coordinator.ledger.metrics, config.metrics_listen)
+        logging.getLogger("hexgen_coordinator").info("metrics on http://%s/metrics", address)
     try:
         await server.serve_until_signalled(on_stop=coordinator.stop)
     finally:
+        if metrics_server is not None:
+            metrics_server.shutdown()
         await redis.aclose()  # type: ignore[attr-defined]  # types-redis predates aclose
 
 

@@ -141,6 +141,7 @@ class Admission:
                 if known is not None:
                     return known, False
                 self.ledger.queries_rejected += 1
+                self.ledger.metrics.queries_rejected.labels(query.tenant).inc()
                 raise
             if not best_effort:
                 # Counted in the backlog at once: submissions racing this one see it.

@@ -199,7 +199,9 @@ class Completions:
                 self.dispatch.register_released(entry, k, tickets, now)
             self.dispatch.send(released)
             if released:
-                ledger.completion_ms.append((time.perf_counter() - t0) * 1e3)
+                elapsed = time.perf_counter() - t0
+                ledger.completion_ms.append(elapsed * 1e3)
+                ledger.metrics.completion_to_dispatch.observe(elapsed)
             if run.finished_s is not None:
                 record_event(entry, K.QUERY_EVENT_KIND_SUCCEEDED, now)
             self.writes.persist(entry, released)
@@ -240,6 +242,7 @@ class Completions:
             msg.error,
         )
         instance = self.cluster.instances[link.slot].name if link.slot >= 0 else ""
+        ledger.metrics.calls_failed.labels(instance).inc()
         record_event(
             entry,
             K.QUERY_EVENT_KIND_CALL_FAILED,
@@ -255,7 +258,7 @@ class Completions:
             self.writes.persist(entry, [])
             await self.writes.flush()  # GetQuery reads a finished query's log from Redis
             ledger.queries_failed += 1
-            self.finish(entry)
+            self.finish(entry, "failed")
             return
         failed_on = ticket.instance if ticket.instance >= 0 else link.slot
         self.scheduler.withdraw(ticket)  # off the failing instance while it waits
@@ -288,14 +291,22 @@ class Completions:
             if span is not None:
                 span.end()
 
-    def finish(self, entry: ActiveQuery) -> None:
-        query_id = entry.run.query.query_id
+    def finish(self, entry: ActiveQuery, outcome: str = "succeeded") -> None:
+        """Forget a query that ended (`outcome`: succeeded, failed or cancelled)."""
+        run = entry.run
+        query_id, tenant = run.query.query_id, run.query.tenant
         entry.span.end()
         for watcher in entry.watchers:
             end_watch(watcher)
         self.ledger.active.pop(query_id, None)
-        if entry.run.finished_s is not None:  # succeeded (the `finished` stream counts these)
+        metrics = self.ledger.metrics
+        metrics.queries_finished.labels(tenant, outcome).inc()
+        if run.finished_s is not None:  # succeeded (the `finished` stream counts these)
             self.ledger.queries_finished += 1
+            latency = run.finished_s - run.arrival_s
+            metrics.query_latency.observe(latency)
+            if latency <= run.slo_s:
+                metrics.slo_met.labels(tenant).inc()
 
     async def cancel(self, query_id: str) -> cpb.QueryInfo:
         ledger = self.ledger
@@ -311,5 +322,5 @@ class Completions:
             record_event(entry, K.QUERY_EVENT_KIND_CANCELLED, now)
             self.writes.persist(entry, [])
             await self.writes.flush()
-            self.finish(entry)
+            self.finish(entry, "cancelled")
         return await self.views.get_info(query_id)

@@ -44,6 +44,9 @@ class CoordinatorConfig:
     they still hold before those calls are dispatched again."""
     seed: int = 0
     """Seeds the dispatcher's random generator (pow2)."""
+    metrics_listen: str = ""
+    """Where Prometheus scrapes the coordinator's metrics (``HOST:PORT``, path /metrics);
+    empty: not served."""
     # ---------------------------------------------------------------- faults and retention
     max_call_attempts: int = 3
     """Dispatches a call gets when its engine reports an error; after the last one fails its

@@ -97,6 +97,7 @@ class Coordinator:
         )
         for i in range(len(self.cluster)):
             self.scheduler.load.set_available(i, False)
+        ledger.metrics.watch(ledger, scheduler, cluster)
 
     @property
     def clock(self) -> ClusterClock:

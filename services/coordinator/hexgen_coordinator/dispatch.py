@@ -72,6 +72,9 @@ class Dispatch:
                 self.redispatch(ticket, "instance went away")
                 continue
             entry = ledger.active[ticket.query_id]
+            ledger.metrics.calls_dispatched.labels(
+                self.cluster.instances[ticket.instance].name
+            ).inc()
             ticket.attempt += 1  # a completion is taken only from the latest attempt
             span = self.tracer.start_span(
                 "call",
@@ -108,7 +111,9 @@ class Dispatch:
 
     def note_first_dispatch(self, entry: ActiveQuery, sent: Iterable[CallTicket]) -> None:
         if entry.first_dispatch_pending is not None and any(t.instance >= 0 for t in sent):
-            self.ledger.submit_ms.append((time.perf_counter() - entry.first_dispatch_pending) * 1e3)
+            elapsed = time.perf_counter() - entry.first_dispatch_pending
+            self.ledger.submit_ms.append(elapsed * 1e3)
+            self.ledger.metrics.submit_to_dispatch.observe(elapsed)
             entry.first_dispatch_pending = None
 
     def redispatch(self, ticket: CallTicket, reason: str, avoid: int = -1) -> None:

@@ -19,6 +19,7 @@ from opentelemetry import trace
 
 from hexgen_api.v1 import coordinator_pb2 as cpb
 from hexgen_coordinator.links import WorkerLink
+from hexgen_coordinator.metrics import CoordinatorMetrics
 from hexgen_flow.runtime import CallTicket, QueryRun
 from hexgen_service.clock import ClusterClock
 
@@ -75,5 +76,7 @@ class Ledger:
         self.queries_finished = 0
         self.queries_failed = 0
         """Queries that ended FAILED since this coordinator started."""
+        self.metrics = CoordinatorMetrics()
+        """The coordinator's Prometheus metrics (`hexgen_coordinator.metrics`)."""
         self.queries_rejected = 0
         """Submissions refused by admission control since this coordinator started."""

@@ -1,0 +1,149 @@
+"""The coordinator's Prometheus metrics (text format on ``--metrics-listen``, path /metrics).
+
+Counters and histograms are updated where things happen (a query ends, a call is sent, a
+call fails, a submission is refused, the coordinator hands out released calls); gauges of
+the present (queries running, alpha, each instance's load as its worker last reported it)
+are read from the ledger when Prometheus scrapes, so they cost the hot path nothing.
+
+Times are seconds: query latency and the SLO on the cluster clock (what clients see), the
+coordinator's own overhead in wall seconds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from hexgen_flow.cluster import Cluster
+from hexgen_flow.scheduler import GlobalScheduler
+
+if TYPE_CHECKING:
+    from hexgen_coordinator.ledger import Ledger
+
+__all__ = ["CoordinatorMetrics", "serve_metrics"]
+
+_LATENCY_BUCKETS = (5, 10, 20, 30, 60, 90, 120, 180, 240, 300, 450, 600, 900, 1800, 3600)
+_OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
+
+
+class CoordinatorMetrics:
+    """Every metric of one coordinator, in a registry of its own."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.queries_finished = Counter(
+            "hexgen_flow_queries_finished",
+            "Queries that ended, by tenant and outcome (succeeded, failed, cancelled).",
+            ["tenant", "outcome"],
+            registry=r,
+        )
+        self.queries_rejected = Counter(
+            "hexgen_flow_queries_rejected",
+            "Submissions refused by admission control or a running-query limit.",
+            ["tenant"],
+            registry=r,
+        )
+        self.slo_met = Counter(
+            "hexgen_flow_slo_met",
+            "Queries that succeeded within their SLO.",
+            ["tenant"],
+            registry=r,
+        )
+        self.query_latency = Histogram(
+            "hexgen_flow_query_latency_seconds",
+            "Arrival to end of the queries that succeeded (cluster seconds).",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.calls_dispatched = Counter(
+            "hexgen_flow_calls_dispatched",
+            "Calls handed to an instance's worker (redispatches and retries included).",
+            ["instance"],
+            registry=r,
+        )
+        self.calls_failed = Counter(
+            "hexgen_flow_calls_failed",
+            "Call attempts an engine reported as failed.",
+            ["instance"],
+            registry=r,
+        )
+        self.completion_to_dispatch = Histogram(
+            "hexgen_flow_completion_to_dispatch_seconds",
+            "Coordinator overhead: a completion received -> the calls it released handed to "
+            "their workers' streams (wall seconds).",
+            buckets=_OVERHEAD_BUCKETS,
+            registry=r,
+        )
+        self.submit_to_dispatch = Histogram(
+            "hexgen_flow_submit_to_dispatch_seconds",
+            "Coordinator overhead: a query submitted -> its first calls handed out (wall s).",
+            buckets=_OVERHEAD_BUCKETS,
+            registry=r,
+        )
+
+    def watch(self, ledger: Ledger, scheduler: GlobalScheduler, cluster: Cluster) -> None:
+        """Report the present state of `ledger` and `scheduler` at every scrape."""
+        self.registry.register(_Present(ledger, scheduler, cluster))
+
+
+class _Present(Collector):
+    """Gauges read at scrape time."""
+
+    def __init__(self, ledger: Ledger, scheduler: GlobalScheduler, cluster: Cluster) -> None:
+        self.ledger = ledger
+        self.scheduler = scheduler
+        self.cluster = cluster
+
+    def collect(self) -> Iterator[Metric]:
+        ledger, load = self.ledger, self.scheduler.load
+        yield GaugeMetricFamily(
+            "hexgen_flow_queries_running", "Queries admitted and not ended.", len(ledger.active)
+        )
+        alpha = self.scheduler.alpha
+        yield GaugeMetricFamily(
+            "hexgen_flow_alpha",
+            "The dispatcher's alpha in force (NaN for a policy without one).",
+            float("nan") if alpha is None else alpha,
+        )
+        gauges = {
+            "connected": "1 while a worker holds the instance's slot.",
+            "in_flight_calls": "Calls dispatched to the instance and not finished.",
+            "running_calls": "Calls in the instance's engine (its worker's last heartbeat).",
+            "queued_calls": "Calls in the instance's local queue (its last heartbeat).",
+            "kv_used_tokens": "KV-cache tokens in use (its last heartbeat).",
+            "kv_capacity_tokens": "KV-cache tokens the instance holds.",
+            "outstanding_seconds": "Estimated single-request seconds of its calls in flight.",
+        }
+        families = {
+            name: GaugeMetricFamily(f"hexgen_flow_instance_{name}", doc, labels=["instance"])
+            for name, doc in gauges.items()
+        }
+        for inst in self.cluster.instances:
+            link = ledger.links[inst.index]
+            values = {
+                "connected": 1.0 if link is not None else 0.0,
+                "in_flight_calls": load.in_flight[inst.index],
+                "running_calls": link.running if link else 0,
+                "queued_calls": link.queued if link else 0,
+                "kv_used_tokens": link.kv_used if link else 0,
+                "kv_capacity_tokens": inst.kv_cache_tokens,
+                "outstanding_seconds": load.outstanding_s[inst.index],
+            }
+            for name, value in values.items():
+                families[name].add_metric([inst.name], float(value))
+        yield from families.values()
+
+
+def serve_metrics(metrics: CoordinatorMetrics, listen: str) -> tuple[str, WSGIServer]:
+    """Serve `metrics` over HTTP on `listen` (``HOST:PORT``, port 0: any free one), in a
+    thread; the address it listens on and the server (``shutdown()`` stops it)."""
+    host, _, port = listen.rpartition(":")
+    host = host or "127.0.0.1"
+    server, _thread = start_http_server(int(port), addr=host, registry=metrics.registry)
+    return f"{host}:{server.server_port}", server

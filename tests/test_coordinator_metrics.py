@@ -1,0 +1,115 @@
+"""The coordinator's Prometheus metrics, scraped from a real coordinator process with a real
+worker: queries that succeed and one that fails are counted by outcome, calls by instance,
+latency and overhead land in histograms, and the present load is reported per instance."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+from prometheus_client.parser import text_string_to_metric_families
+
+from hexgen_client.client import CoordinatorClient
+from hexgen_client.cluster_config import worker_argv
+from hexgen_client.processes import free_port
+from hexgen_flow.cluster import DEFAULT_MODEL
+from hexgen_flow.workload import LLMCall, Query, Workflow
+from redis_here import REDIS_URL, needs_redis
+
+pytestmark = needs_redis
+
+
+class _Mesh:
+    def __init__(self, folder: Path) -> None:
+        self.prefix = f"hf-metrics-{uuid.uuid4().hex[:8]}:"
+        self.address = f"127.0.0.1:{free_port()}"
+        self.metrics = f"http://127.0.0.1:{free_port()}/metrics"
+        port = self.metrics.split(":")[2].split("/")[0]
+        log = (folder / "coordinator.log").open("w")
+        argv = [
+            sys.executable, "-m", "hexgen_coordinator", "--listen", self.address,
+            "--redis-url", REDIS_URL, "--redis-prefix", self.prefix, "--cluster", "A100",
+            "--time-scale", "50", "--admission", "off", "--max-call-attempts", "2",
+            "--metrics-listen", f"127.0.0.1:{port}",
+        ]  # fmt: skip
+        self.procs = [subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)]
+        # A worker that declares a small KV cache: a 5,000-token call fails on every attempt.
+        argv = worker_argv(
+            sys.executable, self.address, 0, "A100", DEFAULT_MODEL,
+            extra=("--kv-cache-tokens", "2000"),
+        )  # fmt: skip
+        self.procs.append(
+            subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        )
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.terminate()
+        for proc in self.procs:
+            proc.wait(timeout=30)
+        client = redis.Redis.from_url(REDIS_URL)
+        keys = list(client.scan_iter(match=self.prefix + "*"))
+        if keys:
+            client.delete(*keys)
+        client.close()
+
+
+@pytest.fixture
+def mesh(tmp_path: Path) -> Iterator[_Mesh]:
+    m = _Mesh(tmp_path)
+    yield m
+    m.stop()
+
+
+def _scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = httpx.get(url, timeout=5).text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_metrics_count_queries_calls_latency_and_report_the_present(mesh: _Mesh) -> None:
+    async def run() -> None:
+        async with CoordinatorClient(mesh.address) as client:
+            status = await client.wait_ready(timeout_s=30)
+            deadline = time.monotonic() + 30
+            while not status.instances[0].connected:
+                assert time.monotonic() < deadline, "the worker did not connect"
+                await asyncio.sleep(0.05)
+                status = await client.status()
+            chain = [(LLMCall("evaluate", 300, 8),), (LLMCall("revise", 400, 8),)]
+            for n in range(3):
+                await client.submit(Query(f"ok-{n}", Workflow.chain(chain), tenant="acme"))
+            await client.submit(Query("doomed", Workflow.chain([(LLMCall("revise", 5000, 8),)])))
+            for query_id in ("ok-0", "ok-1", "ok-2", "doomed"):
+                async for _event in client.watch(query_id):
+                    pass
+
+    asyncio.run(run())
+    m = _scrape(mesh.metrics)
+    finished = "hexgen_flow_queries_finished_total"
+    assert m[(finished, (("outcome", "succeeded"), ("tenant", "acme")))] == 3
+    assert m[(finished, (("outcome", "failed"), ("tenant", "default")))] == 1
+    assert m[("hexgen_flow_query_latency_seconds_count", ())] == 3
+    assert m[("hexgen_flow_query_latency_seconds_sum", ())] > 0
+    assert m[("hexgen_flow_slo_met_total", (("tenant", "acme"),))] == 3
+    # 6 calls of the three queries, and the doomed call twice (its attempt limit)
+    assert m[("hexgen_flow_calls_dispatched_total", (("instance", "A100#0"),))] == 8
+    assert m[("hexgen_flow_calls_failed_total", (("instance", "A100#0"),))] == 2
+    assert m[("hexgen_flow_completion_to_dispatch_seconds_count", ())] == 3  # stage 1 releases
+    assert m[("hexgen_flow_submit_to_dispatch_seconds_count", ())] == 4
+    assert m[("hexgen_flow_queries_running", ())] == 0
+    assert m[("hexgen_flow_alpha", ())] == pytest.approx(0.5)
+    assert m[("hexgen_flow_instance_connected", (("instance", "A100#0"),))] == 1
+    assert m[("hexgen_flow_instance_kv_capacity_tokens", (("instance", "A100#0"),))] > 0
+    assert m[("hexgen_flow_instance_in_flight_calls", (("instance", "A100#0"),))] == 0
