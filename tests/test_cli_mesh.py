@@ -52,6 +52,7 @@ def test_the_library_commands_do_not_load_grpc() -> None:
         (("demo", "--time-scale", "0"), ("--time-scale",)),
         (("demo", "--trace", "no-such-trace"), ("no-such-trace",)),
         (("up", "--listen", "127.0.0.1:99999"), ("HOST:PORT",)),
+        (("up", "--gateway-listen", "localhost"), ("--gateway-listen", "HOST:PORT")),
         (("up", "--admission", "maybe"), ("--admission", "invalid choice: 'maybe'")),
         (("up", "--retention-s", "0"), ("--retention-s",)),
         (("up", "--max-call-attempts", "0"), ("--max-call-attempts",)),
@@ -83,7 +84,10 @@ def test_an_unreachable_coordinator_is_one_clear_line(args: tuple[str, ...]) -> 
 def test_up_without_redis_server_says_how_to_install_it(tmp_path: Path) -> None:
     # PATH without redis-server (the CLI runs from sys.executable's absolute path).
     env = {**os.environ, "PATH": str(tmp_path)}
-    proc = run_cli("up", "--listen", "127.0.0.1:0", "--tuner-listen", "127.0.0.1:0", env=env)
+    proc = run_cli(
+        "up", "--listen", "127.0.0.1:0", "--tuner-listen", "127.0.0.1:0",
+        "--gateway-listen", "127.0.0.1:0", env=env,
+    )  # fmt: skip
     assert_usage_error(proc, "redis-server not found", "apt install redis-server")
 
 
@@ -102,5 +106,8 @@ def test_up_documents_supervision_and_the_coordinator_options() -> None:
         "--max-call-attempts N",
         "A service that dies is restarted",
         "kill -9",
+        "--gateway, --no-gateway",
+        "--gateway-listen HOST:PORT",
+        "default 127.0.0.1:8000",
     ):
         assert fragment in text

@@ -35,8 +35,8 @@ from hexgen_service.server import GrpcServer
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
 WORKERS = [f"worker-{i}" for i in range(4)]
-SERVICES = {"redis", "coordinator", "tuner", *WORKERS, "otel-collector", "jaeger"}
-HEXGEN_SERVICES = ["coordinator", "tuner", *WORKERS]
+SERVICES = {"redis", "coordinator", "tuner", "gateway", *WORKERS, "otel-collector", "jaeger"}
+HEXGEN_SERVICES = ["coordinator", "tuner", "gateway", *WORKERS]
 
 
 def compose_command() -> list[str] | None:
@@ -134,6 +134,18 @@ def test_compose_file_declares_the_mesh() -> None:
     assert services["coordinator"]["depends_on"]["redis"]["condition"] == "service_healthy"
     assert services["tuner"]["depends_on"]["coordinator"]["condition"] == "service_healthy"
     assert "16686:16686" in services["jaeger"]["ports"]
+
+
+def test_the_gateway_is_published_on_this_machine_only() -> None:
+    gateway = _doc()["services"]["gateway"]
+    assert gateway["command"][:3] == ["python", "-m", "hexgen_gateway"]
+    assert "--listen=0.0.0.0:8000" in gateway["command"]
+    assert "--coordinator=coordinator:50051" in gateway["command"]
+    assert gateway["ports"] == ["127.0.0.1:8000:8000"]
+    assert gateway["healthcheck"]["test"] == [
+        "CMD", "python", "-m", "hexgen_gateway.healthcheck", "127.0.0.1:8000",
+    ]  # fmt: skip
+    assert gateway["depends_on"]["coordinator"]["condition"] == "service_healthy"
 
 
 def test_every_service_restarts_and_redis_keeps_its_state() -> None:
@@ -239,6 +251,20 @@ def test_healthcheck_command_fails_with_one_line_when_nothing_listens() -> None:
     )
     assert proc.returncode == 1
     assert proc.stderr == f"unhealthy: {address}: UNAVAILABLE\n"
+
+
+def test_gateway_healthcheck_fails_with_one_line_when_nothing_listens() -> None:
+    address = f"127.0.0.1:{free_port()}"
+    proc = subprocess.run(
+        [sys.executable, "-m", "hexgen_gateway.healthcheck", address],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert proc.returncode == 1
+    assert proc.stderr.startswith(f"unhealthy: {address}: ")
+    assert proc.stderr.count("\n") == 1
 
 
 async def test_healthcheck_command_passes_against_a_serving_server() -> None:

@@ -6,25 +6,29 @@ tests/test_supervision.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
 import redis
 
 from hexgen_client.cluster import (
+    DEFAULT_GATEWAY,
     LocalCluster,
     LocalClusterConfig,
     WorkerLaunch,
     coordinator_argv,
+    gateway_argv,
     worker_argv,
 )
 from hexgen_client.errors import ClusterError
-from hexgen_client.processes import ManagedProcess, RedisServer, stop_processes
+from hexgen_client.processes import ManagedProcess, RedisServer, resolve_address, stop_processes
 from hexgen_flow.errors import ConfigError
 
 needs_redis_server = pytest.mark.skipif(
@@ -123,6 +127,53 @@ def test_the_coordinator_gets_the_admission_retention_and_attempt_options() -> N
     assert argv[len(plain) :] == [
         "--admission", "best-effort", "--retention-s", "60.0", "--max-call-attempts", "2",
     ]  # fmt: skip
+
+
+def test_the_gateway_is_off_unless_asked_for_and_gets_its_addresses() -> None:
+    config = LocalClusterConfig()
+    assert config.gateway is False and config.gateway_listen == DEFAULT_GATEWAY
+    assert gateway_argv(config, "127.0.0.1:8001", "127.0.0.1:50051") == [
+        sys.executable, "-m", "hexgen_gateway",
+        "--listen", "127.0.0.1:8001", "--coordinator", "127.0.0.1:50051",
+    ]  # fmt: skip
+
+
+@needs_redis_server
+def test_a_gateway_on_port_0_gets_a_free_port_serves_and_is_supervised(tmp_path: Path) -> None:
+    config = LocalClusterConfig(
+        cluster="A100",
+        listen="127.0.0.1:0",
+        tuner=False,
+        gateway=True,
+        gateway_listen="127.0.0.1:0",
+        log_dir=tmp_path,
+    )
+    with LocalCluster(config) as cluster:
+        assert cluster.gateway is not None and cluster.gateway_address is not None
+        assert not cluster.gateway_address.endswith(":0")
+        url = f"http://{cluster.gateway_address}/health"
+        with urllib.request.urlopen(url, timeout=10) as answer:
+            assert answer.status == 200
+        assert cluster.supervise() == []
+        assert "gateway" in cluster.restarts
+        cluster.gateway.kill()
+        assert cluster.supervise()[0].startswith("gateway exited with code -9")
+        address = cluster.gateway_address
+    assert not cluster.gateway.running
+    # The HTTP server closed those connections first, so they linger in TIME_WAIT on its
+    # port: a cluster started again at once still gets that address.
+    again = dataclasses.replace(config, gateway_listen=address)
+    with LocalCluster(again) as cluster:
+        assert cluster.gateway_address == address
+
+
+def test_a_gateway_address_being_listened_on_is_in_use() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ClusterError, match=f"cannot listen on 127.0.0.1:{port}"):
+            resolve_address(f"127.0.0.1:{port}", reuse_addr=True)
 
 
 @needs_redis_server

@@ -137,7 +137,7 @@ def test_up_restarts_a_killed_coordinator_and_every_query_completes(up: Up) -> N
 @needs_linux
 def test_a_kill_9_of_up_takes_every_service_with_it(up: Up) -> None:
     kids = children(up.proc.pid)
-    assert len(kids) == 7  # redis, coordinator, tuner, four workers
+    assert len(kids) == 8  # redis, coordinator, tuner, gateway, four workers
     addresses = [
         up.coordinator,
         up.banner["tuner"].split()[0],

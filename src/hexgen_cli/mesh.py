@@ -42,6 +42,7 @@ from hexgen_client.addresses import (  # constants only: no grpc at import time
     DEFAULT_REDIS_PREFIX,
     DEFAULT_TUNER,
 )
+from hexgen_client.cluster_config import DEFAULT_GATEWAY  # no grpc either
 from hexgen_flow.cluster import DEFAULT_CLUSTER
 from hexgen_flow.errors import ConfigError
 from hexgen_flow.metrics import RunMetrics
@@ -75,8 +76,10 @@ def register(commands: Any) -> None:
     """Add ``up``, ``replay``, ``ask`` and ``status`` to the command parser."""
     up = commands.add_parser(
         "up",
-        help="run a local mesh: Redis, coordinator, tuner, one simulated worker per instance",
-        description="Start the coordinator, the alpha tuner and one worker per instance "
+        help="run a local mesh: Redis, coordinator, tuner, OpenAI-compatible gateway, one "
+        "simulated worker per instance",
+        description="Start the coordinator, the alpha tuner, the OpenAI-compatible gateway "
+        "and one worker per instance "
         "(simulated engines) as local processes, with a private redis-server unless "
         "--redis-url is given; wait until every worker has connected, print the addresses, "
         "and run until Ctrl-C or SIGTERM, which stops everything. A service that dies is "
@@ -110,6 +113,19 @@ def register(commands: Any) -> None:
         default=DEFAULT_TUNER,
         metavar="HOST:PORT",
         help=f"the tuner's address (default {DEFAULT_TUNER})",
+    )
+    up.add_argument(
+        "--gateway",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the OpenAI-compatible gateway (default: yes; docs/mesh.md)",
+    )
+    up.add_argument(
+        "--gateway-listen",
+        type=address,
+        default=DEFAULT_GATEWAY,
+        metavar="HOST:PORT",
+        help=f"the gateway's HTTP address; port 0 picks a free one (default {DEFAULT_GATEWAY})",
     )
     up.add_argument(
         "--tuner-period-s",
@@ -330,6 +346,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
             tuner=args.tuner,
             tuner_listen=args.tuner_listen,
             tuner_period_s=args.tuner_period_s,
+            gateway=args.gateway,
+            gateway_listen=args.gateway_listen,
             log_dir=args.log_dir,
             keep_logs=True,
         )
@@ -387,6 +405,12 @@ def _print_up(cluster: Any, args: argparse.Namespace) -> None:
             "tuner",
             f"{cluster.tuner_address} (every {args.tuner_period_s:g} s)"
             if cluster.tuner_address
+            else "off",
+        ),
+        (
+            "gateway",
+            f"http://{cluster.gateway_address}/v1 (OpenAI-compatible)"
+            if cluster.gateway_address
             else "off",
         ),
         ("redis", f"{cluster.redis_url} ({redis_note}, keys {args.redis_prefix}*)"),

@@ -1,10 +1,11 @@
 """A whole mesh on this machine, as real processes: `LocalCluster` (and `RedisServer`).
 
 `LocalCluster` starts, in order, a private ``redis-server`` (unless it is given a Redis
-URL), the coordinator, the tuner (optional) and one worker per instance of the cluster
+URL), the coordinator, the tuner (optional), the OpenAI-compatible gateway (optional, off
+by default; ``hexgen-flow up`` turns it on) and one worker per instance of the cluster
 (simulated engines; worker i takes slot i), each as ``sys.executable -m PACKAGE ...`` with
 its output in a log file, and waits until the coordinator reports every instance connected.
-`stop` ends them in reverse order (workers and tuner, then the coordinator, then the
+`stop` ends them in reverse order (workers, tuner and gateway, then the coordinator, then the
 private Redis): SIGTERM, then SIGKILL after a grace period. A worker may be given another
 engine, interpreter, options and environment (`WorkerLaunch`, e.g. a vLLM engine under the
 Python of a vLLM venv). ``hexgen-flow up`` and
@@ -31,6 +32,8 @@ import os
 import shutil
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
@@ -39,9 +42,11 @@ import grpc
 
 from hexgen_api.v1 import coordinator_pb2, coordinator_pb2_grpc
 from hexgen_client.cluster_config import (
+    DEFAULT_GATEWAY,
     LocalClusterConfig,
     WorkerLaunch,
     coordinator_argv,
+    gateway_argv,
     tuner_argv,
     worker_argv,
 )
@@ -63,10 +68,12 @@ from hexgen_flow.policies.presets import resolve_policy
 from hexgen_service.healthcheck import check
 
 __all__ = [
+    "DEFAULT_GATEWAY",
     "LocalCluster",
     "LocalClusterConfig",
     "WorkerLaunch",
     "coordinator_argv",
+    "gateway_argv",
     "tuner_argv",
     "worker_argv",
 ]
@@ -98,11 +105,14 @@ class LocalCluster:
             find_redis_server(self.config.redis_binary)
         self.coordinator_address = self.config.listen
         self.tuner_address: str | None = None
+        self.gateway_address: str | None = None
+        """The gateway's HOST:PORT (its API: ``http://ADDRESS/v1``); None when not run."""
         self.redis_url = self.config.redis_url
         self.log_dir: Path | None = None
         self.redis: RedisServer | None = None
         self.coordinator: ManagedProcess | None = None
         self.tuner: ManagedProcess | None = None
+        self.gateway: ManagedProcess | None = None
         self.workers: list[ManagedProcess] = []
         self._own_log_dir = False
         self._env: dict[str, str] = {}
@@ -117,6 +127,10 @@ class LocalCluster:
             self.coordinator_address = resolve_address(config.listen)
             if config.tuner:
                 self.tuner_address = resolve_address(config.tuner_listen)
+            if config.gateway:
+                # uvicorn binds with SO_REUSEADDR: the TIME_WAIT connections of the last
+                # run (HTTP servers close first) must not stop a quick restart of `up`.
+                self.gateway_address = resolve_address(config.gateway_listen, reuse_addr=True)
             if config.log_dir is not None:
                 config.log_dir.mkdir(parents=True, exist_ok=True)
                 self.log_dir = config.log_dir
@@ -143,6 +157,11 @@ class LocalCluster:
                 self.tuner = self._process("tuner", "tuner.log", argv)
                 self.tuner.start()
                 self._wait_healthy(self.tuner, self.tuner_address)
+            if self.gateway_address is not None:
+                argv = gateway_argv(config, self.gateway_address, self.coordinator_address)
+                self.gateway = self._process("gateway", "gateway.log", argv)
+                self.gateway.start()
+                self._wait_healthy(self.gateway, self.gateway_address, http=True)
             self.workers = [
                 self._process(
                     f"worker {i} ({gpu})",
@@ -161,13 +180,14 @@ class LocalCluster:
         return self
 
     def stop(self) -> None:
-        """Workers and tuner, then the coordinator, then the private Redis: SIGTERM, then
-        SIGKILL after the grace period."""
+        """Workers, tuner and gateway, then the coordinator, then the private Redis:
+        SIGTERM, then SIGKILL after the grace period."""
         if self._supervisor is not None:
             self._restarts = dict(self._supervisor.restarts)
             self._supervisor = None  # nothing restarts what is being stopped
         grace = self.config.stop_grace_s
-        stop_processes([*self.workers, *([self.tuner] if self.tuner else [])], grace)
+        others = [p for p in (self.tuner, self.gateway) if p is not None]
+        stop_processes([*self.workers, *others], grace)
         if self.coordinator is not None:
             stop_processes([self.coordinator], grace)
         if self.redis is not None:
@@ -218,7 +238,7 @@ class LocalCluster:
 
     def exited(self) -> list[ManagedProcess]:
         """The services that have exited since they were started."""
-        procs = [self.coordinator, self.tuner, *self.workers]
+        procs = [self.coordinator, self.tuner, self.gateway, *self.workers]
         return [p for p in procs if p is not None and p.popen is not None and not p.running]
 
     # -------------------------------------------------------------------- supervision
@@ -237,7 +257,8 @@ class LocalCluster:
         )
 
     def supervise(self) -> list[str]:
-        """Restart every service that died (coordinator, tuner, workers, private Redis)
+        """Restart every service that died (coordinator, tuner, gateway, workers, private
+        Redis)
         with `restart_policy`'s backoff; returns a line for each death noticed (with the
         planned restart) and each restart that failed. Never blocks: call it every few
         tenths of a second after `start`. The first call starts watching; a service that
@@ -251,6 +272,8 @@ class LocalCluster:
             supervisor.watch("coordinator", self.coordinator)
             if self.tuner is not None:
                 supervisor.watch("tuner", self.tuner)
+            if self.gateway is not None:
+                supervisor.watch("gateway", self.gateway)
             for slot, worker in enumerate(self.workers):
                 supervisor.watch(f"worker-{slot}", worker)
             for key, count in self._restarts.items():
@@ -261,7 +284,7 @@ class LocalCluster:
     @property
     def restarts(self) -> dict[str, int]:
         """Restarts by `supervise` of each service ("redis", "coordinator", "tuner",
-        "worker-0", ...), counted when the death is noticed; empty before `supervise`."""
+        "gateway", "worker-0", ...), counted when the death is noticed; empty before `supervise`."""
         if self._supervisor is not None:
             return dict(self._supervisor.restarts)
         return dict(self._restarts)
@@ -338,13 +361,15 @@ class LocalCluster:
         self.coordinator.start()
         self._wait_healthy(self.coordinator, self.coordinator_address)
 
-    def _wait_healthy(self, proc: ManagedProcess, address: str) -> None:
+    def _wait_healthy(self, proc: ManagedProcess, address: str, *, http: bool = False) -> None:
+        """Until `proc` answers the gRPC health check at `address` (`http`: its HTTP
+        ``/health`` answers 200)."""
         deadline = time.monotonic() + self.config.start_timeout_s
         problem: str | None = "not started"
         while True:
             if not proc.running:
                 raise proc.failure(f"exited with code {proc.returncode} while starting")
-            problem = check(address, timeout_s=1.0)
+            problem = _http_health(address) if http else check(address, timeout_s=1.0)
             if problem is None:
                 return
             if time.monotonic() >= deadline:
@@ -352,6 +377,17 @@ class LocalCluster:
                     f"did not report SERVING within {self.config.start_timeout_s:g} s ({problem})"
                 )
             time.sleep(POLL_S)
+
+
+def _http_health(address: str, timeout_s: float = 1.0) -> str | None:
+    """None when ``http://address/health`` answers 200, else what went wrong."""
+    try:
+        with urllib.request.urlopen(f"http://{address}/health", timeout=timeout_s) as answer:
+            return None if answer.status == 200 else f"HTTP {answer.status}"
+    except urllib.error.HTTPError as exc:
+        return f"HTTP {exc.code}"
+    except OSError as exc:  # URLError is one
+        return str(getattr(exc, "reason", exc))
 
 
 def _check_config(config: LocalClusterConfig) -> None:

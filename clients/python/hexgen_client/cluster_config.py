@@ -1,5 +1,5 @@
 """What `LocalCluster` runs: its settings (`LocalClusterConfig`, `WorkerLaunch`) and the
-command lines of the services it starts (coordinator, tuner, workers)."""
+command lines of the services it starts (coordinator, tuner, gateway, workers)."""
 
 from __future__ import annotations
 
@@ -13,12 +13,17 @@ from hexgen_flow.calibration import DEFAULT_CALIBRATION
 from hexgen_flow.cluster import DEFAULT_CLUSTER
 
 __all__ = [
+    "DEFAULT_GATEWAY",
     "LocalClusterConfig",
     "WorkerLaunch",
     "coordinator_argv",
+    "gateway_argv",
     "tuner_argv",
     "worker_argv",
 ]
+
+DEFAULT_GATEWAY = "127.0.0.1:8000"
+"""Where the OpenAI-compatible gateway listens unless told otherwise (HTTP)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +85,10 @@ class LocalClusterConfig:
     """The tuner's address; port 0 picks a free port."""
     tuner_period_s: float = 30.0
     """Wall seconds between the tuner's runs."""
+    gateway: bool = False
+    """Whether to run the OpenAI-compatible gateway (``hexgen-flow up`` does by default)."""
+    gateway_listen: str = DEFAULT_GATEWAY
+    """The gateway's HTTP address; port 0 picks a free port."""
     python: str = sys.executable
     """The interpreter that runs the services."""
     log_dir: Path | None = None
@@ -153,6 +162,15 @@ def tuner_argv(
         "--redis-prefix", config.redis_prefix,
         "--period-s", repr(config.tuner_period_s),
         *_calibration_args(calibration),
+    ]  # fmt: skip
+
+
+def gateway_argv(config: LocalClusterConfig, listen: str, coordinator: str) -> list[str]:
+    """The OpenAI-compatible gateway's command line."""
+    return [
+        config.python, "-m", "hexgen_gateway",
+        "--listen", listen,
+        "--coordinator", coordinator,
     ]  # fmt: skip
 
 

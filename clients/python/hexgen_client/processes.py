@@ -73,12 +73,17 @@ def split_address(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def resolve_address(address: str) -> str:
-    """`address`, with port 0 replaced by a free port; a port in use is an error."""
+def resolve_address(address: str, *, reuse_addr: bool = False) -> str:
+    """`address`, with port 0 replaced by a free port; a port in use is an error.
+    `reuse_addr`: check as a server that sets SO_REUSEADDR (uvicorn) binds, so that the
+    TIME_WAIT connections a previous run left behind do not count as in use, while a
+    listening socket still does."""
     host, port = split_address(address)
     if port == 0:
         return f"{host}:{free_port(host)}"
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        if reuse_addr:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError as exc:

@@ -38,6 +38,7 @@ streams are trimmed to about `stream_maxlen` entries.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -308,6 +309,7 @@ class WorkflowStore:
         self.stream_maxlen = stream_maxlen
         self._submit = redis.register_script(_SUBMIT)
         self._place = redis.register_script(_PLACE)
+        self._place_sha = hashlib.sha1(_PLACE.encode()).hexdigest()  # the script's id in Redis
         self._complete = redis.register_script(_COMPLETE)
         self._fail_call = redis.register_script(_FAIL_CALL)
         self._cancel = redis.register_script(_CANCEL)
@@ -410,9 +412,17 @@ class WorkflowStore:
         args = [len(fields) // 2, *fields, *events]
         keys = [self.qkey(query_id), self.evkey(query_id)]
         if pipe is not None:
-            await self._place(keys=keys, args=args, client=pipe)
+            # EVALSHA by hand: a pipeline that runs registered scripts first asks Redis
+            # whether it has them (a round trip per batch); after a Redis restart the batch
+            # fails with NoScriptError and the caller runs `load_scripts` and sends it again.
+            pipe.evalsha(self._place_sha, len(keys), *keys, *args)
             return True
         return bool(await self._place(keys=keys, args=args))
+
+    async def load_scripts(self) -> None:
+        """Load the scripts into Redis's script cache (empty after a Redis restart)."""
+        for text in (_SUBMIT, _PLACE, _COMPLETE, _FAIL_CALL, _CANCEL):
+            await self.redis.script_load(text)  # type: ignore[no-untyped-call]
 
     async def complete(
         self,

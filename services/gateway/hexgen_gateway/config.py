@@ -1,0 +1,45 @@
+"""The gateway's settings: one frozen dataclass, every field with a default."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from hexgen_client.addresses import DEFAULT_COORDINATOR
+from hexgen_client.cluster_config import DEFAULT_GATEWAY
+from hexgen_flow.errors import ConfigError
+
+__all__ = ["DEFAULT_GATEWAY", "GatewayConfig"]
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    """What ``python -m hexgen_gateway`` runs with."""
+
+    listen: str = DEFAULT_GATEWAY
+    """HOST:PORT of the HTTP server (the OpenAI-compatible API)."""
+    coordinator: str = DEFAULT_COORDINATOR
+    """The coordinator every request becomes a workflow of."""
+    default_stage: str = "chat"
+    """The step of a request without an ``X-Hexgen-Stage`` header."""
+    default_max_tokens: int = 256
+    """Output tokens declared for a request without ``max_tokens``."""
+    request_timeout_s: float = 600.0
+    """Wall seconds a request may take (admission to the last token); past it the query is
+    cancelled and the answer is 504."""
+    rpc_timeout_s: float = 10.0
+    """Deadline of each unary RPC to the coordinator (SubmitQuery, ClusterStatus, ...)."""
+    models_ttl_s: float = 5.0
+    """How long the cluster's model names (ClusterStatus) are reused before asking again."""
+
+    def __post_init__(self) -> None:
+        if self.default_max_tokens < 1:
+            raise ConfigError(f"default max tokens must be >= 1, got {self.default_max_tokens}")
+        for name in ("request_timeout_s", "rpc_timeout_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"{name.replace('_', '-')} must be finite and > 0, got {value}")
+        if not self.models_ttl_s >= 0:
+            raise ConfigError(f"models ttl must be >= 0, got {self.models_ttl_s}")
+        if not self.default_stage.strip():
+            raise ConfigError("the default stage must be a non-empty name")

@@ -1,0 +1,442 @@
+"""The OpenAI-compatible gateway, for real: `hexgen-flow up` with its gateway, driven by the
+official `openai` SDK (``base_url=http://.../v1``) and by plain HTTP, against simulated
+workers. A workflow is told by headers only; errors come back in OpenAI's shape."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import subprocess
+import sys
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import openai
+import pytest
+from openai.types.chat import ChatCompletionMessageParam
+
+from hexgen_api.v1 import coordinator_pb2
+from hexgen_client.client import CoordinatorClient
+from hexgen_client.processes import free_port
+from hexgen_service.server import GrpcServer
+from up_runner import Up, running_up, wait_for
+
+needs_redis_server = pytest.mark.skipif(
+    subprocess.run(["which", "redis-server"], capture_output=True, check=False).returncode != 0,
+    reason="redis-server is not installed (apt install redis-server)",
+)
+
+pytestmark = needs_redis_server
+
+MODEL = "llama-3.1-70b"  # every instance of the default catalogue's A100 and A6000
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
+    tmp = tmp_path_factory.mktemp("gateway")
+    with running_up(
+        tmp,
+        "--cluster", "A100,A6000",
+        "--time-scale", "50",
+        "--no-tuner",
+        "--admission", "reject",
+        "--gateway-listen", "127.0.0.1:0",
+    ) as running:  # fmt: skip
+        yield running
+
+
+def base_url(up: Up) -> str:
+    url, note = up.banner["gateway"].split(" ", 1)
+    assert note == "(OpenAI-compatible)" and url.startswith("http://127.0.0.1:")
+    return url
+
+
+def sdk(up: Up) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base_url(up), api_key="unused", max_retries=0, timeout=60)
+
+
+def estimate(text: str) -> int:
+    return max(1, math.ceil(len(text) / 4))
+
+
+def test_health_and_models(up: Up) -> None:
+    root = base_url(up).removesuffix("/v1")
+    health = httpx.get(f"{root}/health", timeout=10)
+    assert health.status_code == 200
+    assert health.json()["status"] == "ok" and health.json()["connected"] == 2
+    assert [m.id for m in sdk(up).models.list()] == [MODEL]
+
+
+async def test_a_three_stage_workflow_by_headers_only(up: Up) -> None:
+    client = sdk(up)
+    workflow = f"wf-{uuid.uuid4().hex[:8]}"
+
+    def headers(stage: str) -> dict[str, str]:
+        return {"X-Hexgen-Workflow": workflow, "X-Hexgen-Stage": stage}
+
+    # Stage 1: chat, not streamed; the answer's headers name the query and its deadline.
+    messages: list[ChatCompletionMessageParam] = [
+        {"role": "system", "content": "You write SQL."},
+        {"role": "user", "content": "Which customers ordered twice?"},
+    ]
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=messages, max_tokens=32, extra_headers=headers("Keyword Extraction")
+    )
+    assert raw.headers["X-Hexgen-Workflow"] == workflow
+    assert raw.headers["X-Hexgen-Query"] == f"{workflow}/Keyword Extraction/1"
+    assert float(raw.headers["X-Hexgen-Deadline-S"]) > 0
+    answer = raw.parse()
+    assert answer.object == "chat.completion" and answer.model == MODEL
+    assert answer.choices[0].message.role == "assistant"
+    assert answer.choices[0].message.content.startswith("[simulated ")  # type: ignore[union-attr]
+    prompt = "system: You write SQL.\nuser: Which customers ordered twice?\nassistant:"
+    assert answer.usage is not None
+    assert answer.usage.prompt_tokens == estimate(prompt)
+    assert answer.usage.completion_tokens == 32  # the simulated engine's placeholder
+    assert answer.usage.total_tokens == estimate(prompt) + 32
+
+    # Stage 2: the same stage twice, streamed, with usage in the last chunk.
+    for n in (1, 2):
+        stream = client.chat.completions.create(
+            messages=[{"role": "user", "content": f"candidate {n}"}],
+            model=MODEL,
+            max_tokens=16,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_headers=headers("generate_candidate"),
+        )
+        chunks = list(stream)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text.startswith("[simulated ") and text.endswith(" 16 tokens")
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 16
+
+    # Stage 3: completions, streamed and not.
+    done = client.completions.create(
+        model=MODEL, prompt="SELECT", max_tokens=8, extra_headers=headers("revision")
+    )
+    assert done.object == "text_completion" and done.choices[0].text.endswith(" 8 tokens")
+    assert done.usage is not None and done.usage.prompt_tokens == 2
+    pieces = client.completions.create(
+        model=MODEL, prompt="SELECT", max_tokens=8, stream=True, extra_headers=headers("revision")
+    )
+    assert "".join(c.choices[0].text for c in pieces).endswith(" 8 tokens")
+
+    # The coordinator ran one one-call workflow per request, stage as its step.
+    async with CoordinatorClient(up.coordinator) as coordinator:
+        for query_id, step_tokens in (
+            (f"{workflow}/Keyword Extraction/1", 32),
+            (f"{workflow}/generate_candidate/1", 16),
+            (f"{workflow}/generate_candidate/2", 16),
+            (f"{workflow}/revision/1", 8),
+            (f"{workflow}/revision/2", 8),
+        ):
+            got = await coordinator.get(query_id)
+            assert got.query.state == 2, query_id  # SUCCEEDED
+            assert got.query.calls_total == 1
+            finished = [e for e in got.events if e.kind == 6]  # CALL_FINISHED
+            assert finished[0].text.endswith(f" {step_tokens} tokens")
+
+
+def test_a_request_without_headers_is_a_workflow_of_its_own(up: Up) -> None:
+    raw = sdk(up).chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}]
+    )
+    workflow = raw.headers["X-Hexgen-Workflow"]
+    assert workflow.startswith("gw-")
+    assert raw.headers["X-Hexgen-Query"] == f"{workflow}/chat/1"
+    usage = raw.parse().usage
+    assert usage is not None and usage.completion_tokens == 256  # the default max_tokens
+
+
+async def test_a_stream_the_client_leaves_cancels_its_query(up: Up) -> None:
+    async with (
+        httpx.AsyncClient(base_url=base_url(up), timeout=60) as http,
+        http.stream(
+            "POST",
+            "/completions",
+            json={"prompt": "x", "max_tokens": 4000, "stream": True},
+            headers={"X-Hexgen-Workflow": f"leave-{uuid.uuid4().hex[:8]}"},
+        ) as stream,
+    ):
+        query_id = stream.headers["X-Hexgen-Query"]
+        async for line in stream.aiter_lines():
+            assert line.startswith("data: {")  # the first chunk; then the client leaves
+            break
+    async with CoordinatorClient(up.coordinator) as coordinator:
+        for _ in range(100):
+            state = (await coordinator.get(query_id)).query.state
+            if state != 1:  # RUNNING
+                break
+            await asyncio.sleep(0.1)
+    assert state == 3  # CANCELLED
+
+
+def test_bad_input_is_400_naming_the_field(up: Up) -> None:
+    url = base_url(up)
+    cases = [
+        ({"model": MODEL}, {}, "messages"),
+        ({"model": MODEL, "messages": []}, {}, "messages"),
+        ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, {}, "max_tokens"),
+        ({"messages": [{"content": "x"}]}, {}, "messages[0].role"),
+        (
+            {"messages": [{"role": "user", "content": "x"}]},
+            {"X-Hexgen-Slo-S": "soon"},
+            "X-Hexgen-Slo-S",
+        ),
+        # Refused by the coordinator (ids are at most 256 bytes), its field mapped.
+        (
+            {"messages": [{"role": "user", "content": "x"}]},
+            {"X-Hexgen-Workflow": "w" * 300},
+            "X-Hexgen-Workflow",
+        ),
+    ]
+    for body, headers, param in cases:
+        answer = httpx.post(f"{url}/chat/completions", json=body, headers=headers, timeout=30)
+        assert answer.status_code == 400, (body, answer.text)
+        error = answer.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert error["type"] == "invalid_request_error"
+        assert error["param"] == param, (body, error)
+    answer = httpx.post(f"{url}/completions", json={"prompt": ""}, timeout=30)
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError) as err:
+        sdk(up).chat.completions.create(model=MODEL, messages=[], max_tokens=4)
+    assert err.value.param == "messages"
+
+
+def test_an_unknown_model_is_404(up: Up) -> None:
+    with pytest.raises(openai.NotFoundError) as err:
+        sdk(up).chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "x"}])
+    assert err.value.code == "model_not_found"
+
+
+def test_an_slo_admission_refuses_is_429_with_retry_after(up: Up) -> None:
+    url = base_url(up)
+    # Admission admits anything an idle cluster can serve as soon as possible; a backlog of
+    # long calls makes a query with a far too small SLO one it refuses.
+    with httpx.Client(timeout=120) as http, ThreadPoolExecutor(4) as pool:
+        load = [
+            pool.submit(
+                http.post,
+                f"{url}/completions",
+                json={"prompt": "x" * 4000, "max_tokens": 4000},
+                headers={"X-Hexgen-Workflow": "load"},
+            )
+            for _ in range(4)
+        ]
+        wait_for("the load to be admitted", lambda: _running(up) >= 4, timeout_s=30)
+        answer = http.post(
+            f"{url}/chat/completions",
+            json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]},
+            headers={"X-Hexgen-Slo-S": "0.001", "X-Hexgen-Workflow": "tight"},
+        )
+        assert answer.status_code == 429, answer.text
+        assert int(answer.headers["Retry-After"]) >= 1
+        assert float(answer.headers["retry-after-ms"]) >= 0
+        error = answer.json()["error"]
+        assert error["type"] == "rate_limit_error" and error["code"] == "rate_limit_exceeded"
+        with pytest.raises(openai.RateLimitError):
+            sdk(up).completions.create(
+                model=MODEL, prompt="x", extra_headers={"X-Hexgen-Slo-S": "0.001"}
+            )
+        assert all(f.result().status_code == 200 for f in load)
+
+
+def _running(up: Up) -> int:
+    async def ask() -> int:
+        async with CoordinatorClient(up.coordinator) as coordinator:
+            return int((await coordinator.status()).queries_running)
+
+    return asyncio.run(ask())
+
+
+def test_a_second_gateway_skips_the_query_ids_the_coordinator_knows(up: Up, tmp_path: Path) -> None:
+    # As after a restart: a fresh gateway counts from 1 again, but never reuses an id.
+    headers = {"X-Hexgen-Workflow": f"again-{uuid.uuid4().hex[:8]}", "X-Hexgen-Stage": "s"}
+
+    def ask(url: str, max_tokens: int) -> httpx.Response:
+        body = {"prompt": "x", "max_tokens": max_tokens}
+        answer = httpx.post(f"{url}/completions", json=body, headers=headers, timeout=60)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["text"].endswith(f" {max_tokens} tokens")
+        return answer
+
+    assert ask(base_url(up), 4).headers["X-Hexgen-Query"].endswith("/s/1")
+    assert ask(base_url(up), 5).headers["X-Hexgen-Query"].endswith("/s/2")
+    with _gateway(tmp_path, up.coordinator) as listen:
+        # /s/1: the same content (the coordinator returns the stored query, created false);
+        # /s/2: other content (ALREADY_EXISTS); then on, ever further: /s/4.
+        assert ask(f"http://{listen}/v1", 4).headers["X-Hexgen-Query"].endswith("/s/4")
+        assert ask(f"http://{listen}/v1", 4).headers["X-Hexgen-Query"].endswith("/s/5")
+
+
+@contextmanager
+def _gateway(tmp_path: Path, coordinator: str) -> Iterator[str]:
+    """`python -m hexgen_gateway` on a free port in front of `coordinator`, listening."""
+    listen = f"127.0.0.1:{free_port()}"
+    log = (tmp_path / "gateway.log").open("w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hexgen_gateway", "--listen", listen,
+         "--coordinator", coordinator, "--log-level", "WARNING"],
+        stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+
+        def answers() -> bool:
+            try:
+                httpx.get(f"http://{listen}/health", timeout=5)
+            except httpx.TransportError:
+                return False
+            return True
+
+        wait_for("the gateway to listen", answers, timeout_s=30)
+        yield listen
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        log.close()
+
+
+def test_without_a_coordinator_health_and_requests_are_503(tmp_path: Path) -> None:
+    with _gateway(tmp_path, f"127.0.0.1:{free_port()}") as listen:
+        health = httpx.get(f"http://{listen}/health", timeout=10)
+        assert health.status_code == 503
+        assert health.json()["error"]["type"] == "service_unavailable"
+        answer = httpx.post(f"http://{listen}/v1/completions", json={"prompt": "x"}, timeout=30)
+        assert answer.status_code == 503, answer.text
+        assert "cannot reach the coordinator" in answer.json()["error"]["message"]
+
+
+# ------------------------------------------- against a stand-in coordinator (real gRPC)
+
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+
+
+class _StandInCoordinator:
+    """SubmitQuery and WatchQuery of a coordinator whose one call answers real text
+    (not the simulated placeholder), recording the metadata each RPC arrived with."""
+
+    def __init__(self) -> None:
+        self.metadata: dict[str, dict[str, str]] = {}
+
+    def register(self, server: grpc.aio.Server) -> None:
+        submit = grpc.unary_unary_rpc_method_handler(
+            self.submit,
+            request_deserializer=coordinator_pb2.SubmitQueryRequest.FromString,
+            response_serializer=coordinator_pb2.SubmitQueryResponse.SerializeToString,
+        )
+        watch = grpc.unary_stream_rpc_method_handler(
+            self.watch,
+            request_deserializer=coordinator_pb2.WatchQueryRequest.FromString,
+            response_serializer=coordinator_pb2.WatchQueryResponse.SerializeToString,
+        )
+        handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
+            "SubmitQuery": submit,
+            "WatchQuery": watch,
+        }
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler("hexgen_flow.v1.CoordinatorService", handlers),)
+        )
+
+    def _record(self, name: str, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        self.metadata[name] = {k: str(v) for k, v in context.invocation_metadata() or ()}
+
+    async def submit(
+        self, request: coordinator_pb2.SubmitQueryRequest, context: Any
+    ) -> coordinator_pb2.SubmitQueryResponse:
+        self._record("SubmitQuery", context)
+        info = coordinator_pb2.QueryInfo(query_id=request.query_id, deadline_s=12.5)
+        return coordinator_pb2.SubmitQueryResponse(query=info, created=True)
+
+    async def watch(
+        self, request: coordinator_pb2.WatchQueryRequest, context: Any
+    ) -> AsyncIterator[coordinator_pb2.WatchQueryResponse]:
+        self._record("WatchQuery", context)
+        kinds = coordinator_pb2
+        for kind, text in (
+            (kinds.QUERY_EVENT_KIND_SUBMITTED, ""),
+            (kinds.QUERY_EVENT_KIND_CALL_TOKENS, "SELECT "),
+            (kinds.QUERY_EVENT_KIND_CALL_FINISHED, "SELECT name FROM t"),
+            (kinds.QUERY_EVENT_KIND_SUCCEEDED, ""),
+        ):
+            event = coordinator_pb2.QueryEvent(query_id=request.query_id, kind=kind, text=text)
+            yield coordinator_pb2.WatchQueryResponse(event=event)
+
+
+@pytest.fixture
+async def stand_in(tmp_path: Path) -> AsyncIterator[tuple[_StandInCoordinator, str]]:
+    coordinator = _StandInCoordinator()
+    address = f"127.0.0.1:{free_port()}"
+    server = GrpcServer(
+        address, coordinator.register, ["hexgen_flow.v1.CoordinatorService"], grace_s=0.1
+    )
+    await server.start()
+    listen = f"127.0.0.1:{free_port()}"
+    log = (tmp_path / "gateway.log").open("w")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "hexgen_gateway", "--listen", listen, "--coordinator", address,
+        stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        async with httpx.AsyncClient() as http:
+            for _ in range(300):
+                try:
+                    await http.get(f"http://{listen}/v1/models", timeout=2)
+                    break
+                except httpx.TransportError:
+                    await asyncio.sleep(0.1)
+        yield coordinator, listen
+    finally:
+        proc.terminate()
+        await proc.wait()
+        log.close()
+        await server.stop()
+
+
+async def test_the_traceparent_travels_to_the_coordinator_and_text_is_streamed(
+    stand_in: tuple[_StandInCoordinator, str],
+) -> None:
+    coordinator, listen = stand_in
+    traceparent = f"00-{TRACE_ID}-00f067aa0ba902b7-01"
+    async with httpx.AsyncClient(base_url=f"http://{listen}/v1", timeout=30) as http:
+        answer = await http.post(
+            "/completions",
+            json={"prompt": "Which names?", "max_tokens": 50},
+            headers={"traceparent": traceparent, "X-Hexgen-Workflow": "w", "X-Hexgen-Stage": "s"},
+        )
+        assert answer.status_code == 200, answer.text
+        assert answer.headers["X-Hexgen-Query"] == "w/s/1"
+        assert answer.headers["X-Hexgen-Deadline-S"] == "12.500"
+        body = answer.json()
+        assert body["choices"][0]["text"] == "SELECT name FROM t"
+        # Real text: its tokens are estimated (18 characters / 4), not the declared 50.
+        assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
+        for rpc in ("SubmitQuery", "WatchQuery"):
+            sent = coordinator.metadata[rpc]["traceparent"]
+            assert sent.split("-")[1] == TRACE_ID, (rpc, sent)  # the caller's trace
+            assert sent.split("-")[2] != "00f067aa0ba902b7"  # the gateway's own span
+
+        async with http.stream(
+            "POST",
+            "/chat/completions",
+            json={"messages": [{"role": "user", "content": "q"}], "stream": True},
+            headers={"X-Hexgen-Workflow": "w", "X-Hexgen-Stage": "s"},
+        ) as stream:
+            assert stream.headers["content-type"].startswith("text/event-stream")
+            assert stream.headers["X-Hexgen-Query"] == "w/s/2"
+            lines = [line async for line in stream.aiter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    deltas = [c["choices"][0]["delta"].get("content", "") for c in chunks]
+    assert deltas == ["", "SELECT ", "name FROM t", ""]  # the tokens, then the rest
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
