@@ -16,6 +16,11 @@ moment the released call's DispatchCall arrived, so it includes both gRPC hops, 
 and this script's own event loop on the same two cores.
 
     .venv/bin/python benchmarks/coordinator_overhead.py [--rates 500 1000] [--seconds 15]
+        [--appendfsync always|everysec|none]
+
+Redis's durability is part of the price: with ``--appendfsync always`` (what `hexgen-flow up`
+runs, so that a Redis killed -9 loses no acknowledged write) every reply waits for an fsync
+of the append-only file; ``everysec`` or ``none`` show the coordinator's own cost.
 """
 
 from __future__ import annotations
@@ -161,11 +166,11 @@ async def drive_wire(
 
 
 def wire_run(
-    rate: float, seconds: float
+    rate: float, seconds: float, appendfsync: str | None
 ) -> tuple[float, list[float], coordinator_pb2.CoordinatorOverhead]:
     """One wire-to-wire run: a private redis-server, the coordinator, instant workers."""
     cluster = "A100,A100,A6000,L40S"
-    with RedisServer(appendfsync="always") as redis_server:
+    with RedisServer(appendfsync=appendfsync) as redis_server:
         port = free_port()
         coordinator = subprocess.Popen(
             [sys.executable, "-m", "hexgen_coordinator", "--listen", f"127.0.0.1:{port}",
@@ -189,14 +194,27 @@ def main() -> None:
         help="target call completions per second",
     )
     parser.add_argument("--seconds", type=float, default=15.0, help="length of each run")
+    parser.add_argument(
+        "--appendfsync",
+        choices=("always", "everysec", "none"),
+        default="always",
+        help="the private Redis's append-only file fsync policy (none: no file; default "
+        "always, as `hexgen-flow up` runs it)",
+    )
     args = parser.parse_args()
+    appendfsync = None if args.appendfsync == "none" else args.appendfsync
+    print(f"redis appendfsync: {args.appendfsync}")
     print(
         f"{'target/s':>9} {'achieved/s':>10} | completion->dispatch ms p50 / p99 / max "
         f"| submit->dispatch ms p50 / p99 / max"
     )
     for rate in args.rates:
         config = LocalClusterConfig(
-            listen="127.0.0.1:0", tuner=False, time_scale=TIME_SCALE, admission="off"
+            listen="127.0.0.1:0",
+            tuner=False,
+            time_scale=TIME_SCALE,
+            admission="off",
+            redis_appendfsync=appendfsync,
         )
         with LocalCluster(config) as mesh:
             achieved, overhead = asyncio.run(drive(mesh.coordinator_address, rate, args.seconds))
@@ -213,7 +231,7 @@ def main() -> None:
         f"| in-handler ms p50 / p99"
     )
     for rate in args.rates:
-        achieved, wire, overhead = wire_run(rate, args.seconds)
+        achieved, wire, overhead = wire_run(rate, args.seconds, appendfsync)
         c = overhead.completion_to_dispatch_ms
         print(
             f"{rate:9.0f} {achieved:10.0f} | {percentile(wire, 50):8.2f} / "

@@ -73,7 +73,7 @@ class Coordinator:
         self.links: list[WorkerLink | None] = self.ledger.links
         self._tasks: list[asyncio.Task[None]] = []
         ledger, cluster, scheduler, store = self.ledger, self.cluster, self.scheduler, self.store
-        self._writes = WriteBehind(redis, store)
+        self._writes = WriteBehind(redis, store, ledger.active)
         self._views = QueryViews(cluster, scheduler, store, ledger)
         self._dispatch = Dispatch(cluster, scheduler, self.tracer, ledger, self._writes)
         self._admission = Admission(

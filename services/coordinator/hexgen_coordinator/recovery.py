@@ -17,7 +17,7 @@ from hexgen_api.v1 import coordinator_pb2 as cpb
 from hexgen_coordinator.config import CoordinatorConfig
 from hexgen_coordinator.dispatch import Dispatch
 from hexgen_coordinator.ledger import ActiveQuery, Ledger, call_id_of
-from hexgen_coordinator.store import StoredQuery, WorkflowStore, parse_placement
+from hexgen_coordinator.store import StoredQuery, WorkflowStore
 from hexgen_flow.runtime import CallTicket
 from hexgen_flow.scheduler import GlobalScheduler
 from hexgen_service.convert import parse_submit
@@ -117,10 +117,9 @@ class Recovery:
             deadline = float(dl) if dl is not None else computed
             for index, call in enumerate(stages[k].calls):
                 call_id = call_id_of(query.query_id, k, index)
-                state = stored.call(call_id)
-                if state == "done":
+                if stored.done(call_id):
                     continue
-                placed = parse_placement(state) if state else None
+                placed = stored.placement(call_id)
                 slot, attempt = -1, 0
                 if placed is not None and placed.seq >= 0 and placed.slot >= 0:
                     slot, seq, attempt = placed.slot, placed.seq, placed.attempt

@@ -10,8 +10,9 @@ Key layout (every key starts with the configured prefix P, default ``hf:``)::
                                   deadline_s, state, reason, finished_s, calls_total,
                                   calls_left, stages_total, stages_done;
                                   per stage k: s{k}:left, s{k}:deps, s{k}:rel, s{k}:fin, s{k}:dl;
-                                  per call: c:{call_id} = "slot:seq:attempt" while dispatched,
-                                  "done" once complete; f:{call_id} = failed attempts
+                                  per call: p:{call_id} = "slot:seq:attempt", where it was
+                                  last dispatched; c:{call_id} = "done" once complete;
+                                  f:{call_id} = failed attempts
     P ev:{id}              list   the query's events (QueryEvent bytes), in order
     P completions          stream one entry per finished call (what the tuner reads)
     P finished             stream one entry per finished query, with its shape
@@ -24,7 +25,9 @@ Every change that decides what runs next is one Lua script that checks the state
 changes, so it applies exactly once whatever order or number of times it arrives:
 
 - `submit` creates a query only if its id is new;
-- `place` records where calls went, never over a completed call or a finished query;
+- `place` (plain commands, written behind) records where calls went in fields of their own
+  (``p:``), which no completion reads as done; a write after the query ended sets the
+  retention window on its keys again, so nothing it writes outlives the query;
 - `complete` accepts a completion only for a call not yet done, from the slot and attempt
   it was last placed on; it closes the stage, releases every stage whose dependencies are
   done, counts the query down and finishes it;
@@ -38,7 +41,6 @@ streams are trimmed to about `stream_maxlen` entries.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -111,31 +113,6 @@ local function expire(q, ev, ms)
 end
 """
 
-_PLACE = """
--- KEYS: q, ev ; ARGV: n_fields, then field/value pairs (c:{id} placements first, stage
---       deadlines after: a placement is written only over a call not done), then events
--- returns 1 if the query exists, 0 if it expired (nothing written)
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-local running = redis.call('HGET', KEYS[1], 'state') == 'running'
-local n = tonumber(ARGV[1])
-for i = 0, n - 1 do
-  local field, value = ARGV[2 + 2 * i], ARGV[3 + 2 * i]
-  if string.sub(field, 1, 2) == 'c:' then
-    if running and redis.call('HGET', KEYS[1], field) ~= 'done' then
-      redis.call('HSET', KEYS[1], field, value)
-    end
-  elseif running then
-    redis.call('HSET', KEYS[1], field, value)
-  end
-end
-if #ARGV > 1 + 2 * n then
-  redis.call('RPUSH', KEYS[2], unpack(ARGV, 2 + 2 * n))
-  local ttl = redis.call('PTTL', KEYS[1])
-  if ttl > 0 then redis.call('PEXPIRE', KEYS[2], ttl) end
-end
-return 1
-"""
-
 _COMPLETE = (
     _MATCHES
     + """
@@ -146,8 +123,8 @@ _COMPLETE = (
 -- -1 unknown or not running, -2 not from the slot and attempt the call was placed on
 if redis.call('HGET', KEYS[1], 'state') ~= 'running' then return {-1, -1} end
 local ckey = 'c:' .. ARGV[2]
-local placed = redis.call('HGET', KEYS[1], ckey)
-if placed == 'done' then return {0, -1} end
+if redis.call('HGET', KEYS[1], ckey) == 'done' then return {0, -1} end
+local placed = redis.call('HGET', KEYS[1], 'p:' .. ARGV[2])
 if not matches(placed, ARGV[5], ARGV[6]) then return {-2, -1} end
 redis.call('HSET', KEYS[1], ckey, 'done')
 local k = ARGV[3]
@@ -191,12 +168,12 @@ _FAIL_CALL = (
 -- returns {status, failures}: status 1 counted (retry), 2 counted and the query failed,
 -- 0 already done, -1 not running, -2 not from where the call was placed
 if redis.call('HGET', KEYS[1], 'state') ~= 'running' then return {-1, 0} end
-local placed = redis.call('HGET', KEYS[1], 'c:' .. ARGV[2])
-if placed == 'done' then return {0, 0} end
+if redis.call('HGET', KEYS[1], 'c:' .. ARGV[2]) == 'done' then return {0, 0} end
+local placed = redis.call('HGET', KEYS[1], 'p:' .. ARGV[2])
 if not matches(placed, ARGV[3], ARGV[4]) then return {-2, 0} end
 -- the attempt is over: on no slot until placed again, so that a late completion of it is
 -- not taken for the next attempt
-redis.call('HSET', KEYS[1], 'c:' .. ARGV[2], '-1:0:' .. ARGV[4])
+redis.call('HSET', KEYS[1], 'p:' .. ARGV[2], '-1:0:' .. ARGV[4])
 local failures = redis.call('HINCRBY', KEYS[1], 'f:' .. ARGV[2], 1)
 if failures < tonumber(ARGV[5]) then return {1, failures} end
 redis.call('HSET', KEYS[1], 'state', 'failed', 'finished_s', ARGV[6], 'reason', ARGV[7])
@@ -261,7 +238,7 @@ class Placement:
 
 
 def parse_placement(value: str) -> Placement | None:
-    """A c:{id} field's placement; None for "done" or anything unreadable."""
+    """A p:{id} field's placement; None for anything unreadable."""
     parts = value.split(":")
     if len(parts) not in (2, 3):
         return None
@@ -286,8 +263,13 @@ class StoredQuery:
     def stage(self, k: int, name: str) -> str | None:
         return self.fields.get(f"s{k}:{name}")
 
-    def call(self, call_id: str) -> str | None:
-        return self.fields.get(f"c:{call_id}")
+    def done(self, call_id: str) -> bool:
+        return self.fields.get(f"c:{call_id}") == "done"
+
+    def placement(self, call_id: str) -> Placement | None:
+        """Where the call was last dispatched (None: never, as far as Redis knows)."""
+        value = self.fields.get(f"p:{call_id}")
+        return parse_placement(value) if value is not None else None
 
     def failures(self, call_id: str) -> int:
         return int(self.fields.get(f"f:{call_id}", 0))
@@ -308,8 +290,6 @@ class WorkflowStore:
         """How long a finished query's keys stay (wall milliseconds)."""
         self.stream_maxlen = stream_maxlen
         self._submit = redis.register_script(_SUBMIT)
-        self._place = redis.register_script(_PLACE)
-        self._place_sha = hashlib.sha1(_PLACE.encode()).hexdigest()  # the script's id in Redis
         self._complete = redis.register_script(_COMPLETE)
         self._fail_call = redis.register_script(_FAIL_CALL)
         self._cancel = redis.register_script(_CANCEL)
@@ -392,37 +372,29 @@ class WorkflowStore:
         created, index = await self._submit(keys=keys, args=args)
         return bool(created), int(index)
 
-    async def place(
+    def place(
         self,
+        pipe: aioredis.client.Pipeline[bytes],
         query_id: str,
         placements: Mapping[str, Placement],
         stage_deadlines: Mapping[int, float],
         events: Sequence[bytes] = (),
         *,
-        pipe: aioredis.client.Pipeline[bytes] | None = None,
-    ) -> bool:
-        """Record where calls went (never over a completed call), stage deadlines and new
-        events; False when the query is no longer stored (expired). With `pipe`, the script
-        is queued on that pipeline instead (its result comes from `pipe.execute()`)."""
-        fields: list[Any] = []
-        for call_id, placement in placements.items():
-            fields += [f"c:{call_id}", placement.encode()]
-        for stage, deadline in stage_deadlines.items():
-            fields += [f"s{stage}:dl", repr(deadline)]
-        args = [len(fields) // 2, *fields, *events]
-        keys = [self.qkey(query_id), self.evkey(query_id)]
-        if pipe is not None:
-            # EVALSHA by hand: a pipeline that runs registered scripts first asks Redis
-            # whether it has them (a round trip per batch); after a Redis restart the batch
-            # fails with NoScriptError and the caller runs `load_scripts` and sends it again.
-            pipe.evalsha(self._place_sha, len(keys), *keys, *args)
-            return True
-        return bool(await self._place(keys=keys, args=args))
-
-    async def load_scripts(self) -> None:
-        """Load the scripts into Redis's script cache (empty after a Redis restart)."""
-        for text in (_SUBMIT, _PLACE, _COMPLETE, _FAIL_CALL, _CANCEL):
-            await self.redis.script_load(text)  # type: ignore[no-untyped-call]
+        ended: bool = False,
+    ) -> None:
+        """Queue on `pipe` where calls went, stage deadlines and new events of a query;
+        `ended`: the query has ended, so its keys get the retention window again (a write
+        that lands after the end never leaves a key that does not expire)."""
+        qkey, evkey = self.qkey(query_id), self.evkey(query_id)
+        fields: dict[str, str] = {f"p:{c}": p.encode() for c, p in placements.items()}
+        fields.update({f"s{k}:dl": repr(d) for k, d in stage_deadlines.items()})
+        if fields:
+            pipe.hset(qkey, mapping=fields)  # type: ignore[arg-type]  # str values are fine
+        if events:
+            pipe.rpush(evkey, *events)
+        if ended:
+            pipe.pexpire(qkey, self.retention_ms)
+            pipe.pexpire(evkey, self.retention_ms)
 
     async def complete(
         self,

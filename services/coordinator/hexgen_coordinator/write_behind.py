@@ -3,18 +3,18 @@
 The writes that decide what runs next (submission, completion, failure, cancel) go to Redis
 through `WorkflowStore` before the coordinator acts on them; this module only records what
 can be rebuilt: which slot and attempt a call went to, a stage's budget and the event log.
-Placements go through the store's `place` script, which never overwrites a completed call,
-so a write that lands late cannot undo a completion.
+Placements have fields of their own (`WorkflowStore.place`), which no completion reads as
+done, so a write that lands late cannot undo a completion; a write for a query that has
+ended renews its keys' retention window, so none of it outlives the query.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import redis.asyncio as aioredis
-from redis.exceptions import NoScriptError
 
 from hexgen_coordinator.ledger import ActiveQuery
 from hexgen_coordinator.redis_retry import REDIS_UNAVAILABLE
@@ -27,9 +27,16 @@ log = logging.getLogger("hexgen_coordinator.coordinator")  # the coordinator's o
 
 
 class WriteBehind:
-    def __init__(self, redis: aioredis.Redis[bytes], store: WorkflowStore) -> None:
+    def __init__(
+        self,
+        redis: aioredis.Redis[bytes],
+        store: WorkflowStore,
+        active: Mapping[str, ActiveQuery],
+    ) -> None:
         self.redis = redis
         self.store = store
+        self.active = active
+        """The running queries (the ledger's): a query not in it has ended."""
         self._pending_writes: list[tuple[ActiveQuery, list[CallTicket]]] = []
         self._writer: asyncio.Future[None] | None = None
 
@@ -65,15 +72,11 @@ class WriteBehind:
                     for query_id, (entry, placements, deadlines) in merged.items():
                         unsaved = [e.SerializeToString() for e in entry.events[entry.saved :]]
                         entry.saved = len(entry.events)
-                        await self.store.place(query_id, placements, deadlines, unsaved, pipe=pipe)
+                        ended = self.active.get(query_id) is not entry
+                        self.store.place(
+                            pipe, query_id, placements, deadlines, unsaved, ended=ended
+                        )
                     await pipe.execute()
-            except NoScriptError:
-                # Redis restarted without its script cache: load the scripts, send again.
-                for query_id, (entry, _, _) in merged.items():
-                    entry.saved = min(entry.saved, saved[query_id])
-                self._pending_writes[:0] = batch
-                await self.store.load_scripts()
-                continue
             except REDIS_UNAVAILABLE as exc:
                 # Redis is away: keep the batch (ahead of what came since) and try again.
                 for query_id, (entry, _, _) in merged.items():
