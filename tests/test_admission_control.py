@@ -45,6 +45,7 @@ from hexgen_flow.workload import Query
 from hexgen_service.convert import submit_from_query
 from hexgen_service.healthcheck import check
 from redis_here import REDIS_URL, needs_redis
+from up_runner import check_state
 
 CLUSTER = "A100,A100"
 MODEL = "llama-3.1-70b"
@@ -236,6 +237,9 @@ def test_overload_with_a_worker_killed_rejects_the_excess_and_keeps_the_slo(
     assert doc["slo_attainment"] >= 0.9
     assert status.queries_rejected == doc["rejected"] + 1  # the late one
     assert status.queries_running == 0
+    code, report = check_state(REDIS_URL, "--prefix", mesh.prefix)
+    assert code == 0, report
+    assert report["running"] == 0 and report["queries"] == doc["admitted"], report
 
 
 # ----------------------------------------------------------------------------- best effort
