@@ -490,7 +490,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         ("policy", metrics.policy),
         ("alpha", alpha),
         ("cluster", f"{','.join(gpus)} ({len(gpus)} instances)"),
-        ("traces", f"{', '.join(traces)} ({metrics.num_queries} queries)"),
+        ("traces", f"{', '.join(traces)} ({len(queries)} queries)"),
         ("arrivals", f"{args.qps:g} queries/s, cv {args.arrival_cv:g}, seed {args.seed}"),
         ("SLO", f"{slo_scale:g} x SLO_base = {metrics.slo_s:.1f} s"),
         (
