@@ -11,6 +11,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from hexgen_client.client import CoordinatorClient
@@ -91,3 +92,11 @@ def test_get_of_an_unknown_id_is_one_line_and_exit_2(up: Up) -> None:
     assert done.stdout == ""
     (line,) = done.stderr.strip().splitlines()
     assert "no query 'no-such-query'" in line
+
+
+def test_up_serves_the_coordinators_metrics_where_its_banner_says(up: Up) -> None:
+    url = up.banner["metrics"].split()[0]
+    assert url.startswith("http://127.0.0.1:") and url.endswith("/metrics")
+    text = httpx.get(url, timeout=10).text
+    assert "# TYPE hexgen_flow_queries_finished_total counter" in text
+    assert 'hexgen_flow_instance_connected{instance="A100#0"} 1.0' in text

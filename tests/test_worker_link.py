@@ -122,10 +122,11 @@ class CoordinatorProcess:
         return [dict(fields) for _, fields in entries]
 
     def dispatched_to(self, call_id: str) -> str | None:
-        """Where Redis says a call went (``slot:seq``), as a restarted coordinator reads it."""
+        """Where Redis says a call went (``slot:seq:attempt``), as a restarted coordinator
+        reads it."""
         query_id = call_id.rpartition("/")[0]
         with redis.Redis.from_url(REDIS_URL, decode_responses=True) as client:
-            value: str | None = client.hget(f"{self.prefix}q:{query_id}", f"c:{call_id}")
+            value: str | None = client.hget(f"{self.prefix}q:{query_id}", f"p:{call_id}")
         return value
 
     def delete_state(self) -> None:

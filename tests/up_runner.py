@@ -141,7 +141,8 @@ def running_up(tmp_path: Path, *options: str, banner_timeout_s: float = 60) -> I
     with stderr_path.open("w") as stderr:
         proc = subprocess.Popen(
             [sys.executable, "-m", "hexgen_cli", "up", "--listen", "127.0.0.1:0",
-             "--tuner-listen", "127.0.0.1:0", "--gateway-listen", "127.0.0.1:0", *options,
+             "--tuner-listen", "127.0.0.1:0", "--gateway-listen", "127.0.0.1:0",
+             "--metrics-listen", "127.0.0.1:0", *options,
              "--log-dir", str(log_dir)],
             stdout=subprocess.PIPE,
             stderr=stderr,

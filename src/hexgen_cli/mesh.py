@@ -37,12 +37,13 @@ from hexgen_cli.options import (
     unit_interval,
 )
 from hexgen_cli.simulation import latency_row
-from hexgen_client.addresses import (  # constants only: no grpc at import time
+from hexgen_client.addresses import (  # constants only: no grpc at import time  # constants only
     DEFAULT_COORDINATOR,
+    DEFAULT_GATEWAY,
+    DEFAULT_METRICS,
     DEFAULT_REDIS_PREFIX,
     DEFAULT_TUNER,
 )
-from hexgen_client.cluster_config import DEFAULT_GATEWAY  # no grpc either
 from hexgen_flow.cluster import DEFAULT_CLUSTER
 from hexgen_flow.errors import ConfigError
 from hexgen_flow.metrics import RunMetrics
@@ -126,6 +127,14 @@ def register(commands: Any) -> None:
         default=DEFAULT_GATEWAY,
         metavar="HOST:PORT",
         help=f"the gateway's HTTP address; port 0 picks a free one (default {DEFAULT_GATEWAY})",
+    )
+    up.add_argument(
+        "--metrics-listen",
+        type=address,
+        default=DEFAULT_METRICS,
+        metavar="HOST:PORT",
+        help="where the coordinator serves Prometheus metrics, at /metrics; port 0 picks a "
+        f"free one (default {DEFAULT_METRICS})",
     )
     up.add_argument(
         "--tuner-period-s",
@@ -348,6 +357,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
             tuner_period_s=args.tuner_period_s,
             gateway=args.gateway,
             gateway_listen=args.gateway_listen,
+            metrics_listen=args.metrics_listen,
             log_dir=args.log_dir,
             keep_logs=True,
         )
@@ -413,6 +423,7 @@ def _print_up(cluster: Any, args: argparse.Namespace) -> None:
             if cluster.gateway_address
             else "off",
         ),
+        ("metrics", f"http://{cluster.metrics_address}/metrics (Prometheus, coordinator)"),
         ("redis", f"{cluster.redis_url} ({redis_note}, keys {args.redis_prefix}*)"),
         ("instances", f"{','.join(cluster.gpus)}: simulated engines"),
         ("calibration", cluster.calibration.name),

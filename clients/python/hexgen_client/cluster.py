@@ -106,6 +106,8 @@ class LocalCluster:
         self.coordinator_address = self.config.listen
         self.tuner_address: str | None = None
         self.gateway_address: str | None = None
+        self.metrics_address: str | None = None
+        """Where the coordinator serves Prometheus metrics (``http://ADDRESS/metrics``)."""
         """The gateway's HOST:PORT (its API: ``http://ADDRESS/v1``); None when not run."""
         self.redis_url = self.config.redis_url
         self.log_dir: Path | None = None
@@ -127,6 +129,8 @@ class LocalCluster:
             self.coordinator_address = resolve_address(config.listen)
             if config.tuner:
                 self.tuner_address = resolve_address(config.tuner_listen)
+            if config.metrics_listen is not None:
+                self.metrics_address = resolve_address(config.metrics_listen, reuse_addr=True)
             if config.gateway:
                 # uvicorn binds with SO_REUSEADDR: the TIME_WAIT connections of the last
                 # run (HTTP servers close first) must not stop a quick restart of `up`.
@@ -355,7 +359,11 @@ class LocalCluster:
         assert self.redis_url is not None
         if self.coordinator is None:
             argv = coordinator_argv(
-                self.config, self.coordinator_address, self.redis_url, self.calibration.argument
+                self.config,
+                self.coordinator_address,
+                self.redis_url,
+                self.calibration.argument,
+                self.metrics_address,
             )
             self.coordinator = self._process("coordinator", "coordinator.log", argv)
         self.coordinator.start()

@@ -8,7 +8,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hexgen_client.addresses import DEFAULT_COORDINATOR, DEFAULT_REDIS_PREFIX, DEFAULT_TUNER
+from hexgen_client.addresses import (
+    DEFAULT_COORDINATOR,
+    DEFAULT_GATEWAY,
+    DEFAULT_REDIS_PREFIX,
+    DEFAULT_TUNER,
+)
 from hexgen_flow.calibration import DEFAULT_CALIBRATION
 from hexgen_flow.cluster import DEFAULT_CLUSTER
 
@@ -21,9 +26,6 @@ __all__ = [
     "tuner_argv",
     "worker_argv",
 ]
-
-DEFAULT_GATEWAY = "127.0.0.1:8000"
-"""Where the OpenAI-compatible gateway listens unless told otherwise (HTTP)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +91,9 @@ class LocalClusterConfig:
     """Whether to run the OpenAI-compatible gateway (``hexgen-flow up`` does by default)."""
     gateway_listen: str = DEFAULT_GATEWAY
     """The gateway's HTTP address; port 0 picks a free port."""
+    metrics_listen: str | None = None
+    """Where the coordinator serves Prometheus metrics (``hexgen-flow up``: 127.0.0.1:9464);
+    None: not served; port 0 picks a free port."""
     python: str = sys.executable
     """The interpreter that runs the services."""
     log_dir: Path | None = None
@@ -121,7 +126,11 @@ def _calibration_args(calibration: str | None) -> list[str]:
 
 
 def coordinator_argv(
-    config: LocalClusterConfig, listen: str, redis_url: str, calibration: str | None = None
+    config: LocalClusterConfig,
+    listen: str,
+    redis_url: str,
+    calibration: str | None = None,
+    metrics: str | None = None,
 ) -> list[str]:
     """The coordinator's command line; `calibration`: the ``--calibration`` value that
     selects the cluster's calibration from any directory (None: the default)."""
@@ -144,6 +153,8 @@ def coordinator_argv(
         argv += ["--retention-s", repr(config.retention_s)]
     if config.max_call_attempts is not None:
         argv += ["--max-call-attempts", str(config.max_call_attempts)]
+    if metrics is not None:
+        argv += ["--metrics-listen", metrics]
     return argv + _calibration_args(calibration)
 
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from hexgen_client.addresses import DEFAULT_COORDINATOR
-from hexgen_client.cluster_config import DEFAULT_GATEWAY
+from hexgen_client.addresses import DEFAULT_COORDINATOR, DEFAULT_GATEWAY
 from hexgen_flow.errors import ConfigError
 
 __all__ = ["DEFAULT_GATEWAY", "GatewayConfig"]
