@@ -92,7 +92,10 @@ def check_state(
     stored: set[str] = set()
     for query_id in queries:
         key = f"{prefix}q:{query_id}"
-        if _text(client.type(key)) != "hash":  # type: ignore[no-untyped-call]
+        kind = _text(client.type(key))  # type: ignore[no-untyped-call]
+        if kind == "none":
+            continue  # expired between the scan and now: nothing is wrong with that
+        if kind != "hash":
             report.orphan_keys += 1
             report.note(f"orphan key {key!r}: a query key that is not a hash")
             continue
@@ -104,7 +107,7 @@ def check_state(
     for query_id in logs:
         key = f"{prefix}ev:{query_id}"
         ttl = client.pttl(key)
-        if query_id not in stored and ttl < 0:
+        if query_id not in stored and ttl == -1:  # -2: expired meanwhile
             report.orphan_keys += 1
             report.note(f"orphan key {key!r}: an event log without its query")
     for query_id in active - stored:
@@ -167,7 +170,7 @@ def _check_query(
             if age > stuck_after_s:
                 report.stuck_queries += 1
                 report.note(f"query {query_id!r} still runs {age:.0f} s after it arrived")
-    elif ttl_ms < 0:
+    elif ttl_ms == -1:  # -2: it expired while we read it
         report.orphan_keys += 1
         report.note(f"query {query_id!r} ended {state} and never expires")
     elif query_id in active:

@@ -154,7 +154,7 @@ class Completions:
                     now,
                     record,
                     slot=link.slot,
-                    attempt=msg.attempt,
+                    attempt=msg.attempt if ticket.attempt else 0,
                 ),
             )
             link.ack(call_id)
@@ -223,7 +223,7 @@ class Completions:
                 ticket.query_id,
                 call_id,
                 slot=link.slot,
-                attempt=msg.attempt,
+                attempt=msg.attempt if ticket.attempt else 0,
                 max_attempts=limit,
                 now=now,
                 reason=reason,

@@ -120,18 +120,21 @@ class Recovery:
                 if stored.done(call_id):
                     continue
                 placed = stored.placement(call_id)
-                slot, attempt = -1, 0
+                slot = -1
                 if placed is not None and placed.seq >= 0 and placed.slot >= 0:
-                    slot, seq, attempt = placed.slot, placed.seq, placed.attempt
+                    slot, seq = placed.slot, placed.seq
                 else:  # never placed, or between attempts: a new release order
                     seq = self.scheduler.next_seq
                     self.scheduler.next_seq += 1
-                    attempt = placed.attempt if placed is not None else 0
                 ticket = CallTicket(
                     seq, run, k, call, rel_s, deadline, plan.tail_s[k] - plan.stage_s[k]
                 )
                 ticket.call_id = call_id
-                ticket.attempt = attempt
+                # Attempt 0, unknown: the write-behind may not have recorded the latest
+                # dispatch before the crash, so the worker that reclaims the call may hold a
+                # later attempt than Redis says. Its result is taken by slot alone; the
+                # next dispatch counts from 1 again.
+                ticket.attempt = 0
                 ledger.tickets[call_id] = ticket
                 max_seq = max(max_seq, seq)
                 if slot >= 0:
