@@ -28,11 +28,9 @@ from hexgen_client.errors import (
     CoordinatorUnavailableError,
 )
 from hexgen_flow.workload import Query
+from hexgen_service.errors import RETRY_AFTER_KEY
 
 __all__ = ["RETRY_AFTER_KEY", "CoordinatorClient"]
-
-RETRY_AFTER_KEY = "retry-after-s"
-"""Trailing metadata of a RESOURCE_EXHAUSTED answer: wall seconds until a retry may succeed."""
 
 _UNREACHABLE_STATES = (
     grpc.ChannelConnectivity.IDLE,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import grpc
 
 __all__ = [
+    "RETRY_AFTER_KEY",
     "AlreadyExistsError",
     "InvalidFieldError",
     "OverloadedError",
@@ -20,6 +21,11 @@ class InvalidFieldError(ValueError):
     def __init__(self, field: str, message: str) -> None:
         self.field = field
         super().__init__(f"{field}: {message}")
+
+
+RETRY_AFTER_KEY = "retry-after-s"
+"""Trailing metadata of a RESOURCE_EXHAUSTED answer: wall seconds until a retry may succeed
+(what `OverloadedError.retry_after_s` becomes on the wire)."""
 
 
 class AlreadyExistsError(ValueError):

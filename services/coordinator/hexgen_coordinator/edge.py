@@ -23,6 +23,7 @@ import redis.exceptions
 from google.protobuf.message import DecodeError
 
 from hexgen_service.errors import (
+    RETRY_AFTER_KEY,
     AlreadyExistsError,
     InvalidFieldError,
     OverloadedError,
@@ -30,16 +31,12 @@ from hexgen_service.errors import (
 )
 
 __all__ = [
-    "RETRY_AFTER_KEY",
     "add_coordinator_services",
     "add_services",
     "statuses",
 ]
 
 log = logging.getLogger(__name__)
-
-RETRY_AFTER_KEY = "retry-after-s"
-"""Trailing metadata of RESOURCE_EXHAUSTED: wall seconds after which a retry may succeed."""
 
 Context = grpc.aio.ServicerContext
 
