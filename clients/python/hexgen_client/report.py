@@ -235,7 +235,14 @@ def query_lines(reply: coordinator_pb2.GetQueryResponse) -> list[str]:
             )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    table = ["  " + "  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    table = [
+        "  "
+        + "  ".join(
+            c.ljust(w) if i == 1 else c.rjust(w)  # the step is text: left-aligned
+            for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        ).rstrip()
+        for r in rows
+    ]
     calls = [
         f"  {c['call_id']}  on {c['instance'] or '-'}  started {_t(c['started_s'])}  finished "
         f"{_t(c['finished_s'])}"
