@@ -11,14 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from hexgen_flow.bench.shifting import (
-    HighLoad,
-    ShiftScenario,
-    plot_shifting,
-    render_markdown,
-    run_high_load,
-    run_scenario,
-)
+from hexgen_flow.bench.shifting import HighLoad, ShiftScenario, run_high_load, run_scenario
+from hexgen_flow.bench.shifting_report import plot_shifting, render_markdown
 from hexgen_flow.cluster import parse_cluster
 from hexgen_flow.errors import ConfigError
 from hexgen_flow.metrics import json_safe

@@ -141,8 +141,10 @@ def render_markdown(plan: BenchPlan, doc: dict[str, Any]) -> str:
 
 
 def _shifting_lines(plan: BenchPlan, doc: dict[str, Any]) -> list[str]:
-    # Imported here: bench/shifting.py renders its tables with this module's helpers.
-    from hexgen_flow.bench.shifting import render_markdown as render_shifting  # noqa: PLC0415
+    # Imported here: bench/shifting_report.py renders its tables with this module's helpers.
+    from hexgen_flow.bench.shifting_report import (  # noqa: PLC0415
+        render_markdown as render_shifting,
+    )
 
     return ["", render_shifting(doc["shifting_load"])]
 

@@ -31,7 +31,8 @@ from hexgen_flow.bench.plan import (
 )
 from hexgen_flow.bench.plots import plot
 from hexgen_flow.bench.report import render_markdown
-from hexgen_flow.bench.shifting import plot_shifting, run_shifting_load
+from hexgen_flow.bench.shifting import run_shifting_load
+from hexgen_flow.bench.shifting_report import plot_shifting
 from hexgen_flow.bench.tasks import cached_cluster, cached_queries, run_task
 from hexgen_flow.metrics import json_safe
 from hexgen_flow.policies.presets import PRESETS
