@@ -34,16 +34,11 @@ import asyncio
 import contextlib
 import dataclasses
 import json
-import math
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -53,20 +48,35 @@ import yaml
 from hexgen_api.v1 import coordinator_pb2 as cpb
 from hexgen_client.client import CoordinatorClient
 from hexgen_client.cluster import LocalCluster, LocalClusterConfig, WorkerLaunch
-from hexgen_client.processes import ManagedProcess, free_port, stop_processes, vllm_cpu_env
 from hexgen_client.replay import replay
 from hexgen_flow.cluster import Cluster, parse_cluster
-from hexgen_flow.metrics import json_safe, percentile
+from hexgen_flow.metrics import json_safe
 from hexgen_flow.policies.presets import resolve_policy
 from hexgen_flow.runtime import CallTicket
 from hexgen_flow.sim.simulator import SimConfig, Simulation
 from hexgen_flow.traces import load_trace, take_queries
 from hexgen_flow.workload import Query
+from real_engine_results import (
+    HEADLINE,
+    CallTimes,
+    RunResult,
+    dump_calls,
+    errors,
+    figures,
+    load_measured,
+    save_measured,
+    table,
+)
+from real_engine_servers import (
+    MAX_BATCH,
+    MAX_MODEL_LEN,
+    SERVED_MODEL,
+    Servers,
+    info,
+    profile_servers,
+)
 
 __all__ = [
-    "CallTimes",
-    "RunResult",
-    "figures",
     "main",
     "measure",
     "predict",
@@ -82,156 +92,13 @@ MODEL_VAR = "HEXGEN_SMOLLM2_DIR"
 DEFAULT_VLLM_PYTHON = "/work/vllm-venv/bin/python"
 DEFAULT_MODEL_DIR = "/work/models/smollm2-135m"
 
-SERVED_MODEL = "smollm2-135m"
-"""The name the vLLM servers serve the model under (and the profile's model)."""
-MAX_MODEL_LEN = 2048
-MAX_BATCH = 8
-"""vLLM's --max-num-seqs, the workers' max batch and the cluster file's max_batch."""
-START_TIMEOUT_S = 300.0
-STOP_GRACE_S = 30.0
 MESH_GPU = "A100"
 """The GPU type the mesh's slots are named by: a worker resolves its --gpu in the shipped
 catalogue, which has no CPU, and with the default policy (round-robin dispatch, FCFS
 queues) the latency model that name selects decides nothing; the engine is what serves."""
 
-HEADLINE = ("call_p50_s", "call_p95_s", "workflow_p95_s")
-"""The figures the prediction is held to (docs/real-engines.md, "Predicted vs measured")."""
-LABELS = {
-    "call_p50_s": "per-call latency P50 (s)",
-    "call_p95_s": "per-call latency P95 (s)",
-    "workflow_p95_s": "workflow latency P95 (s)",
-    "workflow_p50_s": "  workflow latency P50 (s)",
-    "call_mean_s": "  per-call latency mean (s)",
-    "service_p50_s": "  per-call service P50 (s)",
-    "service_p95_s": "  per-call service P95 (s)",
-    "wait_p95_s": "  per-call wait P95 (s)",
-    "makespan_s": "  makespan (s)",
-}
-"""Row labels; indented rows are context, not held to the bound."""
-
-
-def info(message: str) -> None:
-    """Progress: stderr, so that stdout stays the result."""
-    print(message, file=sys.stderr, flush=True)
-
-
-# ---------------------------------------------------------------------------- vLLM servers
-
-
-def server_argv(python: str, model_dir: str, port: int, dtype: str, core: int) -> list[str]:
-    """The command line of a server confined to `core`, all of it: its API server, engine
-    core (the scheduler) and worker (the model). Left free, the first two take most of
-    another core while the server is busy (1.5 cores in all, measured here), so that two
-    servers on two cores slow each other down by how busy both are at once, which no
-    profile of one instance holds; confined, an instance is one core, whatever its
-    neighbour does, and its profile is its profile in both runs. (Confined, its decode
-    step is slower: ~85 ms instead of ~57 ms alone, as the three processes take turns.)"""
-    return [
-        "taskset", "-c", str(core),
-        python, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", model_dir,
-        "--served-model-name", SERVED_MODEL,
-        "--host", "127.0.0.1",
-        "--port", str(port),
-        "--enforce-eager",
-        "--no-enable-prefix-caching",
-        "--max-model-len", str(MAX_MODEL_LEN),
-        "--max-num-seqs", str(MAX_BATCH),
-        "--dtype", dtype,
-    ]  # fmt: skip
-
-
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
-            return bool(response.status == 200)
-    except (urllib.error.URLError, OSError):
-        return False
-
-
-def _warm_up(url: str) -> None:
-    """Two short requests: a fresh server's first steps are slower than its steady ones."""
-    for words in (16, 128):
-        body = {
-            "model": SERVED_MODEL,
-            "prompt": " ".join(["warm"] * words),
-            "max_tokens": 8,
-            "ignore_eos": True,
-        }
-        request = urllib.request.Request(
-            f"{url}/v1/completions",
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(request, timeout=120) as response:
-            response.read()
-
-
-class Servers:
-    """vLLM OpenAI servers, started on demand and kept for the next run (server i confined
-    to core i modulo the cores this process may use); `close` stops them all."""
-
-    def __init__(self, python: str, model_dir: str, log_dir: Path, dtype: str) -> None:
-        self.python = python
-        self.model_dir = model_dir
-        self.log_dir = log_dir
-        self.dtype = dtype
-        self.cores = sorted(os.sched_getaffinity(0))
-        self.procs: list[ManagedProcess] = []
-        self.urls: list[str] = []
-
-    def core(self, i: int) -> int:
-        return self.cores[i % len(self.cores)]
-
-    def ensure(self, n: int) -> list[str]:
-        """The URLs of `n` healthy, warmed-up servers (starting the missing ones together)."""
-        fresh = []
-        for i in range(len(self.procs), n):
-            port = free_port()
-            core = self.core(i)
-            argv = server_argv(self.python, self.model_dir, port, self.dtype, core)
-            env = {**os.environ, **vllm_cpu_env(self.python, core)}
-            proc = ManagedProcess(f"vllm server {i}", argv, self.log_dir / f"vllm-{i}.log", env)
-            info(f"  starting vLLM server {i} on port {port}, confined to core {core}")
-            proc.start()
-            self.procs.append(proc)
-            self.urls.append(f"http://127.0.0.1:{port}")
-            fresh.append(i)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        for i in fresh:
-            while not _healthy(self.urls[i]):
-                if not self.procs[i].running:
-                    raise self.procs[i].failure(f"exited with code {self.procs[i].returncode}")
-                if time.monotonic() >= deadline:
-                    raise self.procs[i].failure(f"was not healthy within {START_TIMEOUT_S:g} s")
-                time.sleep(0.5)
-            _warm_up(self.urls[i])
-        return self.urls[:n]
-
-    def close(self) -> None:
-        stop_processes(self.procs, STOP_GRACE_S)
-        for proc in self.procs:
-            # vLLM's engine core is a child in the server's session: make sure it goes too.
-            if proc.pid is not None:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-
 
 # ------------------------------------------------------------------------------ one run
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class CallTimes:
-    """One call's times (cluster seconds): released (dispatched), started, finished."""
-
-    call_id: str
-    released_s: float
-    started_s: float
-    finished_s: float
-
-    @property
-    def latency_s(self) -> float:
-        return self.finished_s - self.released_s
 
 
 def sched_seconds(roots: Sequence[int]) -> tuple[float, float]:
@@ -259,41 +126,6 @@ def sched_seconds(roots: Sequence[int]) -> tuple[float, float]:
                     running += int(ran)
                     waiting += int(waited)
     return running / 1e9, waiting / 1e9
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class RunResult:
-    """What one side (measured or predicted) saw of a run."""
-
-    workflow_s: tuple[float, ...]
-    """End-to-end latency of every workflow."""
-    calls: tuple[CallTimes, ...]
-    makespan_s: float
-    arrivals: dict[str, float]
-    """query id -> arrival time (s from the first arrival)."""
-    cpu: dict[str, float] = dataclasses.field(default_factory=dict)
-    """Where the machine's CPU went during a measured replay: seconds of wall time; CPU
-    seconds of the vLLM servers, and seconds their threads were ready to run but waited
-    for a core; CPU seconds of the mesh (coordinator, workers, this process); the load
-    average before and after (empty for a prediction)."""
-
-
-def figures(result: RunResult) -> dict[str, float]:
-    """The compared figures of a run."""
-    calls = [c.latency_s for c in result.calls]
-    service = [c.finished_s - c.started_s for c in result.calls]
-    wait = [c.started_s - c.released_s for c in result.calls]
-    return {
-        "call_p50_s": percentile(calls, 50),
-        "call_p95_s": percentile(calls, 95),
-        "workflow_p95_s": percentile(result.workflow_s, 95),
-        "workflow_p50_s": percentile(result.workflow_s, 50),
-        "call_mean_s": sum(calls) / len(calls) if calls else math.nan,
-        "service_p50_s": percentile(service, 50),
-        "service_p95_s": percentile(service, 95),
-        "wait_p95_s": percentile(wait, 95),
-        "makespan_s": result.makespan_s,
-    }
 
 
 def _calls_of(events: Sequence[cpb.QueryEvent]) -> list[CallTimes]:
@@ -436,49 +268,6 @@ def predict(
     )
 
 
-# ------------------------------------------------------------------------------ reporting
-
-
-def dump_calls(
-    path: Path, queries: Sequence[Query], measured: RunResult, predicted: RunResult
-) -> None:
-    """Every call's tokens and times, measured and predicted, as JSON lines (--out-dir)."""
-    tokens = {
-        f"{q.query_id}/{k}.{i}": (call.step, call.input_tokens, call.output_tokens)
-        for q in queries
-        for k, stage in enumerate(q.workflow.stages)
-        for i, call in enumerate(stage.calls)
-    }
-    simulated = {c.call_id: c for c in predicted.calls}
-    with path.open("w") as out:
-        for m in sorted(measured.calls, key=lambda c: c.released_s):
-            p = simulated.get(m.call_id)
-            step, n_in, n_out = tokens[m.call_id]
-            row = {"call_id": m.call_id, "step": step, "input_tokens": n_in,
-                   "output_tokens": n_out, "measured": dataclasses.astuple(m)[1:],
-                   "predicted": dataclasses.astuple(p)[1:] if p else None}  # fmt: skip
-            out.write(json.dumps(row) + "\n")
-
-
-def errors(measured: dict[str, float], predicted: dict[str, float]) -> dict[str, float]:
-    """predicted / measured - 1 per figure."""
-    return {k: predicted[k] / measured[k] - 1 if measured[k] > 0 else math.nan for k in measured}
-
-
-def table(run: dict[str, Any]) -> list[str]:
-    rows = [("figure", "measured", "predicted", "error")]
-    for key, label in LABELS.items():
-        m, p, e = run["measured"][key], run["predicted"][key], run["error"][key]
-        rows.append(
-            (label, f"{m:.3f}", f"{p:.3f}", f"{100 * e:+.1f} %" if math.isfinite(e) else "-")
-        )
-    widths = [max(len(r[c]) for r in rows) for c in range(4)]
-    return [
-        "  ".join([r[0].ljust(widths[0]), *(r[c].rjust(widths[c]) for c in (1, 2, 3))])
-        for r in rows
-    ]
-
-
 # ---------------------------------------------------------------------------------- main
 
 
@@ -593,54 +382,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p  # fmt: skip
 
 
-PROFILE_PLAN = (
-    "--input-tokens", "16,64,256", "--batches", "1,2,4,8", "--contexts", "32,256",
-    "--output-tokens", "32", "--repeats", "2",
-)  # fmt: skip
-"""`hexgen-flow profile`'s plan here, in two rounds (a minute or two): the workload's prompt
-lengths (16-256 tokens) and batches up to the servers' 8 sequences. Contexts 32 and 256
-span the workload's, so that the decode step's growth with context is measured, not
-guessed from noise; 32 output tokens leave a batch of 8 time to decode together even when
-a loaded machine delays some of its requests."""
-
-
-def profile_servers(urls: Sequence[str], out: Path, cluster_file: Path) -> None:
-    """``hexgen-flow profile`` of every server at once, written to `out` as one profile: the
-    mean of theirs, row by row (the plans are the same). Profiling them together measures
-    each as it runs in the replay, with the others busy beside it."""
-    parts = [out.with_name(f"{out.stem}.server{i}.yaml") for i in range(len(urls))]
-    gpu = _gpu_of(cluster_file)
-    argvs = [
-        [
-            sys.executable, "-m", "hexgen_cli", "profile", "--openai-url", url,
-            "--model", SERVED_MODEL, "--gpu", gpu, *PROFILE_PLAN, "--seed", str(i),
-            "--out", str(part),
-        ]
-        for i, (url, part) in enumerate(zip(urls, parts, strict=True))
-    ]  # fmt: skip
-    procs = [subprocess.Popen(argv, stdout=subprocess.DEVNULL) for argv in argvs]
-    if any(proc.wait() != 0 for proc in procs):
-        raise SystemExit("hexgen-flow profile failed (its error is above)")
-    docs = [yaml.safe_load(part.read_text()) for part in parts]
-    merged = dict(docs[0])
-    for key, field in (("prefill", "ttft_s"), ("decode", "decode_step_s")):
-        merged[key] = [
-            {**rows[0], field: round(sum(r[field] for r in rows) / len(rows), 6)}
-            for rows in zip(*(d[key] for d in docs), strict=True)
-        ]
-    if len(docs) > 1:
-        merged["source"] = f"mean of {len(docs)} servers profiled at once; {docs[0]['source']}"
-    header = "".join(line + "\n" for line in parts[0].read_text().splitlines() if line[:1] == "#")
-    out.write_text(
-        header + yaml.safe_dump(merged, sort_keys=False, width=100, default_flow_style=None)
-    )
-
-
-def _gpu_of(cluster_file: Path) -> str:
-    doc = yaml.safe_load(cluster_file.read_text())
-    return str(doc["instances"][0]["gpu"])
-
-
 @contextlib.contextmanager
 def _work_dir(out_dir: Path | None) -> Iterator[Path]:
     if out_dir is not None:
@@ -652,32 +393,6 @@ def _work_dir(out_dir: Path | None) -> Iterator[Path]:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
-
-
-def save_measured(path: Path, n: int, qps: float, result: RunResult) -> None:
-    """A measured run as JSON, for `--predict-from`."""
-    doc = {
-        "instances": n,
-        "qps": qps,
-        "workflow_s": result.workflow_s,
-        "calls": [dataclasses.astuple(c) for c in result.calls],
-        "makespan_s": result.makespan_s,
-        "arrivals": result.arrivals,
-        "cpu": result.cpu,
-    }
-    path.write_text(json.dumps(doc))
-
-
-def load_measured(path: Path) -> tuple[int, float, RunResult]:
-    doc = json.loads(path.read_text())
-    result = RunResult(
-        workflow_s=tuple(doc["workflow_s"]),
-        calls=tuple(CallTimes(*row) for row in doc["calls"]),
-        makespan_s=doc["makespan_s"],
-        arrivals=doc["arrivals"],
-        cpu=doc.get("cpu", {}),
-    )
-    return doc["instances"], doc["qps"], result
 
 
 def _check_setup(args: argparse.Namespace) -> None:
