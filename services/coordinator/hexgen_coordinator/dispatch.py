@@ -72,9 +72,7 @@ class Dispatch:
                 self.redispatch(ticket, "instance went away")
                 continue
             entry = ledger.active[ticket.query_id]
-            ledger.metrics.calls_dispatched.labels(
-                self.cluster.instances[ticket.instance].name
-            ).inc()
+            ledger.metrics.dispatched_on[ticket.instance].inc()
             ticket.attempt += 1  # a completion is taken only from the latest attempt
             span = self.tracer.start_span(
                 "call",

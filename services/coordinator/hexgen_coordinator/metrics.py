@@ -80,6 +80,7 @@ class CoordinatorMetrics:
             buckets=_OVERHEAD_BUCKETS,
             registry=r,
         )
+        self.dispatched_on: list[Counter] = []
         self.submit_to_dispatch = Histogram(
             "hexgen_flow_submit_to_dispatch_seconds",
             "Coordinator overhead: a query submitted -> its first calls handed out (wall s).",
@@ -88,8 +89,12 @@ class CoordinatorMetrics:
         )
 
     def watch(self, ledger: Ledger, scheduler: GlobalScheduler, cluster: Cluster) -> None:
-        """Report the present state of `ledger` and `scheduler` at every scrape."""
+        """Report the present state of `ledger` and `scheduler` at every scrape, and keep each
+        instance's labelled counters at hand (a dispatch counts without a label lookup)."""
         self.registry.register(_Present(ledger, scheduler, cluster))
+        names = [inst.name for inst in cluster.instances]
+        self.dispatched_on = [self.calls_dispatched.labels(name) for name in names]
+        """`calls_dispatched` of each instance, by slot."""
 
 
 class _Present(Collector):
