@@ -90,7 +90,8 @@ async def test_a_three_stage_workflow_by_headers_only(up: Up) -> None:
         model=MODEL, messages=messages, max_tokens=32, extra_headers=headers("Keyword Extraction")
     )
     assert raw.headers["X-Hexgen-Workflow"] == workflow
-    assert raw.headers["X-Hexgen-Query"] == f"{workflow}/Keyword Extraction/1"
+    assert raw.headers["X-Hexgen-Query"] == workflow
+    assert raw.headers["X-Hexgen-Call"] == f"{workflow}/0.0"
     assert float(raw.headers["X-Hexgen-Deadline-S"]) > 0
     answer = raw.parse()
     assert answer.object == "chat.completion" and answer.model == MODEL
@@ -102,8 +103,8 @@ async def test_a_three_stage_workflow_by_headers_only(up: Up) -> None:
     assert answer.usage.completion_tokens == 32  # the simulated engine's placeholder
     assert answer.usage.total_tokens == estimate(prompt) + 32
 
-    # Stage 2: the same stage twice, streamed, with usage in the last chunk.
-    for n in (1, 2):
+    # Stage 2: two candidates at once (a fan-out), streamed, with usage in the last chunk.
+    def candidate(n: int) -> None:
         stream = client.chat.completions.create(
             messages=[{"role": "user", "content": f"candidate {n}"}],
             model=MODEL,
@@ -119,31 +120,58 @@ async def test_a_three_stage_workflow_by_headers_only(up: Up) -> None:
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
         assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 16
 
-    # Stage 3: completions, streamed and not.
-    done = client.completions.create(
-        model=MODEL, prompt="SELECT", max_tokens=8, extra_headers=headers("revision")
-    )
-    assert done.object == "text_completion" and done.choices[0].text.endswith(" 8 tokens")
-    assert done.usage is not None and done.usage.prompt_tokens == 2
-    pieces = client.completions.create(
-        model=MODEL, prompt="SELECT", max_tokens=8, stream=True, extra_headers=headers("revision")
-    )
-    assert "".join(c.choices[0].text for c in pieces).endswith(" 8 tokens")
+    # Stage 3: two revisions at once, as completions, streamed and not.
+    def revision(stream: bool) -> None:
+        if not stream:
+            done = client.completions.create(
+                model=MODEL, prompt="SELECT", max_tokens=8, extra_headers=headers("revision")
+            )
+            assert done.object == "text_completion" and done.choices[0].text.endswith(" 8 tokens")
+            assert done.usage is not None and done.usage.prompt_tokens == 2
+            return
+        pieces = client.completions.create(
+            model=MODEL,
+            prompt="SELECT",
+            max_tokens=8,
+            stream=True,
+            extra_headers=headers("revision"),
+        )
+        assert "".join(c.choices[0].text for c in pieces).endswith(" 8 tokens")
 
-    # The coordinator ran one one-call workflow per request, stage as its step.
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(candidate, (1, 2)))
+        list(pool.map(revision, (False, True)))
+
+    # One workflow: its stages as the headers named them, in order, each with its calls.
     async with CoordinatorClient(up.coordinator) as coordinator:
-        for query_id, step_tokens in (
-            (f"{workflow}/Keyword Extraction/1", 32),
-            (f"{workflow}/generate_candidate/1", 16),
-            (f"{workflow}/generate_candidate/2", 16),
-            (f"{workflow}/revision/1", 8),
-            (f"{workflow}/revision/2", 8),
-        ):
-            got = await coordinator.get(query_id)
-            assert got.query.state == 2, query_id  # SUCCEEDED
-            assert got.query.calls_total == 1
-            finished = [e for e in got.events if e.kind == 6]  # CALL_FINISHED
-            assert finished[0].text.endswith(f" {step_tokens} tokens")
+        running = await coordinator.get(workflow)
+        assert running.query.state == 1 and running.query.session_open  # RUNNING until closed
+        closed = httpx.post(f"{base_url(up)}/workflows/{workflow}/close", timeout=30)
+        assert closed.status_code == 200, closed.text
+        assert closed.json()["state"] == "succeeded"
+        got = await coordinator.get(workflow)
+    assert got.query.state == 2 and got.query.calls_total == 5  # SUCCEEDED
+    assert [(st.name, st.calls_total, st.calls_done) for st in got.stages] == [
+        ("Keyword Extraction", 1, 1),
+        ("generate_candidate", 2, 2),
+        ("revision", 2, 2),
+    ]
+    # Every stage got a deadline from the time the workflow had left, within its deadline.
+    assert all(0 < st.deadline_s <= got.query.deadline_s for st in got.stages)
+    tokens = {e.call_id: e.text for e in got.events if e.kind == 6}  # CALL_FINISHED
+    assert tokens[f"{workflow}/0.0"].endswith(" 32 tokens")
+    assert tokens[f"{workflow}/1.1"].endswith(" 16 tokens")
+    assert tokens[f"{workflow}/2.1"].endswith(" 8 tokens")
+    # A call for a workflow that ended is refused: 409, naming why.
+    late = httpx.post(
+        f"{base_url(up)}/completions",
+        json={"prompt": "x", "max_tokens": 4},
+        headers=headers("revision"),
+        timeout=30,
+    )
+    assert late.status_code == 409, late.text
+    assert late.json()["error"]["code"] == "workflow_ended"
+    assert "has succeeded" in late.json()["error"]["message"]
 
 
 def test_a_request_without_headers_is_a_workflow_of_its_own(up: Up) -> None:
@@ -152,19 +180,25 @@ def test_a_request_without_headers_is_a_workflow_of_its_own(up: Up) -> None:
     )
     workflow = raw.headers["X-Hexgen-Workflow"]
     assert workflow.startswith("gw-")
-    assert raw.headers["X-Hexgen-Query"] == f"{workflow}/chat/1"
+    assert raw.headers["X-Hexgen-Call"] == f"{workflow}/0.0"
     usage = raw.parse().usage
     assert usage is not None and usage.completion_tokens == 256  # the default max_tokens
 
+    async def state() -> int:
+        async with CoordinatorClient(up.coordinator) as coordinator:
+            return int((await coordinator.get(workflow)).query.state)
 
-async def test_a_stream_the_client_leaves_cancels_its_query(up: Up) -> None:
+    assert asyncio.run(state()) == 2  # SUCCEEDED: closed as soon as its call was given
+
+
+async def test_a_stream_the_client_leaves_cancels_its_own_workflow(up: Up) -> None:
+    # No X-Hexgen-Workflow: the request is its workflow, nobody else wants it.
     async with (
         httpx.AsyncClient(base_url=base_url(up), timeout=60) as http,
         http.stream(
             "POST",
             "/completions",
             json={"prompt": "x", "max_tokens": 4000, "stream": True},
-            headers={"X-Hexgen-Workflow": f"leave-{uuid.uuid4().hex[:8]}"},
         ) as stream,
     ):
         query_id = stream.headers["X-Hexgen-Query"]
@@ -229,9 +263,9 @@ def test_an_slo_admission_refuses_is_429_with_retry_after(up: Up) -> None:
                 http.post,
                 f"{url}/completions",
                 json={"prompt": "x" * 4000, "max_tokens": 4000},
-                headers={"X-Hexgen-Workflow": "load"},
+                headers={"X-Hexgen-Workflow": f"load-{n}"},
             )
-            for _ in range(4)
+            for n in range(4)
         ]
         wait_for("the load to be admitted", lambda: _running(up) >= 4, timeout_s=30)
         answer = http.post(
@@ -259,24 +293,27 @@ def _running(up: Up) -> int:
     return asyncio.run(ask())
 
 
-def test_a_second_gateway_skips_the_query_ids_the_coordinator_knows(up: Up, tmp_path: Path) -> None:
-    # As after a restart: a fresh gateway counts from 1 again, but never reuses an id.
-    headers = {"X-Hexgen-Workflow": f"again-{uuid.uuid4().hex[:8]}", "X-Hexgen-Stage": "s"}
+def test_a_second_gateway_continues_the_workflow_the_first_opened(up: Up, tmp_path: Path) -> None:
+    # As after a restart, or behind a load balancer: the workflow lives in the coordinator.
+    workflow = f"again-{uuid.uuid4().hex[:8]}"
 
-    def ask(url: str, max_tokens: int) -> httpx.Response:
+    def ask(url: str, stage: str, max_tokens: int) -> httpx.Response:
         body = {"prompt": "x", "max_tokens": max_tokens}
+        headers = {"X-Hexgen-Workflow": workflow, "X-Hexgen-Stage": stage}
         answer = httpx.post(f"{url}/completions", json=body, headers=headers, timeout=60)
         assert answer.status_code == 200, answer.text
         assert answer.json()["choices"][0]["text"].endswith(f" {max_tokens} tokens")
         return answer
 
-    assert ask(base_url(up), 4).headers["X-Hexgen-Query"].endswith("/s/1")
-    assert ask(base_url(up), 5).headers["X-Hexgen-Query"].endswith("/s/2")
+    assert ask(base_url(up), "s", 4).headers["X-Hexgen-Call"] == f"{workflow}/0.0"
     with _gateway(tmp_path, up.coordinator) as listen:
-        # /s/1: the same content (the coordinator returns the stored query, created false);
-        # /s/2: other content (ALREADY_EXISTS); then on, ever further: /s/4.
-        assert ask(f"http://{listen}/v1", 4).headers["X-Hexgen-Query"].endswith("/s/4")
-        assert ask(f"http://{listen}/v1", 4).headers["X-Hexgen-Query"].endswith("/s/5")
+        # It opens the workflow with other content (another first stage): the coordinator
+        # has it already, and the call joins it as a new stage.
+        assert ask(f"http://{listen}/v1", "t", 5).headers["X-Hexgen-Call"] == f"{workflow}/1.0"
+        closed = httpx.post(f"http://{listen}/v1/workflows/{workflow}/close", timeout=30)
+        assert closed.status_code == 200 and closed.json()["calls_done"] == 2, closed.text
+        unknown = httpx.post(f"http://{listen}/v1/workflows/nope-{workflow}/close", timeout=30)
+        assert unknown.status_code == 404, unknown.text
 
 
 @contextmanager
@@ -322,26 +359,27 @@ TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 
 
 class _StandInCoordinator:
-    """SubmitQuery and WatchQuery of a coordinator whose one call answers real text
-    (not the simulated placeholder), recording the metadata each RPC arrived with."""
+    """OpenWorkflow and RunCall of a coordinator whose calls answer real text (not the
+    simulated placeholder), recording the metadata each RPC arrived with."""
 
     def __init__(self) -> None:
         self.metadata: dict[str, dict[str, str]] = {}
+        self.calls = 0
 
     def register(self, server: grpc.aio.Server) -> None:
-        submit = grpc.unary_unary_rpc_method_handler(
-            self.submit,
-            request_deserializer=coordinator_pb2.SubmitQueryRequest.FromString,
-            response_serializer=coordinator_pb2.SubmitQueryResponse.SerializeToString,
+        open_workflow = grpc.unary_unary_rpc_method_handler(
+            self.open_workflow,
+            request_deserializer=coordinator_pb2.OpenWorkflowRequest.FromString,
+            response_serializer=coordinator_pb2.OpenWorkflowResponse.SerializeToString,
         )
-        watch = grpc.unary_stream_rpc_method_handler(
-            self.watch,
-            request_deserializer=coordinator_pb2.WatchQueryRequest.FromString,
-            response_serializer=coordinator_pb2.WatchQueryResponse.SerializeToString,
+        run_call = grpc.unary_stream_rpc_method_handler(
+            self.run_call,
+            request_deserializer=coordinator_pb2.RunCallRequest.FromString,
+            response_serializer=coordinator_pb2.RunCallResponse.SerializeToString,
         )
         handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
-            "SubmitQuery": submit,
-            "WatchQuery": watch,
+            "OpenWorkflow": open_workflow,
+            "RunCall": run_call,
         }
         server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler("hexgen_flow.v1.CoordinatorService", handlers),)
@@ -350,26 +388,32 @@ class _StandInCoordinator:
     def _record(self, name: str, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         self.metadata[name] = {k: str(v) for k, v in context.invocation_metadata() or ()}
 
-    async def submit(
-        self, request: coordinator_pb2.SubmitQueryRequest, context: Any
-    ) -> coordinator_pb2.SubmitQueryResponse:
-        self._record("SubmitQuery", context)
-        info = coordinator_pb2.QueryInfo(query_id=request.query_id, deadline_s=12.5)
-        return coordinator_pb2.SubmitQueryResponse(query=info, created=True)
+    async def open_workflow(
+        self, request: coordinator_pb2.OpenWorkflowRequest, context: Any
+    ) -> coordinator_pb2.OpenWorkflowResponse:
+        self._record("OpenWorkflow", context)
+        info = coordinator_pb2.QueryInfo(query_id=request.workflow_id, deadline_s=30.0)
+        return coordinator_pb2.OpenWorkflowResponse(workflow=info, created=True)
 
-    async def watch(
-        self, request: coordinator_pb2.WatchQueryRequest, context: Any
-    ) -> AsyncIterator[coordinator_pb2.WatchQueryResponse]:
-        self._record("WatchQuery", context)
+    async def run_call(
+        self, request: coordinator_pb2.RunCallRequest, context: Any
+    ) -> AsyncIterator[coordinator_pb2.RunCallResponse]:
+        self._record("RunCall", context)
+        call_id = f"{request.workflow_id}/0.{self.calls}"
+        self.calls += 1
         kinds = coordinator_pb2
         for kind, text in (
-            (kinds.QUERY_EVENT_KIND_SUBMITTED, ""),
+            (kinds.QUERY_EVENT_KIND_CALL_SUBMITTED, ""),
             (kinds.QUERY_EVENT_KIND_CALL_TOKENS, "SELECT "),
             (kinds.QUERY_EVENT_KIND_CALL_FINISHED, "SELECT name FROM t"),
-            (kinds.QUERY_EVENT_KIND_SUCCEEDED, ""),
         ):
-            event = coordinator_pb2.QueryEvent(query_id=request.query_id, kind=kind, text=text)
-            yield coordinator_pb2.WatchQueryResponse(event=event)
+            event = coordinator_pb2.QueryEvent(
+                query_id=request.workflow_id, kind=kind, text=text, call_id=call_id
+            )
+            first = kind == kinds.QUERY_EVENT_KIND_CALL_SUBMITTED
+            yield coordinator_pb2.RunCallResponse(
+                event=event, call_id=call_id if first else "", deadline_s=12.5 if first else 0
+            )
 
 
 @pytest.fixture
@@ -414,13 +458,14 @@ async def test_the_traceparent_travels_to_the_coordinator_and_text_is_streamed(
             headers={"traceparent": traceparent, "X-Hexgen-Workflow": "w", "X-Hexgen-Stage": "s"},
         )
         assert answer.status_code == 200, answer.text
-        assert answer.headers["X-Hexgen-Query"] == "w/s/1"
-        assert answer.headers["X-Hexgen-Deadline-S"] == "12.500"
+        assert answer.headers["X-Hexgen-Query"] == "w"
+        assert answer.headers["X-Hexgen-Call"] == "w/0.0"
+        assert answer.headers["X-Hexgen-Deadline-S"] == "12.500"  # the call's stage's
         body = answer.json()
         assert body["choices"][0]["text"] == "SELECT name FROM t"
         # Real text: its tokens are estimated (18 characters / 4), not the declared 50.
         assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
-        for rpc in ("SubmitQuery", "WatchQuery"):
+        for rpc in ("OpenWorkflow", "RunCall"):
             sent = coordinator.metadata[rpc]["traceparent"]
             assert sent.split("-")[1] == TRACE_ID, (rpc, sent)  # the caller's trace
             assert sent.split("-")[2] != "00f067aa0ba902b7"  # the gateway's own span
@@ -432,7 +477,7 @@ async def test_the_traceparent_travels_to_the_coordinator_and_text_is_streamed(
             headers={"X-Hexgen-Workflow": "w", "X-Hexgen-Stage": "s"},
         ) as stream:
             assert stream.headers["content-type"].startswith("text/event-stream")
-            assert stream.headers["X-Hexgen-Query"] == "w/s/2"
+            assert stream.headers["X-Hexgen-Call"] == "w/0.1"
             lines = [line async for line in stream.aiter_lines() if line]
     assert lines[-1] == "data: [DONE]"
     chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]

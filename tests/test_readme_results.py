@@ -61,8 +61,20 @@ def _sample(tasks: list[Task]) -> list[Task]:
     return [by_key[k] for k in wanted]
 
 
+# Every simulation is a pure function of its task, up to the last bits of a float: the
+# engine model's numpy sums take machine-dependent SIMD paths (seen: 318.89612576123466 on
+# one machine, 318.8961257612412 on another). Nine significant digits is any real drift.
+SAME = 1e-9
+
+
+def _same(committed: object, measured: object) -> bool:
+    if isinstance(committed, float) and isinstance(measured, float):
+        return committed == pytest.approx(measured, rel=SAME)
+    return committed == measured
+
+
 def test_the_committed_results_are_what_the_code_measures() -> None:
-    # Every simulation is a pure function of its task: rerun a sample and compare exactly.
+    # Rerun a sample and compare.
     doc = _committed()
     assert doc["meta"]["calibration"] == README_PLAN.calibration
     assert doc["meta"]["engine"] == README_PLAN.engine
@@ -77,7 +89,11 @@ def test_the_committed_results_are_what_the_code_measures() -> None:
                 == (cluster, trace, qps, preset)
             )
             for field in ("p95_s", "mean_s", "slo_attainment", "alpha"):
-                assert cell[field] == record[field], (task.key, field, DRIFTED)
+                assert _same(cell[field], record[field]), (
+                    task.key,
+                    field,
+                    DRIFTED,
+                )
         else:
             _, calibration, seed, cluster, trace, qps, preset = task.key
             row = next(
@@ -86,7 +102,10 @@ def test_the_committed_results_are_what_the_code_measures() -> None:
                 if (r["calibration"], r["seed"], r["cluster"], r["trace"], r["qps"])
                 == (calibration, seed, cluster, trace, qps)
             )
-            assert row["p95_s"][preset] == record["p95_s"], (task.key, DRIFTED)
+            assert _same(row["p95_s"][preset], record["p95_s"]), (
+                task.key,
+                DRIFTED,
+            )
 
 
 def test_the_readme_plan_is_a_slice_of_the_full_plan() -> None:

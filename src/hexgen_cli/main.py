@@ -19,6 +19,8 @@ from hexgen_cli import (
     policies,
     profile,
     simulation,
+    sql_ask,
+    sql_eval,
 )
 from hexgen_cli.options import PROG
 from hexgen_flow import __version__
@@ -41,6 +43,7 @@ COMMANDS = (
     "get",
     "check-state",
     "demo",
+    "eval",
 )
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -64,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Deadline-aware scheduling of agentic LLM workflows on heterogeneous "
         "GPU clusters: simulator, alpha tuner and benchmark, the latency model beside the "
         "physical floors (estimate), and the service mesh (up, "
-        "replay, ask, status, demo).",
+        "replay, ask, status, demo), and the Text-to-SQL agent (ask --db, eval).",
     )
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -75,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     estimate.register(commands)
     profile.register(commands)
     mesh.register(commands)  # up, replay, ask, status
+    sql_ask.extend_ask(commands)  # ask --db FILE "question": the Text-to-SQL agent
+    sql_eval.register(commands)
     get.register(commands)
     check_state.register(commands)
     demo.register(commands)

@@ -7,13 +7,14 @@ simulator touches them on every call and attribute access is the hot path.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 from typing import Any
 
 from hexgen_flow.cluster import Cluster
 from hexgen_flow.estimate import Estimator
-from hexgen_flow.workload import LLMCall, Query
+from hexgen_flow.workload import LLMCall, Query, Stage, Workflow
 
 __all__ = ["CallTicket", "ClusterLoad", "PolicyContext", "QueryRun"]
 
@@ -28,6 +29,7 @@ class QueryRun:
         "deadline_s",
         "deps_left",
         "finished_s",
+        "given",
         "index",
         "query",
         "slo_s",
@@ -53,6 +55,63 @@ class QueryRun:
         self.finished_s: float | None = None
         self.budget_state: Any = None
         """Owned by the run's StageBudget policy (e.g. the query's own template copy)."""
+        self.given: list[int] | None = None
+        """A workflow session's calls given so far per stage (`give`); None: every call's
+        prompt came with the query. A released call beyond its stage's count waits."""
+
+    def start_session(self) -> None:
+        """Make this run a workflow session: its calls wait until `give` supplies them, and
+        it does not finish while the session is open (`end_session` lifts that hold)."""
+        self.given = [0] * len(self.query.workflow.stages)
+        self.calls_left += 1
+
+    def end_session(self, now: float) -> None:
+        """The session takes no more calls: the query finishes with its last call (at
+        `now` if none is left)."""
+        self.calls_left -= 1
+        if self.calls_left == 0:
+            self.finished_s = now
+
+    def is_given(self, stage: int, index: int) -> bool:
+        return self.given is None or index < self.given[stage]
+
+    def give(self, stage: int, call: LLMCall) -> int:
+        """A session's client supplies the next call of `stage`: it replaces the expected
+        call there, or joins the stage when every expected one is given. Returns its index
+        within the stage. The stage must not have finished."""
+        assert self.given is not None, "give() is for workflow sessions"
+        assert self.stage_finished_s[stage] is None, "the stage has finished"
+        index = self.given[stage]
+        calls = list(self.query.workflow.stages[stage].calls)
+        if index < len(calls):
+            calls[index] = call
+        else:
+            calls.append(call)
+            self.stage_calls_left[stage] += 1
+            self.calls_left += 1
+        self.given[stage] = index + 1
+        self._replace_stage(stage, tuple(calls))
+        return index
+
+    def add_stage(self, call: LLMCall) -> int:
+        """A session's client names a stage the workflow does not expect: it is added at
+        the end with this one call, waiting for nothing. Returns its index."""
+        assert self.given is not None, "add_stage() is for workflow sessions"
+        stages = (*self.query.workflow.stages, Stage(step=call.step, calls=(call,)))
+        self.query = dataclasses.replace(self.query, workflow=Workflow(stages))
+        self.deps_left.append(0)
+        self.stage_calls_left.append(1)
+        self.calls_left += 1
+        self.stage_released_s.append(None)
+        self.stage_finished_s.append(None)
+        self.given.append(1)
+        self.finished_s = None
+        return len(stages) - 1
+
+    def _replace_stage(self, stage: int, calls: tuple[LLMCall, ...]) -> None:
+        stages = list(self.query.workflow.stages)
+        stages[stage] = dataclasses.replace(stages[stage], calls=calls)
+        self.query = dataclasses.replace(self.query, workflow=Workflow(tuple(stages)))
 
     @property
     def tenant(self) -> str:
@@ -92,6 +151,7 @@ class CallTicket:
         "call_id",
         "deadline_s",
         "finished_s",
+        "index",
         "instance",
         "key",
         "query_deadline_s",
@@ -115,6 +175,7 @@ class CallTicket:
         released_s: float,
         deadline_s: float,
         remaining_after_s: float = 0.0,
+        index: int = 0,
     ) -> None:
         self.seq = seq
         """Global release order; every policy breaks ties on it."""
@@ -128,6 +189,8 @@ class CallTicket:
         self.remaining_after_s = remaining_after_s
         """Estimated time the query still needs after this call's stage (its longest path)."""
         self.stage = stage
+        self.index = index
+        """Position of the call within its stage."""
         self.call = call
         self.call_id = ""
         """Identifier across processes (the services set it; the simulator needs none)."""
@@ -173,6 +236,7 @@ class CallTicket:
         ticket.query_deadline_s = query_deadline_s
         ticket.remaining_after_s = remaining_after_s
         ticket.stage = stage
+        ticket.index = 0
         ticket.call = call
         ticket.call_id = call_id
         ticket.released_s = released_s

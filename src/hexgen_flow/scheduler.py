@@ -9,6 +9,7 @@ drives a `GlobalScheduler` and each worker service an `InstanceScheduler`, in re
 
 from __future__ import annotations
 
+import contextlib
 import random
 from typing import Protocol
 
@@ -103,14 +104,17 @@ class GlobalScheduler:
         plan = self.estimator.plan(run.query.workflow, "call")
         remaining = plan.tail_s[stage] - plan.stage_s[stage]
         tickets = []
-        for call in run.query.workflow.stages[stage].calls:
-            ticket = CallTicket(self.next_seq, run, stage, call, now, deadline, remaining)
+        given = run.given
+        for index, call in enumerate(run.query.workflow.stages[stage].calls):
+            ticket = CallTicket(self.next_seq, run, stage, call, now, deadline, remaining, index)
             self.next_seq += 1
+            tickets.append(ticket)
+            if given is not None and index >= given[stage]:
+                continue  # a session's call not given yet: it waits for `give`
             try:  # noqa: SIM105 - contextlib.suppress costs a context manager per call here
                 self.dispatch(ticket, now)
             except NoInstanceError:
                 pass  # parked: instance stays -1
-            tickets.append(ticket)
         return tickets
 
     def dispatch(self, ticket: CallTicket, now: float) -> int:
@@ -120,6 +124,58 @@ class GlobalScheduler:
         ticket.work_s = self.estimator.call_time(i, ticket.call)
         self.load.on_dispatch(ticket)
         return i
+
+    def rebudget(self, waiting: list[CallTicket], now: float) -> list[CallTicket]:
+        """A stage finished: give the calls still waiting (released, not started) the
+        deadline their stage gets from the time left now (`StageBudget.revise`). Returns
+        the tickets whose deadline changed; the driver tells their instances."""
+        changed: list[CallTicket] = []
+        revised: dict[tuple[int, int], float] = {}
+        for ticket in waiting:
+            run = ticket.run
+            assert run is not None, "rebudget() needs the ticket's QueryRun"
+            key = (id(run), ticket.stage)
+            deadline = revised.get(key)
+            if deadline is None:
+                deadline = self.budget.revise(run, ticket.stage, now)
+                revised[key] = deadline
+            if abs(deadline - ticket.deadline_s) > 1e-9:
+                ticket.deadline_s = deadline
+                changed.append(ticket)
+        return changed
+
+    def finish_estimate(self, ticket: CallTicket, instance: int, now: float) -> float:
+        """When `ticket` would finish on `instance`: its single-request time after the
+        instance's own outstanding work (what is in flight there besides this call,
+        drained at the engine's concurrency)."""
+        load = self.load
+        backlog = load.outstanding_s[instance]
+        if ticket.instance == instance:
+            backlog -= ticket.work_s
+        slots = max(1, self.cluster.instances[instance].max_batch)
+        return now + max(backlog, 0.0) / slots + self.estimator.call_time(instance, ticket.call)
+
+    def better_instance(self, ticket: CallTicket, now: float) -> int | None:
+        """An instance where a waiting `ticket` meets its deadline when the one it waits
+        on does not (the earliest such finish); None when it should stay."""
+        here = ticket.instance
+        if here < 0 or self.finish_estimate(ticket, here, now) <= ticket.deadline_s:
+            return None
+        best, best_finish = None, ticket.deadline_s
+        for i in range(len(self.cluster)):
+            if i == here or not self.load.can_serve(i, ticket.call):
+                continue
+            finish = self.finish_estimate(ticket, i, now)
+            if finish <= best_finish:
+                best, best_finish = i, finish
+        return best
+
+    def move(self, ticket: CallTicket, instance: int) -> None:
+        """Take a dispatched ticket off its instance and charge it to `instance`."""
+        self.withdraw(ticket)
+        ticket.instance = instance
+        ticket.work_s = self.estimator.call_time(instance, ticket.call)
+        self.load.on_dispatch(ticket)
 
     def withdraw(self, ticket: CallTicket) -> None:
         """Take a dispatched ticket off its instance's ledger (before redispatching it)."""
@@ -137,10 +193,29 @@ class GlobalScheduler:
             self.load.on_complete(ticket)
         run = ticket.run
         assert run is not None, "complete() needs the ticket's QueryRun"
+        return self.call_done(run, ticket.stage, now)
+
+    def call_done(self, run: QueryRun, stage: int, now: float) -> list[CallTicket]:
+        """One call of `stage` is done (finished, or a session's skipped call that has no
+        ticket): update the query; return the calls it releases."""
         released: list[CallTicket] = []
-        for stage in run.complete_call(ticket.stage, now):
-            released.extend(self.release(run, stage, now))
+        for k in run.complete_call(stage, now):
+            released.extend(self.release(run, k, now))
         return released
+
+    def release_call(self, run: QueryRun, stage: int, index: int, now: float) -> CallTicket:
+        """A ticket for a session's call given after its stage's release (a call beyond the
+        stage's expected ones), with the deadline the stage gets from the time left now;
+        dispatched when an instance can take it."""
+        plan = self.estimator.plan(run.query.workflow, "call")
+        call = run.query.workflow.stages[stage].calls[index]
+        deadline = self.budget.revise(run, stage, now)
+        remaining = plan.tail_s[stage] - plan.stage_s[stage]
+        ticket = CallTicket(self.next_seq, run, stage, call, now, deadline, remaining, index)
+        self.next_seq += 1
+        with contextlib.suppress(NoInstanceError):
+            self.dispatch(ticket, now)
+        return ticket
 
 
 class AdmissionEngine(Protocol):

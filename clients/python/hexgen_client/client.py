@@ -13,13 +13,13 @@ It takes and returns the core's `Query` on the way in (converted by
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from types import TracebackType
 from typing import Any
 
 import grpc
 
-from hexgen_api.v1 import coordinator_pb2, coordinator_pb2_grpc
+from hexgen_api.v1 import coordinator_pb2, coordinator_pb2_grpc, workflow_pb2
 from hexgen_client.addresses import DEFAULT_COORDINATOR
 from hexgen_client.convert import is_terminal, submit_request
 from hexgen_client.errors import (
@@ -28,6 +28,7 @@ from hexgen_client.errors import (
     CoordinatorUnavailableError,
 )
 from hexgen_flow.workload import Query
+from hexgen_service.convert import workflow_to_proto
 from hexgen_service.errors import RETRY_AFTER_KEY
 
 __all__ = ["RETRY_AFTER_KEY", "CoordinatorClient"]
@@ -180,6 +181,86 @@ class CoordinatorClient:
             return await self.stub.SetAlpha(request, timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise self._error(exc) from None
+
+    # ------------------------------------------------------------------ workflow sessions
+
+    async def open_workflow(
+        self,
+        workflow_id: str,
+        *,
+        template: str = "",
+        expected: Query | workflow_pb2.Workflow | None = None,
+        slo_s: float = 0.0,
+        slo_scale: float = 0.0,
+        tenant: str = "",
+        idle_timeout_s: float = 0.0,
+    ) -> coordinator_pb2.OpenWorkflowResponse:
+        """Open a workflow session whose calls are given one by one (`run_call`): it
+        expects the stages of a named `template` (e.g. "chess") or of `expected` (a query
+        whose workflow's calls carry the expected token sizes, or the proto workflow, whose
+        stage ids are the names calls give). Idempotent on the id."""
+        request = coordinator_pb2.OpenWorkflowRequest(
+            workflow_id=workflow_id,
+            tenant=tenant,
+            slo_s=slo_s,
+            slo_scale=slo_scale,
+            template=template,
+            idle_timeout_s=idle_timeout_s,
+        )
+        if isinstance(expected, Query):
+            request.expected.CopyFrom(workflow_to_proto(expected.workflow))
+        elif expected is not None:
+            request.expected.CopyFrom(expected)
+        try:
+            return await self.stub.OpenWorkflow(request, timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise self._error(exc) from None
+
+    async def run_call(
+        self,
+        workflow_id: str,
+        stage: str,
+        prompt: str,
+        *,
+        max_tokens: int = 0,
+        input_tokens: int = 0,
+        step: str = "",
+        messages: Sequence[tuple[str, str]] = (),
+    ) -> AsyncGenerator[coordinator_pb2.RunCallResponse, None]:
+        """Give one call of an open session's `stage` and stream its events: the first
+        response names the call (``call_id``) and its stage deadline (``deadline_s``);
+        the stream ends with the call's CALL_FINISHED (or the query's end). 0 tokens: the
+        coordinator estimates the prompt's, and takes the expected call's max tokens. A chat
+        request gives its `messages` (role, content) too, `prompt` being their rendering."""
+        request = coordinator_pb2.RunCallRequest(
+            workflow_id=workflow_id,
+            stage=stage,
+            call=workflow_pb2.LLMCall(
+                step=step,
+                prompt=prompt,
+                input_tokens=input_tokens,
+                output_tokens=max_tokens,
+                messages=[workflow_pb2.ChatMessage(role=r, content=c) for r, c in messages],
+            ),
+        )
+        call = self.stub.RunCall(request)
+        try:
+            async for response in call:
+                yield response
+        except grpc.aio.AioRpcError as exc:
+            raise self._error(exc) from None
+        finally:
+            call.cancel()
+
+    async def close_workflow(self, workflow_id: str) -> coordinator_pb2.QueryInfo:
+        """Close a session: the calls it expected and was not given are skipped; it ends
+        when its last given call finishes."""
+        request = coordinator_pb2.CloseWorkflowRequest(workflow_id=workflow_id)
+        try:
+            response = await self.stub.CloseWorkflow(request, timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise self._error(exc) from None
+        return response.workflow
 
     # ---------------------------------------------------------------------------- errors
 

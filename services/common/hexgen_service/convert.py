@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hexgen_api.v1 import coordinator_pb2, worker_pb2, workflow_pb2
 from hexgen_flow.errors import WorkloadError
 from hexgen_flow.runtime import CallTicket
+from hexgen_flow.templates import template
 from hexgen_flow.workload import LLMCall, Query, Stage, Workflow, canonical_step
 from hexgen_service.errors import InvalidFieldError
 
@@ -25,7 +27,9 @@ __all__ = [
     "expand_workflow",
     "parse_submit",
     "query_from_submit",
+    "stage_names",
     "submit_from_query",
+    "template_to_proto",
     "ticket_to_dispatch",
     "without_prompts",
     "workflow_from_proto",
@@ -152,6 +156,11 @@ def expand_workflow(
                     )
             if cpb.step:
                 _check_text(f"{cwhere}.step", cpb.step, limits.max_id_bytes, limits)
+            if cpb.messages:
+                raise InvalidFieldError(
+                    f"{cwhere}.messages",
+                    "chat messages are given with RunCall (a workflow session); give a prompt",
+                )
             if max_prompt is not None and len(cpb.prompt) > max_prompt // 4:
                 size = len(cpb.prompt.encode("utf-8"))
                 if size > max_prompt:
@@ -193,6 +202,41 @@ def expand_workflow(
         return Workflow(tuple(stages)), prompts
     except WorkloadError as exc:
         raise InvalidFieldError(field, str(exc)) from None
+
+
+def stage_names(pb: workflow_pb2.Workflow) -> list[str]:
+    """The name of each expanded stage (repeats unrolled): its id, else its step. A call of a
+    workflow session names its stage by it."""
+    names: list[str] = []
+    for spb in pb.stages:
+        names += [spb.id or canonical_step(spb.step)] * max(spb.repeat, 1)
+    return names
+
+
+def template_to_proto(name: str, field: str = "template") -> workflow_pb2.Workflow:
+    """A named template's expected workflow (`hexgen_flow.templates`); an unknown name is
+    an `InvalidFieldError` on `field` that lists the known ones."""
+    try:
+        stages = template(name)
+    except KeyError as exc:
+        raise InvalidFieldError(field, str(exc.args[0])) from None
+    return workflow_pb2.Workflow(
+        stages=[
+            workflow_pb2.Stage(
+                id=stage.name,
+                step=stage.step,
+                after=list(stage.after),
+                repeat=stage.repeat,
+                calls=[
+                    workflow_pb2.LLMCall(
+                        input_tokens=stage.tokens[0], output_tokens=stage.tokens[1]
+                    )
+                    for _ in range(stage.calls)
+                ],
+            )
+            for stage in stages
+        ]
+    )
 
 
 def query_from_submit(request: coordinator_pb2.SubmitQueryRequest) -> Query:
@@ -260,10 +304,15 @@ def submit_from_query(query: Query) -> coordinator_pb2.SubmitQueryRequest:
 
 
 def ticket_to_dispatch(
-    ticket: CallTicket, prompt: str = "", traceparent: str = ""
+    ticket: CallTicket,
+    prompt: str = "",
+    traceparent: str = "",
+    messages: Sequence[tuple[str, str]] = (),
 ) -> worker_pb2.DispatchCall:
+    """The DispatchCall of a ticket; `messages` are a chat request's (role, content)."""
     call = ticket.call
     return worker_pb2.DispatchCall(
+        messages=[workflow_pb2.ChatMessage(role=r, content=c) for r, c in messages],
         call_id=ticket.call_id,
         query_id=ticket.query_id,
         tenant=ticket.tenant,

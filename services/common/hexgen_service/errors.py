@@ -7,6 +7,7 @@ import grpc
 __all__ = [
     "RETRY_AFTER_KEY",
     "AlreadyExistsError",
+    "FailedPreconditionError",
     "InvalidFieldError",
     "OverloadedError",
     "UnavailableError",
@@ -43,6 +44,11 @@ class OverloadedError(RuntimeError):
     def __init__(self, message: str, retry_after_s: float) -> None:
         self.retry_after_s = retry_after_s
         super().__init__(message)
+
+
+class FailedPreconditionError(RuntimeError):
+    """The request is valid but the state it acts on does not allow it now (a call for a
+    closed or ended workflow session): FAILED_PRECONDITION at the edge."""
 
 
 class UnavailableError(RuntimeError):

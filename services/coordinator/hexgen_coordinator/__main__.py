@@ -48,6 +48,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[CoordinatorConfig, str]:
     parser.add_argument("--retention-s", type=float, default=defaults.retention_s)
     parser.add_argument("--stream-maxlen", type=int, default=defaults.stream_maxlen)
     parser.add_argument(
+        "--session-idle-s",
+        type=float,
+        default=defaults.session_idle_s,
+        help="close a workflow session after this many wall seconds without a call",
+    )
+    parser.add_argument(
         "--admission", choices=("reject", "best-effort", "off"), default=defaults.admission
     )
     parser.add_argument("--admission-slack", type=float, default=defaults.admission_slack)
@@ -86,7 +92,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[CoordinatorConfig, str]:
     ):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1")
-    for flag in ("retention_s", "admission_slack", "max_slo_s"):
+    for flag in ("retention_s", "admission_slack", "max_slo_s", "session_idle_s"):
         if not getattr(args, flag) > 0:
             parser.error(f"--{flag.replace('_', '-')} must be > 0")
     if args.max_tenant_queries < 0:
@@ -108,6 +114,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[CoordinatorConfig, str]:
         max_call_attempts=args.max_call_attempts,
         retention_s=args.retention_s,
         stream_maxlen=args.stream_maxlen,
+        session_idle_s=args.session_idle_s,
         admission=args.admission,
         admission_slack=args.admission_slack,
         max_running_queries=args.max_running_queries,

@@ -40,7 +40,7 @@ from hexgen_api.v1 import coordinator_pb2 as cpb
 from hexgen_coordinator.config import CoordinatorConfig
 from hexgen_coordinator.dispatch import Dispatch
 from hexgen_coordinator.events import record_event
-from hexgen_coordinator.ledger import ActiveQuery, Ledger
+from hexgen_coordinator.ledger import ActiveQuery, Ledger, SessionState
 from hexgen_coordinator.store import WorkflowStore
 from hexgen_coordinator.views import QueryViews
 from hexgen_coordinator.write_behind import WriteBehind
@@ -53,7 +53,7 @@ from hexgen_flow.admission import (
 from hexgen_flow.runtime import CallTicket, QueryRun
 from hexgen_flow.scheduler import GlobalScheduler
 from hexgen_flow.workload import Query
-from hexgen_service.convert import SubmitLimits, parse_submit, without_prompts
+from hexgen_service.convert import SubmitLimits, parse_submit, stage_names, without_prompts
 from hexgen_service.errors import AlreadyExistsError, InvalidFieldError, OverloadedError
 
 __all__ = ["Admission", "limits_of"]
@@ -111,9 +111,15 @@ class Admission:
         """Best-effort queries whose root stages are not released yet, in arrival order."""
         self._releaser: asyncio.Task[None] | None = None
 
-    async def submit(self, request: cpb.SubmitQueryRequest) -> tuple[cpb.QueryInfo, bool]:
+    async def submit(
+        self, request: cpb.SubmitQueryRequest, *, session_idle_s: float | None = None
+    ) -> tuple[cpb.QueryInfo, bool]:
         """Admit a query (idempotent on its id); raises InvalidFieldError for bad input,
-        AlreadyExistsError for a known id with other content, OverloadedError when refused."""
+        AlreadyExistsError for a known id with other content, OverloadedError when refused.
+
+        With `session_idle_s` the query is a workflow session (`hexgen_coordinator.sessions`)
+        whose workflow is what it expects: its calls wait until given, and it is closed
+        after that many wall seconds without a call."""
         t0 = time.perf_counter()
         query, prompts = parse_submit(request, self.limits)
         self.check_fits(query)
@@ -126,7 +132,10 @@ class Admission:
         active = self.ledger.active
         existing = active.get(query.query_id)
         if existing is not None:
-            self._check_same(query, prompts, existing.run.query, existing.prompts)
+            if existing.session is not None:
+                self._check_session(query, existing.session.opened, session_idle_s)
+            else:
+                self._check_same(query, prompts, existing.run.query, existing.prompts)
             return self._info(existing.run), False
         now = self.ledger.clock.now()
         query_id = query.query_id
@@ -159,6 +168,7 @@ class Admission:
                 [len(s.calls) for s in stages],
                 [len(s.after) for s in stages],
                 shape=without_prompts(request),
+                session_idle_s=session_idle_s,
             )
         except BaseException:
             if provisional is not None:
@@ -174,6 +184,16 @@ class Admission:
                 return known, False
             return await self.views.get_info(query_id), False
         run = self.scheduler.admit(query, index, now, slo_s)
+        session: SessionState | None = None
+        if session_idle_s is not None:
+            run.start_session()
+            session = SessionState(
+                names=stage_names(request.workflow),
+                idle_timeout_s=session_idle_s,
+                last_call_wall=time.monotonic(),
+                opened=query,
+                last_done_s=now,
+            )
         if best_effort:
             run.deadline_s += BEST_EFFORT_DELAY_S
             self._best_effort.add(query_id)
@@ -189,7 +209,13 @@ class Admission:
                 "query.best_effort": best_effort,
             },
         )
-        entry = ActiveQuery(run, prompts, span, first_dispatch_pending=None if best_effort else t0)
+        entry = ActiveQuery(
+            run,
+            prompts,
+            span,
+            first_dispatch_pending=None if best_effort or session else t0,
+            session=session,
+        )
         active[query_id] = entry
         record_event(entry, K.QUERY_EVENT_KIND_SUBMITTED, now)
         if best_effort:
@@ -345,6 +371,19 @@ class Admission:
 
     def _info(self, run: QueryRun) -> cpb.QueryInfo:
         return self.views.info_of_run(run)
+
+    @staticmethod
+    def _check_session(query: Query, opened: Query, session_idle_s: float | None) -> None:
+        if session_idle_s is None:
+            raise AlreadyExistsError(
+                "query_id", f"{query.query_id!r} is a workflow session (use RunCall)"
+            )
+        if query != opened:
+            raise AlreadyExistsError(
+                "workflow_id",
+                f"a workflow {query.query_id!r} with other content is open (open it with "
+                "the same content, or use a new id)",
+            )
 
     @staticmethod
     def _check_same(

@@ -14,7 +14,7 @@ from hexgen_api.v1 import coordinator_pb2 as cpb
 from hexgen_api.v1 import worker_pb2 as wpb
 from hexgen_coordinator.dispatch import Dispatch
 from hexgen_coordinator.events import end_watch, record_event
-from hexgen_coordinator.ledger import ActiveQuery, Ledger, parse_call_id
+from hexgen_coordinator.ledger import ActiveQuery, Ledger, call_id_of, parse_call_id
 from hexgen_coordinator.links import WorkerLink
 from hexgen_coordinator.redis_retry import until_stored
 from hexgen_coordinator.store import COMPLETE_DUPLICATE, WorkflowStore
@@ -59,6 +59,8 @@ class Completions:
         entry = ledger.active.get(ticket.query_id) if ticket else None
         if ticket is None or entry is None:
             return
+        if ticket.instance == link.slot:
+            ledger.started.add(msg.call_id)  # running: no longer moved on a new deadline
         record_event(
             entry,
             K.QUERY_EVENT_KIND_CALL_STARTED,
@@ -168,6 +170,7 @@ class Completions:
                 )
                 return
             del ledger.tickets[call_id]
+            ledger.started.discard(call_id)
             ledger.completions += 1
             released = self.scheduler.complete(ticket, now)
             stages_released = sorted({t.stage for t in released})
@@ -178,9 +181,8 @@ class Completions:
                     result.released,
                     stages_released,
                 )
-            by_stage: dict[int, list[CallTicket]] = {}
-            for t in released:
-                by_stage.setdefault(t.stage, []).append(t)
+            if entry.session is not None:
+                entry.session.last_done_s = now
             record_event(
                 entry,
                 K.QUERY_EVENT_KIND_CALL_FINISHED,
@@ -193,10 +195,12 @@ class Completions:
             span = ledger.call_spans.pop(call_id, None)
             if span is not None:
                 span.end()
-            if run.stage_finished_s[stage] is not None:
+            stage_finished = run.stage_finished_s[stage] is not None
+            if stage_finished:
                 record_event(entry, K.QUERY_EVENT_KIND_STAGE_FINISHED, now, stage=stage)
-            for k, tickets in by_stage.items():
-                self.dispatch.register_released(entry, k, tickets, now)
+            released = await self.settle(entry, released, now)
+            if stage_finished and run.finished_s is None:
+                self.dispatch.rebudget(entry, now)
             self.dispatch.send(released)
             if released:
                 elapsed = time.perf_counter() - t0
@@ -207,6 +211,68 @@ class Completions:
             self.writes.persist(entry, released)
             if run.finished_s is not None:
                 self.finish(entry)
+
+    async def settle(
+        self, entry: ActiveQuery, released: list[CallTicket], now: float
+    ) -> list[CallTicket]:
+        """Register calls just released; in a workflow session, skip every call of a closed
+        stage that was never given (it completes without running, which may release more).
+        Returns every call released, for `Dispatch.send` (the caller holds the lock)."""
+        out: list[CallTicket] = []
+        while True:
+            by_stage: dict[int, list[CallTicket]] = {}
+            for t in released:
+                by_stage.setdefault(t.stage, []).append(t)
+            for k, tickets in by_stage.items():
+                self.dispatch.register_released(entry, k, tickets, now)
+            out.extend(released)
+            session = entry.session
+            if session is None or not session.closed_stages:
+                return out
+            run, ledger = entry.run, self.ledger
+            query_id = run.query.query_id
+            unwanted = [
+                ticket
+                for k in sorted(session.closed_stages)
+                if run.stage_released_s[k] is not None and run.stage_finished_s[k] is None
+                for index in range(
+                    run.given[k] if run.given else 0, len(run.query.workflow.stages[k].calls)
+                )
+                if (ticket := ledger.tickets.get(call_id_of(query_id, k, index))) is not None
+            ]
+            if not unwanted:
+                return out
+            released = []
+            for ticket in unwanted:
+                released += await self._skip(entry, ticket, now)
+
+    async def _skip(self, entry: ActiveQuery, ticket: CallTicket, now: float) -> list[CallTicket]:
+        """Complete a session's call that was never given (its stage is closed)."""
+        ledger, run, call_id = self.ledger, entry.run, ticket.call_id
+        query_id = run.query.query_id
+        dependents = run.query.workflow.dependents[ticket.stage]
+        result = await until_stored(
+            f"skipping {call_id}",
+            lambda: self.store.complete(query_id, call_id, ticket.stage, dependents, now, {}),
+        )
+        if not (result.applied or result.status == COMPLETE_DUPLICATE):
+            log.warning("redis refused to skip %s (status %d)", call_id, result.status)
+            return []
+        del ledger.tickets[call_id]
+        assert entry.session is not None
+        entry.session.skipped.add(call_id)
+        released = self.scheduler.complete(ticket, now)  # on no instance: no load to free
+        record_event(
+            entry,
+            K.QUERY_EVENT_KIND_CALL_SKIPPED,
+            now,
+            stage=ticket.stage,
+            call_id=call_id,
+            text="the session moved on without it",
+        )
+        if run.stage_finished_s[ticket.stage] is not None:
+            record_event(entry, K.QUERY_EVENT_KIND_STAGE_FINISHED, now, stage=ticket.stage)
+        return released
 
     async def _failed(
         self, entry: ActiveQuery, ticket: CallTicket, link: WorkerLink, msg: wpb.CallFinished
@@ -261,6 +327,7 @@ class Completions:
             self.finish(entry, "failed")
             return
         failed_on = ticket.instance if ticket.instance >= 0 else link.slot
+        ledger.started.discard(call_id)
         self.scheduler.withdraw(ticket)  # off the failing instance while it waits
         self.writes.persist(entry, [ticket])
         delay = min(0.1 * 2 ** (result.failures - 1), 2.0)  # wall seconds
@@ -286,6 +353,7 @@ class Completions:
                     link.send(wpb.ConnectResponse(cancel=wpb.CancelCall(call_id=ticket.call_id)))
             self.scheduler.withdraw(ticket)
             del ledger.tickets[ticket.call_id]
+            ledger.started.discard(ticket.call_id)
             ledger.adoptable.pop(ticket.call_id, None)
             span = ledger.call_spans.pop(ticket.call_id, None)
             if span is not None:

@@ -55,6 +55,9 @@ class CoordinatorConfig:
     """Wall seconds a finished query (its hash and event log) stays in Redis."""
     stream_maxlen: int = 10_000
     """Approximate length the `completions` and `finished` streams are trimmed to."""
+    session_idle_s: float = 300.0
+    """Wall seconds without a call after which a workflow session is closed (its calls
+    never given skipped), unless the session asked for another timeout."""
     # ---------------------------------------------------------------- admission control
     admission: str = "reject"
     """What to do with a query predicted to miss its SLO under the current load: "reject"

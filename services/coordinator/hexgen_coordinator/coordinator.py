@@ -8,6 +8,7 @@ it builds the parts a live system needs around the scheduler and passes each cal
 - `admission`: validating and storing a submitted query, releasing its roots;
 - `dispatch`: released stages to tickets, tickets to their workers' streams;
 - `completions`: what workers report about their calls, and cancellation;
+- `sessions` (with `session_store`): workflows whose calls arrive one by one;
 - `workers` (with `links`): slots, worker reconnects, lost workers, heartbeats;
 - `recovery`: rebuilding running queries from Redis after a restart;
 - `events`, `views`: a query's event log and watchers, what clients read;
@@ -34,6 +35,8 @@ from hexgen_coordinator.dispatch import Dispatch
 from hexgen_coordinator.ledger import ActiveQuery, Ledger
 from hexgen_coordinator.links import SlotTakenError, WorkerLink
 from hexgen_coordinator.recovery import Recovery
+from hexgen_coordinator.session_store import SessionStore
+from hexgen_coordinator.sessions import Sessions
 from hexgen_coordinator.store import WorkflowStore
 from hexgen_coordinator.views import QueryViews, UnknownQueryError
 from hexgen_coordinator.workers import WorkerSlots
@@ -89,6 +92,17 @@ class Coordinator:
             self._views,
             max_attempts=config.max_call_attempts,
         )
+        self._sessions = Sessions(
+            config,
+            scheduler,
+            SessionStore(store),
+            ledger,
+            self._admission,
+            self._dispatch,
+            self._completions,
+            self._writes,
+            self._views,
+        )
         self._recovery = Recovery(
             config, scheduler, store, redis, self.tracer, ledger, self._dispatch
         )
@@ -131,6 +145,7 @@ class Coordinator:
         if grace is not None:
             self._tasks.append(grace)
         self._tasks.append(asyncio.create_task(self._workers.watch_heartbeats()))
+        self._tasks.append(asyncio.create_task(self._sessions.close_idle()))
 
     async def stop(self) -> None:
         await self._admission.stop()
@@ -162,6 +177,24 @@ class Coordinator:
             # try whose reply was lost (Redis went away). Take it up as a restart would.
             await self._recovery.resume_one(info.query_id)
         return info, created
+
+    async def open_workflow(self, request: cpb.OpenWorkflowRequest) -> tuple[cpb.QueryInfo, bool]:
+        """Open a workflow session (idempotent on its id); raises InvalidFieldError."""
+        info, created = await self._sessions.open(request)
+        if (
+            not created
+            and info.state == cpb.QUERY_STATE_RUNNING
+            and info.query_id not in self.ledger.active
+        ):
+            await self._recovery.resume_one(info.query_id)  # as in `submit`
+        return info, created
+
+    def run_call(self, request: cpb.RunCallRequest) -> AsyncIterator[cpb.RunCallResponse]:
+        """Give a call of an open session: its events until it finishes."""
+        return self._sessions.run_call(request)
+
+    async def close_workflow(self, workflow_id: str) -> cpb.QueryInfo:
+        return await self._sessions.close(workflow_id)
 
     async def cancel(self, query_id: str) -> cpb.QueryInfo:
         return await self._completions.cancel(query_id)

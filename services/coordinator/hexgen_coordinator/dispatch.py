@@ -16,7 +16,7 @@ from opentelemetry import trace
 from hexgen_api.v1 import coordinator_pb2 as cpb
 from hexgen_api.v1 import worker_pb2 as wpb
 from hexgen_coordinator.events import record_event
-from hexgen_coordinator.ledger import ActiveQuery, Ledger, call_id_of, parse_call_id
+from hexgen_coordinator.ledger import ActiveQuery, Ledger, call_id_of
 from hexgen_coordinator.write_behind import WriteBehind
 from hexgen_flow.cluster import Cluster
 from hexgen_flow.policies.base import NoInstanceError
@@ -57,8 +57,8 @@ class Dispatch:
     ) -> None:
         query_id = entry.run.query.query_id
         record_event(entry, K.QUERY_EVENT_KIND_STAGE_RELEASED, now, stage=stage)
-        for index, ticket in enumerate(tickets):
-            ticket.call_id = call_id_of(query_id, stage, index)
+        for ticket in tickets:
+            ticket.call_id = call_id_of(query_id, stage, ticket.index)
             self.ledger.tickets[ticket.call_id] = ticket
 
     def send(self, tickets: Iterable[CallTicket]) -> None:
@@ -88,13 +88,14 @@ class Dispatch:
                 old.end()
             ledger.call_spans[ticket.call_id] = span
             prompts = entry.prompts[ticket.stage]
-            index = parse_call_id(ticket.call_id)[2]
+            index = ticket.index
             link.send(
                 wpb.ConnectResponse(
                     dispatch=ticket_to_dispatch(
                         ticket,
                         prompts[index] if index < len(prompts) else "",
                         traceparent_of(span),
+                        entry.chats.get(ticket.call_id, ()),
                     )
                 )
             )
@@ -116,6 +117,7 @@ class Dispatch:
 
     def redispatch(self, ticket: CallTicket, reason: str, avoid: int = -1) -> None:
         """Send a call again, to another instance than `avoid` where another can take it."""
+        self.ledger.started.discard(ticket.call_id)
         self.scheduler.withdraw(ticket)
         try:
             self._dispatch_avoiding(ticket, avoid)
@@ -155,7 +157,9 @@ class Dispatch:
             (
                 t
                 for t in ledger.tickets.values()
-                if t.instance < 0 and t.call_id not in ledger.adoptable
+                if t.instance < 0
+                and t.call_id not in ledger.adoptable
+                and (t.run is None or t.run.is_given(t.stage, t.index))
             ),
             key=lambda t: t.seq,
         )
@@ -172,3 +176,59 @@ class Dispatch:
             if entry is not None:
                 self.note_first_dispatch(entry, sent)
                 self.writes.persist(entry, [t for t in sent if t.query_id == entry_id])
+
+    # ------------------------------------------------------------------ re-budgeting
+
+    def rebudget(self, entry: ActiveQuery, now: float) -> None:
+        """A stage of `entry` finished: its calls still waiting (released, not started) get
+        the deadline their stage gets from the time left now (`GlobalScheduler.rebudget`);
+        their workers hear of it (UpdateDeadline), and a call that can no longer meet its
+        deadline where it waits, and can elsewhere, moves there."""
+        ledger, run = self.ledger, entry.run
+        query_id = run.query.query_id
+        waiting: list[CallTicket] = []
+        for k, stage in enumerate(run.query.workflow.stages):
+            if run.stage_released_s[k] is None or run.stage_finished_s[k] is not None:
+                continue
+            for index in range(len(stage.calls)):
+                ticket = ledger.tickets.get(call_id_of(query_id, k, index))
+                if ticket is not None and ticket.call_id not in ledger.started:
+                    waiting.append(ticket)
+        changed = self.scheduler.rebudget(waiting, now)
+        for ticket in changed:
+            record_event(
+                entry,
+                K.QUERY_EVENT_KIND_DEADLINE_UPDATED,
+                now,
+                stage=ticket.stage,
+                call_id=ticket.call_id,
+                text=f"{ticket.deadline_s:.3f}",
+            )
+            link = ledger.links[ticket.instance] if ticket.instance >= 0 else None
+            if link is None:
+                continue  # waiting for its prompt or for an instance: nothing to tell
+            better = self.scheduler.better_instance(ticket, now)
+            if better is None or ledger.links[better] is None:
+                link.send(
+                    wpb.ConnectResponse(
+                        deadline=wpb.UpdateDeadline(
+                            call_id=ticket.call_id, deadline_s=ticket.deadline_s
+                        )
+                    )
+                )
+                continue
+            link.send(wpb.ConnectResponse(cancel=wpb.CancelCall(call_id=ticket.call_id)))
+            old = self.cluster.instances[ticket.instance].name
+            self.scheduler.move(ticket, better)
+            record_event(
+                entry,
+                K.QUERY_EVENT_KIND_CALL_REDISPATCHED,
+                now,
+                stage=ticket.stage,
+                call_id=ticket.call_id,
+                text=f"moved from {old}: its new deadline can be met on "
+                f"{self.cluster.instances[better].name} and not there",
+            )
+            self.send([ticket])
+        if changed:
+            self.writes.persist(entry, changed)

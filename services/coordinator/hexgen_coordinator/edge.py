@@ -25,6 +25,7 @@ from google.protobuf.message import DecodeError
 from hexgen_service.errors import (
     RETRY_AFTER_KEY,
     AlreadyExistsError,
+    FailedPreconditionError,
     InvalidFieldError,
     OverloadedError,
     UnavailableError,
@@ -62,6 +63,8 @@ async def statuses(context: Context[Any, Any], field_prefix: str = "") -> AsyncI
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _one_line(field_prefix + str(exc)))
     except AlreadyExistsError as exc:
         await context.abort(grpc.StatusCode.ALREADY_EXISTS, _one_line(field_prefix + str(exc)))
+    except FailedPreconditionError as exc:
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, _one_line(str(exc)))
     except OverloadedError as exc:
         await context.abort(
             grpc.StatusCode.RESOURCE_EXHAUSTED,

@@ -21,9 +21,10 @@ from hexgen_api.v1 import coordinator_pb2 as cpb
 from hexgen_coordinator.links import WorkerLink
 from hexgen_coordinator.metrics import CoordinatorMetrics
 from hexgen_flow.runtime import CallTicket, QueryRun
+from hexgen_flow.workload import Query
 from hexgen_service.clock import ClusterClock
 
-__all__ = ["ActiveQuery", "Ledger", "call_id_of", "parse_call_id"]
+__all__ = ["ActiveQuery", "Ledger", "SessionState", "call_id_of", "parse_call_id"]
 
 
 def call_id_of(query_id: str, stage: int, index: int) -> str:
@@ -34,6 +35,27 @@ def parse_call_id(call_id: str) -> tuple[str, int, int]:
     query_id, _, rest = call_id.rpartition("/")
     stage, _, index = rest.partition(".")
     return query_id, int(stage), int(index)
+
+
+@dataclass(eq=False)
+class SessionState:
+    """What a workflow session adds to a running query (`hexgen_coordinator.sessions`)."""
+
+    opened: Query
+    """The workflow as opened (what an OpenWorkflow of the same id must match)."""
+    names: list[str]
+    """Each stage's name (its id in the expected workflow, or the name it was added by)."""
+    idle_timeout_s: float
+    """Wall seconds without a call after which the session is closed."""
+    last_call_wall: float
+    """time.monotonic() of the latest given call (or of the opening)."""
+    open: bool = True
+    closed_stages: set[int] = field(default_factory=set)
+    """Stages that take no more calls; their calls never given are skipped."""
+    skipped: set[str] = field(default_factory=set)
+    """Call ids skipped (never given)."""
+    last_done_s: float = 0.0
+    """Cluster time the latest call finished (or was given): a closed session ends then."""
 
 
 @dataclass(eq=False)
@@ -52,6 +74,10 @@ class ActiveQuery:
     watchers: set[asyncio.Queue[cpb.QueryEvent | None]] = field(default_factory=set)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     first_dispatch_pending: float | None = None
+    session: SessionState | None = None
+    """Set for a workflow session (OpenWorkflow); None for a query submitted whole."""
+    chats: dict[str, tuple[tuple[str, str], ...]] = field(default_factory=dict)
+    """A chat call's messages (role, content) by call id (`prompts` holds their rendering)."""
 
 
 class Ledger:
@@ -68,6 +94,8 @@ class Ledger:
         """The worker holding each slot, None while it has none."""
         self.adoptable: dict[str, int] = {}
         """After a restart: call id -> the slot Redis says it was dispatched to."""
+        self.started: set[str] = set()
+        """Calls a worker reported started and not finished: no longer movable."""
         self.call_spans: dict[str, trace.Span] = {}
         """The open span of each dispatched call, ended when it finishes or is sent again."""
         self.completion_ms: deque[float] = deque(maxlen=200_000)

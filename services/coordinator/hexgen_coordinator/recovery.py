@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import redis.asyncio as aioredis
 from opentelemetry import trace
@@ -16,7 +17,8 @@ from opentelemetry import trace
 from hexgen_api.v1 import coordinator_pb2 as cpb
 from hexgen_coordinator.config import CoordinatorConfig
 from hexgen_coordinator.dispatch import Dispatch
-from hexgen_coordinator.ledger import ActiveQuery, Ledger, call_id_of
+from hexgen_coordinator.ledger import ActiveQuery, Ledger, SessionState, call_id_of
+from hexgen_coordinator.session_store import stored_workflow
 from hexgen_coordinator.store import StoredQuery, WorkflowStore
 from hexgen_flow.runtime import CallTicket
 from hexgen_flow.scheduler import GlobalScheduler
@@ -89,12 +91,25 @@ class Recovery:
 
     def _resume_query(self, stored: StoredQuery, logged_events: int) -> int:
         ledger = self.ledger
-        request = cpb.SubmitQueryRequest.FromString(stored.submit)
-        query, prompts = parse_submit(request)
+        built = stored_workflow(stored)
+        query = built.query
         f = stored.fields
         run = self.scheduler.admit(query, int(f["index"]), float(f["arrival_s"]), float(f["slo_s"]))
         span = self.tracer.start_span("query (resumed)", attributes={"query.id": query.query_id})
-        entry = ActiveQuery(run, prompts, span, event_base=logged_events)
+        entry = ActiveQuery(run, built.prompts, span, event_base=logged_events, chats=built.chats)
+        if built.given is not None:
+            run.given = list(built.given)
+            opened = parse_submit(cpb.SubmitQueryRequest.FromString(stored.submit))[0]
+            entry.session = SessionState(
+                opened=opened,
+                names=built.names,
+                idle_timeout_s=built.idle_s,
+                last_call_wall=time.monotonic(),  # the idle clock starts again
+                open=built.session_open,
+                closed_stages=built.closed_stages,
+                skipped={c[2:] for c, v in f.items() if c.startswith("c:") and v == "skipped"},
+                last_done_s=self.ledger.clock.now(),
+            )
         ledger.active[query.query_id] = entry
         stages = query.workflow.stages
         run.calls_left = int(f["calls_left"])
@@ -119,7 +134,7 @@ class Recovery:
                 call_id = call_id_of(query.query_id, k, index)
                 if stored.done(call_id):
                     continue
-                placed = stored.placement(call_id)
+                placed = stored.placement(call_id) if run.is_given(k, index) else None
                 slot = -1
                 if placed is not None and placed.seq >= 0 and placed.slot >= 0:
                     slot, seq = placed.slot, placed.seq
@@ -127,7 +142,7 @@ class Recovery:
                     seq = self.scheduler.next_seq
                     self.scheduler.next_seq += 1
                 ticket = CallTicket(
-                    seq, run, k, call, rel_s, deadline, plan.tail_s[k] - plan.stage_s[k]
+                    seq, run, k, call, rel_s, deadline, plan.tail_s[k] - plan.stage_s[k], index
                 )
                 ticket.call_id = call_id
                 # Attempt 0, unknown: the write-behind may not have recorded the latest

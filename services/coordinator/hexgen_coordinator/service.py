@@ -101,6 +101,36 @@ class CoordinatorServicer(cpb_grpc.CoordinatorServiceServicer):
             return cpb.SetAlphaResponse(previous_alpha=previous, alpha=request.alpha)
         raise AssertionError("unreachable")
 
+    async def OpenWorkflow(  # noqa: N802
+        self, request: cpb.OpenWorkflowRequest, context: Context[object, object]
+    ) -> cpb.OpenWorkflowResponse:
+        async with statuses(context):
+            info, created = await self.c.open_workflow(request)
+            return cpb.OpenWorkflowResponse(workflow=info, created=created)
+        raise AssertionError("unreachable")
+
+    async def RunCall(  # noqa: N802
+        self, request: cpb.RunCallRequest, context: Context[object, object]
+    ) -> AsyncIterator[cpb.RunCallResponse]:
+        async with statuses(context):
+            try:
+                async for response in self.c.run_call(request):
+                    yield response
+            except UnknownQueryError:
+                await _not_found(context, request.workflow_id)
+
+    async def CloseWorkflow(  # noqa: N802
+        self, request: cpb.CloseWorkflowRequest, context: Context[object, object]
+    ) -> cpb.CloseWorkflowResponse:
+        async with statuses(context):
+            try:
+                return cpb.CloseWorkflowResponse(
+                    workflow=await self.c.close_workflow(request.workflow_id)
+                )
+            except UnknownQueryError:
+                await _not_found(context, request.workflow_id)
+        raise AssertionError("unreachable")
+
 
 async def _not_found(context: Context[object, object], query_id: str) -> None:
     await context.abort(grpc.StatusCode.NOT_FOUND, f"query_id: no query {query_id!r}")

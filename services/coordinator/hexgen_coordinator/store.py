@@ -11,8 +11,10 @@ Key layout (every key starts with the configured prefix P, default ``hf:``)::
                                   calls_left, stages_total, stages_done;
                                   per stage k: s{k}:left, s{k}:deps, s{k}:rel, s{k}:fin, s{k}:dl;
                                   per call: p:{call_id} = "slot:seq:attempt", where it was
-                                  last dispatched; c:{call_id} = "done" once complete;
-                                  f:{call_id} = failed attempts
+                                  last dispatched; c:{call_id} = "done" once complete
+                                  ("skipped": a session's call never given);
+                                  f:{call_id} = failed attempts; a workflow session's
+                                  fields: see `hexgen_coordinator.session_store`
     P ev:{id}              list   the query's events (QueryEvent bytes), in order
     P completions          stream one entry per finished call (what the tuner reads)
     P finished             stream one entry per finished query, with its shape
@@ -53,6 +55,7 @@ __all__ = [
     "COMPLETE_DUPLICATE",
     "COMPLETE_NOT_RUNNING",
     "COMPLETE_STALE",
+    "LUA_HELPERS",
     "CompletionResult",
     "FailureResult",
     "Placement",
@@ -71,7 +74,8 @@ ALPHA_HISTORY_MAX = 1000
 
 _SUBMIT = """
 -- KEYS: q, qseq, active ; ARGV: submit, shape, tenant, arrival_s, slo_s, deadline_s,
---        calls_total, stages_total, then per stage: left, deps, then query_id
+--        calls_total, stages_total, then per stage: left, deps, then query_id, session
+--        ('' for a static query, else 'open'), idle timeout of a session
 -- returns {created, index}
 if redis.call('EXISTS', KEYS[1]) == 1 then
   return {0, tonumber(redis.call('HGET', KEYS[1], 'index'))}
@@ -90,12 +94,16 @@ for k = 0, n - 1 do
   end
 end
 redis.call('SADD', KEYS[3], ARGV[9 + 2 * n])
+if ARGV[10 + 2 * n] ~= '' then
+  redis.call('HSET', KEYS[1], 'session', ARGV[10 + 2 * n], 'idle_s', ARGV[11 + 2 * n])
+end
 return {1, index}
 """
 
-# Shared by the scripts below: is `placed` (a c:{id} value) the dispatch (slot, attempt)
-# names? A call not placed yet (its placement still behind) matches any; attempt 0 is a
-# worker that does not count attempts and matches any attempt on its slot.
+# Shared by the scripts below and the session's (`hexgen_coordinator.session_store`): is
+# `placed` (a p:{id} value) the dispatch (slot, attempt) names? A call not placed yet (its
+# placement still behind) matches any; attempt 0 is a worker that does not count attempts
+# and matches any attempt on its slot. `succeed` ends a query whose last call is done.
 _MATCHES = """
 local function matches(placed, slot, attempt)
   if not placed then return true end
@@ -111,7 +119,18 @@ local function expire(q, ev, ms)
   redis.call('PEXPIRE', q, ms)
   if redis.call('EXISTS', ev) == 1 then redis.call('PEXPIRE', ev, ms) end
 end
+-- the query's last call is done: it succeeded (q, active, finished, ev are keys)
+local function succeed(q, active, finished, ev, query_id, now, retention_ms, maxlen)
+  redis.call('HSET', q, 'state', 'succeeded', 'finished_s', now)
+  redis.call('SREM', active, query_id)
+  local f = redis.call('HMGET', q, 'tenant', 'arrival_s', 'slo_s', 'shape')
+  redis.call('XADD', finished, 'MAXLEN', '~', maxlen, '*', 'query_id', query_id,
+    'tenant', f[1], 'arrival_s', f[2], 'finished_s', now, 'slo_s', f[3], 'submit', f[4])
+  expire(q, ev, retention_ms)
+end
 """
+
+LUA_HELPERS = _MATCHES
 
 _COMPLETE = (
     _MATCHES
@@ -123,7 +142,8 @@ _COMPLETE = (
 -- -1 unknown or not running, -2 not from the slot and attempt the call was placed on
 if redis.call('HGET', KEYS[1], 'state') ~= 'running' then return {-1, -1} end
 local ckey = 'c:' .. ARGV[2]
-if redis.call('HGET', KEYS[1], ckey) == 'done' then return {0, -1} end
+local was = redis.call('HGET', KEYS[1], ckey)
+if was == 'done' or was == 'skipped' then return {0, -1} end
 local placed = redis.call('HGET', KEYS[1], 'p:' .. ARGV[2])
 if not matches(placed, ARGV[5], ARGV[6]) then return {-2, -1} end
 redis.call('HSET', KEYS[1], ckey, 'done')
@@ -144,15 +164,14 @@ if redis.call('HINCRBY', KEYS[1], 's' .. k .. ':left', -1) == 0 then
 end
 local record = {}
 for i = 10 + ndep, #ARGV do table.insert(record, ARGV[i]) end
-redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[8], '*', unpack(record))
+if #record > 0 then  -- a session's skipped call has no record: nothing ran
+  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[8], '*', unpack(record))
+else
+  redis.call('HSET', KEYS[1], ckey, 'skipped')
+end
 local left = redis.call('HINCRBY', KEYS[1], 'calls_left', -1)
 if left == 0 then
-  redis.call('HSET', KEYS[1], 'state', 'succeeded', 'finished_s', now)
-  redis.call('SREM', KEYS[2], ARGV[1])
-  local q = redis.call('HMGET', KEYS[1], 'tenant', 'arrival_s', 'slo_s', 'shape')
-  redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[8], '*', 'query_id', ARGV[1],
-    'tenant', q[1], 'arrival_s', q[2], 'finished_s', now, 'slo_s', q[3], 'submit', q[4])
-  expire(KEYS[1], KEYS[5], ARGV[7])
+  succeed(KEYS[1], KEYS[2], KEYS[4], KEYS[5], ARGV[1], now, ARGV[7], ARGV[8])
 end
 local out = {1, left}
 for _, j in ipairs(released) do table.insert(out, j) end
@@ -168,7 +187,8 @@ _FAIL_CALL = (
 -- returns {status, failures}: status 1 counted (retry), 2 counted and the query failed,
 -- 0 already done, -1 not running, -2 not from where the call was placed
 if redis.call('HGET', KEYS[1], 'state') ~= 'running' then return {-1, 0} end
-if redis.call('HGET', KEYS[1], 'c:' .. ARGV[2]) == 'done' then return {0, 0} end
+local was = redis.call('HGET', KEYS[1], 'c:' .. ARGV[2])
+if was == 'done' or was == 'skipped' then return {0, 0} end
 local placed = redis.call('HGET', KEYS[1], 'p:' .. ARGV[2])
 if not matches(placed, ARGV[3], ARGV[4]) then return {-2, 0} end
 -- the attempt is over: on no slot until placed again, so that a late completion of it is
@@ -264,7 +284,8 @@ class StoredQuery:
         return self.fields.get(f"s{k}:{name}")
 
     def done(self, call_id: str) -> bool:
-        return self.fields.get(f"c:{call_id}") == "done"
+        """Finished, or skipped by its workflow session."""
+        return self.fields.get(f"c:{call_id}") in ("done", "skipped")
 
     def placement(self, call_id: str) -> Placement | None:
         """Where the call was last dispatched (None: never, as far as Redis knows)."""
@@ -349,6 +370,8 @@ class WorkflowStore:
         stage_calls: Sequence[int],
         stage_deps: Sequence[int],
         shape: bytes = b"",
+        *,
+        session_idle_s: float | None = None,
     ) -> tuple[bool, int]:
         """Record a new query (root stages released); (created, query index).
 
@@ -362,12 +385,13 @@ class WorkflowStore:
             repr(arrival_s),
             repr(slo_s),
             repr(arrival_s + slo_s),
-            sum(stage_calls),
+            # an open session holds one more call: it cannot finish until closed
+            sum(stage_calls) + (session_idle_s is not None),
             len(stage_calls),
         ]
         for calls, deps in zip(stage_calls, stage_deps, strict=True):
             args += [calls, deps]
-        args.append(query_id)
+        args += [query_id, "" if session_idle_s is None else "open", repr(session_idle_s or 0.0)]
         keys = [self.qkey(query_id), f"{self.prefix}qseq", self.active_key]
         created, index = await self._submit(keys=keys, args=args)
         return bool(created), int(index)

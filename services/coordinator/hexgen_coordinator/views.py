@@ -10,13 +10,13 @@ from collections.abc import Iterable
 
 from hexgen_api.v1 import coordinator_pb2 as cpb
 from hexgen_coordinator.ledger import Ledger
+from hexgen_coordinator.session_store import stored_workflow
 from hexgen_coordinator.store import StoredQuery, WorkflowStore
 from hexgen_flow.admission import is_best_effort
 from hexgen_flow.cluster import Cluster
 from hexgen_flow.metrics import percentile
 from hexgen_flow.runtime import QueryRun
 from hexgen_flow.scheduler import GlobalScheduler
-from hexgen_service.convert import query_from_submit
 
 __all__ = ["QueryViews", "UnknownQueryError"]
 
@@ -66,26 +66,41 @@ class QueryViews:
         if stored is None:
             return []  # expired between the reads
         entry = self.ledger.active.get(stored.query_id)
-        if entry is not None:
-            workflow = entry.run.query.workflow
-        else:
-            request = cpb.SubmitQueryRequest.FromString(stored.submit)
-            workflow = query_from_submit(request).workflow
+        built = stored_workflow(stored)
+        workflow = entry.run.query.workflow if entry is not None else built.query.workflow
+        names = entry.session.names if entry is not None and entry.session else built.names
+        skipped_ids = (
+            entry.session.skipped
+            if entry is not None and entry.session
+            else {c[2:] for c, v in stored.fields.items() if c.startswith("c:") and v == "skipped"}
+        )
         deadlines: dict[int, float] = {}
+        now = self.ledger.clock.now()
         if entry is not None:
             for ticket in self.ledger.tickets.values():
                 if ticket.query_id == stored.query_id:
                     deadlines[ticket.stage] = ticket.deadline_s
+            run = entry.run
+            for k in range(len(workflow.stages)):
+                if run.stage_released_s[k] is None and k not in deadlines:
+                    deadlines[k] = self.scheduler.budget.revise(run, k, now)  # if released now
         stages = []
         for k, stage in enumerate(workflow.stages):
             released, finished = stored.stage(k, "rel"), stored.stage(k, "fin")
             left = int(stored.stage(k, "left") or len(stage.calls))
+            skipped = sum(
+                1 for i in range(len(stage.calls)) if f"{stored.query_id}/{k}.{i}" in skipped_ids
+            )
+            given = built.given[k] if built.given is not None and k < len(built.given) else None
             info = cpb.StageInfo(
                 index=k,
                 step=stage.step,
+                name=names[k] if k < len(names) else stage.step,
                 after=list(stage.after),
                 calls_total=len(stage.calls),
                 calls_done=len(stage.calls) - left,
+                calls_skipped=skipped,
+                calls_given=len(stage.calls) if given is None else given,
                 released_s=float(released) if released is not None else 0.0,
                 finished_s=float(finished) if finished is not None else 0.0,
                 deadline_s=deadlines.get(k, float(stored.stage(k, "dl") or 0.0)),
@@ -95,12 +110,17 @@ class QueryViews:
                 info.released_s = run.stage_released_s[k] or 0.0
                 info.finished_s = run.stage_finished_s[k] or 0.0
                 info.calls_done = len(stage.calls) - run.stage_calls_left[k]
+                if run.given is not None:
+                    info.calls_given = run.given[k]
             stages.append(info)
         return stages
 
     def info_of_run(self, run: QueryRun) -> cpb.QueryInfo:
         q = run.query
         stages_done = sum(1 for f in run.stage_finished_s if f is not None)
+        entry = self.ledger.active.get(q.query_id)
+        session = entry.session if entry is not None and entry.run is run else None
+        hold = 1 if session is not None and session.open else 0  # the open session's own
         return cpb.QueryInfo(
             query_id=q.query_id,
             tenant=q.tenant,
@@ -114,12 +134,17 @@ class QueryViews:
             stages_total=len(q.workflow.stages),
             stages_done=stages_done,
             calls_total=q.workflow.num_calls,
-            calls_done=q.workflow.num_calls - run.calls_left,
+            calls_done=q.workflow.num_calls - (run.calls_left - hold),
             best_effort=is_best_effort(run),
+            session=session is not None,
+            session_open=bool(hold),
         )
 
     def info_of_stored(self, stored: StoredQuery) -> cpb.QueryInfo:
         f = stored.fields
+        # A session counts one call more in Redis: its own, done when it is closed.
+        session = int("session" in f)
+        hold = f.get("session") == "open"
         return cpb.QueryInfo(
             query_id=stored.query_id,
             tenant=f["tenant"],
@@ -130,9 +155,11 @@ class QueryViews:
             finished_s=float(f["finished_s"]),
             stages_total=int(f["stages_total"]),
             stages_done=int(f["stages_done"]),
-            calls_total=int(f["calls_total"]),
-            calls_done=int(f["calls_total"]) - int(f["calls_left"]),
+            calls_total=int(f["calls_total"]) - session,
+            calls_done=int(f["calls_total"]) - int(f["calls_left"]) - (session and not hold),
             failure_reason=f.get("reason", ""),
+            session=bool(session),
+            session_open=bool(hold),
         )
 
     def status(self) -> cpb.ClusterStatusResponse:

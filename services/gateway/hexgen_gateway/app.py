@@ -1,15 +1,18 @@
 """The OpenAI-compatible HTTP API (FastAPI on uvicorn), in front of the coordinator.
 
-- ``POST /v1/chat/completions``, ``POST /v1/completions``: a request becomes coordinator
-  work through `hexgen_gateway.mapping` (today: a one-call workflow of its own); with
+- ``POST /v1/chat/completions``, ``POST /v1/completions``: a request becomes a call of a
+  workflow session through `hexgen_gateway.mapping`; with
   ``"stream": true`` the answer is server-sent events (``data: {chunk}``, ending with
   ``data: [DONE]``), chunks in OpenAI's format;
 - ``GET /v1/models``: the models of the cluster's instances (ClusterStatus);
-- ``GET /health``: 200 when the coordinator answers ClusterStatus, 503 otherwise.
+- ``GET /health``: 200 when the coordinator answers ClusterStatus, 503 otherwise;
+- ``POST /v1/workflows/{id}/close``: close a workflow (HexGen-Flow's own): it ends when
+  its last call finishes, instead of after the coordinator's idle timeout.
 
-Every answer to a completion carries ``X-Hexgen-Workflow``, ``X-Hexgen-Query`` and
-``X-Hexgen-Deadline-S`` (the query's deadline on the cluster clock). Errors are OpenAI's
-error bodies (`hexgen_gateway.errors`). Each request is a span whose parent is the
+Every answer to a completion carries ``X-Hexgen-Workflow`` and ``X-Hexgen-Query`` (the
+workflow's id), ``X-Hexgen-Call`` (the call's id) and ``X-Hexgen-Deadline-S`` (the call's
+stage deadline on the cluster clock, from the time the workflow has left). Errors are
+OpenAI's error bodies (`hexgen_gateway.errors`). Each request is a span whose parent is the
 request's W3C ``traceparent``; the RPCs to the coordinator carry the span's context in
 their metadata (the OpenTelemetry gRPC client interceptors).
 """
@@ -35,6 +38,7 @@ from hexgen_client.errors import CoordinatorError
 from hexgen_gateway.config import GatewayConfig
 from hexgen_gateway.errors import OpenAIError, from_coordinator
 from hexgen_gateway.mapping import (
+    HEADER_CALL,
     HEADER_DEADLINE,
     HEADER_QUERY,
     HEADER_WORKFLOW,
@@ -155,10 +159,11 @@ class Gateway:
                 _failed(span, exc)
             span.end()
             raise
-        span.set_attribute("hexgen.query_id", started.query_id)
+        span.set_attribute("hexgen.call_id", started.call_id)
         headers = {
             HEADER_WORKFLOW: context.workflow,
             HEADER_QUERY: started.query_id,
+            HEADER_CALL: started.call_id,
             HEADER_DEADLINE: f"{started.deadline_s:.3f}",
         }
         if parsed.stream:
@@ -212,6 +217,27 @@ class Gateway:
         task = asyncio.get_running_loop().create_task(started.cancel())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+    async def close_workflow(self, workflow_id: str) -> Response:
+        """Close a workflow: the stages it expected and was not given are skipped; it ends
+        when its last call finishes. Answers its state (HexGen-Flow's own endpoint)."""
+        info = await self.mapper.close(workflow_id)
+        return JSONResponse(
+            {
+                "id": info.query_id,
+                "object": "hexgen.workflow",
+                "state": coordinator_pb2.QueryState.Name(info.state)
+                .removeprefix("QUERY_STATE_")
+                .lower(),
+                "slo_s": info.slo_s,
+                "deadline_s": info.deadline_s,
+                "arrival_s": info.arrival_s,
+                "finished_s": info.finished_s,
+                "calls_done": info.calls_done,
+                "calls_total": info.calls_total,
+            },
+            headers={HEADER_WORKFLOW: info.query_id},
+        )
 
     async def health(self) -> Response:
         try:
@@ -302,5 +328,9 @@ def create_app(config: GatewayConfig | None = None) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         return await gateway.health()
+
+    @app.post("/v1/workflows/{workflow_id:path}/close")
+    async def close_workflow(workflow_id: str) -> Response:
+        return await gateway.close_workflow(workflow_id)
 
     return app

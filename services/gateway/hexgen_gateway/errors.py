@@ -92,6 +92,10 @@ def from_coordinator(exc: CoordinatorError, param_of: Mapping[str, str]) -> Open
         return bad_request(details, _param(field, param_of) if field else None)
     if code == grpc.StatusCode.ALREADY_EXISTS:
         return OpenAIError(409, details, code="conflict")
+    if code == grpc.StatusCode.FAILED_PRECONDITION:  # e.g. a call for a workflow that ended
+        return OpenAIError(409, details, code="workflow_ended")
+    if code == grpc.StatusCode.NOT_FOUND:
+        return OpenAIError(404, details, code="not_found")
     if code == grpc.StatusCode.UNAVAILABLE:
         return OpenAIError(503, str(exc), type="service_unavailable", code="unavailable")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:

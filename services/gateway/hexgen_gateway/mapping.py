@@ -1,23 +1,22 @@
-"""How an OpenAI request becomes coordinator work: the one module to swap when requests
-become calls of longer-lived workflow sessions.
+"""How an OpenAI request becomes coordinator work: a call of a workflow session.
 
-Today every request is a **one-call workflow** of its own:
-
-- the workflow context comes from headers (`WorkflowContext.from_headers`):
-  ``X-Hexgen-Workflow`` (the workflow's id; a fresh ``gw-<uuid>`` without it),
-  ``X-Hexgen-Stage`` (the stage, whose canonical name is the call's step; default
-  ``chat``), ``X-Hexgen-Slo-S`` (the query's end-to-end SLO in cluster seconds; without it
-  the coordinator's default scale x SLO_base), ``X-Hexgen-Template`` (recorded on the span,
-  for the workflow sessions to come);
-- the query id is ``{workflow}/{stage}/{n}``, n counting this gateway's requests of that
-  workflow and stage from 1; an id the coordinator already knows (a restarted gateway, two
-  gateways) is skipped, so a request never receives an earlier request's answer;
-- the call declares ``input_tokens`` = the prompt's characters / 4 (rounded up, at least 1;
-  a tokenizer-free estimate, good enough for scheduling), ``output_tokens`` = max_tokens;
-- it is submitted with SubmitQuery (its QueryInfo gives the deadline, and ``created`` tells a
-  known id) and followed with WatchQuery, which replays the query's log from the start:
-  RunQuery in two calls. The text is the CALL_TOKENS chunks as they stream (when the engine
-  streams) and the rest of CALL_FINISHED's full text.
+- The workflow context comes from headers (`WorkflowContext.from_headers`):
+  ``X-Hexgen-Workflow`` (the workflow's id), ``X-Hexgen-Stage`` (the stage the call belongs
+  to; default ``chat``), ``X-Hexgen-Slo-S`` (the workflow's end-to-end SLO in cluster
+  seconds; without it the coordinator's default scale x SLO_base) and ``X-Hexgen-Template``
+  (the stages the workflow expects, e.g. ``chess``), the last two read on a workflow's
+  first request.
+- The first request of a workflow opens it (OpenWorkflow): with its template, or, without
+  one, expecting just this request's stage; the coordinator adds the stages later
+  requests name. Every request is then one call (RunCall) of its stage: the coordinator
+  budgets it from the time the workflow has left. A workflow ends when it is closed
+  (``POST /v1/workflows/{id}/close``) or after the coordinator's idle timeout.
+- A request without ``X-Hexgen-Workflow`` is a workflow of its own (``gw-<uuid>``),
+  opened, given its one call and closed at once.
+- The call declares ``input_tokens`` = the prompt's characters / 4 (rounded up, at least
+  1; a tokenizer-free estimate, good enough for scheduling), ``output_tokens`` =
+  max_tokens. The text is the CALL_TOKENS chunks as they stream (when the engine streams)
+  and the rest of CALL_FINISHED's full text.
 """
 
 from __future__ import annotations
@@ -28,19 +27,20 @@ import logging
 import math
 import re
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 
 import grpc
 
-from hexgen_api.v1 import coordinator_pb2
+from hexgen_api.v1 import coordinator_pb2, workflow_pb2
 from hexgen_client.client import CoordinatorClient
 from hexgen_client.errors import CoordinatorError
-from hexgen_flow.errors import HexgenFlowError
-from hexgen_flow.workload import LLMCall, Query, Workflow, canonical_step
+from hexgen_flow.workload import canonical_step
 from hexgen_gateway.errors import OpenAIError, bad_request, from_coordinator
 
 __all__ = [
+    "HEADER_CALL",
     "HEADER_DEADLINE",
     "HEADER_QUERY",
     "HEADER_SLO",
@@ -62,12 +62,13 @@ HEADER_STAGE = "X-Hexgen-Stage"
 HEADER_SLO = "X-Hexgen-Slo-S"
 HEADER_TEMPLATE = "X-Hexgen-Template"
 HEADER_QUERY = "X-Hexgen-Query"
+HEADER_CALL = "X-Hexgen-Call"
 HEADER_DEADLINE = "X-Hexgen-Deadline-S"
 
 CHARS_PER_TOKEN = 4
 """The prompt's token estimate: characters / 4, OpenAI's rule of thumb for English."""
-_ID_ATTEMPTS = 32
-"""Known ids skipped (ever further apart) before a request gives up."""
+_OPENED_KEPT = 100_000
+"""Workflow ids a gateway remembers having opened (older ones are opened again: a no-op)."""
 _SIMULATED = re.compile(r"^\[simulated [^\]]*\] (\d+) tokens$")
 """The simulated engine's placeholder text (``[simulated A100] 256 tokens``)."""
 
@@ -126,6 +127,9 @@ class CallRequest:
     output_tokens: int
     prompt_param: str
     """The request's name for the prompt (``messages`` or ``prompt``), for errors."""
+    messages: tuple[tuple[str, str], ...] = ()
+    """A chat request's (role, content): the engine applies the model's chat template to
+    them; `prompt` is their plain rendering, for engines without one."""
 
     @property
     def input_tokens(self) -> int:
@@ -135,7 +139,8 @@ class CallRequest:
         """The coordinator's field names -> the request's (see `from_coordinator`)."""
         return {
             "query_id": HEADER_WORKFLOW,
-            "query.query_id": HEADER_WORKFLOW,
+            "workflow_id": HEADER_WORKFLOW,
+            "stage": HEADER_STAGE,
             "slo_s": HEADER_SLO,
             "slo_scale": HEADER_SLO,
             "step": HEADER_STAGE,
@@ -148,14 +153,15 @@ class CallRequest:
 
 @dataclass(slots=True)
 class StartedCall:
-    """A request admitted by the coordinator: its ids, its QueryInfo, and its text."""
+    """A call the coordinator took: its ids, its stage deadline, and its text."""
 
     context: WorkflowContext
-    query_id: str
-    info: coordinator_pb2.QueryInfo
+    call_id: str
+    deadline_s: float
+    """The call's stage deadline, cluster seconds."""
     call: CallRequest
     _client: CoordinatorClient
-    _events: AsyncIterator[coordinator_pb2.QueryEvent]
+    _events: AsyncIterator[coordinator_pb2.RunCallResponse]
     _timeout_s: float
     text: str = ""
     """The full text, once `deltas` has ended."""
@@ -164,9 +170,9 @@ class StartedCall:
     _streamed: list[str] = field(default_factory=list)
 
     @property
-    def deadline_s(self) -> float:
-        """The query's deadline, cluster seconds."""
-        return self.info.deadline_s
+    def query_id(self) -> str:
+        """The workflow's id (its query id in the coordinator)."""
+        return self.context.workflow
 
     @property
     def completion_tokens(self) -> int:
@@ -179,18 +185,18 @@ class StartedCall:
 
     async def deltas(self) -> AsyncIterator[str]:
         """The text as it comes: CALL_TOKENS chunks, then what CALL_FINISHED's full text adds
-        to them. Raises `OpenAIError` when the query fails (500), is cancelled (500) or
-        runs past the request timeout (504, and the query is cancelled)."""
+        to them. Raises `OpenAIError` when the workflow fails (500), is cancelled (500) or
+        the call runs past the request timeout (504)."""
         try:
             async with asyncio.timeout(self._timeout_s):
-                async for event in self._events:
-                    for piece in self._apply(event):
+                async for response in self._events:
+                    for piece in self._apply(response.event):
                         yield piece
         except TimeoutError:
             await self.cancel()
             raise OpenAIError(
                 504,
-                f"query {self.query_id} did not finish within {self._timeout_s:g} s",
+                f"call {self.call_id} did not finish within {self._timeout_s:g} s",
                 type="timeout",
                 code="timeout",
             ) from None
@@ -204,9 +210,11 @@ class StartedCall:
         return self.text
 
     async def cancel(self) -> None:
-        """Cancel the query (best effort: a client that went away, a timeout)."""
-        with contextlib.suppress(CoordinatorError):
-            await self._client.cancel(self.query_id)
+        """Nobody wants the answer (the client went away, a timeout): a workflow of the
+        request's own is cancelled; a named one goes on (its other calls are wanted)."""
+        if not self.context.named:
+            with contextlib.suppress(CoordinatorError):
+                await self._client.cancel(self.query_id)
 
     def _apply(self, event: coordinator_pb2.QueryEvent) -> list[str]:
         kind = event.kind
@@ -223,29 +231,16 @@ class StartedCall:
                 return [rest] if rest else []
             # Chunks of an attempt that failed were sent already: they cannot be taken back.
             log.warning(
-                "query %s: the finished text does not extend the streamed chunks", self.query_id
+                "call %s: the finished text does not extend the streamed chunks", self.call_id
             )
             return []
         if kind == K.QUERY_EVENT_KIND_FAILED:
             raise OpenAIError(
-                500, f"query {self.query_id} failed: {event.text}", type="server_error"
+                500, f"workflow {self.query_id} failed: {event.text}", type="server_error"
             )
         if kind == K.QUERY_EVENT_KIND_CANCELLED:
-            raise OpenAIError(500, f"query {self.query_id} was cancelled", type="server_error")
+            raise OpenAIError(500, f"workflow {self.query_id} was cancelled", type="server_error")
         return []
-
-
-class _QueryIds:
-    """``{workflow}/{stage}/{n}``: n counts this process's requests per workflow and stage."""
-
-    def __init__(self) -> None:
-        self._next: dict[tuple[str, str], int] = {}
-
-    def take(self, context: WorkflowContext, skip: int = 0) -> str:
-        key = (context.workflow, context.stage)
-        n = self._next.get(key, 1) + skip
-        self._next[key] = n + 1
-        return f"{context.workflow}/{context.stage}/{n}"
 
 
 class WorkflowMapper:
@@ -254,71 +249,86 @@ class WorkflowMapper:
     def __init__(self, client: CoordinatorClient, *, request_timeout_s: float) -> None:
         self.client = client
         self.request_timeout_s = request_timeout_s
-        self._ids = _QueryIds()
+        self._opened: OrderedDict[str, None] = OrderedDict()
+        """Workflows this gateway opened (the latest `_OPENED_KEPT`): not opened again."""
 
     async def start(self, context: WorkflowContext, call: CallRequest) -> StartedCall:
-        """Submit the request's workflow and open its event stream; `OpenAIError` when the
-        coordinator refuses it (400, 409, 429, 503, 504, 500)."""
-        step = canonical_step(context.stage)
+        """Give the request's call to its workflow (opening it first if need be) and open
+        its event stream; `OpenAIError` when the coordinator refuses it (400, 404, 409,
+        429, 503, 504, 500)."""
         param_of = call.param_of()
-        skip = jump = 0
-        for _ in range(_ID_ATTEMPTS):
-            query_id = self._ids.take(context, skip)
-            try:
-                query = Query(
-                    query_id=query_id,
-                    workflow=Workflow.chain(
-                        [(LLMCall(step or "chat", call.input_tokens, call.output_tokens),)]
-                    ),
-                    slo_s=context.slo_s,
-                )
-            except HexgenFlowError as exc:
-                raise bad_request(str(exc), None) from None
-            try:
-                response = await self.client.submit(query, prompts=[[call.prompt]])
-            except CoordinatorError as exc:
-                if exc.code != grpc.StatusCode.ALREADY_EXISTS:
-                    raise from_coordinator(exc, param_of) from None
-            else:
-                if response.created:
-                    return await self._follow(context, call, query_id, response.query)
-            # The id is known (an earlier gateway's request): try the next one, then ever
-            # further on (n+1, n+2, n+4, ...), so a long history is passed in a few tries.
-            skip, jump = jump, 2 * jump + 1
-        raise OpenAIError(
-            409,
-            f"no free query id for workflow {context.workflow!r} stage {context.stage!r} "
-            f"after {_ID_ATTEMPTS} attempts",
-            param=HEADER_WORKFLOW,
-            code="conflict",
+        if context.workflow not in self._opened:
+            await self._open(context, call, param_of)
+        events = self.client.run_call(
+            context.workflow,
+            context.stage,
+            call.prompt,
+            max_tokens=call.output_tokens,
+            input_tokens=call.input_tokens,
+            messages=call.messages,
         )
-
-    async def _follow(
-        self,
-        context: WorkflowContext,
-        call: CallRequest,
-        query_id: str,
-        info: coordinator_pb2.QueryInfo,
-    ) -> StartedCall:
-        events = self.client.watch(query_id)
-        started = StartedCall(
-            context, query_id, info, call, self.client, events, self.request_timeout_s
-        )
-        # Open the stream now, while the request's span is current (its context travels
-        # in the RPC's metadata); the first event (SUBMITTED) comes from the stored log.
         try:
+            # Open the stream now, while the request's span is current (its context travels
+            # in the RPC's metadata); the first response names the call and its deadline.
             first = await anext(events)
         except CoordinatorError as exc:
-            raise from_coordinator(exc, call.param_of()) from None
+            raise from_coordinator(exc, param_of) from None
         except StopAsyncIteration:
-            raise OpenAIError(500, f"query {query_id}: no events", type="server_error") from None
-        started._events = _prepend(first, events)
-        return started
+            raise OpenAIError(
+                500, "the coordinator ended the call's stream", type="server_error"
+            ) from None
+        if not context.named:  # the request is the whole workflow: nothing more will come
+            with contextlib.suppress(CoordinatorError):
+                await self.client.close_workflow(context.workflow)
+        return StartedCall(
+            context,
+            first.call_id,
+            first.deadline_s,
+            call,
+            self.client,
+            events,
+            self.request_timeout_s,
+        )
 
+    async def _open(
+        self, context: WorkflowContext, call: CallRequest, param_of: Mapping[str, str]
+    ) -> None:
+        expected = None
+        if not context.template:
+            step = canonical_step(context.stage) or "chat"
+            expected = workflow_pb2.Workflow(
+                stages=[
+                    workflow_pb2.Stage(
+                        id=context.stage,
+                        step=step,
+                        calls=[
+                            workflow_pb2.LLMCall(
+                                input_tokens=call.input_tokens, output_tokens=call.output_tokens
+                            )
+                        ],
+                    )
+                ]
+            )
+        try:
+            await self.client.open_workflow(
+                context.workflow,
+                template=context.template or "",
+                expected=expected,
+                slo_s=context.slo_s or 0.0,
+            )
+        except CoordinatorError as exc:
+            # Known with other content: opened by an earlier request (another gateway, or
+            # this one before a restart) that had other headers. Its calls are welcome.
+            if exc.code != grpc.StatusCode.ALREADY_EXISTS:
+                raise from_coordinator(exc, {**param_of, "template": HEADER_TEMPLATE}) from None
+        self._opened[context.workflow] = None
+        while len(self._opened) > _OPENED_KEPT:
+            self._opened.popitem(last=False)
 
-async def _prepend(
-    first: coordinator_pb2.QueryEvent, rest: AsyncIterator[coordinator_pb2.QueryEvent]
-) -> AsyncIterator[coordinator_pb2.QueryEvent]:
-    yield first
-    async for event in rest:
-        yield event
+    async def close(self, workflow: str) -> coordinator_pb2.QueryInfo:
+        """Close a workflow (`POST /v1/workflows/{id}/close`)."""
+        self._opened.pop(workflow, None)
+        try:
+            return await self.client.close_workflow(workflow)
+        except CoordinatorError as exc:
+            raise from_coordinator(exc, {"workflow_id": HEADER_WORKFLOW}) from None

@@ -115,7 +115,12 @@ def parse_chat(body: object, default_max_tokens: int) -> ParsedRequest:
             raise bad_request("a message needs a role", f"messages[{i}].role")
         rendered.append({"role": role, "content": _message_text(message.get("content"), i)})
     max_tokens, model, stream, include_usage = _common(body, default_max_tokens)
-    call = CallRequest(render_chat(rendered), max_tokens, "messages")
+    call = CallRequest(
+        render_chat(rendered),
+        max_tokens,
+        "messages",
+        tuple((m["role"], m["content"]) for m in rendered),
+    )
     return ParsedRequest(call, model, stream, include_usage, chat=True)
 
 

@@ -369,6 +369,13 @@ class WorkerState:
         if call is None:
             return False
         ticket = call.ticket
+        log.info(
+            "call %s: stage deadline %.3f -> %.3f (%s)",
+            call_id,
+            ticket.deadline_s,
+            deadline_s,
+            "queued" if call.status.is_queued else "running",
+        )
         if call.status.is_queued and self.scheduler is not None and self.clock is not None:
             queue = self.scheduler.queue
             queue.remove(ticket)

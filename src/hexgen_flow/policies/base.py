@@ -90,3 +90,9 @@ class StageBudget(ABC):
     @abstractmethod
     def deadline(self, run: QueryRun, stage: int, now: float) -> float:
         """Absolute deadline of `stage` of `run`, released at `now`."""
+
+    def revise(self, run: QueryRun, stage: int, now: float) -> float:
+        """The deadline `stage` gets from the time left at `now`, for a stage released
+        earlier (its calls still wait) or not released yet; changes no state (`deadline`
+        may: it is called once per release). Stateless budgets are their `deadline`."""
+        return self.deadline(run, stage, now)

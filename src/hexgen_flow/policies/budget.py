@@ -56,14 +56,27 @@ class TemplateStageBudget(StageBudget):
 
     def deadline(self, run: QueryRun, stage: int, now: float) -> float:
         template: list[str] = run.budget_state
-        calls = run.query.workflow.stages[stage].calls
-        step = calls[0].step
+        step = run.query.workflow.stages[stage].calls[0].step
         if step in template:
             template.remove(step)
         if step == "unit_tester" and "revise" in template:
             template[:] = [s for s in template if s != "revise"]
+        return self._split(run, stage, now, template)
+
+    def revise(self, run: QueryRun, stage: int, now: float) -> float:
+        # A released stage already took its step off the query's template; one not
+        # released yet is priced without its own occurrence in the rest.
+        template: list[str] = list(run.budget_state or ())
+        if run.stage_released_s[stage] is None:
+            step = run.query.workflow.stages[stage].calls[0].step
+            if step in template:
+                template.remove(step)
+        return self._split(run, stage, now, template)
+
+    def _split(self, run: QueryRun, stage: int, now: float, template: list[str]) -> float:
+        calls = run.query.workflow.stages[stage].calls
         if self._mode == "step":
-            own = self._mean_step(step, calls[0])
+            own = self._mean_step(calls[0].step, calls[0])
         else:
             own = max(self.ctx.estimator.mean_time(c, "call") for c in calls)
         step_mean = self._step_mean

@@ -21,7 +21,7 @@ from hexgen_flow.errors import ConfigError
 from hexgen_flow.estimate import Estimator
 from hexgen_flow.metrics import QueryOutcome, RunMetrics
 from hexgen_flow.policies.presets import Preset
-from hexgen_flow.runtime import CallTicket
+from hexgen_flow.runtime import CallTicket, QueryRun
 from hexgen_flow.scheduler import GlobalScheduler, InstanceScheduler
 from hexgen_flow.sim.arrivals import arrival_times
 from hexgen_flow.sim.engines import (
@@ -104,6 +104,10 @@ class Simulation:
         self._dirty: list[int] = []
         self._is_dirty = [False] * len(cluster)
         self._outcomes: list[QueryOutcome] = []
+        self.calls_moved = 0
+        """Queued calls moved to another instance by `_rebudget`."""
+        self._released: dict[int, list[CallTicket]] = {}
+        """Each running query's calls released and maybe still queued (`_rebudget`)."""
         self.calls_done = 0
 
     def _check_fits(self) -> None:
@@ -197,6 +201,10 @@ class Simulation:
         for ticket in tickets:
             self.instances[ticket.instance].queue.push(ticket, now)
             self._mark(ticket.instance)
+        if tickets:
+            run = tickets[0].run
+            if run is not None and len(run.query.workflow.stages) > 1:
+                self._released.setdefault(run.index, []).extend(tickets)
 
     def _replan(self, i: int) -> None:
         t = self.engines[i].next_event_s()
@@ -210,11 +218,38 @@ class Simulation:
 
     def _complete(self, ticket: CallTicket, now: float) -> None:
         self.calls_done += 1
-        self._enqueue(self.scheduler.complete(ticket, now), now)
+        released = self.scheduler.complete(ticket, now)
         run = ticket.run
+        if run is not None and run.stage_finished_s[ticket.stage] is not None:
+            if run.finished_s is None:
+                self._rebudget(run, now)
+            else:
+                self._released.pop(run.index, None)
+        self._enqueue(released, now)
         if run is not None and run.finished_s is not None:
             q = run.query
             self._outcomes.append(QueryOutcome(q.query_id, q.tenant, run.arrival_s, now, run.slo_s))
+
+    def _rebudget(self, run: QueryRun, now: float) -> None:
+        """A stage finished: the query's calls still queued get the deadline their stage
+        gets from the time left (as the coordinator does), in their queue's new order, and
+        one that would be late where it waits moves where it would not."""
+        tickets = self._released.get(run.index)
+        if not tickets:
+            return
+        waiting = [t for t in tickets if t.admitted_s is None]
+        self._released[run.index] = waiting
+        scheduler = self.scheduler
+        for ticket in scheduler.rebudget(waiting, now):
+            queue = self.instances[ticket.instance].queue
+            queue.remove(ticket)
+            better = scheduler.better_instance(ticket, now)
+            if better is not None:
+                scheduler.move(ticket, better)
+                self.calls_moved += 1
+                queue = self.instances[better].queue
+            queue.push(ticket, now)
+            self._mark(ticket.instance)
 
     def _metrics(self) -> RunMetrics:
         outcomes = sorted(self._outcomes, key=lambda o: (o.arrival_s, o.query_id))

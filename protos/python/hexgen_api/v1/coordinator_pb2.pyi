@@ -64,6 +64,14 @@ class _QueryEventKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_QueryE
     """One attempt of a call failed (text: the error); it is retried elsewhere or the query fails."""
     QUERY_EVENT_KIND_FAILED: _QueryEventKind.ValueType  # 12
     """The query ended FAILED (text: the reason)."""
+    QUERY_EVENT_KIND_CALL_SKIPPED: _QueryEventKind.ValueType  # 13
+    """A call a workflow session expected was not given (text: why); it counts as done."""
+    QUERY_EVENT_KIND_CLOSED: _QueryEventKind.ValueType  # 14
+    """A workflow session takes no more calls (text: closed by the client, or idle)."""
+    QUERY_EVENT_KIND_DEADLINE_UPDATED: _QueryEventKind.ValueType  # 15
+    """A waiting call's stage deadline was recomputed (time_s: now; text: the new deadline)."""
+    QUERY_EVENT_KIND_CALL_SUBMITTED: _QueryEventKind.ValueType  # 16
+    """A call's prompt was given (a workflow session's RunCall)."""
 
 class QueryEventKind(_QueryEventKind, metaclass=_QueryEventKindEnumTypeWrapper): ...
 
@@ -82,6 +90,14 @@ QUERY_EVENT_KIND_CALL_FAILED: QueryEventKind.ValueType  # 11
 """One attempt of a call failed (text: the error); it is retried elsewhere or the query fails."""
 QUERY_EVENT_KIND_FAILED: QueryEventKind.ValueType  # 12
 """The query ended FAILED (text: the reason)."""
+QUERY_EVENT_KIND_CALL_SKIPPED: QueryEventKind.ValueType  # 13
+"""A call a workflow session expected was not given (text: why); it counts as done."""
+QUERY_EVENT_KIND_CLOSED: QueryEventKind.ValueType  # 14
+"""A workflow session takes no more calls (text: closed by the client, or idle)."""
+QUERY_EVENT_KIND_DEADLINE_UPDATED: QueryEventKind.ValueType  # 15
+"""A waiting call's stage deadline was recomputed (time_s: now; text: the new deadline)."""
+QUERY_EVENT_KIND_CALL_SUBMITTED: QueryEventKind.ValueType  # 16
+"""A call's prompt was given (a workflow session's RunCall)."""
 Global___QueryEventKind: _TypeAlias = QueryEventKind  # noqa: Y015
 
 @_typing.final
@@ -150,6 +166,8 @@ class QueryInfo(_message.Message):
     CALLS_DONE_FIELD_NUMBER: _builtins.int
     FAILURE_REASON_FIELD_NUMBER: _builtins.int
     BEST_EFFORT_FIELD_NUMBER: _builtins.int
+    SESSION_FIELD_NUMBER: _builtins.int
+    SESSION_OPEN_FIELD_NUMBER: _builtins.int
     query_id: _builtins.str
     tenant: _builtins.str
     state: Global___QueryState.ValueType
@@ -168,6 +186,9 @@ class QueryInfo(_message.Message):
     """Admitted over the admission check's prediction, at the lowest urgency (overload policy
     "best-effort"): its SLO was not expected to be met.
     """
+    session: _builtins.bool
+    """A workflow session (OpenWorkflow), and whether it still takes calls."""
+    session_open: _builtins.bool
     def __init__(
         self,
         *,
@@ -184,10 +205,12 @@ class QueryInfo(_message.Message):
         calls_done: _builtins.int = ...,
         failure_reason: _builtins.str = ...,
         best_effort: _builtins.bool = ...,
+        session: _builtins.bool = ...,
+        session_open: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["arrival_s", b"arrival_s", "best_effort", b"best_effort", "calls_done", b"calls_done", "calls_total", b"calls_total", "deadline_s", b"deadline_s", "failure_reason", b"failure_reason", "finished_s", b"finished_s", "query_id", b"query_id", "slo_s", b"slo_s", "stages_done", b"stages_done", "stages_total", b"stages_total", "state", b"state", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arrival_s", b"arrival_s", "best_effort", b"best_effort", "calls_done", b"calls_done", "calls_total", b"calls_total", "deadline_s", b"deadline_s", "failure_reason", b"failure_reason", "finished_s", b"finished_s", "query_id", b"query_id", "session", b"session", "session_open", b"session_open", "slo_s", b"slo_s", "stages_done", b"stages_done", "stages_total", b"stages_total", "state", b"state", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -434,6 +457,9 @@ class StageInfo(_message.Message):
     RELEASED_S_FIELD_NUMBER: _builtins.int
     FINISHED_S_FIELD_NUMBER: _builtins.int
     DEADLINE_S_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    CALLS_SKIPPED_FIELD_NUMBER: _builtins.int
+    CALLS_GIVEN_FIELD_NUMBER: _builtins.int
     index: _builtins.int
     step: _builtins.str
     """Step type of the stage's calls, e.g. "generate_candidate"."""
@@ -443,7 +469,15 @@ class StageInfo(_message.Message):
     """0 until the stage is released / finished."""
     finished_s: _builtins.float
     deadline_s: _builtins.float
-    """The deadline the stage budget gave it at release (0 until released)."""
+    """The stage's deadline: given by the stage budget at release and recomputed from the time
+    left at every stage completion; before release, what it would get if released now.
+    """
+    name: _builtins.str
+    """The stage's name: its id in the submitted or expected workflow."""
+    calls_skipped: _builtins.int
+    """Calls a workflow session expected here and was not given (they count as done)."""
+    calls_given: _builtins.int
+    """Calls whose prompt is known (a static query's: all of them)."""
     @_builtins.property
     def after(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Indices of the stages it waits for."""
@@ -459,10 +493,13 @@ class StageInfo(_message.Message):
         released_s: _builtins.float = ...,
         finished_s: _builtins.float = ...,
         deadline_s: _builtins.float = ...,
+        name: _builtins.str = ...,
+        calls_skipped: _builtins.int = ...,
+        calls_given: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["after", b"after", "calls_done", b"calls_done", "calls_total", b"calls_total", "deadline_s", b"deadline_s", "finished_s", b"finished_s", "index", b"index", "released_s", b"released_s", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after", b"after", "calls_done", b"calls_done", "calls_given", b"calls_given", "calls_skipped", b"calls_skipped", "calls_total", b"calls_total", "deadline_s", b"deadline_s", "finished_s", b"finished_s", "index", b"index", "name", b"name", "released_s", b"released_s", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -710,3 +747,178 @@ class SetAlphaResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SetAlphaResponse: _TypeAlias = SetAlphaResponse  # noqa: Y015
+
+@_typing.final
+class OpenWorkflowRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORKFLOW_ID_FIELD_NUMBER: _builtins.int
+    TENANT_FIELD_NUMBER: _builtins.int
+    SLO_S_FIELD_NUMBER: _builtins.int
+    SLO_SCALE_FIELD_NUMBER: _builtins.int
+    TEMPLATE_FIELD_NUMBER: _builtins.int
+    EXPECTED_FIELD_NUMBER: _builtins.int
+    IDLE_TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    workflow_id: _builtins.str
+    """Client-chosen id; the idempotency key (the query id of the workflow)."""
+    tenant: _builtins.str
+    """Empty means "default"."""
+    slo_s: _builtins.float
+    """End-to-end SLO in seconds; 0 means slo_scale x SLO_base."""
+    slo_scale: _builtins.float
+    """Multiple of SLO_base; 0 means the coordinator's default scale."""
+    template: _builtins.str
+    """The stages the workflow expects, by name of a template the coordinator knows
+    (e.g. "chess"), or given in `expected`; exactly one of the two.
+    """
+    idle_timeout_s: _builtins.float
+    """Wall seconds without a new call after which the coordinator closes the session
+    (0: the coordinator's default).
+    """
+    @_builtins.property
+    def expected(self) -> _workflow_pb2.Workflow:
+        """Expected stages with their expected calls (token sizes, no prompts). A call names its
+        stage by the stage's id (or its step).
+        """
+
+    def __init__(
+        self,
+        *,
+        workflow_id: _builtins.str = ...,
+        tenant: _builtins.str = ...,
+        slo_s: _builtins.float = ...,
+        slo_scale: _builtins.float = ...,
+        template: _builtins.str = ...,
+        expected: _workflow_pb2.Workflow | None = ...,
+        idle_timeout_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["expected", b"expected"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expected", b"expected", "idle_timeout_s", b"idle_timeout_s", "slo_s", b"slo_s", "slo_scale", b"slo_scale", "template", b"template", "tenant", b"tenant", "workflow_id", b"workflow_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OpenWorkflowRequest: _TypeAlias = OpenWorkflowRequest  # noqa: Y015
+
+@_typing.final
+class OpenWorkflowResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORKFLOW_FIELD_NUMBER: _builtins.int
+    CREATED_FIELD_NUMBER: _builtins.int
+    created: _builtins.bool
+    """False when the id was already known."""
+    @_builtins.property
+    def workflow(self) -> Global___QueryInfo: ...
+    def __init__(
+        self,
+        *,
+        workflow: Global___QueryInfo | None = ...,
+        created: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["workflow", b"workflow"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created", b"created", "workflow", b"workflow"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OpenWorkflowResponse: _TypeAlias = OpenWorkflowResponse  # noqa: Y015
+
+@_typing.final
+class RunCallRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORKFLOW_ID_FIELD_NUMBER: _builtins.int
+    STAGE_FIELD_NUMBER: _builtins.int
+    CALL_FIELD_NUMBER: _builtins.int
+    workflow_id: _builtins.str
+    stage: _builtins.str
+    """The stage's id in the expected workflow (or its step). A name the workflow does not
+    expect adds a stage at its end; a call beyond a stage's expected ones joins the stage.
+    """
+    @_builtins.property
+    def call(self) -> _workflow_pb2.LLMCall:
+        """The prompt, its length in tokens (0: estimated from the prompt) and the maximum tokens
+        to generate (0: the expected call's).
+        """
+
+    def __init__(
+        self,
+        *,
+        workflow_id: _builtins.str = ...,
+        stage: _builtins.str = ...,
+        call: _workflow_pb2.LLMCall | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["call", b"call"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["call", b"call", "stage", b"stage", "workflow_id", b"workflow_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RunCallRequest: _TypeAlias = RunCallRequest  # noqa: Y015
+
+@_typing.final
+class RunCallResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EVENT_FIELD_NUMBER: _builtins.int
+    CALL_ID_FIELD_NUMBER: _builtins.int
+    DEADLINE_S_FIELD_NUMBER: _builtins.int
+    call_id: _builtins.str
+    """Set on the first response only: the call's id and its stage's deadline."""
+    deadline_s: _builtins.float
+    @_builtins.property
+    def event(self) -> Global___QueryEvent: ...
+    def __init__(
+        self,
+        *,
+        event: Global___QueryEvent | None = ...,
+        call_id: _builtins.str = ...,
+        deadline_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["call_id", b"call_id", "deadline_s", b"deadline_s", "event", b"event"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RunCallResponse: _TypeAlias = RunCallResponse  # noqa: Y015
+
+@_typing.final
+class CloseWorkflowRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORKFLOW_ID_FIELD_NUMBER: _builtins.int
+    workflow_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        workflow_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["workflow_id", b"workflow_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CloseWorkflowRequest: _TypeAlias = CloseWorkflowRequest  # noqa: Y015
+
+@_typing.final
+class CloseWorkflowResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORKFLOW_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def workflow(self) -> Global___QueryInfo: ...
+    def __init__(
+        self,
+        *,
+        workflow: Global___QueryInfo | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["workflow", b"workflow"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["workflow", b"workflow"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CloseWorkflowResponse: _TypeAlias = CloseWorkflowResponse  # noqa: Y015

@@ -70,6 +70,21 @@ class CoordinatorServiceStub:
                 request_serializer=hexgen__flow_dot_v1_dot_coordinator__pb2.SetAlphaRequest.SerializeToString,
                 response_deserializer=hexgen__flow_dot_v1_dot_coordinator__pb2.SetAlphaResponse.FromString,
                 _registered_method=True)
+        self.OpenWorkflow = channel.unary_unary(
+                '/hexgen_flow.v1.CoordinatorService/OpenWorkflow',
+                request_serializer=hexgen__flow_dot_v1_dot_coordinator__pb2.OpenWorkflowRequest.SerializeToString,
+                response_deserializer=hexgen__flow_dot_v1_dot_coordinator__pb2.OpenWorkflowResponse.FromString,
+                _registered_method=True)
+        self.RunCall = channel.unary_stream(
+                '/hexgen_flow.v1.CoordinatorService/RunCall',
+                request_serializer=hexgen__flow_dot_v1_dot_coordinator__pb2.RunCallRequest.SerializeToString,
+                response_deserializer=hexgen__flow_dot_v1_dot_coordinator__pb2.RunCallResponse.FromString,
+                _registered_method=True)
+        self.CloseWorkflow = channel.unary_unary(
+                '/hexgen_flow.v1.CoordinatorService/CloseWorkflow',
+                request_serializer=hexgen__flow_dot_v1_dot_coordinator__pb2.CloseWorkflowRequest.SerializeToString,
+                response_deserializer=hexgen__flow_dot_v1_dot_coordinator__pb2.CloseWorkflowResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServiceServicer:
@@ -125,6 +140,28 @@ class CoordinatorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenWorkflow(self, request, context):
+        """Open a workflow session: a query whose calls the client submits as it learns them.
+        Idempotent on workflow_id: opening a known id with the same content returns it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RunCall(self, request, context):
+        """Submit one call of an open workflow and stream its events until it finishes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CloseWorkflow(self, request, context):
+        """Close a workflow session: the calls it expected and was not given are skipped.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -162,6 +199,21 @@ def add_CoordinatorServiceServicer_to_server(servicer, server):
                     servicer.SetAlpha,
                     request_deserializer=hexgen__flow_dot_v1_dot_coordinator__pb2.SetAlphaRequest.FromString,
                     response_serializer=hexgen__flow_dot_v1_dot_coordinator__pb2.SetAlphaResponse.SerializeToString,
+            ),
+            'OpenWorkflow': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenWorkflow,
+                    request_deserializer=hexgen__flow_dot_v1_dot_coordinator__pb2.OpenWorkflowRequest.FromString,
+                    response_serializer=hexgen__flow_dot_v1_dot_coordinator__pb2.OpenWorkflowResponse.SerializeToString,
+            ),
+            'RunCall': grpc.unary_stream_rpc_method_handler(
+                    servicer.RunCall,
+                    request_deserializer=hexgen__flow_dot_v1_dot_coordinator__pb2.RunCallRequest.FromString,
+                    response_serializer=hexgen__flow_dot_v1_dot_coordinator__pb2.RunCallResponse.SerializeToString,
+            ),
+            'CloseWorkflow': grpc.unary_unary_rpc_method_handler(
+                    servicer.CloseWorkflow,
+                    request_deserializer=hexgen__flow_dot_v1_dot_coordinator__pb2.CloseWorkflowRequest.FromString,
+                    response_serializer=hexgen__flow_dot_v1_dot_coordinator__pb2.CloseWorkflowResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -354,6 +406,87 @@ class CoordinatorService:
             '/hexgen_flow.v1.CoordinatorService/SetAlpha',
             hexgen__flow_dot_v1_dot_coordinator__pb2.SetAlphaRequest.SerializeToString,
             hexgen__flow_dot_v1_dot_coordinator__pb2.SetAlphaResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenWorkflow(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hexgen_flow.v1.CoordinatorService/OpenWorkflow',
+            hexgen__flow_dot_v1_dot_coordinator__pb2.OpenWorkflowRequest.SerializeToString,
+            hexgen__flow_dot_v1_dot_coordinator__pb2.OpenWorkflowResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RunCall(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/hexgen_flow.v1.CoordinatorService/RunCall',
+            hexgen__flow_dot_v1_dot_coordinator__pb2.RunCallRequest.SerializeToString,
+            hexgen__flow_dot_v1_dot_coordinator__pb2.RunCallResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CloseWorkflow(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hexgen_flow.v1.CoordinatorService/CloseWorkflow',
+            hexgen__flow_dot_v1_dot_coordinator__pb2.CloseWorkflowRequest.SerializeToString,
+            hexgen__flow_dot_v1_dot_coordinator__pb2.CloseWorkflowResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -47,6 +47,14 @@ class CoordinatorServiceStub:
     """Instances, their load, the policy and its alpha."""
     SetAlpha: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.SetAlphaRequest, _coordinator_pb2.SetAlphaResponse]
     """Set the dispatcher's alpha (the tuner calls this)."""
+    OpenWorkflow: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.OpenWorkflowRequest, _coordinator_pb2.OpenWorkflowResponse]
+    """Open a workflow session: a query whose calls the client submits as it learns them.
+    Idempotent on workflow_id: opening a known id with the same content returns it.
+    """
+    RunCall: _grpc.UnaryStreamMultiCallable[_coordinator_pb2.RunCallRequest, _coordinator_pb2.RunCallResponse]
+    """Submit one call of an open workflow and stream its events until it finishes."""
+    CloseWorkflow: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.CloseWorkflowRequest, _coordinator_pb2.CloseWorkflowResponse]
+    """Close a workflow session: the calls it expected and was not given are skipped."""
 
 @_typing.type_check_only
 class CoordinatorServiceAsyncStub(CoordinatorServiceStub):
@@ -67,6 +75,14 @@ class CoordinatorServiceAsyncStub(CoordinatorServiceStub):
     """Instances, their load, the policy and its alpha."""
     SetAlpha: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.SetAlphaRequest, _coordinator_pb2.SetAlphaResponse]  # type: ignore[assignment]
     """Set the dispatcher's alpha (the tuner calls this)."""
+    OpenWorkflow: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.OpenWorkflowRequest, _coordinator_pb2.OpenWorkflowResponse]  # type: ignore[assignment]
+    """Open a workflow session: a query whose calls the client submits as it learns them.
+    Idempotent on workflow_id: opening a known id with the same content returns it.
+    """
+    RunCall: _aio.UnaryStreamMultiCallable[_coordinator_pb2.RunCallRequest, _coordinator_pb2.RunCallResponse]  # type: ignore[assignment]
+    """Submit one call of an open workflow and stream its events until it finishes."""
+    CloseWorkflow: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.CloseWorkflowRequest, _coordinator_pb2.CloseWorkflowResponse]  # type: ignore[assignment]
+    """Close a workflow session: the calls it expected and was not given are skipped."""
 
 class CoordinatorServiceServicer(metaclass=_abc_1.ABCMeta):
     """The client-facing API: submit workflows, follow them, and see the cluster."""
@@ -126,5 +142,31 @@ class CoordinatorServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.SetAlphaResponse, _abc.Awaitable[_coordinator_pb2.SetAlphaResponse]]:
         """Set the dispatcher's alpha (the tuner calls this)."""
+
+    @_abc_1.abstractmethod
+    def OpenWorkflow(
+        self,
+        request: _coordinator_pb2.OpenWorkflowRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.OpenWorkflowResponse, _abc.Awaitable[_coordinator_pb2.OpenWorkflowResponse]]:
+        """Open a workflow session: a query whose calls the client submits as it learns them.
+        Idempotent on workflow_id: opening a known id with the same content returns it.
+        """
+
+    @_abc_1.abstractmethod
+    def RunCall(
+        self,
+        request: _coordinator_pb2.RunCallRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_coordinator_pb2.RunCallResponse], _abc.AsyncIterator[_coordinator_pb2.RunCallResponse]]:
+        """Submit one call of an open workflow and stream its events until it finishes."""
+
+    @_abc_1.abstractmethod
+    def CloseWorkflow(
+        self,
+        request: _coordinator_pb2.CloseWorkflowRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.CloseWorkflowResponse, _abc.Awaitable[_coordinator_pb2.CloseWorkflowResponse]]:
+        """Close a workflow session: the calls it expected and was not given are skipped."""
 
 def add_CoordinatorServiceServicer_to_server(servicer: CoordinatorServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

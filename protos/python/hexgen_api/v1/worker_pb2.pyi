@@ -8,6 +8,7 @@ from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from hexgen_api.v1 import workflow_pb2 as _workflow_pb2
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -276,6 +277,7 @@ class DispatchCall(_message.Message):
     REMAINING_AFTER_S_FIELD_NUMBER: _builtins.int
     TRACEPARENT_FIELD_NUMBER: _builtins.int
     ATTEMPT_FIELD_NUMBER: _builtins.int
+    MESSAGES_FIELD_NUMBER: _builtins.int
     call_id: _builtins.str
     query_id: _builtins.str
     tenant: _builtins.str
@@ -300,6 +302,12 @@ class DispatchCall(_message.Message):
     """1 for the first dispatch of the call, +1 for each redispatch; the worker echoes it in
     CallFinished, and the coordinator accepts a completion only from the latest attempt.
     """
+    @_builtins.property
+    def messages(self) -> _containers.RepeatedCompositeFieldContainer[_workflow_pb2.ChatMessage]:
+        """A chat request's messages (`prompt` is their plain rendering): an engine with the
+        model's chat template applies it to these.
+        """
+
     def __init__(
         self,
         *,
@@ -319,10 +327,11 @@ class DispatchCall(_message.Message):
         remaining_after_s: _builtins.float = ...,
         traceparent: _builtins.str = ...,
         attempt: _builtins.int = ...,
+        messages: _abc.Iterable[_workflow_pb2.ChatMessage] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "call_id", b"call_id", "deadline_s", b"deadline_s", "input_tokens", b"input_tokens", "output_tokens", b"output_tokens", "prompt", b"prompt", "query_deadline_s", b"query_deadline_s", "query_id", b"query_id", "query_sequence", b"query_sequence", "released_s", b"released_s", "remaining_after_s", b"remaining_after_s", "sequence", b"sequence", "stage", b"stage", "step", b"step", "tenant", b"tenant", "traceparent", b"traceparent"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "call_id", b"call_id", "deadline_s", b"deadline_s", "input_tokens", b"input_tokens", "messages", b"messages", "output_tokens", b"output_tokens", "prompt", b"prompt", "query_deadline_s", b"query_deadline_s", "query_id", b"query_id", "query_sequence", b"query_sequence", "released_s", b"released_s", "remaining_after_s", b"remaining_after_s", "sequence", b"sequence", "stage", b"stage", "step", b"step", "tenant", b"tenant", "traceparent", b"traceparent"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -28,6 +28,7 @@ class LLMCall(_message.Message):
     INPUT_TOKENS_FIELD_NUMBER: _builtins.int
     OUTPUT_TOKENS_FIELD_NUMBER: _builtins.int
     PROMPT_FIELD_NUMBER: _builtins.int
+    MESSAGES_FIELD_NUMBER: _builtins.int
     step: _builtins.str
     """Step type, e.g. "generate_candidate"; empty means the stage's step."""
     input_tokens: _builtins.int
@@ -36,6 +37,13 @@ class LLMCall(_message.Message):
     """Expected (or maximum) output tokens: the engine's max_tokens and the scheduler's estimate."""
     prompt: _builtins.str
     """The prompt a real engine generates from; the simulated engine ignores it."""
+    @_builtins.property
+    def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatMessage]:
+        """A chat request's messages: an engine that has the model's chat template applies it
+        (the server's chat endpoint, the tokenizer's template); `prompt` is then their plain
+        rendering, for engines that have none. Taken by RunCall; SubmitQuery refuses them.
+        """
+
     def __init__(
         self,
         *,
@@ -43,14 +51,40 @@ class LLMCall(_message.Message):
         input_tokens: _builtins.int = ...,
         output_tokens: _builtins.int = ...,
         prompt: _builtins.str = ...,
+        messages: _abc.Iterable[Global___ChatMessage] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["input_tokens", b"input_tokens", "output_tokens", b"output_tokens", "prompt", b"prompt", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["input_tokens", b"input_tokens", "messages", b"messages", "output_tokens", b"output_tokens", "prompt", b"prompt", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___LLMCall: _TypeAlias = LLMCall  # noqa: Y015
+
+@_typing.final
+class ChatMessage(_message.Message):
+    """One message of a chat request."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROLE_FIELD_NUMBER: _builtins.int
+    CONTENT_FIELD_NUMBER: _builtins.int
+    role: _builtins.str
+    """"system", "user", "assistant", ..."""
+    content: _builtins.str
+    def __init__(
+        self,
+        *,
+        role: _builtins.str = ...,
+        content: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "role", b"role"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ChatMessage: _TypeAlias = ChatMessage  # noqa: Y015
 
 @_typing.final
 class Stage(_message.Message):

@@ -11,7 +11,10 @@ a trace k times faster than real time with the simulator's timings.
 
 It is a simulation and says so: its engine kind is ENGINE_KIND_SIMULATED, its log lines
 name it, and the text of every call is a placeholder such as
-``[simulated A100] 678 tokens``.
+``[simulated A100] 678 tokens``, except for the Text-to-SQL agent's prompts, which get the
+synthetic responder's heuristic text (`hexgen_worker.engines.responder`: no model either),
+cut to the call's output tokens, and reported with its own token count (characters / 4,
+at most the call's output tokens). The timing stays the model's, for the declared tokens.
 
 A cancelled call is aborted in the model (its KV and batch slot are freed at once); nothing
 is reported for it, and a `CapacityReleased` event tells the worker to admit again.
@@ -29,6 +32,7 @@ from hexgen_flow.runtime import CallTicket
 from hexgen_flow.sim.engines import DEFAULT_ENGINE_MODEL, EngineModel, create_engine_model
 from hexgen_service.clock import ClusterClock
 from hexgen_worker.engines.base import Engine, EngineLoad, translate_time
+from hexgen_worker.engines.responder import respond
 from hexgen_worker.events import CallFinished, CallStarted, CapacityReleased
 
 __all__ = ["SimulatedEngine", "simulated_text"]
@@ -36,6 +40,8 @@ __all__ = ["SimulatedEngine", "simulated_text"]
 log = logging.getLogger(__name__)
 
 _INF = float("inf")
+_CHARS_PER_TOKEN = 4
+"""Characters per token of the synthetic text (the gateway's estimate too)."""
 _SAME_TIME_EVENTS = 64
 """Events at one model time `_advance_to` handles before handing over (a model that keeps
 answering the same time without progress would otherwise spin)."""
@@ -44,6 +50,18 @@ answering the same time without progress would otherwise spin)."""
 def simulated_text(gpu: str, output_tokens: int) -> str:
     """The placeholder output of a simulated call."""
     return f"[simulated {gpu}] {output_tokens} tokens"
+
+
+def _synthetic_answer(prompt: str | None) -> str | None:
+    """The responder's text for an agent prompt; None otherwise, or when it fails (a
+    responder bug must not fail the call: the placeholder is reported instead)."""
+    if prompt is None:
+        return None
+    try:
+        return respond(prompt)
+    except Exception:
+        log.exception("simulated engine: the synthetic responder failed")
+        return None
 
 
 class SimulatedEngine(Engine):
@@ -71,6 +89,8 @@ class SimulatedEngine(Engine):
         """Latest model time used: the model never moves backwards."""
         self._running: dict[str, CallTicket] = {}
         self._started_s: dict[str, float] = {}
+        self._answers: dict[str, str] = {}
+        """Synthetic responder text of running calls that have one (agent prompts)."""
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -110,7 +130,9 @@ class SimulatedEngine(Engine):
             self._model = self._new_model()
             self._offset = 0.0
             self._last = -_INF
-        self.take_prompt(ticket)  # a simulation reads no prompt
+        answer = _synthetic_answer(self.take_prompt(ticket))
+        if answer is not None:
+            self._answers[ticket.call_id] = answer
         # Events before now only: a step that would start now is planned by the run loop,
         # after every call of this instant was admitted (as the simulator does).
         model_now = self._advance_to(now + self._offset, before=True)
@@ -126,6 +148,7 @@ class SimulatedEngine(Engine):
         if ticket is None:
             return False
         self._started_s.pop(call_id, None)
+        self._answers.pop(call_id, None)
         self._model.abort(ticket, self._advance_to(self._model_now()))
         self.emit(CapacityReleased(call_id))
         self._wake.set()
@@ -186,11 +209,17 @@ class SimulatedEngine(Engine):
         self._running.pop(call_id, None)
         started_s = self._started_s.pop(call_id, model_time - self._offset)
         tokens = ticket.call.output_tokens
+        answer = self._answers.pop(call_id, None)
+        if answer is None:
+            text = simulated_text(self.spec.gpu, tokens)
+        else:  # as a real engine stops at max_tokens: never more than the call's tokens
+            text = answer[: tokens * _CHARS_PER_TOKEN]
+            tokens = min(tokens, max(1, -(-len(text) // _CHARS_PER_TOKEN)))
         self.emit(
             CallFinished(
                 call_id=call_id,
                 output_tokens=tokens,
-                text=simulated_text(self.spec.gpu, tokens),
+                text=text,
                 started_s=started_s,
                 finished_s=model_time - self._offset,
             )

@@ -1,0 +1,230 @@
+"""A workflow session's state in Redis, beside its query's (`hexgen_coordinator.store`).
+
+A session is a query whose calls arrive one by one (OpenWorkflow, RunCall, CloseWorkflow).
+Its hash ``P q:{id}`` holds, besides a query's fields::
+
+    submit                the expected workflow as opened (SubmitQueryRequest bytes, no
+                          prompts): what an OpenWorkflow of the same id is matched against
+    session               "open" while it takes calls, then "closed"
+    idle_s                wall seconds without a call after which the coordinator closes it
+    g:{call_id}           a given call (LLMCall bytes in base64: its step, token counts and
+                          prompt)
+    x:{k}                 the name of stage k, added because a call named a stage the
+                          workflow did not expect (it waits for nothing)
+    z:{k}                 "1": stage k takes no more calls (a later stage was given a call,
+                          or its calls all finished before another of its name came, or the
+                          session closed); its calls never given are skipped when it is
+                          released (`complete` with no record marks them "skipped")
+
+`give` is the one script that changes what a session runs: it records a given call, and
+grows the stage (a call beyond the expected ones) or the workflow (a new stage) in the
+same step, only while the session is open and the query running. A retried `give` of a
+call already given changes nothing. A restarted coordinator rebuilds the session from
+these fields (`hexgen_coordinator.recovery`).
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from hexgen_api.v1 import coordinator_pb2 as cpb
+from hexgen_api.v1 import workflow_pb2 as wfpb
+from hexgen_coordinator.ledger import call_id_of
+from hexgen_coordinator.store import LUA_HELPERS, StoredQuery, WorkflowStore
+from hexgen_flow.workload import LLMCall, Query, Stage, Workflow, canonical_step
+from hexgen_service.convert import parse_submit, stage_names
+
+__all__ = [
+    "GIVE_APPLIED",
+    "GIVE_CLOSED",
+    "GIVE_DUPLICATE",
+    "GIVE_NOT_RUNNING",
+    "GiveMode",
+    "SessionStore",
+    "StoredWorkflow",
+    "stored_workflow",
+]
+
+GIVE_APPLIED = 1
+GIVE_DUPLICATE = 0
+GIVE_NOT_RUNNING = -1
+GIVE_CLOSED = -2
+GIVE_CONFLICT = -3
+
+GiveMode = Literal["replace", "join", "new"]
+
+_GIVE = """
+-- KEYS: q ; ARGV: call_id, stage, call bytes, mode (replace|join|new), stage name, now, shape
+-- returns 1 given, 0 already given, -1 not running, -2 session closed, -3 a conflict with
+-- the stored workflow (another coordinator grew it)
+if redis.call('HGET', KEYS[1], 'state') ~= 'running' then return -1 end
+if redis.call('HGET', KEYS[1], 'session') ~= 'open' then return -2 end
+local g = 'g:' .. ARGV[1]
+if redis.call('HEXISTS', KEYS[1], g) == 1 then return 0 end
+local k = ARGV[2]
+if ARGV[4] == 'new' then
+  if tonumber(redis.call('HGET', KEYS[1], 'stages_total')) ~= tonumber(k) then return -3 end
+  redis.call('HSET', KEYS[1], 'x:' .. k, ARGV[5], 's' .. k .. ':left', 1,
+    's' .. k .. ':deps', 0, 's' .. k .. ':rel', ARGV[6])
+  redis.call('HINCRBY', KEYS[1], 'stages_total', 1)
+elseif ARGV[4] == 'join' then
+  if redis.call('HEXISTS', KEYS[1], 's' .. k .. ':fin') == 1 then return -3 end
+  redis.call('HINCRBY', KEYS[1], 's' .. k .. ':left', 1)
+end
+if ARGV[4] ~= 'replace' then
+  redis.call('HINCRBY', KEYS[1], 'calls_total', 1)
+  redis.call('HINCRBY', KEYS[1], 'calls_left', 1)
+end
+redis.call('HSET', KEYS[1], g, ARGV[3], 'shape', ARGV[7])
+return 1
+"""
+
+_CLOSE_STAGES = (
+    LUA_HELPERS
+    + """
+-- KEYS: q, active, finished, ev ; ARGV: query_id, close_session ('1' or '0'), now,
+--       retention_ms, maxlen, stages...
+-- returns 1 done, 2 done and the query succeeded (closing it let its last call go),
+-- -1 not running
+if redis.call('HGET', KEYS[1], 'state') ~= 'running' then return -1 end
+for i = 6, #ARGV do redis.call('HSET', KEYS[1], 'z:' .. ARGV[i], '1') end
+if ARGV[2] == '1' and redis.call('HGET', KEYS[1], 'session') == 'open' then
+  redis.call('HSET', KEYS[1], 'session', 'closed', 'c:' .. ARGV[1] .. '/session', 'skipped')
+  if redis.call('HINCRBY', KEYS[1], 'calls_left', -1) == 0 then
+    succeed(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[1], ARGV[3], ARGV[4], ARGV[5])
+    return 2
+  end
+end
+return 1
+"""
+)
+
+
+class SessionStore:
+    def __init__(self, store: WorkflowStore) -> None:
+        self.store = store
+        self._give = store.redis.register_script(_GIVE)
+        self._close_stages = store.redis.register_script(_CLOSE_STAGES)
+
+    async def give(
+        self,
+        query_id: str,
+        call_id: str,
+        stage: int,
+        call: bytes,
+        mode: GiveMode,
+        *,
+        name: str,
+        now: float,
+        shape: bytes,
+    ) -> int:
+        """Record a given call (see the module docstring); one of the GIVE_* outcomes."""
+        blob = base64.b64encode(call)
+        args: list[Any] = [call_id, stage, blob, mode, name, repr(now), shape]
+        return int(await self._give(keys=[self.store.qkey(query_id)], args=args))
+
+    async def close_stages(
+        self,
+        query_id: str,
+        stages: Iterable[int],
+        *,
+        close_session: bool = False,
+        now: float = 0.0,
+    ) -> int:
+        """Mark stages as taking no more calls and, with `close_session`, close the
+        session (the query succeeds at `now` if no call is left). 1 done, 2 done and the
+        query succeeded, -1 the query is not running."""
+        store = self.store
+        keys = [
+            store.qkey(query_id),
+            store.active_key,
+            store.finished_key,
+            store.evkey(query_id),
+        ]
+        args: list[Any] = [
+            query_id,
+            "1" if close_session else "0",
+            repr(now),
+            store.retention_ms,
+            store.stream_maxlen,
+            *stages,
+        ]
+        return int(await self._close_stages(keys=keys, args=args))
+
+
+@dataclass(frozen=True, slots=True)
+class StoredWorkflow:
+    """A query rebuilt from Redis: as submitted, or a session as its calls made it."""
+
+    query: Query
+    prompts: list[tuple[str, ...]]
+    names: list[str]
+    given: list[int] | None
+    """A session's given calls per stage; None for a query submitted whole."""
+    closed_stages: set[int]
+    session_open: bool
+    idle_s: float
+    chats: dict[str, tuple[tuple[str, str], ...]]
+    """Chat calls' messages by call id."""
+
+
+def stored_workflow(stored: StoredQuery) -> StoredWorkflow:
+    """The query's workflow as it stands in Redis (what recovery and views read)."""
+    request = cpb.SubmitQueryRequest.FromString(stored.submit)
+    opened, prompts = parse_submit(request)
+    names = stage_names(request.workflow)
+    f = stored.fields
+    session = f.get("session")
+    if session is None:
+        return StoredWorkflow(opened, prompts, names, None, set(), False, 0.0, {})
+    stages = list(opened.workflow.stages)
+    total = int(f.get("stages_total", len(stages)))
+    for k in range(len(stages), total):  # stages added by a call that named a new one
+        name = f.get(f"x:{k}", f"stage{k}")
+        stages.append(Stage(step=canonical_step(name), calls=(LLMCall("x", 1, 1),)))
+        names.append(name)
+        prompts.append(("",))
+    given: list[int] = []
+    chats: dict[str, tuple[tuple[str, str], ...]] = {}
+    for k, stage in enumerate(stages):
+        calls, texts = list(stage.calls), list(prompts[k])
+        n = 0
+        while True:
+            call_id = call_id_of(opened.query_id, k, n)
+            raw = f.get(f"g:{call_id}")
+            if raw is None:
+                break
+            pb = wfpb.LLMCall.FromString(base64.b64decode(raw))
+            if pb.messages:
+                chats[call_id] = tuple((m.role, m.content) for m in pb.messages)
+            call = LLMCall(pb.step or stage.step, pb.input_tokens, pb.output_tokens)
+            if n < len(calls):
+                calls[n], texts[n] = call, pb.prompt
+            else:
+                calls.append(call)
+                texts.append(pb.prompt)
+            n += 1
+        given.append(n)
+        stages[k] = Stage(step=stage.step, calls=tuple(calls), after=stage.after)
+        prompts[k] = tuple(texts)
+    query = Query(
+        query_id=opened.query_id,
+        workflow=Workflow(tuple(stages)),
+        tenant=opened.tenant,
+        slo_s=opened.slo_s,
+        slo_scale=opened.slo_scale,
+    )
+    closed = {k for k in range(len(stages)) if f.get(f"z:{k}") == "1"}
+    return StoredWorkflow(
+        query,
+        prompts,
+        names,
+        given,
+        closed,
+        session == "open",
+        float(f.get("idle_s", 0.0)),
+        chats,
+    )

@@ -1,0 +1,410 @@
+"""Workflow sessions: workflows whose calls arrive as the client learns them.
+
+A real agent cannot write every prompt before its first call runs: the candidate prompt
+holds the schema that linking chose, the revise prompt the error a candidate produced. A
+session is a query like any other (the same admission, Redis scripts, release rule,
+stage budgets and dispatch), opened with the workflow it **expects** (a named template
+such as ``chess``, or explicit stages with expected token sizes); its calls wait, held,
+until the client gives them:
+
+- **OpenWorkflow** admits the expected workflow (`Admission.submit`), so the stage
+  budgets split the SLO over the stages ahead from the start. Idempotent on the id.
+- **RunCall** gives one call of a named stage and streams that call's events. The stage
+  is the first of that name that still takes calls; a call beyond its expected ones joins
+  it; a name the workflow does not expect adds a stage at the end, released at once. A
+  stage whose given calls all finished takes no more (the next call of its name goes to
+  the next round, e.g. the second revise round). Giving a call of a stage closes the
+  stages it waits for: their calls never given are **skipped** (they complete without
+  running, which is what releases the stage).
+- **CloseWorkflow** (or `idle_timeout_s` wall seconds without a call) closes the session:
+  every call never given is skipped and the query succeeds when its last given call
+  finishes. While open, a session never finishes on its own: the client may still add.
+- A query submitted whole (SubmitQuery) is the special case with every call given at
+  submission and no session to close.
+
+A call given after the workflow's deadline still runs: its stage deadline is the
+workflow's, already past, so every deadline-ordered queue serves it first among the
+late; the client sees ``deadline_s`` in the past on the first response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import AsyncIterator
+
+from hexgen_api.v1 import coordinator_pb2 as cpb
+from hexgen_api.v1 import workflow_pb2 as wfpb
+from hexgen_coordinator.admission import Admission, limits_of
+from hexgen_coordinator.completions import Completions
+from hexgen_coordinator.config import CoordinatorConfig
+from hexgen_coordinator.dispatch import Dispatch
+from hexgen_coordinator.events import WATCH_BUFFER, record_event
+from hexgen_coordinator.ledger import ActiveQuery, Ledger, call_id_of
+from hexgen_coordinator.redis_retry import until_stored
+from hexgen_coordinator.session_store import GIVE_APPLIED, GIVE_DUPLICATE, GiveMode, SessionStore
+from hexgen_coordinator.views import QueryViews
+from hexgen_coordinator.write_behind import WriteBehind
+from hexgen_flow.runtime import CallTicket
+from hexgen_flow.scheduler import GlobalScheduler
+from hexgen_flow.workload import LLMCall, canonical_step
+from hexgen_service.convert import MAX_TOKENS_PER_CALL, submit_from_query, template_to_proto
+from hexgen_service.errors import FailedPreconditionError, InvalidFieldError
+
+__all__ = ["Sessions"]
+
+log = logging.getLogger("hexgen_coordinator.coordinator")  # the coordinator's one logger
+
+K = cpb.QueryEventKind
+
+_STATE_NAMES = {
+    cpb.QUERY_STATE_SUCCEEDED: "succeeded",
+    cpb.QUERY_STATE_CANCELLED: "cancelled",
+    cpb.QUERY_STATE_FAILED: "failed",
+}
+CHARS_PER_TOKEN = 4
+"""A prompt's token estimate when the client gives none: characters / 4."""
+DEFAULT_OUTPUT_TOKENS = 256
+"""max_tokens of a call of a stage the workflow did not expect, when the client gives none."""
+
+
+class Sessions:
+    def __init__(
+        self,
+        config: CoordinatorConfig,
+        scheduler: GlobalScheduler,
+        store: SessionStore,
+        ledger: Ledger,
+        admission: Admission,
+        dispatch: Dispatch,
+        completions: Completions,
+        writes: WriteBehind,
+        views: QueryViews,
+    ) -> None:
+        self.config = config
+        self.scheduler = scheduler
+        self.store = store
+        self.ledger = ledger
+        self.admission = admission
+        self.dispatch = dispatch
+        self.completions = completions
+        self.writes = writes
+        self.views = views
+        self.limits = limits_of(config)
+
+    # ------------------------------------------------------------------ open
+
+    async def open(self, request: cpb.OpenWorkflowRequest) -> tuple[cpb.QueryInfo, bool]:
+        """Open (or find) a workflow session; InvalidFieldError names a bad field."""
+        if bool(request.template) == request.HasField("expected"):
+            raise InvalidFieldError(
+                "template", "give a template name or the expected stages (exactly one)"
+            )
+        expected = template_to_proto(request.template) if request.template else request.expected
+        for k, stage in enumerate(expected.stages):
+            for c, call in enumerate(stage.calls):
+                if call.prompt:
+                    raise InvalidFieldError(
+                        f"expected.stages[{k}].calls[{c}].prompt",
+                        "an expected call has no prompt: give it with RunCall",
+                    )
+        idle = request.idle_timeout_s or self.config.session_idle_s
+        if not (math.isfinite(idle) and 0 < idle <= self.config.max_slo_s):
+            raise InvalidFieldError(
+                "idle_timeout_s", f"must be in (0, {self.config.max_slo_s:g}] s, got {idle:g}"
+            )
+        submit = cpb.SubmitQueryRequest(
+            query_id=request.workflow_id,
+            tenant=request.tenant,
+            workflow=expected,
+            slo_s=request.slo_s,
+            slo_scale=request.slo_scale,
+        )
+        try:
+            return await self.admission.submit(submit, session_idle_s=idle)
+        except InvalidFieldError as exc:  # the submission's field names, as this request has them
+            field = exc.field
+            if field == "query_id":
+                field = "workflow_id"
+            elif field.startswith("workflow"):
+                field = "expected" + field[len("workflow") :]
+            raise InvalidFieldError(field, str(exc).split(": ", 1)[-1]) from None
+
+    # ------------------------------------------------------------------ calls
+
+    async def run_call(self, request: cpb.RunCallRequest) -> AsyncIterator[cpb.RunCallResponse]:
+        """Give a call of an open session; its events until it finishes (or the query ends)."""
+        workflow_id, name = request.workflow_id, request.stage
+        if not workflow_id:
+            raise InvalidFieldError("workflow_id", "must not be empty")
+        if not name or len(name) > self.limits.max_id_chars:
+            raise InvalidFieldError(
+                "stage", f"must be 1 to {self.limits.max_id_chars} characters, got {len(name)}"
+            )
+        prompt = request.call.prompt
+        if (
+            self.limits.max_prompt_bytes is not None
+            and len(prompt.encode("utf-8")) > self.limits.max_prompt_bytes
+        ):
+            raise InvalidFieldError(
+                "call.prompt", f"must be at most {self.limits.max_prompt_bytes} bytes"
+            )
+        for field in ("input_tokens", "output_tokens"):
+            value = getattr(request.call, field)
+            if not 0 <= value <= MAX_TOKENS_PER_CALL:
+                raise InvalidFieldError(
+                    f"call.{field}", f"must be in [0, {MAX_TOKENS_PER_CALL}], got {value}"
+                )
+        entry = await self._open_entry(workflow_id)
+        queue: asyncio.Queue[cpb.QueryEvent | None] = asyncio.Queue(maxsize=WATCH_BUFFER)
+        entry.watchers.add(queue)  # before the call is given: none of its events is missed
+        try:
+            async with entry.lock:
+                await self._open_entry(workflow_id, entry)
+                submitted, deadline = await self._give(entry, name, request.call)
+            call_id = submitted.call_id
+            yield cpb.RunCallResponse(call_id=call_id, deadline_s=deadline, event=submitted)
+            while True:
+                event = await queue.get()
+                if event is None:
+                    return  # the query ended (its last event came first)
+                if event is submitted:
+                    continue  # the first response carried it
+                if event.call_id == call_id:
+                    yield cpb.RunCallResponse(event=event)
+                    if event.kind == K.QUERY_EVENT_KIND_CALL_FINISHED:
+                        return
+                elif event.kind in (K.QUERY_EVENT_KIND_FAILED, K.QUERY_EVENT_KIND_CANCELLED):
+                    yield cpb.RunCallResponse(event=event)
+                    return
+        finally:
+            entry.watchers.discard(queue)
+
+    async def _open_entry(self, workflow_id: str, held: ActiveQuery | None = None) -> ActiveQuery:
+        """The running session `workflow_id`; NOT_FOUND, or FAILED_PRECONDITION naming why
+        it takes no calls."""
+        entry = self.ledger.active.get(workflow_id)
+        if entry is None or (held is not None and entry is not held):
+            info = await self.views.get_info(workflow_id)  # UnknownQueryError: NOT_FOUND
+            state = _STATE_NAMES.get(info.state, "ended")
+            raise FailedPreconditionError(
+                f"workflow {workflow_id!r} has {state}: it takes no more calls"
+            )
+        if entry.session is None:
+            raise FailedPreconditionError(
+                f"query {workflow_id!r} was submitted whole (SubmitQuery); RunCall gives "
+                "the calls of a workflow opened with OpenWorkflow"
+            )
+        if not entry.session.open:
+            raise FailedPreconditionError(
+                f"workflow {workflow_id!r} is closed: it finishes with the calls it has"
+            )
+        return entry
+
+    def _stage_for(self, entry: ActiveQuery, name: str) -> tuple[int | None, list[int]]:
+        """The stage a call named `name` goes to (None: a new one) and the stages that
+        close because of it (see the module docstring)."""
+        run, session = entry.run, entry.session
+        assert session is not None and run.given is not None
+        stages = run.query.workflow.stages
+        matches = [k for k, n in enumerate(session.names) if n == name]
+        if not matches:
+            step = canonical_step(name)
+            matches = [k for k, s in enumerate(stages) if s.step == step]
+        closing: list[int] = []
+        chosen = None
+        for k in matches:
+            if k in session.closed_stages or run.stage_finished_s[k] is not None:
+                continue
+            done = len(stages[k].calls) - run.stage_calls_left[k]
+            if run.given[k] > 0 and done >= run.given[k]:
+                closing.append(k)  # its calls all came back: this call is the next round
+                continue
+            chosen = k
+            break
+        if chosen is not None:
+            ancestors, todo = set(), list(stages[chosen].after)
+            while todo:
+                a = todo.pop()
+                if a not in ancestors:
+                    ancestors.add(a)
+                    todo.extend(stages[a].after)
+            closing += [
+                a
+                for a in sorted(ancestors)
+                if a not in session.closed_stages and run.stage_finished_s[a] is None
+            ]
+        return chosen, closing
+
+    async def _give(
+        self, entry: ActiveQuery, name: str, given: wfpb.LLMCall
+    ) -> tuple[cpb.QueryEvent, float]:
+        """Give one call (the caller holds the query's lock): (its CALL_SUBMITTED event,
+        its stage's deadline, or what it would get if released now)."""
+        run, session, ledger = entry.run, entry.session, self.ledger
+        assert session is not None and run.given is not None
+        query_id = run.query.query_id
+        now = ledger.clock.now()
+        stage, closing = self._stage_for(entry, name)
+        if closing:
+            await until_stored(
+                f"closing stages of {query_id}",
+                lambda: self.store.close_stages(query_id, closing),
+            )
+            session.closed_stages.update(closing)
+        stages = run.query.workflow.stages
+        expected = (
+            stages[stage].calls[min(run.given[stage], len(stages[stage].calls) - 1)]
+            if (stage is not None)
+            else None
+        )
+        step = (
+            canonical_step(given.step)
+            if given.step
+            else (stages[stage].step if stage is not None else canonical_step(name))
+        )
+        call = LLMCall(
+            step,
+            given.input_tokens or max(1, math.ceil(len(given.prompt) / CHARS_PER_TOKEN)),
+            given.output_tokens or (expected.output_tokens if expected else DEFAULT_OUTPUT_TOKENS),
+        )
+        if call.input_tokens + call.output_tokens > max(self.scheduler.load.kv_tokens):
+            raise InvalidFieldError(
+                "call",
+                f"{call.input_tokens}+{call.output_tokens} tokens fit no instance's KV cache "
+                f"(largest: {max(self.scheduler.load.kv_tokens)} tokens)",
+            )
+        mode: GiveMode
+        if stage is None:
+            stage = run.add_stage(call)
+            session.names.append(name)
+            entry.prompts.append((given.prompt,))
+            index, mode = 0, "new"
+        else:
+            expected_calls = len(stages[stage].calls)
+            index = run.give(stage, call)
+            mode = "replace" if index < expected_calls else "join"
+            texts = list(entry.prompts[stage])
+            if index < len(texts):
+                texts[index] = given.prompt
+            else:
+                texts.append(given.prompt)
+            entry.prompts[stage] = tuple(texts)
+        call_id = call_id_of(query_id, stage, index)
+        if given.messages:
+            entry.chats[call_id] = tuple((m.role, m.content) for m in given.messages)
+        blob = wfpb.LLMCall(
+            step=call.step,
+            input_tokens=call.input_tokens,
+            output_tokens=call.output_tokens,
+            prompt=given.prompt,
+            messages=given.messages,
+        ).SerializeToString()
+        shape = submit_from_query(run.query).SerializeToString()
+        status = await until_stored(
+            f"giving {call_id}",
+            lambda: self.store.give(
+                query_id, call_id, stage, blob, mode, name=name, now=now, shape=shape
+            ),
+        )
+        if status not in (GIVE_APPLIED, GIVE_DUPLICATE):
+            log.error("redis refused to give %s (status %d)", call_id, status)
+        session.last_call_wall = time.monotonic()
+        session.last_done_s = max(session.last_done_s, now)
+        record_event(entry, K.QUERY_EVENT_KIND_CALL_SUBMITTED, now, stage=stage, call_id=call_id)
+        submitted = entry.events[-1]
+        released: list[CallTicket] = []
+        ticket = ledger.tickets.get(call_id)
+        if mode == "new":
+            released = self.dispatch.release_stage(entry, stage, now)
+            ticket = released[0]
+        elif ticket is not None:  # released and held: it may go now
+            ticket.call = call
+            with contextlib.suppress(Exception):  # no instance now: parked until one comes
+                self.scheduler.dispatch(ticket, now)
+            released = [ticket]
+        elif run.stage_released_s[stage] is not None:  # joins a released stage
+            ticket = self.scheduler.release_call(run, stage, index, now)
+            ticket.call_id = call_id
+            ledger.tickets[call_id] = ticket
+            released = [ticket]
+        released += await self.completions.settle(entry, [], now)
+        self.dispatch.send(released)
+        self.writes.persist(entry, released)
+        deadline = ticket.deadline_s if ticket else self.scheduler.budget.revise(run, stage, now)
+        return submitted, deadline
+
+    # ------------------------------------------------------------------ close
+
+    async def close(self, workflow_id: str, reason: str = "closed by the client") -> cpb.QueryInfo:
+        """Close a session (idempotent: a closed or ended one is returned as it is)."""
+        if not workflow_id:
+            raise InvalidFieldError("workflow_id", "must not be empty")
+        entry = self.ledger.active.get(workflow_id)
+        if entry is None:
+            return await self.views.get_info(workflow_id)
+        if entry.session is None:
+            raise FailedPreconditionError(
+                f"query {workflow_id!r} was submitted whole (SubmitQuery): nothing to close"
+            )
+        async with entry.lock:
+            session = entry.session
+            if self.ledger.active.get(workflow_id) is entry and session.open:
+                await self._close(entry, reason)
+        return await self.views.get_info(workflow_id)
+
+    async def _close(self, entry: ActiveQuery, reason: str) -> None:
+        run, session = entry.run, entry.session
+        assert session is not None
+        query_id = run.query.query_id
+        stages = [
+            k
+            for k in range(len(run.query.workflow.stages))
+            if k not in session.closed_stages and run.stage_finished_s[k] is None
+        ]
+        now = self.ledger.clock.now()
+        # Nothing left running: the workflow ended with its last call, not when it was
+        # closed (the client's think time after its last answer is not its latency).
+        running = any(
+            t.query_id == query_id
+            for t in self.ledger.tickets.values()
+            if t.run is not None and t.run.is_given(t.stage, t.index)
+        )
+        when = now if running else session.last_done_s
+        await until_stored(
+            f"closing {query_id}",
+            lambda: self.store.close_stages(query_id, stages, close_session=True, now=when),
+        )
+        session.open = False
+        session.closed_stages.update(stages)
+        run.end_session(when)
+        record_event(entry, K.QUERY_EVENT_KIND_CLOSED, now, text=reason)
+        released = await self.completions.settle(entry, [], when)
+        self.dispatch.send(released)
+        self.writes.persist(entry, released)
+        if run.finished_s is not None:
+            record_event(entry, K.QUERY_EVENT_KIND_SUCCEEDED, run.finished_s)
+            self.writes.persist(entry, [])
+            await self.writes.flush()  # GetQuery reads a finished query's log from Redis
+            self.completions.finish(entry)
+
+    async def close_idle(self) -> None:
+        """Close the sessions idle for longer than their timeout, every second."""
+        while True:
+            await asyncio.sleep(1.0)
+            wall = time.monotonic()
+            idle = [
+                (query_id, entry.session.idle_timeout_s)
+                for query_id, entry in list(self.ledger.active.items())
+                if entry.session is not None
+                and entry.session.open
+                and wall - entry.session.last_call_wall > entry.session.idle_timeout_s
+            ]
+            for query_id, timeout in idle:
+                try:
+                    await self.close(query_id, f"idle for more than {timeout:g} s")
+                except Exception:  # keep closing the others; this one is tried again
+                    log.exception("closing idle session %s failed", query_id)
