@@ -162,6 +162,15 @@ async def test_a_three_stage_workflow_by_headers_only(up: Up) -> None:
     assert tokens[f"{workflow}/0.0"].endswith(" 32 tokens")
     assert tokens[f"{workflow}/1.1"].endswith(" 16 tokens")
     assert tokens[f"{workflow}/2.1"].endswith(" 8 tokens")
+    # `hexgen-flow get` shows the three stages with the deadlines they were given.
+    shown = subprocess.run(
+        [sys.executable, "-m", "hexgen_cli", "get", workflow, "--coordinator", up.coordinator],
+        capture_output=True, text=True, timeout=60, check=True,
+    ).stdout  # fmt: skip
+    assert "a workflow session (closed)" in shown
+    for stage in got.stages:
+        line = next(row for row in shown.splitlines() if stage.name in row and "/" in row)
+        assert f"{stage.deadline_s:.2f}" in line, (stage.name, shown)
     # A call for a workflow that ended is refused: 409, naming why.
     late = httpx.post(
         f"{base_url(up)}/completions",

@@ -10,6 +10,8 @@ waits when another instance can.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import subprocess
 import time
 import uuid
@@ -209,6 +211,41 @@ async def test_an_idle_session_is_closed(up: Up) -> None:
     assert got.query.state == cpb.QUERY_STATE_SUCCEEDED
     closed = [e for e in got.events if e.kind == K.QUERY_EVENT_KIND_CLOSED]
     assert closed and closed[0].text == "idle for more than 1 s"
+
+
+async def test_a_session_goes_on_after_the_coordinator_is_killed(up: Up) -> None:
+    # Last of the shared mesh's tests: its coordinator is killed and restarted by `up`.
+    workflow = _id("restart")
+    async with CoordinatorClient(up.coordinator) as client:
+        await client.open_workflow(workflow, template="chess", slo_s=600)
+        await _run(client, workflow, "extract_keywords")
+        await _run(client, workflow, "my_extra")  # a stage added: it must come back too
+        chat = [("system", "You write SQL."), ("user", "How many artists?")]
+        async for _ in client.run_call(workflow, "generate_candidate", "c", messages=chat):
+            pass
+        victim = up.service_pid("hexgen_coordinator")
+        os.kill(victim, signal.SIGKILL)
+        up.wait_stderr(r"coordinator exited with code -9; restarting")
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                got = await client.get(workflow)
+                break
+            except CoordinatorError:
+                assert time.monotonic() < deadline, "the coordinator did not come back"
+                await asyncio.sleep(0.2)
+        assert got.query.state == cpb.QUERY_STATE_RUNNING and got.query.session_open
+        assert [s.name for s in got.stages][-1] == "my_extra"
+        # The session takes calls where it was: both revise rounds are still ahead.
+        assert await _run(client, workflow, "revise") == f"{workflow}/3.0"
+        assert await _run(client, workflow, "revise") == f"{workflow}/4.0"
+        info = await client.close_workflow(workflow)
+        assert info.state == cpb.QUERY_STATE_SUCCEEDED
+        got = await client.get(workflow)
+    given = {s.index: s.calls_given for s in got.stages}
+    assert given == {0: 1, 1: 0, 2: 1, 3: 1, 4: 1, 5: 0, 6: 1}
+    status, report = check_state(up.banner["redis"].split()[0])
+    assert status == 0, report
 
 
 # ---------------------------------------------- re-budgeting: a mesh of its own (round-robin)

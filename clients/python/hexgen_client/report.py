@@ -152,7 +152,8 @@ def _calls(events: Any) -> dict[str, dict[str, Any]]:
         call = calls.setdefault(
             e.call_id,
             {"call_id": e.call_id, "stage": e.stage, "instance": "", "dispatches": 0,
-             "failures": 0, "started_s": None, "finished_s": None},
+             "failures": 0, "started_s": None, "finished_s": None, "skipped": False,
+             "deadline_updates": 0},
         )  # fmt: skip
         if e.kind in (k.QUERY_EVENT_KIND_CALL_DISPATCHED, k.QUERY_EVENT_KIND_CALL_REDISPATCHED):
             call["dispatches"] += e.kind == k.QUERY_EVENT_KIND_CALL_DISPATCHED
@@ -164,6 +165,10 @@ def _calls(events: Any) -> dict[str, dict[str, Any]]:
             call["instance"] = e.instance or call["instance"]
         elif e.kind == k.QUERY_EVENT_KIND_CALL_FAILED:
             call["failures"] += 1
+        elif e.kind == k.QUERY_EVENT_KIND_CALL_SKIPPED:
+            call["skipped"] = True
+        elif e.kind == k.QUERY_EVENT_KIND_DEADLINE_UPDATED:
+            call["deadline_updates"] += 1
     return calls
 
 
@@ -176,6 +181,7 @@ def query_json(reply: coordinator_pb2.GetQueryResponse) -> dict[str, Any]:
         "state": state_name(q.state),
         "failure_reason": q.failure_reason,
         "best_effort": q.best_effort,
+        "session": ("open" if q.session_open else "closed") if q.session else None,
         "arrival_s": q.arrival_s,
         "slo_s": q.slo_s,
         "deadline_s": q.deadline_s,
@@ -185,10 +191,13 @@ def query_json(reply: coordinator_pb2.GetQueryResponse) -> dict[str, Any]:
         "stages": [
             {
                 "index": st.index,
+                "name": st.name or st.step,
                 "step": st.step,
                 "after": list(st.after),
                 "calls_total": st.calls_total,
                 "calls_done": st.calls_done,
+                "calls_given": st.calls_given,
+                "calls_skipped": st.calls_skipped,
                 "released_s": st.released_s if st.released_s or st.deadline_s else None,
                 "finished_s": st.finished_s or None,
                 "deadline_s": st.deadline_s or None,
@@ -221,13 +230,19 @@ def query_lines(reply: coordinator_pb2.GetQueryResponse) -> list[str]:
         head.append(f"  failed: {doc['failure_reason']}")
     if doc["best_effort"]:
         head.append("  admitted best-effort (served after every query admitted on time)")
-    rows = [("stage", "step", "calls", "released s", "deadline s", "finished s", "slack s")]
+    if doc["session"] is not None:
+        head.append(
+            f"  a workflow session ({doc['session']}): calls given as they came; "
+            "deadlines recomputed at every stage completion"
+        )
+    rows = [("stage", "name", "calls", "released s", "deadline s", "finished s", "slack s")]
     for st in doc["stages"]:
+        skipped = f" ({st['calls_skipped']} skipped)" if st["calls_skipped"] else ""
         rows.append(
             (
                 str(st["index"]),
-                st["step"],
-                f"{st['calls_done']}/{st['calls_total']}",
+                st["name"] if st["name"] == st["step"] else f"{st['name']} ({st['step']})",
+                f"{st['calls_done']}/{st['calls_total']}{skipped}",
                 _t(st["released_s"]),
                 _t(st["deadline_s"]),
                 _t(st["finished_s"]),
@@ -238,15 +253,18 @@ def query_lines(reply: coordinator_pb2.GetQueryResponse) -> list[str]:
     table = [
         "  "
         + "  ".join(
-            c.ljust(w) if i == 1 else c.rjust(w)  # the step is text: left-aligned
+            c.ljust(w) if i in (1, 2) else c.rjust(w)  # text: left-aligned
             for i, (c, w) in enumerate(zip(r, widths, strict=True))
         ).rstrip()
         for r in rows
     ]
     calls = [
-        f"  {c['call_id']}  on {c['instance'] or '-'}  started {_t(c['started_s'])}  finished "
-        f"{_t(c['finished_s'])}"
+        f"  {c['call_id']}  skipped (never given)"
+        if c["skipped"]
+        else f"  {c['call_id']}  on {c['instance'] or '-'}  started {_t(c['started_s'])}  "
+        f"finished {_t(c['finished_s'])}"
         + (f"  ({c['dispatches']} dispatches)" if c["dispatches"] > 1 else "")
+        + (f"  (deadline recomputed {c['deadline_updates']}x)" if c["deadline_updates"] else "")
         + (f"  ({c['failures']} failed)" if c["failures"] else "")
         for c in doc["calls"]
     ]

@@ -10,12 +10,14 @@ from hexgen_api.v1 import worker_pb2
 from hexgen_service.clock import ClusterClock
 from hexgen_service.errors import InvalidFieldError
 from hexgen_worker.config import EngineKind, WorkerConfig
+from hexgen_worker.engines.base import ChatMessage
 from hexgen_worker.events import CallFinished, CallReport, CallStarted, CallTokens, Heartbeat
 from hexgen_worker.state import WelcomeSettings
 
 __all__ = [
     "DEFAULT_HEARTBEAT_INTERVAL_S",
     "ENGINE_KIND_PB",
+    "dispatch_messages",
     "event_request",
     "heartbeat_request",
     "hello_request",
@@ -88,6 +90,11 @@ def welcome_from_proto(pb: worker_pb2.WorkerWelcome) -> WelcomeSettings:
         heartbeat_interval_s=interval,
         drop_call_ids=tuple(pb.drop_call_ids),
     )
+
+
+def dispatch_messages(pb: worker_pb2.DispatchCall) -> tuple[ChatMessage, ...]:
+    """A dispatched chat call's messages (empty for a plain prompt)."""
+    return tuple(ChatMessage(m.role, m.content) for m in pb.messages)
 
 
 def event_request(event: CallReport) -> worker_pb2.ConnectRequest:

