@@ -35,7 +35,10 @@ from hexgen_service.server import GrpcServer
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
 WORKERS = [f"worker-{i}" for i in range(4)]
-SERVICES = {"redis", "coordinator", "tuner", "gateway", *WORKERS, "otel-collector", "jaeger"}
+SERVICES = {
+    "redis", "coordinator", "tuner", "gateway", *WORKERS, "otel-collector", "jaeger",
+    "prometheus", "grafana",
+}  # fmt: skip
 HEXGEN_SERVICES = ["coordinator", "tuner", "gateway", *WORKERS]
 
 

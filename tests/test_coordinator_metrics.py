@@ -113,3 +113,33 @@ def test_metrics_count_queries_calls_latency_and_report_the_present(mesh: _Mesh)
     assert m[("hexgen_flow_instance_connected", (("instance", "A100#0"),))] == 1
     assert m[("hexgen_flow_instance_kv_capacity_tokens", (("instance", "A100#0"),))] > 0
     assert m[("hexgen_flow_instance_in_flight_calls", (("instance", "A100#0"),))] == 0
+
+
+DASHBOARD = Path(__file__).resolve().parents[1] / "deploy/grafana/dashboards/hexgen-flow.json"
+
+
+def test_every_dashboard_panel_queries_metrics_the_coordinator_serves(mesh: _Mesh) -> None:
+    import json
+    import re
+
+    async def ready() -> None:
+        async with CoordinatorClient(mesh.address) as client:
+            await client.wait_ready(timeout_s=30)
+
+    asyncio.run(ready())
+    served: set[str] = set()
+    for family in text_string_to_metric_families(httpx.get(mesh.metrics, timeout=5).text):
+        # A family's samples: counters end in _total, histograms in _bucket/_count/_sum.
+        served |= {
+            family.name,
+            *(f"{family.name}{s}" for s in ("_total", "_bucket", "_count", "_sum")),
+        }
+    dashboard = json.loads(DASHBOARD.read_text())
+    assert dashboard["panels"], "the dashboard has no panels"
+    for panel in dashboard["panels"]:
+        exprs = [t["expr"] for t in panel["targets"]]
+        assert exprs, panel["title"]
+        for expr in exprs:
+            names = set(re.findall(r"\bhexgen_flow_[a-z_]+\b", expr))
+            assert names, (panel["title"], expr)
+            assert names <= served, (panel["title"], sorted(names - served))
