@@ -100,3 +100,32 @@ def test_up_serves_the_coordinators_metrics_where_its_banner_says(up: Up) -> Non
     text = httpx.get(url, timeout=10).text
     assert "# TYPE hexgen_flow_queries_finished_total counter" in text
     assert 'hexgen_flow_instance_connected{instance="A100#0"} 1.0' in text
+
+
+def test_top_shows_recent_attainment_and_each_instance(up: Up) -> None:
+    async def run() -> None:
+        async with CoordinatorClient(up.coordinator) as client:
+            for n in range(2):
+                async for _event in client.run(Query(f"top-{n}", WORKFLOW, slo_s=10_000)):
+                    pass
+
+    asyncio.run(run())
+    argv = [sys.executable, "-m", "hexgen_cli", "top", "--coordinator", up.coordinator]
+    done = subprocess.run(
+        [*argv, "--count", "2", "--interval-s", "0.2"],
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    screens = done.stdout.split("hexgen-flow top ")
+    assert len(screens) == 3, done.stdout  # two refreshes (not a terminal: one after another)
+    last = screens[-1]
+    assert "last 5 min" in last and "100.0 % within their SLO" in last
+    assert "A100#0" in last and "L40S#3" in last and "policy       hexgen-flow" in last
+    once = [*argv, "--count", "1", "--json"]
+    shown = subprocess.run(once, capture_output=True, text=True, timeout=60, check=True)
+    doc = json.loads(shown.stdout)
+    assert doc["recent"]["succeeded"] >= 2 and doc["recent"]["attainment"] == 1.0
+    assert len(doc["instances"]) == 4
+    bad = subprocess.run(
+        [*argv, "--interval-s", "0"], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert bad.returncode == 2 and "interval-s" in bad.stderr

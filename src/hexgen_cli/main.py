@@ -21,6 +21,7 @@ from hexgen_cli import (
     simulation,
     sql_ask,
     sql_eval,
+    top,
 )
 from hexgen_cli.options import PROG
 from hexgen_flow import __version__
@@ -44,6 +45,7 @@ COMMANDS = (
     "check-state",
     "demo",
     "eval",
+    "top",
 )
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -83,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     get.register(commands)
     check_state.register(commands)
     demo.register(commands)
+    top.register(commands)
     return parser
 
 

@@ -87,6 +87,37 @@ def status_json(status: coordinator_pb2.ClusterStatusResponse) -> dict[str, Any]
     }
 
 
+def recent_json(status: coordinator_pb2.ClusterStatusResponse) -> dict[str, Any]:
+    """The queries that ended in the coordinator's recent window, summed."""
+    r = status.recent
+    return {
+        "window_s": r.window_s,
+        "succeeded": r.succeeded,
+        "slo_met": r.slo_met,
+        "failed": r.failed,
+        "cancelled": r.cancelled,
+        "attainment": r.slo_met / r.succeeded if r.succeeded else None,
+        "latency_p50_s": r.latency_s.p50 if r.latency_s.count else None,
+        "latency_p99_s": r.latency_s.p99 if r.latency_s.count else None,
+    }
+
+
+def top_lines(status: coordinator_pb2.ClusterStatusResponse, address: str) -> list[str]:
+    """`hexgen-flow top`'s screen: the recent outcomes, then `status_lines`."""
+    r = recent_json(status)
+    minutes = r["window_s"] / 60
+    if r["succeeded"]:
+        outcome = (
+            f"{r['succeeded']} succeeded, {100 * r['attainment']:.1f} % within their SLO, "
+            f"latency p50 {r['latency_p50_s']:.1f} s, p99 {r['latency_p99_s']:.1f} s"
+        )
+    else:
+        outcome = "no query succeeded"
+    if r["failed"] or r["cancelled"]:
+        outcome += f"; {r['failed']} failed, {r['cancelled']} cancelled"
+    return [f"last {minutes:g} min  {outcome}", *status_lines(status, address)]
+
+
 def status_lines(status: coordinator_pb2.ClusterStatusResponse, address: str) -> list[str]:
     """The cluster's settings, then one row per instance."""
     lines = [

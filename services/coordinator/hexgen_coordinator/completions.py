@@ -369,12 +369,15 @@ class Completions:
         self.ledger.active.pop(query_id, None)
         metrics = self.ledger.metrics
         metrics.queries_finished.labels(tenant, outcome).inc()
+        latency, met = 0.0, False
         if run.finished_s is not None:  # succeeded (the `finished` stream counts these)
             self.ledger.queries_finished += 1
             latency = run.finished_s - run.arrival_s
             metrics.query_latency.observe(latency)
-            if latency <= run.slo_s:
+            met = latency <= run.slo_s
+            if met:
                 metrics.slo_met.labels(tenant).inc()
+        self.ledger.recent.append((time.monotonic(), outcome, latency, met))
 
     async def cancel(self, query_id: str) -> cpb.QueryInfo:
         ledger = self.ledger

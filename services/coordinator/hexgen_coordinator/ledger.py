@@ -108,3 +108,6 @@ class Ledger:
         """The coordinator's Prometheus metrics (`hexgen_coordinator.metrics`)."""
         self.queries_rejected = 0
         """Submissions refused by admission control since this coordinator started."""
+        self.recent: deque[tuple[float, str, float, bool]] = deque(maxlen=100_000)
+        """(time.monotonic(), outcome, latency s, SLO met) of the latest queries that ended:
+        what ClusterStatus sums over its window (`hexgen-flow top`)."""

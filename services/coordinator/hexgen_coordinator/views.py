@@ -6,7 +6,9 @@ other from Redis. A query's events are streamed live by `hexgen_coordinator.even
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
+from itertools import takewhile
 
 from hexgen_api.v1 import coordinator_pb2 as cpb
 from hexgen_coordinator.ledger import Ledger
@@ -162,6 +164,19 @@ class QueryViews:
             session_open=bool(hold),
         )
 
+    def _recent(self) -> cpb.RecentOutcomes:
+        since = time.monotonic() - RECENT_WINDOW_S
+        ended = list(takewhile(lambda r: r[0] >= since, reversed(self.ledger.recent)))
+        succeeded = [r for r in ended if r[1] == "succeeded"]
+        return cpb.RecentOutcomes(
+            window_s=RECENT_WINDOW_S,
+            succeeded=len(succeeded),
+            slo_met=sum(1 for r in succeeded if r[3]),
+            failed=sum(1 for r in ended if r[1] == "failed"),
+            cancelled=sum(1 for r in ended if r[1] == "cancelled"),
+            latency_s=_summary(r[2] for r in succeeded),
+        )
+
     def status(self) -> cpb.ClusterStatusResponse:
         ledger = self.ledger
         load = self.scheduler.load
@@ -196,6 +211,7 @@ class QueryViews:
             queries_failed=ledger.queries_failed,
             queries_rejected=ledger.queries_rejected,
             retention_s=self.store.retention_ms / 1000,
+            recent=self._recent(),
             slo_base_s=self.scheduler.slo_base_s,
             cluster=self.cluster.description,
             overhead=cpb.CoordinatorOverhead(
@@ -204,6 +220,10 @@ class QueryViews:
                 completions=ledger.completions,
             ),
         )
+
+
+RECENT_WINDOW_S = 300.0
+"""Wall seconds of ended queries that ClusterStatus.recent sums."""
 
 
 def _summary(samples: Iterable[float]) -> cpb.LatencySummary:

@@ -596,6 +596,7 @@ class ClusterStatusResponse(_message.Message):
     QUERIES_FAILED_FIELD_NUMBER: _builtins.int
     QUERIES_REJECTED_FIELD_NUMBER: _builtins.int
     RETENTION_S_FIELD_NUMBER: _builtins.int
+    RECENT_FIELD_NUMBER: _builtins.int
     policy: _builtins.str
     alpha: _builtins.float
     time_scale: _builtins.float
@@ -617,6 +618,10 @@ class ClusterStatusResponse(_message.Message):
     def overhead(self) -> Global___CoordinatorOverhead:
         """The coordinator's own latency, measured since it started."""
 
+    @_builtins.property
+    def recent(self) -> Global___RecentOutcomes:
+        """Queries that ended in the last `window_s` wall seconds (this coordinator's)."""
+
     def __init__(
         self,
         *,
@@ -633,14 +638,53 @@ class ClusterStatusResponse(_message.Message):
         queries_failed: _builtins.int = ...,
         queries_rejected: _builtins.int = ...,
         retention_s: _builtins.float = ...,
+        recent: Global___RecentOutcomes | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["overhead", b"overhead"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["overhead", b"overhead", "recent", b"recent"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["alpha", b"alpha", "cluster", b"cluster", "instances", b"instances", "now_s", b"now_s", "overhead", b"overhead", "policy", b"policy", "queries_failed", b"queries_failed", "queries_finished", b"queries_finished", "queries_rejected", b"queries_rejected", "queries_running", b"queries_running", "retention_s", b"retention_s", "slo_base_s", b"slo_base_s", "time_scale", b"time_scale"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alpha", b"alpha", "cluster", b"cluster", "instances", b"instances", "now_s", b"now_s", "overhead", b"overhead", "policy", b"policy", "queries_failed", b"queries_failed", "queries_finished", b"queries_finished", "queries_rejected", b"queries_rejected", "queries_running", b"queries_running", "recent", b"recent", "retention_s", b"retention_s", "slo_base_s", b"slo_base_s", "time_scale", b"time_scale"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ClusterStatusResponse: _TypeAlias = ClusterStatusResponse  # noqa: Y015
+
+@_typing.final
+class RecentOutcomes(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WINDOW_S_FIELD_NUMBER: _builtins.int
+    SUCCEEDED_FIELD_NUMBER: _builtins.int
+    SLO_MET_FIELD_NUMBER: _builtins.int
+    FAILED_FIELD_NUMBER: _builtins.int
+    CANCELLED_FIELD_NUMBER: _builtins.int
+    LATENCY_S_FIELD_NUMBER: _builtins.int
+    window_s: _builtins.float
+    succeeded: _builtins.int
+    """Queries that succeeded, and of those the ones within their SLO."""
+    slo_met: _builtins.int
+    failed: _builtins.int
+    cancelled: _builtins.int
+    @_builtins.property
+    def latency_s(self) -> Global___LatencySummary:
+        """End-to-end latency of the queries that succeeded, cluster seconds."""
+
+    def __init__(
+        self,
+        *,
+        window_s: _builtins.float = ...,
+        succeeded: _builtins.int = ...,
+        slo_met: _builtins.int = ...,
+        failed: _builtins.int = ...,
+        cancelled: _builtins.int = ...,
+        latency_s: Global___LatencySummary | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["latency_s", b"latency_s"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancelled", b"cancelled", "failed", b"failed", "latency_s", b"latency_s", "slo_met", b"slo_met", "succeeded", b"succeeded", "window_s", b"window_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RecentOutcomes: _TypeAlias = RecentOutcomes  # noqa: Y015
 
 @_typing.final
 class CoordinatorOverhead(_message.Message):
