@@ -118,7 +118,20 @@ async def test_a_query_is_one_trace_across_coordinator_and_worker(
     assert set(coordinator_calls) == {
         f"{query.query_id}/{k}.{i}" for k, n in enumerate((1, 2, 1)) for i in range(n)
     }
-    assert all(_parent(s) == _context(root).span_id for s in coordinator_calls.values())
+    # One span per stage, child of the query's; each call's span is its stage's child.
+    stages = {_attr(s, "hexgen.stage.index"): s for s in mine if s.name == "stage"}
+    assert set(stages) == {0, 1, 2}
+    assert all(_parent(s) == _context(root).span_id for s in stages.values())
+    for call_id, span in coordinator_calls.items():
+        stage = int(call_id.rsplit("/", 1)[1].split(".")[0])
+        assert _parent(span) == _context(stages[stage]).span_id, call_id
+        assert _attr(span, "gen_ai.request.model") == "llama-3.1-70b"
+        assert _attr(span, "gen_ai.usage.input_tokens") in (308, 961)
+        assert isinstance(_attr(span, "gen_ai.usage.output_tokens"), int)
+        assert _attr(span, "hexgen.workflow.id") == query.query_id
+        assert isinstance(_attr(span, "hexgen.deadline_s"), float)
+    first, last = stages[0], stages[2]
+    assert _attr(first, "hexgen.stage.finished_s") <= _attr(last, "hexgen.stage.released_s")  # type: ignore[operator]
     call_span_ids = {_context(s).span_id for s in coordinator_calls.values()}
     worker_spans = [s for s in mine if s.parent is not None and s.parent.span_id in call_span_ids]
     assert len(worker_spans) == 4  # the worker's span of each call, child of the dispatch

@@ -9,6 +9,7 @@ worker as a W3C ``traceparent`` string inside the dispatch message.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -20,9 +21,11 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 __all__ = [
+    "LOG_FORMAT",
     "client_interceptors",
     "context_from_traceparent",
     "server_interceptors",
+    "setup_logging",
     "setup_tracing",
     "traceparent_of",
 ]
@@ -45,6 +48,45 @@ def setup_tracing(service_name: str) -> trace.Tracer:
         trace.set_tracer_provider(provider)
         _configured = True
     return trace.get_tracer(service_name)
+
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s [trace %(trace_id)s] %(message)s"
+"""Every service's log line: the trace id of the span current when it was logged ("-" for
+none), so a line leads to its workflow's trace."""
+
+
+class _TraceIds(logging.Filter):
+    """Puts the current span's trace id on every record (``%(trace_id)s``)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        context = trace.get_current_span().get_span_context()
+        record.trace_id = format(context.trace_id, "032x") if context.is_valid else "-"
+        return True
+
+
+class _DetachNoise(logging.Filter):
+    """Drops OpenTelemetry's "Failed to detach context" error when a streaming RPC ends
+    early (a client cancels a watch, a gateway client goes away). The gRPC server
+    instrumentation keeps its span current across the handler's yields; grpc closes the
+    generator from another context, so resetting the context fails. It is harmless (the
+    span still ends), an upstream bug (open-telemetry/opentelemetry-python-contrib#2357),
+    and logged at ERROR with a traceback on every cancelled stream."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.getMessage() != "Failed to detach context" or record.exc_info is None:
+            return True
+        exc = record.exc_info[1]
+        return not (isinstance(exc, ValueError) and "different Context" in str(exc))
+
+
+def setup_logging(level: str | int) -> None:
+    """Log lines with their trace ids (`LOG_FORMAT`) at `level`, without the upstream
+    detach noise; sampling of traces follows the SDK's ``OTEL_TRACES_SAMPLER`` and
+    ``OTEL_TRACES_SAMPLER_ARG`` (e.g. ``parentbased_traceidratio`` and ``0.1``)."""
+    logging.basicConfig(level=level, format=LOG_FORMAT)
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_TraceIds())
+    logging.getLogger("opentelemetry.context").addFilter(_DetachNoise())
 
 
 def server_interceptors() -> list[Any]:

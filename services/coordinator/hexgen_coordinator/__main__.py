@@ -17,6 +17,7 @@ from hexgen_coordinator.metrics import serve_metrics
 from hexgen_coordinator.redis_retry import redis_client
 from hexgen_flow.errors import HexgenFlowError
 from hexgen_service.server import GrpcServer
+from hexgen_service.telemetry import setup_logging
 
 SERVICE_NAMES = ("hexgen_flow.v1.CoordinatorService", "hexgen_flow.v1.WorkerService")
 
@@ -171,7 +172,7 @@ async def serve(config: CoordinatorConfig) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     config, level = parse_args(argv)
-    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    setup_logging(level)
     try:
         asyncio.run(serve(config))
     except HexgenFlowError as exc:

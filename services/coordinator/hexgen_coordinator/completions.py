@@ -194,10 +194,12 @@ class Completions:
             )
             span = ledger.call_spans.pop(call_id, None)
             if span is not None:
+                span.set_attribute("gen_ai.usage.output_tokens", msg.output_tokens)
                 span.end()
             stage_finished = run.stage_finished_s[stage] is not None
             if stage_finished:
                 record_event(entry, K.QUERY_EVENT_KIND_STAGE_FINISHED, now, stage=stage)
+                self.dispatch.end_stage_span(entry, stage, now)
             released = await self.settle(entry, released, now)
             if stage_finished and run.finished_s is None:
                 self.dispatch.rebudget(entry, now)
@@ -272,6 +274,7 @@ class Completions:
         )
         if run.stage_finished_s[ticket.stage] is not None:
             record_event(entry, K.QUERY_EVENT_KIND_STAGE_FINISHED, now, stage=ticket.stage)
+            self.dispatch.end_stage_span(entry, ticket.stage, now)
         return released
 
     async def _failed(
@@ -363,6 +366,8 @@ class Completions:
         """Forget a query that ended (`outcome`: succeeded, failed or cancelled)."""
         run = entry.run
         query_id, tenant = run.query.query_id, run.query.tenant
+        for stage in list(entry.stage_spans):
+            self.dispatch.end_stage_span(entry, stage, self.ledger.clock.now())
         entry.span.end()
         for watcher in entry.watchers:
             end_watch(watcher)

@@ -60,6 +60,29 @@ class Dispatch:
         for ticket in tickets:
             ticket.call_id = call_id_of(query_id, stage, ticket.index)
             self.ledger.tickets[ticket.call_id] = ticket
+        if stage not in entry.stage_spans and tickets:
+            names = entry.session.names if entry.session is not None else ()
+            entry.stage_spans[stage] = self.tracer.start_span(
+                "stage",
+                context=trace.set_span_in_context(entry.span),
+                attributes={
+                    "hexgen.workflow.id": query_id,
+                    "hexgen.stage.index": stage,
+                    "hexgen.stage.name": names[stage] if stage < len(names) else "",
+                    "hexgen.stage.step": tickets[0].call.step,
+                    "hexgen.stage.calls": len(tickets),
+                    "hexgen.stage.released_s": now,
+                    "hexgen.stage.deadline_s": tickets[0].deadline_s,
+                },
+            )
+
+    @staticmethod
+    def end_stage_span(entry: ActiveQuery, stage: int, now: float) -> None:
+        """The stage finished (or its query ended): its span ends."""
+        span = entry.stage_spans.pop(stage, None)
+        if span is not None:
+            span.set_attribute("hexgen.stage.finished_s", now)
+            span.end()
 
     def send(self, tickets: Iterable[CallTicket]) -> None:
         """Hand dispatched tickets to their workers' streams (parked ones wait)."""
@@ -74,13 +97,25 @@ class Dispatch:
             entry = ledger.active[ticket.query_id]
             ledger.metrics.dispatched_on[ticket.instance].inc()
             ticket.attempt += 1  # a completion is taken only from the latest attempt
+            instance = self.cluster.instances[ticket.instance]
             span = self.tracer.start_span(
                 "call",
-                context=trace.set_span_in_context(entry.span),
+                context=trace.set_span_in_context(entry.stage_spans.get(ticket.stage, entry.span)),
                 attributes={
                     "call.id": ticket.call_id,
                     "call.step": ticket.call.step,
-                    "call.instance": self.cluster.instances[ticket.instance].name,
+                    "call.instance": instance.name,
+                    "call.attempt": ticket.attempt,
+                    "hexgen.workflow.id": ticket.query_id,
+                    "hexgen.stage.index": ticket.stage,
+                    "hexgen.deadline_s": ticket.deadline_s,
+                    # OpenTelemetry's GenAI semantic conventions
+                    "gen_ai.operation.name": "chat"
+                    if ticket.call_id in entry.chats
+                    else "text_completion",
+                    "gen_ai.request.model": instance.model,
+                    "gen_ai.request.max_tokens": ticket.call.output_tokens,
+                    "gen_ai.usage.input_tokens": ticket.call.input_tokens,
                 },
             )
             old = ledger.call_spans.pop(ticket.call_id, None)

@@ -76,6 +76,8 @@ class ActiveQuery:
     first_dispatch_pending: float | None = None
     session: SessionState | None = None
     """Set for a workflow session (OpenWorkflow); None for a query submitted whole."""
+    stage_spans: dict[int, trace.Span] = field(default_factory=dict)
+    """The open span of each released stage (its calls' spans are its children)."""
     chats: dict[str, tuple[tuple[str, str], ...]] = field(default_factory=dict)
     """A chat call's messages (role, content) by call id (`prompts` holds their rendering)."""
 

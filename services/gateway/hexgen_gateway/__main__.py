@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
 from hexgen_flow.errors import HexgenFlowError
 from hexgen_gateway.config import GatewayConfig
+from hexgen_service.telemetry import setup_logging
 
 PROG = "hexgen-gateway"
 
@@ -79,7 +79,7 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[GatewayConfig, str]
 
 def main(argv: Sequence[str] | None = None) -> int:
     config, level = parse_config(argv)
-    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    setup_logging(level)
     import uvicorn  # noqa: PLC0415 - after the arguments are checked
 
     from hexgen_gateway.app import create_app  # noqa: PLC0415

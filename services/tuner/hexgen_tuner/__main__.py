@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
@@ -13,6 +12,7 @@ import redis
 import redis.asyncio as aioredis
 
 from hexgen_flow.errors import HexgenFlowError
+from hexgen_service.telemetry import setup_logging
 from hexgen_tuner.config import TunerConfig
 from hexgen_tuner.service import serve
 
@@ -76,9 +76,7 @@ def parse_config(argv: Sequence[str] | None = None) -> TunerConfig:
     )
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
-    )
+    setup_logging(args.log_level.upper())
     try:
         return TunerConfig(
             listen=args.listen,

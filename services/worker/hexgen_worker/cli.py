@@ -11,7 +11,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import logging
 import signal
 import sys
 from collections.abc import Sequence
@@ -20,6 +19,7 @@ from typing import Any, NoReturn
 from hexgen_flow.cluster import DEFAULT_MODEL
 from hexgen_flow.errors import HexgenFlowError
 from hexgen_flow.sim.engines import ENGINE_MODELS
+from hexgen_service.telemetry import setup_logging
 from hexgen_worker.config import ENGINE_KINDS, WorkerConfig
 from hexgen_worker.worker import EXIT_REJECTED, Worker
 
@@ -170,11 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UsageError, HexgenFlowError) as exc:
         print(f"{PROG}: error: {_one_line(str(exc))}", file=sys.stderr)
         return EXIT_REJECTED
-    logging.basicConfig(
-        level=config.log_level,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    setup_logging(config.log_level)
     try:
         return asyncio.run(_serve(config))
     except HexgenFlowError as exc:  # e.g. the engine cannot run here
