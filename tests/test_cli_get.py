@@ -100,6 +100,12 @@ def test_up_serves_the_coordinators_metrics_where_its_banner_says(up: Up) -> Non
     text = httpx.get(url, timeout=10).text
     assert "# TYPE hexgen_flow_queries_finished_total counter" in text
     assert 'hexgen_flow_instance_connected{instance="A100#0"} 1.0' in text
+    # The tuner serves its own, on the address the same banner line gives.
+    tuner = up.banner["metrics"].split("; ")[1].split()[0]
+    assert tuner.startswith("http://127.0.0.1:") and tuner != url
+    text = httpx.get(tuner, timeout=10).text
+    assert "# TYPE hexgen_flow_tuner_runs_total counter" in text
+    assert "# TYPE hexgen_flow_tuner_run_seconds histogram" in text
 
 
 def test_top_shows_recent_attainment_and_each_instance(up: Up) -> None:

@@ -134,7 +134,8 @@ def register(commands: Any) -> None:
         default=DEFAULT_METRICS,
         metavar="HOST:PORT",
         help="where the coordinator serves Prometheus metrics, at /metrics; port 0 picks a "
-        f"free one (default {DEFAULT_METRICS})",
+        f"free one (default {DEFAULT_METRICS}); the tuner serves its own on the next port "
+        "(a free one with port 0)",
     )
     up.add_argument(
         "--tuner-period-s",
@@ -358,6 +359,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
             gateway=args.gateway,
             gateway_listen=args.gateway_listen,
             metrics_listen=args.metrics_listen,
+            tuner_metrics_listen=_next_port(args.metrics_listen),
             log_dir=args.log_dir,
             keep_logs=True,
         )
@@ -423,7 +425,15 @@ def _print_up(cluster: Any, args: argparse.Namespace) -> None:
             if cluster.gateway_address
             else "off",
         ),
-        ("metrics", f"http://{cluster.metrics_address}/metrics (Prometheus, coordinator)"),
+        (
+            "metrics",
+            f"http://{cluster.metrics_address}/metrics (Prometheus, coordinator)"
+            + (
+                f"; http://{cluster.tuner_metrics_address}/metrics (tuner)"
+                if cluster.tuner_metrics_address
+                else ""
+            ),
+        ),
         ("redis", f"{cluster.redis_url} ({redis_note}, keys {args.redis_prefix}*)"),
         ("instances", f"{','.join(cluster.gpus)}: simulated engines"),
         ("calibration", cluster.calibration.name),
@@ -597,3 +607,9 @@ def _cmd_status(args: argparse.Namespace) -> int:
     else:
         print("\n".join(status_lines(status, args.coordinator)))
     return 0
+
+
+def _next_port(listen: str) -> str:
+    """HOST:PORT+1 (HOST:0 stays: a free port of its own)."""
+    host, _, port = listen.rpartition(":")
+    return f"{host}:{int(port) + 1 if int(port) else 0}"

@@ -106,9 +106,11 @@ class LocalCluster:
         self.coordinator_address = self.config.listen
         self.tuner_address: str | None = None
         self.gateway_address: str | None = None
+        """The gateway's HOST:PORT (its API: ``http://ADDRESS/v1``); None when not run."""
         self.metrics_address: str | None = None
         """Where the coordinator serves Prometheus metrics (``http://ADDRESS/metrics``)."""
-        """The gateway's HOST:PORT (its API: ``http://ADDRESS/v1``); None when not run."""
+        self.tuner_metrics_address: str | None = None
+        """Where the tuner serves Prometheus metrics; None when not served."""
         self.redis_url = self.config.redis_url
         self.log_dir: Path | None = None
         self.redis: RedisServer | None = None
@@ -131,6 +133,10 @@ class LocalCluster:
                 self.tuner_address = resolve_address(config.tuner_listen)
             if config.metrics_listen is not None:
                 self.metrics_address = resolve_address(config.metrics_listen, reuse_addr=True)
+            if config.tuner and config.tuner_metrics_listen is not None:
+                self.tuner_metrics_address = resolve_address(
+                    config.tuner_metrics_listen, reuse_addr=True
+                )
             if config.gateway:
                 # uvicorn binds with SO_REUSEADDR: the TIME_WAIT connections of the last
                 # run (HTTP servers close first) must not stop a quick restart of `up`.
@@ -157,6 +163,7 @@ class LocalCluster:
                     self.coordinator_address,
                     self.redis_url,
                     self.calibration.argument,
+                    self.tuner_metrics_address,
                 )
                 self.tuner = self._process("tuner", "tuner.log", argv)
                 self.tuner.start()

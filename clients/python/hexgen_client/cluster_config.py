@@ -94,6 +94,8 @@ class LocalClusterConfig:
     metrics_listen: str | None = None
     """Where the coordinator serves Prometheus metrics (``hexgen-flow up``: 127.0.0.1:9464);
     None: not served; port 0 picks a free port."""
+    tuner_metrics_listen: str | None = None
+    """Where the tuner serves Prometheus metrics; None: not served; port 0: a free port."""
     python: str = sys.executable
     """The interpreter that runs the services."""
     log_dir: Path | None = None
@@ -164,7 +166,9 @@ def tuner_argv(
     coordinator: str,
     redis_url: str,
     calibration: str | None = None,
+    metrics: str | None = None,
 ) -> list[str]:
+    """The tuner's command line; `metrics`: where it serves Prometheus metrics."""
     return [
         config.python, "-m", "hexgen_tuner",
         "--listen", listen,
@@ -172,6 +176,7 @@ def tuner_argv(
         "--redis-url", redis_url,
         "--redis-prefix", config.redis_prefix,
         "--period-s", repr(config.tuner_period_s),
+        *(["--metrics-listen", metrics] if metrics is not None else []),
         *_calibration_args(calibration),
     ]  # fmt: skip
 

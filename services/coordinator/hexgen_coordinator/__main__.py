@@ -13,9 +13,9 @@ import grpc
 from hexgen_coordinator.config import CoordinatorConfig
 from hexgen_coordinator.coordinator import Coordinator
 from hexgen_coordinator.edge import add_coordinator_services
-from hexgen_coordinator.metrics import serve_metrics
 from hexgen_coordinator.redis_retry import redis_client
 from hexgen_flow.errors import HexgenFlowError
+from hexgen_service.metrics_server import serve_metrics
 from hexgen_service.server import GrpcServer
 from hexgen_service.telemetry import setup_logging
 
@@ -160,7 +160,9 @@ async def serve(config: CoordinatorConfig) -> None:
     )
     metrics_server = None
     if config.metrics_listen:
-        address, metrics_server = serve_metrics(coordinator.ledger.metrics, config.metrics_listen)
+        address, metrics_server = serve_metrics(
+            coordinator.ledger.metrics.registry, config.metrics_listen
+        )
         logging.getLogger("hexgen_coordinator").info("metrics on http://%s/metrics", address)
     try:
         await server.serve_until_signalled(on_stop=coordinator.stop)

@@ -13,9 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
-from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -25,7 +24,7 @@ from hexgen_flow.scheduler import GlobalScheduler
 if TYPE_CHECKING:
     from hexgen_coordinator.ledger import Ledger
 
-__all__ = ["CoordinatorMetrics", "serve_metrics"]
+__all__ = ["CoordinatorMetrics"]
 
 _LATENCY_BUCKETS = (5, 10, 20, 30, 60, 90, 120, 180, 240, 300, 450, 600, 900, 1800, 3600)
 _OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
@@ -143,12 +142,3 @@ class _Present(Collector):
             for name, value in values.items():
                 families[name].add_metric([inst.name], float(value))
         yield from families.values()
-
-
-def serve_metrics(metrics: CoordinatorMetrics, listen: str) -> tuple[str, WSGIServer]:
-    """Serve `metrics` over HTTP on `listen` (``HOST:PORT``, port 0: any free one), in a
-    thread; the address it listens on and the server (``shutdown()`` stops it)."""
-    host, _, port = listen.rpartition(":")
-    host = host or "127.0.0.1"
-    server, _thread = start_http_server(int(port), addr=host, registry=metrics.registry)
-    return f"{host}:{server.server_port}", server

@@ -74,6 +74,12 @@ def parse_config(argv: Sequence[str] | None = None) -> TunerConfig:
         metavar="NAME|measured:FILE",
         help="the coordinator's latency calibration (default chess-measured)",
     )
+    parser.add_argument(
+        "--metrics-listen",
+        default=d.metrics_listen,
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics on http://HOST:PORT/metrics (default: not served)",
+    )
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     args = parser.parse_args(argv)
     setup_logging(args.log_level.upper())
@@ -89,6 +95,7 @@ def parse_config(argv: Sequence[str] | None = None) -> TunerConfig:
             seed=args.seed,
             tolerance=args.tolerance,
             calibration=args.calibration,
+            metrics_listen=args.metrics_listen,
         )
     except HexgenFlowError as exc:
         parser.error(str(exc))

@@ -48,6 +48,8 @@ class TunerConfig:
     calibration: str | None = None
     """Where the replays' latency numbers come from: the coordinator's calibration (None:
     ``chess-measured``)."""
+    metrics_listen: str = ""
+    """Where to serve Prometheus metrics (``HOST:PORT``, at /metrics); empty: nowhere."""
     rpc_timeout_s: float = 10.0
     """Deadline of each RPC to the coordinator."""
 

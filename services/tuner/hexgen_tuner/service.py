@@ -15,6 +15,7 @@ import redis.asyncio as aioredis
 from hexgen_api.v1 import tuner_pb2, tuner_pb2_grpc
 from hexgen_client.client import CoordinatorClient
 from hexgen_client.errors import CoordinatorError
+from hexgen_service.metrics_server import serve_metrics
 from hexgen_service.server import GrpcServer
 from hexgen_service.telemetry import client_interceptors, setup_tracing
 from hexgen_tuner.config import TunerConfig
@@ -120,6 +121,10 @@ async def serve(config: TunerConfig) -> None:
     server = GrpcServer(config.listen, register, [SERVICE_NAME])
     stop = asyncio.Event()
     await server.start()
+    metrics_server = None
+    if config.metrics_listen:
+        address, metrics_server = serve_metrics(tuner.metrics.registry, config.metrics_listen)
+        log.info("metrics on http://%s/metrics", address)
     loop_task = asyncio.create_task(tuner.run_periodically(stop))
     log.info(
         "tuning the coordinator at %s every %s s (window %d, at least %d queries)",
@@ -133,6 +138,8 @@ async def serve(config: TunerConfig) -> None:
     finally:
         stop.set()
         await loop_task
+        if metrics_server is not None:
+            metrics_server.shutdown()
         await coordinator.close()
         await redis_client.aclose()  # type: ignore[attr-defined]  # types-redis predates aclose
 

@@ -44,6 +44,7 @@ from hexgen_flow.tuning import (
     tuning_grid,
 )
 from hexgen_tuner.config import TunerConfig
+from hexgen_tuner.metrics import TunerMetrics
 from hexgen_tuner.store import AlphaChange, TunerStore, TuningRunRecord
 from hexgen_tuner.window import TrafficWindow, read_window
 
@@ -81,6 +82,8 @@ class AlphaTuner:
         )
         self.tracer = tracer or trace.get_tracer("hexgen-tuner")
         self.clock = clock
+        self.metrics = TunerMetrics()
+        """The tuner's Prometheus metrics (served with ``--metrics-listen``)."""
         self._lock = asyncio.Lock()
 
     # --------------------------------------------------------------------------- α
@@ -109,7 +112,9 @@ class AlphaTuner:
         """One tuning run, recorded (runs never overlap: a second caller waits)."""
         async with self._lock:
             with self.tracer.start_as_current_span("tuning_run") as span:
+                started = time.monotonic()
                 run = await self._run()
+                self.metrics.observe(run, time.monotonic() - started)
                 span.set_attributes(
                     {
                         "hexgen.run_id": run.run_id,
