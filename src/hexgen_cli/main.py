@@ -22,6 +22,7 @@ from hexgen_cli import (
     sql_ask,
     sql_eval,
     top,
+    up,
 )
 from hexgen_cli.options import PROG
 from hexgen_flow import __version__
@@ -79,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.register(commands)
     estimate.register(commands)
     profile.register(commands)
-    mesh.register(commands)  # up, replay, ask, status
+    up.register(commands)
+    mesh.register(commands)  # replay, ask, status
     sql_ask.extend_ask(commands)  # ask --db FILE "question": the Text-to-SQL agent
     sql_eval.register(commands)
     get.register(commands)

@@ -1,4 +1,5 @@
-"""``up``, ``replay``, ``ask`` and ``status``: the service mesh, through the Python client.
+"""``replay``, ``ask`` and ``status``: the service mesh, through the Python client (``up`` is
+`hexgen_cli.up`).
 
 The client (grpc, redis) is imported inside each command, once `require_mesh` has checked
 that the mesh's packages are installed: the simulator commands never load them, and a core
@@ -11,11 +12,8 @@ import argparse
 import asyncio
 import dataclasses
 import importlib.util
-import signal
 import sys
-import time
 import uuid
-from pathlib import Path
 from typing import Any
 
 from hexgen_cli.options import (
@@ -27,7 +25,6 @@ from hexgen_cli.options import (
     PROG,
     add_calibration_option,
     add_coordinator_option,
-    address,
     info,
     integer,
     positive_float,
@@ -37,13 +34,6 @@ from hexgen_cli.options import (
     unit_interval,
 )
 from hexgen_cli.simulation import latency_row
-from hexgen_client.addresses import (  # constants only: no grpc at import time  # constants only
-    DEFAULT_COORDINATOR,
-    DEFAULT_GATEWAY,
-    DEFAULT_METRICS,
-    DEFAULT_REDIS_PREFIX,
-    DEFAULT_TUNER,
-)
 from hexgen_flow.cluster import DEFAULT_CLUSTER
 from hexgen_flow.errors import ConfigError
 from hexgen_flow.metrics import RunMetrics
@@ -74,108 +64,7 @@ def _installed(module: str) -> bool:
 
 
 def register(commands: Any) -> None:
-    """Add ``up``, ``replay``, ``ask`` and ``status`` to the command parser."""
-    up = commands.add_parser(
-        "up",
-        help="run a local mesh: Redis, coordinator, tuner, OpenAI-compatible gateway, one "
-        "simulated worker per instance",
-        description="Start the coordinator, the alpha tuner, the OpenAI-compatible gateway "
-        "and one worker per instance "
-        "(simulated engines) as local processes, with a private redis-server unless "
-        "--redis-url is given; wait until every worker has connected, print the addresses, "
-        "and run until Ctrl-C or SIGTERM, which stops everything. A service that dies is "
-        "restarted (after 0.5 s, doubling to 10 s; back to 0.5 s once it stayed up 10 s), "
-        "the private Redis keeps an append-only file so that a restart loses no state, and "
-        "on Linux every service dies with `up` itself, even on kill -9.",
-    )
-    add_cluster_options(up, time_scale=1.0)
-    up.add_argument(
-        "--listen",
-        type=address,
-        default=DEFAULT_COORDINATOR,
-        metavar="HOST:PORT",
-        help=f"the coordinator's address; port 0 picks a free one (default {DEFAULT_COORDINATOR})",
-    )
-    up.add_argument(
-        "--redis-prefix",
-        default=DEFAULT_REDIS_PREFIX,
-        metavar="PREFIX",
-        help=f"prefix of the mesh's Redis keys (default {DEFAULT_REDIS_PREFIX})",
-    )
-    up.add_argument(
-        "--tuner",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="run the alpha tuner (default: yes)",
-    )
-    up.add_argument(
-        "--tuner-listen",
-        type=address,
-        default=DEFAULT_TUNER,
-        metavar="HOST:PORT",
-        help=f"the tuner's address (default {DEFAULT_TUNER})",
-    )
-    up.add_argument(
-        "--gateway",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="run the OpenAI-compatible gateway (default: yes; docs/mesh.md)",
-    )
-    up.add_argument(
-        "--gateway-listen",
-        type=address,
-        default=DEFAULT_GATEWAY,
-        metavar="HOST:PORT",
-        help=f"the gateway's HTTP address; port 0 picks a free one (default {DEFAULT_GATEWAY})",
-    )
-    up.add_argument(
-        "--metrics-listen",
-        type=address,
-        default=DEFAULT_METRICS,
-        metavar="HOST:PORT",
-        help="where the coordinator serves Prometheus metrics, at /metrics; port 0 picks a "
-        f"free one (default {DEFAULT_METRICS}); the tuner serves its own on the next port "
-        "(a free one with port 0)",
-    )
-    up.add_argument(
-        "--tuner-period-s",
-        type=positive_float,
-        default=30.0,
-        metavar="FLOAT",
-        help="wall seconds between tuning runs (default 30)",
-    )
-    up.add_argument(
-        "--admission",
-        choices=("reject", "best-effort", "off"),
-        default=None,
-        help="the coordinator's admission control for queries predicted to miss their SLO: "
-        "reject them, admit them best-effort, or admit everything (default: the "
-        "coordinator's, reject)",
-    )
-    up.add_argument(
-        "--retention-s",
-        type=positive_float,
-        default=None,
-        metavar="FLOAT",
-        help="wall seconds a finished query stays in Redis (default: the coordinator's, 3600)",
-    )
-    up.add_argument(
-        "--max-call-attempts",
-        type=positive_int,
-        default=None,
-        metavar="N",
-        help="dispatches a call gets when its engine fails it before its query fails "
-        "(default: the coordinator's, 3)",
-    )
-    up.add_argument(
-        "--log-dir",
-        type=Path,
-        default=None,
-        metavar="DIR",
-        help="where the services write their logs (default: a temporary folder, kept)",
-    )
-    up.set_defaults(handler=_cmd_up)
-
+    """Add ``replay``, ``ask`` and ``status`` to the command parser (``up``: `hexgen_cli.up`)."""
     rep = commands.add_parser(
         "replay",
         help="drive a running mesh with a trace and print the same metrics as simulate",
@@ -335,132 +224,6 @@ def add_cluster_options(parser: argparse.ArgumentParser, *, time_scale: float) -
 # -------------------------------------------------------------------------------- commands
 
 
-def _cmd_up(args: argparse.Namespace) -> int:
-    require_mesh("up")
-    from hexgen_client.cluster import LocalCluster, LocalClusterConfig  # noqa: PLC0415 - loads grpc
-
-    cluster = LocalCluster(  # checks the cluster and the policy before starting anything
-        LocalClusterConfig(
-            cluster=args.cluster,
-            calibration=args.calibration,
-            policy=args.policy,
-            alpha=args.alpha,
-            slo_scale=args.slo_scale,
-            admission=args.admission,
-            retention_s=args.retention_s,
-            max_call_attempts=args.max_call_attempts,
-            time_scale=args.time_scale,
-            listen=args.listen,
-            redis_url=args.redis_url,
-            redis_prefix=args.redis_prefix,
-            tuner=args.tuner,
-            tuner_listen=args.tuner_listen,
-            tuner_period_s=args.tuner_period_s,
-            gateway=args.gateway,
-            gateway_listen=args.gateway_listen,
-            metrics_listen=args.metrics_listen,
-            tuner_metrics_listen=_next_port(args.metrics_listen),
-            log_dir=args.log_dir,
-            keep_logs=True,
-        )
-    )
-
-    def interrupt(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        info(f"{PROG}: starting {len(cluster.gpus)} simulated workers ({args.cluster}) ...")
-        cluster.start()
-        _print_up(cluster, args)
-        while True:  # supervision: a service that dies is restarted, with backoff
-            for line in cluster.supervise():
-                info(f"{PROG}: {line}")
-            time.sleep(SUPERVISE_PERIOD_S)
-    except KeyboardInterrupt:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the stop
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        info(f"{PROG}: stopping ...")
-        cluster.stop()
-        info(f"{PROG}: stopped ({_restart_summary(cluster.restarts)})")
-        return 0
-    finally:
-        cluster.stop()
-        signal.signal(signal.SIGTERM, previous)
-
-
-SUPERVISE_PERIOD_S = 0.2
-"""How often `up` looks for services that died (wall seconds)."""
-
-
-def _restart_summary(restarts: dict[str, int]) -> str:
-    done = [f"{key} {count}" for key, count in restarts.items() if count]
-    return "restarts: " + (", ".join(done) if done else "none")
-
-
-def _print_up(cluster: Any, args: argparse.Namespace) -> None:
-    redis_note = (
-        "given" if args.redis_url else "private, append-only file fsynced always, removed on exit"
-    )
-    coordinator_options = [
-        f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}"
-        for flag, value in (
-            ("admission", args.admission),
-            ("retention", args.retention_s),
-            ("max call attempts", args.max_call_attempts),
-        )
-        if value is not None
-    ]
-    rows = [
-        ("coordinator", cluster.coordinator_address),
-        (
-            "tuner",
-            f"{cluster.tuner_address} (every {args.tuner_period_s:g} s)"
-            if cluster.tuner_address
-            else "off",
-        ),
-        (
-            "gateway",
-            f"http://{cluster.gateway_address}/v1 (OpenAI-compatible)"
-            if cluster.gateway_address
-            else "off",
-        ),
-        (
-            "metrics",
-            f"http://{cluster.metrics_address}/metrics (Prometheus, coordinator)"
-            + (
-                f"; http://{cluster.tuner_metrics_address}/metrics (tuner)"
-                if cluster.tuner_metrics_address
-                else ""
-            ),
-        ),
-        ("redis", f"{cluster.redis_url} ({redis_note}, keys {args.redis_prefix}*)"),
-        ("instances", f"{','.join(cluster.gpus)}: simulated engines"),
-        ("calibration", cluster.calibration.name),
-        (
-            "policy",
-            ", ".join(
-                [
-                    args.policy,
-                    *([f"alpha {args.alpha:g}"] if args.alpha is not None else []),
-                    *coordinator_options,
-                ]
-            ),
-        ),
-        ("time scale", f"{args.time_scale:g} cluster seconds per wall second"),
-        ("supervision", cluster.restart_policy.describe()),
-        (
-            "on exit",
-            "every service stops with up"
-            + (", even on kill -9" if cluster.dies_with_parent else " (Ctrl-C, SIGTERM)"),
-        ),
-        ("logs", str(cluster.log_dir)),
-    ]
-    print(f"{PROG} up: the mesh is running")
-    print_rows(rows, indent="  ")
-    print("Ctrl-C stops it.", flush=True)
-
-
 def _cmd_replay(args: argparse.Namespace) -> int:
     require_mesh("replay")
     from hexgen_client.client import CoordinatorClient  # noqa: PLC0415 - loads grpc
@@ -607,9 +370,3 @@ def _cmd_status(args: argparse.Namespace) -> int:
     else:
         print("\n".join(status_lines(status, args.coordinator)))
     return 0
-
-
-def _next_port(listen: str) -> str:
-    """HOST:PORT+1 (HOST:0 stays: a free port of its own)."""
-    host, _, port = listen.rpartition(":")
-    return f"{host}:{int(port) + 1 if int(port) else 0}"
