@@ -24,13 +24,14 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dhexgen_flow/v1/workflow.proto\x12\x0ehexgen_flow.v1\"\x83\x01\n\x07LLMCall\x12\x0c\n\x04step\x18\x01 \x01(\t\x12\x14\n\x0cinput_tokens\x18\x02 \x01(\x05\x12\x15\n\routput_tokens\x18\x03 \x01(\x05\x12\x0e\n\x06prompt\x18\x04 \x01(\t\x12-\n\x08messages\x18\x05 \x03(\x0b\x32\x1b.hexgen_flow.v1.ChatMessage\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"h\n\x05Stage\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\t\x12&\n\x05\x63\x61lls\x18\x03 \x03(\x0b\x32\x17.hexgen_flow.v1.LLMCall\x12\r\n\x05\x61\x66ter\x18\x04 \x03(\t\x12\x0e\n\x06repeat\x18\x05 \x01(\x05\"1\n\x08Workflow\x12%\n\x06stages\x18\x01 \x03(\x0b\x32\x15.hexgen_flow.v1.Stageb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dhexgen_flow/v1/workflow.proto\x12\x0ehexgen_flow.v1\"\x83\x01\n\x07LLMCall\x12\x0c\n\x04step\x18\x01 \x01(\t\x12\x14\n\x0cinput_tokens\x18\x02 \x01(\x05\x12\x15\n\routput_tokens\x18\x03 \x01(\x05\x12\x0e\n\x06prompt\x18\x04 \x01(\t\x12-\n\x08messages\x18\x05 \x03(\x0b\x32\x1b.hexgen_flow.v1.ChatMessage\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"h\n\x05Stage\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\t\x12&\n\x05\x63\x61lls\x18\x03 \x03(\x0b\x32\x17.hexgen_flow.v1.LLMCall\x12\r\n\x05\x61\x66ter\x18\x04 \x03(\t\x12\x0e\n\x06repeat\x18\x05 \x01(\x05\"1\n\x08Workflow\x12%\n\x06stages\x18\x01 \x03(\x0b\x32\x15.hexgen_flow.v1.StageBIZGgithub.com/hexgen-flow/hexgen-flow/clients/go/hexgenflowv1;hexgenflowv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'hexgen_flow.v1.workflow_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
-  DESCRIPTOR._loaded_options = None
+  _globals['DESCRIPTOR']._loaded_options = None
+  _globals['DESCRIPTOR']._serialized_options = b'ZGgithub.com/hexgen-flow/hexgen-flow/clients/go/hexgenflowv1;hexgenflowv1'
   _globals['_LLMCALL']._serialized_start=50
   _globals['_LLMCALL']._serialized_end=181
   _globals['_CHATMESSAGE']._serialized_start=183

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The TypeScript client's checks: install from the lock file, build (tsc, strict), check that
+# src/gen/ matches the protos, run the tests. With HEXGEN_COORDINATOR=HOST:PORT the live
+# tests run against that coordinator (and the example runs against it too); without it they
+# are skipped and only the offline tests (a fake in-process coordinator) run.
+#
+#   HEXGEN_COORDINATOR=127.0.0.1:50051 clients/typescript/test.sh
+#
+# Needs Node >= 20 and npm; `npm ci` needs the npm registry (or a warm npm cache).
+# Exits non-zero when any step fails.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")"
+
+step() { printf '\n== %s\n' "$*"; }
+
+step "npm ci"
+npm ci --no-audit --no-fund --loglevel=error
+
+step "build (tsc)"
+rm -rf dist
+npm run --silent build
+
+step "generate:check (src/gen/ against ../../protos)"
+npm run --silent generate:check
+
+step "tests (HEXGEN_COORDINATOR=${HEXGEN_COORDINATOR:-unset: live tests skipped})"
+node --test --test-reporter=spec dist/test/*.test.js
+
+if [[ -n "${HEXGEN_COORDINATOR:-}" ]]; then
+  step "example (dist/examples/run.js ${HEXGEN_COORDINATOR})"
+  node dist/examples/run.js "${HEXGEN_COORDINATOR}" >/dev/null
+  echo "example: ok"
+fi
