@@ -123,3 +123,23 @@ def test_templates_are_well_formed() -> None:
             assert stage.calls >= 1 and stage.repeat >= 1
     with pytest.raises(KeyError, match="known: chess, single"):
         template("nope")
+
+
+def test_a_workflow_without_its_skipped_calls() -> None:
+    a, b, c = LLMCall("a", 10, 1), LLMCall("b", 20, 2), LLMCall("c", 30, 3)
+    flow = Workflow(
+        (
+            Stage("a", (a,)),
+            Stage("b", (b, b)),
+            Stage("c", (c,), after=(1,)),
+            Stage("a", (a,), after=(0, 2)),
+        )
+    )
+    assert flow.without(()) is flow
+    one_b = flow.without({(1, 0)})
+    assert one_b is not None and [len(s.calls) for s in one_b.stages] == [1, 1, 1, 1]
+    # Stage 1 emptied: stage 2 waited for it, so it now waits for what stage 1 waited for.
+    no_b = flow.without({(1, 0), (1, 1)})
+    assert no_b is not None
+    assert [(s.step, s.after) for s in no_b.stages] == [("a", ()), ("c", ()), ("a", (0, 1))]
+    assert flow.without({(0, 0), (1, 0), (1, 1), (2, 0), (3, 0)}) is None

@@ -20,12 +20,14 @@ from pathlib import Path
 
 import grpc
 import pytest
+import redis
 
 from hexgen_api.v1 import coordinator_pb2 as cpb
 from hexgen_api.v1 import workflow_pb2 as wfpb
 from hexgen_client.client import CoordinatorClient
 from hexgen_client.errors import CoordinatorError
 from hexgen_flow.workload import LLMCall, Query, Stage, Workflow
+from hexgen_service.convert import parse_submit
 from up_runner import Up, check_state, running_up, wait_for
 
 needs_redis_server = pytest.mark.skipif(
@@ -119,6 +121,18 @@ async def test_a_session_runs_the_calls_it_is_given_and_skips_the_rest(up: Up) -
     # Redis agrees: every call done once, the query counted down to zero.
     status, report = check_state(up.banner["redis"].split()[0])
     assert status == 0, report
+    # The `finished` stream (what the tuner replays) keeps the calls that ran, not the
+    # template's: 7 calls, the skipped ones and the stages they emptied gone.
+    finished = redis.Redis.from_url(up.banner["redis"].split()[0]).xrange("hf:finished")
+    (entry,) = [f for _, f in finished if f[b"query_id"] == workflow.encode()]
+    shape = parse_submit(cpb.SubmitQueryRequest.FromString(entry[b"submit"]))[0].workflow
+    assert [(s.step, len(s.calls)) for s in shape.stages] == [
+        ("extract_keywords", 1),
+        ("generate_candidate", 3),
+        ("revise", 1),
+        ("revise", 1),
+        ("summarize", 1),
+    ]
 
 
 async def test_a_stage_that_finishes_early_leaves_the_next_a_larger_budget(up: Up) -> None:

@@ -8,7 +8,7 @@ the driver that executes the workload, never on these objects.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from hexgen_flow.errors import WorkloadError
@@ -157,6 +157,26 @@ class Workflow:
     def roots(self) -> tuple[int, ...]:
         """Stages with no dependencies: released when the query arrives."""
         return tuple(i for i, s in enumerate(self.stages) if not s.after)
+
+    def without(self, dropped: Collection[tuple[int, int]]) -> Workflow | None:
+        """The workflow without the calls `dropped` names ((stage, index within it)): what
+        a workflow session ran once its skipped calls are taken out. A stage left with no
+        call goes, and the stages after it wait for what it waited for. None when no call
+        is left."""
+        if not dropped:
+            return self
+        kept: list[Stage] = []
+        new_index: dict[int, tuple[int, ...]] = {}
+        """Old stage index -> the new indices a dependency on it becomes."""
+        for k, stage in enumerate(self.stages):
+            after = tuple(sorted({j for a in stage.after for j in new_index[a]}))
+            calls = tuple(c for i, c in enumerate(stage.calls) if (k, i) not in dropped)
+            if not calls:
+                new_index[k] = after
+                continue
+            new_index[k] = (len(kept),)
+            kept.append(Stage(step=stage.step, calls=calls, after=after))
+        return Workflow(tuple(kept)) if kept else None
 
 
 @dataclass(frozen=True, slots=True)

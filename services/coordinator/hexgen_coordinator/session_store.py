@@ -6,6 +6,8 @@ Its hash ``P q:{id}`` holds, besides a query's fields::
     submit                the expected workflow as opened (SubmitQueryRequest bytes, no
                           prompts): what an OpenWorkflow of the same id is matched against
     session               "open" while it takes calls, then "closed"
+    shape                 (as a query's) the workflow as it runs: its given calls, and those
+                          of stages still open (rewritten by `give` and `close_stages`)
     idle_s                wall seconds without a call after which the coordinator closes it
     g:{call_id}           a given call (LLMCall bytes in base64: its step, token counts and
                           prompt)
@@ -86,11 +88,12 @@ _CLOSE_STAGES = (
     LUA_HELPERS
     + """
 -- KEYS: q, active, finished, ev ; ARGV: query_id, close_session ('1' or '0'), now,
---       retention_ms, maxlen, stages...
+--       retention_ms, maxlen, shape, stages...
 -- returns 1 done, 2 done and the query succeeded (closing it let its last call go),
 -- -1 not running
 if redis.call('HGET', KEYS[1], 'state') ~= 'running' then return -1 end
-for i = 6, #ARGV do redis.call('HSET', KEYS[1], 'z:' .. ARGV[i], '1') end
+redis.call('HSET', KEYS[1], 'shape', ARGV[6])
+for i = 7, #ARGV do redis.call('HSET', KEYS[1], 'z:' .. ARGV[i], '1') end
 if ARGV[2] == '1' and redis.call('HGET', KEYS[1], 'session') == 'open' then
   redis.call('HSET', KEYS[1], 'session', 'closed', 'c:' .. ARGV[1] .. '/session', 'skipped')
   if redis.call('HINCRBY', KEYS[1], 'calls_left', -1) == 0 then
@@ -131,12 +134,14 @@ class SessionStore:
         query_id: str,
         stages: Iterable[int],
         *,
+        shape: bytes,
         close_session: bool = False,
         now: float = 0.0,
     ) -> int:
         """Mark stages as taking no more calls and, with `close_session`, close the
-        session (the query succeeds at `now` if no call is left). 1 done, 2 done and the
-        query succeeded, -1 the query is not running."""
+        session (the query succeeds at `now` if no call is left); `shape` is what the
+        workflow runs now (what the `finished` stream keeps). 1 done, 2 done and the query
+        succeeded, -1 the query is not running."""
         store = self.store
         keys = [
             store.qkey(query_id),
@@ -150,6 +155,7 @@ class SessionStore:
             repr(now),
             store.retention_ms,
             store.stream_maxlen,
+            shape,
             *stages,
         ]
         return int(await self._close_stages(keys=keys, args=args))

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import time
@@ -48,6 +49,7 @@ from hexgen_coordinator.redis_retry import until_stored
 from hexgen_coordinator.session_store import GIVE_APPLIED, GIVE_DUPLICATE, GiveMode, SessionStore
 from hexgen_coordinator.views import QueryViews
 from hexgen_coordinator.write_behind import WriteBehind
+from hexgen_flow.policies.base import NoInstanceError
 from hexgen_flow.runtime import CallTicket
 from hexgen_flow.scheduler import GlobalScheduler
 from hexgen_flow.workload import LLMCall, canonical_step
@@ -204,6 +206,24 @@ class Sessions:
             )
         return entry
 
+    @staticmethod
+    def _shape(entry: ActiveQuery) -> bytes:
+        """The workflow as the session runs it (no call of a closed stage that was never
+        given): what the `finished` stream keeps for the tuner's replays."""
+        run, session = entry.run, entry.session
+        assert session is not None and run.given is not None
+        given = run.given
+        dropped = {
+            (k, i)
+            for k in session.closed_stages
+            for i in range(given[k], len(run.query.workflow.stages[k].calls))
+        }
+        workflow = run.query.workflow.without(dropped)
+        if workflow is None:  # nothing given at all: there is nothing to replay
+            return b""
+        query = dataclasses.replace(run.query, workflow=workflow)
+        return submit_from_query(query).SerializeToString()
+
     def _stage_for(self, entry: ActiveQuery, name: str) -> tuple[int | None, list[int]]:
         """The stage a call named `name` goes to (None: a new one) and the stages that
         close because of it (see the module docstring)."""
@@ -249,12 +269,6 @@ class Sessions:
         query_id = run.query.query_id
         now = ledger.clock.now()
         stage, closing = self._stage_for(entry, name)
-        if closing:
-            await until_stored(
-                f"closing stages of {query_id}",
-                lambda: self.store.close_stages(query_id, closing),
-            )
-            session.closed_stages.update(closing)
         stages = run.query.workflow.stages
         expected = (
             stages[stage].calls[min(run.given[stage], len(stages[stage].calls) - 1)]
@@ -276,6 +290,13 @@ class Sessions:
                 "call",
                 f"{call.input_tokens}+{call.output_tokens} tokens fit no instance's KV cache "
                 f"(largest: {max(self.scheduler.load.kv_tokens)} tokens)",
+            )
+        if closing:
+            session.closed_stages.update(closing)
+            shape = self._shape(entry)
+            await until_stored(
+                f"closing stages of {query_id}",
+                lambda: self.store.close_stages(query_id, closing, shape=shape),
             )
         mode: GiveMode
         if stage is None:
@@ -303,7 +324,7 @@ class Sessions:
             prompt=given.prompt,
             messages=given.messages,
         ).SerializeToString()
-        shape = submit_from_query(run.query).SerializeToString()
+        shape = self._shape(entry)
         status = await until_stored(
             f"giving {call_id}",
             lambda: self.store.give(
@@ -323,7 +344,7 @@ class Sessions:
             ticket = released[0]
         elif ticket is not None:  # released and held: it may go now
             ticket.call = call
-            with contextlib.suppress(Exception):  # no instance now: parked until one comes
+            with contextlib.suppress(NoInstanceError):  # parked until an instance comes
                 self.scheduler.dispatch(ticket, now)
             released = [ticket]
         elif run.stage_released_s[stage] is not None:  # joins a released stage
@@ -374,12 +395,15 @@ class Sessions:
             if t.run is not None and t.run.is_given(t.stage, t.index)
         )
         when = now if running else session.last_done_s
+        session.closed_stages.update(stages)
+        shape = self._shape(entry)
         await until_stored(
             f"closing {query_id}",
-            lambda: self.store.close_stages(query_id, stages, close_session=True, now=when),
+            lambda: self.store.close_stages(
+                query_id, stages, shape=shape, close_session=True, now=when
+            ),
         )
         session.open = False
-        session.closed_stages.update(stages)
         run.end_session(when)
         record_event(entry, K.QUERY_EVENT_KIND_CLOSED, now, text=reason)
         released = await self.completions.settle(entry, [], when)
