@@ -2,11 +2,16 @@
 test-clients`).
 
 Starts `hexgen-flow up` (simulated engines, a private Redis, ports picked free), reads the
-coordinator's address from its banner, runs each client's `test.sh` with
-``HEXGEN_COORDINATOR`` set to it, stops the mesh, and exits non-zero when any client
-failed. ``--install`` first installs the toolchains a client needs and lacks (Go and
-grpc-go from Debian's packages with apt-get; Node's packages come with the client's own
-``npm ci``), which is what CI does.
+coordinator's address and the Redis URL from its banner, and starts a second, *limited*
+coordinator on that Redis (its own key prefix, ``--max-running-queries 1``, no worker: the
+query it admits stays running, so the next submission is RESOURCE_EXHAUSTED with a
+``retry-after-s`` trailer, and a watch of it never ends by itself). Then it runs each
+client's `test.sh` with ``HEXGEN_COORDINATOR`` and ``HEXGEN_COORDINATOR_LIMITED`` set to
+them, and after the Go client's `tests/test_client_traces.py` (one trace across the Go
+client, the coordinator and a worker; its own `up`), stops everything, and exits non-zero
+when anything failed. ``--install`` first installs the toolchains a client needs and lacks
+(Go, grpc-go and OpenTelemetry Go from Debian's packages with apt-get; Node's packages come
+with the client's own ``npm ci``), which is what CI does.
 """
 
 from __future__ import annotations
@@ -15,12 +20,17 @@ import argparse
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from hexgen_service.healthcheck import check
+
 ROOT = Path(__file__).resolve().parents[1]
+TRACES_TEST = "tests/test_client_traces.py"
+LIMITED_PREFIX = "hf-limited:"
 CLIENTS = {
     "go": ROOT / "clients" / "go" / "test.sh",
     "typescript": ROOT / "clients" / "typescript" / "test.sh",
@@ -30,13 +40,15 @@ GO_PACKAGES = [
     "golang-google-grpc-dev",
     "golang-google-protobuf-dev",
     "golang-github-golang-protobuf-1-5-dev",
+    "golang-opentelemetry-otel-dev",
     "protoc-gen-go-grpc",
     "protobuf-compiler",
 ]
 
 
 def install_toolchains(names: list[str]) -> None:
-    if "go" in names and shutil.which("go") is None:
+    otel = Path("/usr/share/gocode/src/go.opentelemetry.io/otel/sdk")
+    if "go" in names and (shutil.which("go") is None or not otel.is_dir()):
         if shutil.which("apt-get") is None or os.geteuid() != 0:
             packages = " ".join(GO_PACKAGES)
             sys.exit(f"test-clients: Go is missing; install: apt-get install {packages}")
@@ -52,7 +64,8 @@ def install_toolchains(names: list[str]) -> None:
         sys.exit("test-clients: Node.js and npm are missing (Node 20: apt-get install nodejs npm)")
 
 
-def start_mesh(log: Path) -> tuple[subprocess.Popen[str], str]:
+def start_mesh(log: Path) -> tuple[subprocess.Popen[str], dict[str, str]]:
+    """`up`, and its banner's rows ("coordinator": "127.0.0.1:PORT", "redis": "redis://...")."""
     argv = [
         sys.executable, "-m", "hexgen_cli", "up", "--listen", "127.0.0.1:0",
         "--no-tuner", "--no-gateway", "--metrics-listen", "127.0.0.1:0",
@@ -62,16 +75,54 @@ def start_mesh(log: Path) -> tuple[subprocess.Popen[str], str]:
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=stderr, text=True)
     assert proc.stdout is not None
     deadline = time.monotonic() + 120
-    coordinator = ""
+    banner: dict[str, str] = {}
     for line in proc.stdout:
-        if line.strip().startswith("coordinator"):
-            coordinator = line.split()[1]
+        if line.startswith("  ") and len(line.split()) >= 2:
+            key, value = line.strip().split("  ", 1)
+            banner[key] = value.strip()
         if line.startswith("Ctrl-C"):
-            return proc, coordinator
+            return proc, banner
         if time.monotonic() > deadline:
             break
     proc.kill()
     sys.exit(f"test-clients: the mesh did not come up (see {log})")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def start_limited(redis_url: str, log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """A coordinator that admits one running query at a time and has no worker, on `up`'s
+    Redis under its own key prefix; waits until it reports SERVING."""
+    address = f"127.0.0.1:{free_port()}"
+    argv = [
+        sys.executable, "-m", "hexgen_coordinator", "--listen", address,
+        "--redis-url", redis_url, "--redis-prefix", LIMITED_PREFIX, "--cluster", "A100",
+        "--admission", "off", "--max-running-queries", "1",
+    ]  # fmt: skip
+    with log.open("w") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while (problem := check(address, timeout_s=1.0)) is not None:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop(proc)
+            sys.exit(f"test-clients: the limited coordinator did not answer ({problem}; see {log})")
+        time.sleep(0.2)
+    return proc, address
+
+
+def stop(proc: subprocess.Popen[str] | subprocess.Popen[bytes], timeout_s: float = 60) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def main() -> int:
@@ -85,19 +136,50 @@ def main() -> int:
         parser.error(f"unknown client {unknown[0]!r} (known: {', '.join(CLIENTS)})")
     if args.install:
         install_toolchains(names)
-    log = ROOT / "results" / "test-clients-up.log"
-    log.parent.mkdir(exist_ok=True)
-    proc, coordinator = start_mesh(log)
+    results = ROOT / "results"
+    results.mkdir(exist_ok=True)
+    started = time.monotonic()
+    proc, banner = start_mesh(results / "test-clients-up.log")
     failed = []
     try:
-        for name in names:
-            print(f"test-clients: {name} against {coordinator}", flush=True)
-            env = {**os.environ, "HEXGEN_COORDINATOR": coordinator}
-            if subprocess.run(["bash", str(CLIENTS[name])], env=env, check=False).returncode:
-                failed.append(name)
+        coordinator = banner["coordinator"]
+        redis_url = banner["redis"].split()[0]
+        limited, limited_address = start_limited(redis_url, results / "test-clients-limited.log")
+        try:
+            env = {
+                **os.environ,
+                "HEXGEN_COORDINATOR": coordinator,
+                "HEXGEN_COORDINATOR_LIMITED": limited_address,
+            }
+            print(
+                f"test-clients: mesh up in {time.monotonic() - started:.1f} s: coordinator "
+                f"{coordinator}, limited coordinator {limited_address} (redis {redis_url}, "
+                f"keys {LIMITED_PREFIX}*)",
+                flush=True,
+            )
+            for name in names:
+                t0 = time.monotonic()
+                print(f"test-clients: {name} against {coordinator}", flush=True)
+                code = subprocess.run(["bash", str(CLIENTS[name])], env=env, check=False)
+                print(f"test-clients: {name}: {time.monotonic() - t0:.1f} s", flush=True)
+                if code.returncode:
+                    failed.append(name)
+                if name == "go":
+                    t0 = time.monotonic()
+                    print(f"test-clients: {TRACES_TEST}", flush=True)
+                    traces = subprocess.run(
+                        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+                         TRACES_TEST],
+                        cwd=ROOT, env={**os.environ, "HEXGEN_CLIENT_TRACES_REQUIRED": "1"},
+                        check=False,
+                    )  # fmt: skip
+                    print(f"test-clients: {TRACES_TEST}: {time.monotonic() - t0:.1f} s", flush=True)
+                    if traces.returncode:
+                        failed.append(TRACES_TEST)
+        finally:
+            stop(limited)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
+        stop(proc)
     if failed:
         print(f"test-clients: FAILED: {', '.join(failed)}", file=sys.stderr)
         return 1

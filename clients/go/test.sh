@@ -3,44 +3,21 @@
 # libraries (it installs nothing; see clients/go/README.md for the apt-get line).
 #
 #   clients/go/test.sh                                   # unit tests; live tests skip
-#   HEXGEN_COORDINATOR=127.0.0.1:50051 clients/go/test.sh  # and the live tests
+#   HEXGEN_COORDINATOR=127.0.0.1:50051 clients/go/test.sh  # and the live tests of a mesh
+#   HEXGEN_COORDINATOR_LIMITED=127.0.0.1:50061 ...          # and those of a coordinator with
+#                                                          # --max-running-queries 1, no worker
 #
 # Exits non-zero when anything fails. GO_TEST_FLAGS adds flags to `go test` (e.g. -run X).
 #
-# How the offline build works: Debian's golang-*-dev packages install their sources under
-# /usr/share/gocode/src, GOPATH-style, which is how Debian builds Go packages itself. A
-# module build cannot use them offline (google.golang.org/grpc's go.mod requires modules
-# that are not packaged, and with GOPROXY=off their go.mod files cannot be fetched), so
-# this script builds in GOPATH mode: a scratch GOPATH whose src/ holds this folder under
-# its import path, with /usr/share/gocode after it.
+# The offline GOPATH-mode build environment (why and how: gopath.sh, README.md) comes from
+# gopath.sh, which tests/test_client_traces.py uses too.
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-IMPORT_PATH="github.com/hexgen-flow/hexgen-flow/clients/go"
-GOCODE="${GOCODE:-/usr/share/gocode}"
-
-if ! command -v go >/dev/null 2>&1; then
-  echo "test.sh: go not found (apt-get install -y golang-go golang-google-grpc-dev golang-google-protobuf-dev)" >&2
-  exit 2
-fi
-for pkg in google.golang.org/grpc google.golang.org/protobuf; do
-  if [ ! -d "$GOCODE/src/$pkg" ]; then
-    echo "test.sh: $GOCODE/src/$pkg missing (apt-get install -y golang-google-grpc-dev golang-google-protobuf-dev)" >&2
-    exit 2
-  fi
-done
-
-work="$(mktemp -d)"
-trap 'rm -rf "$work"' EXIT
-mkdir -p "$work/src/$(dirname "$IMPORT_PATH")"
-ln -s "$HERE" "$work/src/$IMPORT_PATH"
-
-export GO111MODULE=off
-export GOPATH="$work:$GOCODE"
-export GOPROXY=off
-export GOFLAGS="-p=2"
-export GOCACHE="${GOCACHE:-${HOME:-$work}/.cache/go-build}"
-cd "$work/src/$IMPORT_PATH"
+# shellcheck source=gopath.sh
+source "$HERE/gopath.sh"
+hexgen_gopath_enter || exit $?
+trap 'rm -rf "$HEXGEN_GOPATH_WORK"' EXIT
 
 echo "== go $(go version | awk '{print $3}'), GOPATH=$GOPATH, GO111MODULE=off"
 echo "== gofmt"
@@ -62,9 +39,9 @@ else
   echo "== generate.sh --check: skipped (protoc, protoc-gen-go or protoc-gen-go-grpc missing)"
 fi
 if [ -n "${HEXGEN_COORDINATOR:-}" ]; then
-  echo "== go test ./... (live tests against $HEXGEN_COORDINATOR)"
+  echo "== go test ./... (live tests against $HEXGEN_COORDINATOR, limited: ${HEXGEN_COORDINATOR_LIMITED:-unset, those skip})"
 else
-  echo "== go test ./... (HEXGEN_COORDINATOR unset: the live tests skip)"
+  echo "== go test ./... (HEXGEN_COORDINATOR unset: the live tests skip; the unit tests run)"
 fi
 # shellcheck disable=SC2086
 go test -count=1 -v ${GO_TEST_FLAGS:-} ./...

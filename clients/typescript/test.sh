@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # The TypeScript client's checks: install from the lock file, build (tsc, strict), check that
 # src/gen/ matches the protos, run the tests. With HEXGEN_COORDINATOR=HOST:PORT the live
-# tests run against that coordinator (and the example runs against it too); without it they
-# are skipped and only the offline tests (a fake in-process coordinator) run.
+# tests run against that coordinator (and the example runs against it too); with
+# HEXGEN_COORDINATOR_LIMITED=HOST:PORT (a coordinator with --max-running-queries 1 and no
+# worker, as scripts/test_clients.py starts) the retry-after, deadline and cancellation tests
+# run against that one. Without them those tests are skipped and only the unit tests (no
+# server) run.
 #
-#   HEXGEN_COORDINATOR=127.0.0.1:50051 clients/typescript/test.sh
+#   HEXGEN_COORDINATOR=127.0.0.1:50051 HEXGEN_COORDINATOR_LIMITED=127.0.0.1:50061 clients/typescript/test.sh
 #
 # Needs Node >= 20 and npm; `npm ci` needs the npm registry (or a warm npm cache).
 # Exits non-zero when any step fails.
@@ -23,7 +26,7 @@ npm run --silent build
 step "generate:check (src/gen/ against ../../protos)"
 npm run --silent generate:check
 
-step "tests (HEXGEN_COORDINATOR=${HEXGEN_COORDINATOR:-unset: live tests skipped})"
+step "tests (HEXGEN_COORDINATOR=${HEXGEN_COORDINATOR:-unset: live tests skipped}, HEXGEN_COORDINATOR_LIMITED=${HEXGEN_COORDINATOR_LIMITED:-unset: its tests skipped})"
 node --test --test-reporter=spec dist/test/*.test.js
 
 if [[ -n "${HEXGEN_COORDINATOR:-}" ]]; then

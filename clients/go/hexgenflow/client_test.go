@@ -1,7 +1,11 @@
 package hexgenflow_test
 
-// Live tests against a running coordinator: they run only when HEXGEN_COORDINATOR is set
-// (host:port, e.g. what `hexgen-flow up --listen 127.0.0.1:0` prints) and skip otherwise.
+// Live tests against running coordinators. Those of HEXGEN_COORDINATOR (host:port, e.g.
+// what `hexgen-flow up --listen 127.0.0.1:0` prints) run only when it is set; those of
+// HEXGEN_COORDINATOR_LIMITED only when that is set: a coordinator started with
+// `--max-running-queries 1 --admission off` and no worker (scripts/test_clients.py starts
+// one), where the query a test submits stays running, the next submission is refused with
+// a retry-after hint and a watch never ends by itself. Each test there cancels its query.
 
 import (
 	"context"
@@ -9,6 +13,7 @@ import (
 	"fmt"
 	"io"
 	"math/rand"
+	"net"
 	"os"
 	"strings"
 	"sync"
@@ -18,9 +23,10 @@ import (
 	"github.com/hexgen-flow/hexgen-flow/clients/go/hexgenflow"
 	pb "github.com/hexgen-flow/hexgen-flow/clients/go/hexgenflowv1"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 )
 
-func liveClient(t *testing.T) (*hexgenflow.Client, context.Context) {
+func liveClient(t *testing.T, opts ...hexgenflow.Option) (*hexgenflow.Client, context.Context) {
 	t.Helper()
 	addr := os.Getenv("HEXGEN_COORDINATOR")
 	if addr == "" {
@@ -28,7 +34,7 @@ func liveClient(t *testing.T) (*hexgenflow.Client, context.Context) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
 	t.Cleanup(cancel)
-	c, err := hexgenflow.Dial(ctx, addr)
+	c, err := hexgenflow.Dial(ctx, addr, opts...)
 	if err != nil {
 		t.Fatalf("Dial(%s): %v", addr, err)
 	}
@@ -95,6 +101,23 @@ func TestLiveClusterStatus(t *testing.T) {
 		}
 	}
 	t.Logf("cluster %s, policy %s, alpha %.2f, %d instances", st.GetCluster(), st.GetPolicy(), st.GetAlpha(), len(st.GetInstances()))
+}
+
+func TestLiveHeaders(t *testing.T) {
+	// An API key, a header of the client's and per-call metadata travel with unary calls
+	// and streams (what is sent: unit_test.go); the coordinator serves them as usual.
+	c, ctx := liveClient(t, hexgenflow.WithAPIKey("k-123"), hexgenflow.WithHeader("X-Tenant-Hint", "a"))
+	ctx = hexgenflow.WithMetadata(ctx, "x-api-key", "per-call")
+	if _, err := c.Status(ctx); err != nil {
+		t.Fatal(err)
+	}
+	events, err := c.Run(ctx, hexgenflow.Query{ID: id(t, ""), Workflow: smallWorkflow()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := events.All(); err != nil {
+		t.Fatal(err)
+	}
 }
 
 func TestLiveSubmitWatchGet(t *testing.T) {
@@ -343,5 +366,206 @@ func TestLiveSession(t *testing.T) {
 	}
 	if strings.Join(names, ",") != "plan,answer" {
 		t.Fatalf("stages %v, want plan,answer", names)
+	}
+}
+
+// limitedClient connects to HEXGEN_COORDINATOR_LIMITED and submits a query there, which
+// stays running (no worker) until the test's cleanup cancels it. It returns the query's id.
+func limitedClient(t *testing.T) (*hexgenflow.Client, context.Context, string) {
+	t.Helper()
+	addr := os.Getenv("HEXGEN_COORDINATOR_LIMITED")
+	if addr == "" {
+		t.Skip("HEXGEN_COORDINATOR_LIMITED is not set: no coordinator with --max-running-queries 1 to test against")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	t.Cleanup(cancel)
+	c, err := hexgenflow.Dial(ctx, addr)
+	if err != nil {
+		t.Fatalf("Dial(%s): %v", addr, err)
+	}
+	t.Cleanup(func() { _ = c.Close() })
+	running := id(t, "-running")
+	resp, err := c.Submit(ctx, hexgenflow.Query{ID: running, Workflow: smallWorkflow(), SLOScale: 5})
+	if err != nil {
+		t.Fatalf("the limited coordinator at %s refused the test's query (is its one slot held by another query?): %v", addr, err)
+	}
+	if !resp.GetCreated() || resp.GetQuery().GetState() != pb.QueryState_QUERY_STATE_RUNNING {
+		t.Fatalf("unexpected submit response: %v", resp)
+	}
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		if _, err := c.Cancel(ctx, running); err != nil {
+			t.Errorf("cancelling %s: %v", running, err)
+		}
+	})
+	return c, ctx, running
+}
+
+func TestLiveRetryAfter(t *testing.T) {
+	c, ctx, running := limitedClient(t)
+	second := hexgenflow.Query{ID: id(t, "-second"), Workflow: smallWorkflow()}
+	_, err := c.Submit(ctx, second)
+	var e *hexgenflow.Error
+	if !errors.As(err, &e) || !errors.Is(err, hexgenflow.ErrResourceExhausted) || e.Code != codes.ResourceExhausted {
+		t.Fatalf("a second Submit: %v, want RESOURCE_EXHAUSTED", err)
+	}
+	if e.RetryAfter <= 0 || !e.Retryable() || !strings.Contains(e.Message, "queries are running") {
+		t.Fatalf("RetryAfter %v, Retryable %v, message %q", e.RetryAfter, e.Retryable(), e.Message)
+	}
+	if d, ok := hexgenflow.RetryAfter(err); !ok || d != e.RetryAfter {
+		t.Fatalf("RetryAfter(err) = %v, %v", d, ok)
+	}
+	if status.Code(err) != codes.ResourceExhausted {
+		t.Fatalf("status.Code: %v", status.Code(err))
+	}
+	t.Logf("refused: %v (retry after %v)", err, e.RetryAfter)
+
+	// A stream's refusal is Run's own error, with the hint from the stream's trailer.
+	_, err = c.Run(ctx, second)
+	if d, ok := hexgenflow.RetryAfter(err); !errors.Is(err, hexgenflow.ErrResourceExhausted) || !ok || d <= 0 {
+		t.Fatalf("Run: %v, retry after %v %v", err, d, ok)
+	}
+	// Nothing was stored for the refused id.
+	if _, err := c.Get(ctx, second.ID); !errors.Is(err, hexgenflow.ErrNotFound) {
+		t.Fatalf("Get of the refused query: %v, want NOT_FOUND", err)
+	}
+
+	// Once the running query ends, the same submission is admitted.
+	if _, err := c.Cancel(ctx, running); err != nil {
+		t.Fatal(err)
+	}
+	resp, err := c.Submit(ctx, second)
+	if err != nil || !resp.GetCreated() {
+		t.Fatalf("Submit after the slot freed: %v, %v", resp, err)
+	}
+	if _, err := c.Cancel(ctx, second.ID); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestLiveDeadline(t *testing.T) {
+	c, ctx, running := limitedClient(t)
+	// A unary call past its deadline.
+	late, cancelLate := context.WithTimeout(ctx, time.Nanosecond)
+	defer cancelLate()
+	<-late.Done()
+	if _, err := c.Get(late, running); hexgenflow.Code(err) != codes.DeadlineExceeded || !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("Get past its deadline: %v, want DEADLINE_EXCEEDED", err)
+	}
+
+	// A watch of a query that stays running ends with DEADLINE_EXCEEDED: the events before
+	// it, then the error (or the error of Watch itself if it came before the first event).
+	short, cancelShort := context.WithTimeout(ctx, 400*time.Millisecond)
+	defer cancelShort()
+	events, err := c.Watch(short, running)
+	var seen []*pb.QueryEvent
+	if err == nil {
+		seen, err = events.All()
+	}
+	var e *hexgenflow.Error
+	if !errors.As(err, &e) || e.Code != codes.DeadlineExceeded || !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("watching a running query with a 400 ms deadline: %v after %d events, want DEADLINE_EXCEEDED", err, len(seen))
+	}
+	if events != nil {
+		if len(seen) == 0 || seen[0].GetKind() != pb.QueryEventKind_QUERY_EVENT_KIND_SUBMITTED {
+			t.Fatalf("events before the deadline: %v", seen)
+		}
+		if events.Err() != err {
+			t.Fatalf("Err %v, want %v", events.Err(), err)
+		}
+	}
+	t.Logf("%d events, then %v", len(seen), err)
+
+	// The query itself goes on.
+	got, err := c.Get(ctx, running)
+	if err != nil || got.GetQuery().GetState() != pb.QueryState_QUERY_STATE_RUNNING {
+		t.Fatalf("Get after the watch: %v, %v", got.GetQuery(), err)
+	}
+}
+
+func TestLiveCloseAndCancel(t *testing.T) {
+	c, ctx, running := limitedClient(t)
+	// Close a stream that is waiting for an event.
+	events, err := c.Watch(ctx, running)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ev, err := events.Next(); err != nil || ev.GetKind() != pb.QueryEventKind_QUERY_EVENT_KIND_SUBMITTED {
+		t.Fatalf("first event: %v, %v", ev, err)
+	}
+	go func() {
+		time.Sleep(50 * time.Millisecond)
+		events.Close()
+	}()
+	for {
+		_, err := events.Next()
+		if err == nil {
+			continue // the released stage and the parked call's events
+		}
+		if !errors.Is(err, context.Canceled) || hexgenflow.Code(err) != codes.Canceled {
+			t.Fatalf("Next after Close: %v, want CANCELED", err)
+		}
+		break
+	}
+
+	// Cancel the context of a stream read through Chan.
+	cctx, cancel := context.WithCancel(ctx)
+	events, err = c.Watch(cctx, running)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ch := events.Chan()
+	if ev := <-ch; ev.GetKind() != pb.QueryEventKind_QUERY_EVENT_KIND_SUBMITTED {
+		t.Fatalf("first event on the channel: %v", ev)
+	}
+	cancel()
+	for range ch {
+	}
+	if err := events.Err(); !errors.Is(err, context.Canceled) || hexgenflow.Code(err) != codes.Canceled {
+		t.Fatalf("Err after cancel: %v, want CANCELED", err)
+	}
+
+	// Stop Each early with an error of the callback's.
+	stop := errors.New("enough")
+	events, err = c.Watch(ctx, running)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := events.Each(func(*pb.QueryEvent) error { return stop }); err != stop {
+		t.Fatalf("Each: %v, want the callback's error", err)
+	}
+
+	// The streams ended, not the query, and the client still works.
+	got, err := c.Get(ctx, running)
+	if err != nil || got.GetQuery().GetState() != pb.QueryState_QUERY_STATE_RUNNING {
+		t.Fatalf("Get after the streams ended: %v, %v", got.GetQuery(), err)
+	}
+}
+
+func TestUnavailable(t *testing.T) {
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := lis.Addr().String()
+	lis.Close() // nothing listens there now
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	c, err := hexgenflow.Dial(ctx, addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	_, err = c.Status(ctx)
+	var e *hexgenflow.Error
+	if !errors.As(err, &e) || !errors.Is(err, hexgenflow.ErrUnavailable) || !e.Retryable() {
+		t.Fatalf("Status: %v, want UNAVAILABLE", err)
+	}
+
+	short, cancelShort := context.WithTimeout(context.Background(), 200*time.Millisecond)
+	defer cancelShort()
+	if _, err := hexgenflow.Dial(short, addr, hexgenflow.WithBlock()); !errors.Is(err, hexgenflow.ErrUnavailable) {
+		t.Fatalf("Dial WithBlock: %v, want UNAVAILABLE", err)
 	}
 }

@@ -5,6 +5,8 @@ import (
 	"crypto/tls"
 	"strings"
 
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/metadata"
@@ -14,8 +16,15 @@ import (
 // yet; a gateway or proxy in front of it may.
 const APIKeyHeader = "x-api-key"
 
-// TraceparentHeader is the W3C trace context header, as gRPC metadata.
+// TraceparentHeader is the W3C trace context header, as gRPC metadata. Every call sends
+// it when its context carries one: a value given with WithTraceparent, or else a valid
+// OpenTelemetry span (trace.SpanContextFromContext), injected with the W3C propagator
+// (propagation.TraceContext, which adds tracestate when the span has one).
 const TraceparentHeader = "traceparent"
+
+// TracestateHeader is the W3C tracestate header, sent with an OpenTelemetry span's
+// traceparent when its trace state is not empty.
+const TracestateHeader = "tracestate"
 
 // DefaultMaxRecvBytes is the largest response the client accepts by default (a GetQuery
 // of a long query carries its whole event log; gRPC's own default is 4 MiB).
@@ -86,8 +95,9 @@ type traceparentKey struct{}
 
 // WithTraceparent returns a context whose calls carry the W3C trace context value
 // ("00-<32 hex trace id>-<16 hex parent id>-<2 hex flags>") as the traceparent
-// metadata, so the coordinator's spans join the caller's trace. An OpenTelemetry SDK's
-// propagator can fill it from the active span; an empty value sends nothing.
+// metadata, so the coordinator's spans join the caller's trace: for callers without
+// OpenTelemetry (with it, a context carrying a span is enough; see TraceparentHeader). It
+// wins over the context's span; an empty value sends nothing.
 func WithTraceparent(ctx context.Context, traceparent string) context.Context {
 	return context.WithValue(ctx, traceparentKey{}, traceparent)
 }
@@ -118,13 +128,45 @@ func (o *options) outgoing(ctx context.Context) context.Context {
 			add = append(add, key, v)
 		}
 	}
-	if tp := TraceparentFrom(ctx); tp != "" && len(md.Get(TraceparentHeader)) == 0 {
-		add = append(add, TraceparentHeader, tp)
+	if len(md.Get(TraceparentHeader)) == 0 {
+		if tp := TraceparentFrom(ctx); tp != "" {
+			add = append(add, TraceparentHeader, tp)
+		} else if trace.SpanContextFromContext(ctx).IsValid() {
+			carrier := mdCarrier{}
+			propagation.TraceContext{}.Inject(ctx, carrier)
+			for key, values := range carrier {
+				if key == TraceparentHeader || len(md.Get(key)) == 0 {
+					for _, v := range values {
+						add = append(add, key, v)
+					}
+				}
+			}
+		}
 	}
 	if len(add) == 0 {
 		return ctx
 	}
 	return metadata.AppendToOutgoingContext(ctx, add...)
+}
+
+// mdCarrier is gRPC metadata as an OpenTelemetry TextMapCarrier (keys lower-case).
+type mdCarrier metadata.MD
+
+func (c mdCarrier) Get(key string) string {
+	if values := metadata.MD(c).Get(key); len(values) > 0 {
+		return values[0]
+	}
+	return ""
+}
+
+func (c mdCarrier) Set(key, value string) { metadata.MD(c).Set(key, value) }
+
+func (c mdCarrier) Keys() []string {
+	keys := make([]string, 0, len(c))
+	for key := range c {
+		keys = append(keys, key)
+	}
+	return keys
 }
 
 func (o *options) unaryInterceptor(

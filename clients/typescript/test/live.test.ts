@@ -1,16 +1,21 @@
-// Live tests against a running mesh: HEXGEN_COORDINATOR=HOST:PORT (e.g. what
+// Live tests against running coordinators. HEXGEN_COORDINATOR=HOST:PORT: a mesh (e.g. what
 // `hexgen-flow up --listen 127.0.0.1:0 --no-tuner --no-gateway --time-scale 50` prints).
-// Without it every test here is skipped.
+// HEXGEN_COORDINATOR_LIMITED=HOST:PORT: a coordinator started with `--max-running-queries 1
+// --admission off` and no worker (scripts/test_clients.py starts one), where the query these
+// tests submit stays running: the next submission is RESOURCE_EXHAUSTED with a retry-after-s
+// trailer, and a watch of it never ends by itself. Without them, their tests are skipped.
 import assert from "node:assert/strict";
 import { after, before, describe, test as nodeTest } from "node:test";
 
 import {
   CoordinatorClient,
   CoordinatorError,
+  CoordinatorOverloadedError,
   QueryEventKind,
   QueryState,
   StatusCode,
   eventKindName,
+  isTerminal,
   type QueryEvent,
   type RunCallResponse,
   type SubmitQueryRequest,
@@ -19,6 +24,10 @@ import {
 
 const address = process.env["HEXGEN_COORDINATOR"];
 const skip = address ? false : "HEXGEN_COORDINATOR is not set (HOST:PORT of a running coordinator)";
+const limitedAddress = process.env["HEXGEN_COORDINATOR_LIMITED"];
+const skipLimited = limitedAddress
+  ? false
+  : "HEXGEN_COORDINATOR_LIMITED is not set (HOST:PORT of a coordinator with --max-running-queries 1)";
 const TIMEOUT_MS = 120_000;
 const run = `${Date.now().toString(36)}-${process.pid}`;
 let counter = 0;
@@ -63,6 +72,9 @@ const kinds = (events: QueryEvent[]) => events.map((event) => eventKindName(even
 
 /** A test of the suite: skipped (and counted as such) without HEXGEN_COORDINATOR. */
 const test = (name: string, fn: () => Promise<void>) => nodeTest(name, { skip, timeout: TIMEOUT_MS }, fn);
+/** A test against the limited coordinator: skipped without HEXGEN_COORDINATOR_LIMITED. */
+const limitedTest = (name: string, fn: () => Promise<void>) =>
+  nodeTest(name, { skip: skipLimited, timeout: TIMEOUT_MS }, fn);
 
 describe("live coordinator", () => {
   let client: CoordinatorClient;
@@ -279,6 +291,103 @@ describe("live coordinator", () => {
     const got = await client.get(queryId);
     assert.equal(got.query?.state, QueryState.QUERY_STATE_RUNNING);
     await client.cancel(queryId);
+  });
+});
+
+describe("limited coordinator (one running query at a time, no worker)", () => {
+  let client: CoordinatorClient;
+  let running = ""; // a query that stays running until after() cancels it
+
+  before(async () => {
+    if (!limitedAddress) return;
+    client = new CoordinatorClient(limitedAddress);
+    await client.waitForReady(10_000);
+    running = newId("running");
+    const submitted = await client.submit({ queryId: running, workflow: smallWorkflow(), sloScale: 5 }).catch(
+      (error: unknown) => {
+        throw new Error(
+          `the limited coordinator at ${limitedAddress} refused the tests' query (is its one slot held?): ${String(error)}`,
+        );
+      },
+    );
+    assert.equal(submitted.query?.state, QueryState.QUERY_STATE_RUNNING);
+  });
+  after(async () => {
+    if (client && running) await client.cancel(running);
+    client?.close();
+  });
+
+  limitedTest("a second submission is RESOURCE_EXHAUSTED with retryAfterS", async () => {
+    const second = { queryId: newId("second"), workflow: smallWorkflow() };
+    const refused = await rejection(client.submit(second));
+    assert.ok(refused instanceof CoordinatorOverloadedError, refused.message);
+    assert.equal(refused.code, StatusCode.RESOURCE_EXHAUSTED);
+    assert.equal(refused.codeName, "RESOURCE_EXHAUSTED");
+    assert.equal(refused.address, limitedAddress);
+    assert.match(refused.details, /queries are running/);
+    assert.ok(refused.retryAfterS !== undefined && refused.retryAfterS > 0, `retryAfterS ${refused.retryAfterS}`);
+    assert.equal(Number(refused.metadata.get("retry-after-s")[0]), refused.retryAfterS);
+
+    // In a stream the refusal is thrown by the iterator, with the stream's trailer.
+    const inStream = await rejection(collect(client.run(second)));
+    assert.ok(inStream instanceof CoordinatorOverloadedError, inStream.message);
+    assert.ok((inStream.retryAfterS ?? 0) > 0, `retryAfterS ${inStream.retryAfterS}`);
+
+    // Nothing was stored for the refused id.
+    assert.equal((await rejection(client.get(second.queryId))).code, StatusCode.NOT_FOUND);
+  });
+
+  limitedTest("a watch past its deadline throws DEADLINE_EXCEEDED after the events before it", async () => {
+    const events: QueryEvent[] = [];
+    const error = await rejection(
+      (async () => {
+        for await (const event of client.watch(running, { timeoutMs: 1_000 })) events.push(event);
+      })(),
+    );
+    assert.equal(error.code, StatusCode.DEADLINE_EXCEEDED, error.message);
+    assert.equal(error.codeName, "DEADLINE_EXCEEDED");
+    assert.equal(events[0]?.kind, QueryEventKind.QUERY_EVENT_KIND_SUBMITTED, kinds(events).join(","));
+    assert.ok(events.every((event) => !isTerminal(event)), kinds(events).join(","));
+    const got = await client.get(running);
+    assert.equal(got.query?.state, QueryState.QUERY_STATE_RUNNING, "only the watch ended");
+  });
+
+  limitedTest("an abort signal cancels a stream and a unary call", async () => {
+    const controller = new AbortController();
+    const events: QueryEvent[] = [];
+    const error = await rejection(
+      (async () => {
+        for await (const event of client.watch(running, { signal: controller.signal })) {
+          events.push(event);
+          setTimeout(() => controller.abort(), 50);
+        }
+      })(),
+    );
+    assert.equal(error.code, StatusCode.CANCELLED, error.message);
+    assert.ok(events.length >= 1);
+
+    const aborted = new AbortController();
+    aborted.abort();
+    const unary = await rejection(client.status({ signal: aborted.signal }));
+    assert.equal(unary.code, StatusCode.CANCELLED, unary.message);
+  });
+
+  limitedTest("leaving a watch early cancels the stream, not the query", async () => {
+    for await (const event of client.watch(running)) {
+      assert.equal(event.kind, QueryEventKind.QUERY_EVENT_KIND_SUBMITTED);
+      break;
+    }
+    const got = await client.get(running);
+    assert.equal(got.query?.state, QueryState.QUERY_STATE_RUNNING);
+  });
+
+  limitedTest("once the running query ends, a submission is admitted again", async () => {
+    const cancelled = await client.cancel(running);
+    assert.equal(cancelled.query?.state, QueryState.QUERY_STATE_CANCELLED);
+    const next = newId("next");
+    const admitted = await client.submit({ queryId: next, workflow: smallWorkflow(), sloScale: 5 });
+    assert.equal(admitted.created, true);
+    running = next; // after() cancels it
   });
 });
 
