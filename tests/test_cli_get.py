@@ -13,12 +13,13 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from hexgen_client.client import CoordinatorClient
 from hexgen_client.errors import ClusterError
 from hexgen_client.processes import find_redis_server
 from hexgen_flow.workload import LLMCall, Query, Workflow
-from up_runner import Up, running_up
+from up_runner import Up, replay, running_up
 
 try:
     find_redis_server()
@@ -106,6 +107,24 @@ def test_up_serves_the_coordinators_metrics_where_its_banner_says(up: Up) -> Non
     text = httpx.get(tuner, timeout=10).text
     assert "# TYPE hexgen_flow_tuner_runs_total counter" in text
     assert "# TYPE hexgen_flow_tuner_run_seconds histogram" in text
+
+
+def test_a_replay_of_ten_queries_is_counted_in_the_metrics(tmp_path: Path) -> None:
+    # A mesh of its own: its counters start at zero.
+    with running_up(tmp_path, "--time-scale", "50", "--admission", "off", "--no-tuner") as fresh:
+        done = replay(fresh, "--trace", "trace3", "--qps", "2", "--num-queries", "10")
+        out, err = done.communicate(timeout=240)
+        assert done.returncode == 0, err
+        assert json.loads(out)["completed"] == 10
+        url = fresh.banner["metrics"].split()[0]
+        samples = [
+            s for f in text_string_to_metric_families(httpx.get(url, timeout=10).text)
+            for s in f.samples
+        ]  # fmt: skip
+    finished = [s.value for s in samples if s.name == "hexgen_flow_queries_finished_total"]
+    assert sum(finished) == 10
+    (count,) = [s.value for s in samples if s.name == "hexgen_flow_query_latency_seconds_count"]
+    assert count == 10
 
 
 def test_top_shows_recent_attainment_and_each_instance(up: Up) -> None:
