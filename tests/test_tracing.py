@@ -123,7 +123,7 @@ async def test_a_query_is_one_trace_across_coordinator_and_worker(
     assert set(stages) == {0, 1, 2}
     assert all(_parent(s) == _context(root).span_id for s in stages.values())
     for call_id, span in coordinator_calls.items():
-        stage = int(call_id.rsplit("/", 1)[1].split(".")[0])
+        stage = int(str(call_id).rsplit("/", 1)[1].split(".")[0])
         assert _parent(span) == _context(stages[stage]).span_id, call_id
         assert _attr(span, "gen_ai.request.model") == "llama-3.1-70b"
         assert _attr(span, "gen_ai.usage.input_tokens") in (308, 961)

@@ -61,7 +61,7 @@ class ChatMessage(NamedTuple):
     """One message of a chat request (the dispatch's ``messages``)."""
 
     role: str
-    """"system", "user", "assistant", ..."""
+    """Who speaks: "system", "user", "assistant", ..."""
     content: str
 
 

