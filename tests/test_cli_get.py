@@ -107,6 +107,18 @@ def test_up_serves_the_coordinators_metrics_where_its_banner_says(up: Up) -> Non
     text = httpx.get(tuner, timeout=10).text
     assert "# TYPE hexgen_flow_tuner_runs_total counter" in text
     assert "# TYPE hexgen_flow_tuner_run_seconds histogram" in text
+    # And each worker its engine's: the calls it ran (the earlier tests' queries), its load.
+    workers = up.banner["metrics"].split("; ")[2].removesuffix(" (workers)").split(", ")
+    assert len(workers) == 4
+    finished = 0.0
+    for worker in workers:
+        families = text_string_to_metric_families(httpx.get(worker, timeout=10).text)
+        samples = {
+            (x.name, x.labels.get("outcome", "")): x.value for f in families for x in f.samples
+        }
+        finished += samples.get(("hexgen_flow_worker_calls_total", "finished"), 0.0)
+        assert samples[("hexgen_flow_worker_kv_capacity_tokens", "")] > 0
+    assert finished >= 4  # the three-stage workflow's calls at least
 
 
 def test_a_replay_of_ten_queries_is_counted_in_the_metrics(tmp_path: Path) -> None:

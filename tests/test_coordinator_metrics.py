@@ -42,9 +42,11 @@ class _Mesh:
         ]  # fmt: skip
         self.procs = [subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)]
         # A worker that declares a small KV cache: a 5,000-token call fails on every attempt.
+        self.worker_metrics = f"http://127.0.0.1:{free_port()}/metrics"
+        worker_port = self.worker_metrics.split(":")[2].split("/")[0]
         argv = worker_argv(
             sys.executable, self.address, 0, "A100", DEFAULT_MODEL,
-            extra=("--kv-cache-tokens", "2000"),
+            extra=("--kv-cache-tokens", "2000", "--metrics-listen", f"127.0.0.1:{worker_port}"),
         )  # fmt: skip
         self.procs.append(
             subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -128,12 +130,11 @@ def test_every_dashboard_panel_queries_metrics_the_coordinator_serves(mesh: _Mes
 
     asyncio.run(ready())
     served: set[str] = set()
-    for family in text_string_to_metric_families(httpx.get(mesh.metrics, timeout=5).text):
-        # A family's samples: counters end in _total, histograms in _bucket/_count/_sum.
-        served |= {
-            family.name,
-            *(f"{family.name}{s}" for s in ("_total", "_bucket", "_count", "_sum")),
-        }
+    for url in (mesh.metrics, mesh.worker_metrics):  # the coordinator's and a worker's
+        for family in text_string_to_metric_families(_get_when_up(url)):
+            # A family's samples: counters end in _total, histograms in _bucket/_count/_sum.
+            suffixes = ("_total", "_bucket", "_count", "_sum")
+            served |= {family.name, *(f"{family.name}{s}" for s in suffixes)}
     dashboard = json.loads(DASHBOARD.read_text())
     assert dashboard["panels"], "the dashboard has no panels"
     for panel in dashboard["panels"]:
@@ -143,3 +144,13 @@ def test_every_dashboard_panel_queries_metrics_the_coordinator_serves(mesh: _Mes
             names = set(re.findall(r"\bhexgen_flow_[a-z_]+\b", expr))
             assert names, (panel["title"], expr)
             assert names <= served, (panel["title"], sorted(names - served))
+
+
+def _get_when_up(url: str, timeout_s: float = 30) -> str:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return httpx.get(url, timeout=5).text
+        except httpx.TransportError:
+            assert time.monotonic() < deadline, f"nothing serves {url}"
+            time.sleep(0.1)

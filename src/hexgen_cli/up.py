@@ -91,7 +91,7 @@ def register(commands: Any) -> None:
         metavar="HOST:PORT",
         help="where the coordinator serves Prometheus metrics, at /metrics; port 0 picks a "
         f"free one (default {DEFAULT_METRICS}); the tuner serves its own on the next port "
-        "(a free one with port 0)",
+        "and the workers on the ports after (free ones with port 0)",
     )
     up.add_argument(
         "--tuner-period-s",
@@ -158,6 +158,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
             gateway_listen=args.gateway_listen,
             metrics_listen=args.metrics_listen,
             tuner_metrics_listen=_next_port(args.metrics_listen),
+            worker_metrics_listen=_next_port(args.metrics_listen, 2),
             log_dir=args.log_dir,
             keep_logs=True,
         )
@@ -230,7 +231,10 @@ def _print_up(cluster: Any, args: argparse.Namespace) -> None:
                 f"; http://{cluster.tuner_metrics_address}/metrics (tuner)"
                 if cluster.tuner_metrics_address
                 else ""
-            ),
+            )
+            + "; "
+            + ", ".join(f"http://{a}/metrics" for a in cluster.worker_metrics_addresses)
+            + " (workers)",
         ),
         ("redis", f"{cluster.redis_url} ({redis_note}, keys {args.redis_prefix}*)"),
         ("instances", f"{','.join(cluster.gpus)}: simulated engines"),
@@ -259,7 +263,7 @@ def _print_up(cluster: Any, args: argparse.Namespace) -> None:
     print("Ctrl-C stops it.", flush=True)
 
 
-def _next_port(listen: str) -> str:
-    """HOST:PORT+1 (HOST:0 stays: a free port of its own)."""
+def _next_port(listen: str, step: int = 1) -> str:
+    """HOST:PORT+step (HOST:0 stays: a free port of its own)."""
     host, _, port = listen.rpartition(":")
-    return f"{host}:{int(port) + 1 if int(port) else 0}"
+    return f"{host}:{int(port) + step if int(port) else 0}"

@@ -111,6 +111,8 @@ class LocalCluster:
         """Where the coordinator serves Prometheus metrics (``http://ADDRESS/metrics``)."""
         self.tuner_metrics_address: str | None = None
         """Where the tuner serves Prometheus metrics; None when not served."""
+        self.worker_metrics_addresses: list[str] = []
+        """Where each slot's worker serves Prometheus metrics; empty when not served."""
         self.redis_url = self.config.redis_url
         self.log_dir: Path | None = None
         self.redis: RedisServer | None = None
@@ -133,6 +135,12 @@ class LocalCluster:
                 self.tuner_address = resolve_address(config.tuner_listen)
             if config.metrics_listen is not None:
                 self.metrics_address = resolve_address(config.metrics_listen, reuse_addr=True)
+            if config.worker_metrics_listen is not None:
+                host, _, port = config.worker_metrics_listen.rpartition(":")
+                self.worker_metrics_addresses = [
+                    resolve_address(f"{host}:{int(port) + i if int(port) else 0}", reuse_addr=True)
+                    for i in range(len(self.instances))
+                ]
             if config.tuner and config.tuner_metrics_listen is not None:
                 self.tuner_metrics_address = resolve_address(
                     config.tuner_metrics_listen, reuse_addr=True
@@ -351,6 +359,11 @@ class LocalCluster:
     def _worker_argv(self, slot: int) -> list[str]:
         inst, launch = self.instances[slot], self.worker_launch(slot)
         python = launch.python or self.config.python
+        metrics = (
+            ["--metrics-listen", self.worker_metrics_addresses[slot]]
+            if self.worker_metrics_addresses
+            else []
+        )
         return worker_argv(
             python,
             self.coordinator_address,
@@ -358,7 +371,7 @@ class LocalCluster:
             inst.gpu,
             inst.model,
             launch.engine,
-            launch.args,
+            [*launch.args, *metrics],
             self.calibration.argument,
         )
 

@@ -96,6 +96,9 @@ class LocalClusterConfig:
     None: not served; port 0 picks a free port."""
     tuner_metrics_listen: str | None = None
     """Where the tuner serves Prometheus metrics; None: not served; port 0: a free port."""
+    worker_metrics_listen: str | None = None
+    """Where the workers serve Prometheus metrics: HOST:PORT for slot 0, PORT + n for slot
+    n (port 0: a free port each); None: not served."""
     python: str = sys.executable
     """The interpreter that runs the services."""
     log_dir: Path | None = None

@@ -124,6 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--log-level", type=str.upper, choices=_LOG_LEVELS, default=defaults.log_level
     )
+    parser.add_argument(
+        "--metrics-listen",
+        default=defaults.metrics_listen,
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics on http://HOST:PORT/metrics (default: not served)",
+    )
     return parser
 
 
@@ -151,6 +157,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         vllm_model=args.vllm_model,
         vllm_engine_args=dict(args.vllm_arg),
         log_level=args.log_level,
+        metrics_listen=args.metrics_listen,
     ).resolved()
 
 

@@ -81,6 +81,8 @@ class WorkerConfig:
     """On SIGTERM: wall seconds to wait for the coordinator to acknowledge what finished."""
     log_level: str = "INFO"
     """Python logging level name."""
+    metrics_listen: str = ""
+    """Where to serve Prometheus metrics (``HOST:PORT``, at /metrics); empty: nowhere."""
 
     def resolved(self) -> WorkerConfig:
         """A validated copy with the model's name canonical and the None defaults filled.

@@ -49,6 +49,7 @@ from hexgen_worker.events import (
     EngineEvent,
     Heartbeat,
 )
+from hexgen_worker.metrics import WorkerMetrics
 
 __all__ = ["CallStatus", "DispatchOutcome", "WelcomeSettings", "WorkerState"]
 
@@ -133,8 +134,11 @@ class WorkerState:
         send: Callable[[CallReport], None],
         calibration: str | None = None,
         tracer: trace.Tracer | None = None,
+        metrics: WorkerMetrics | None = None,
     ) -> None:
         self.engine = engine
+        self.metrics = metrics
+        """The worker's Prometheus metrics, when it serves them."""
         self.gpu = gpu
         """GPU type this worker declared (the welcome's slot must be one)."""
         self.model = model
@@ -432,9 +436,15 @@ class WorkerState:
             event = dataclasses.replace(event, attempt=call.ticket.attempt)
             self._outbox[event.call_id] = event
             span = call.span
-            span.set_attribute("hexgen.queue_wait_s", event.started_s - call.queued_s)
-            span.set_attribute("hexgen.execution_s", event.finished_s - event.started_s)
+            queue_wait_s = event.started_s - call.queued_s
+            execution_s = event.finished_s - event.started_s
+            span.set_attribute("hexgen.queue_wait_s", queue_wait_s)
+            span.set_attribute("hexgen.execution_s", execution_s)
             span.set_attribute("hexgen.generated_tokens", event.output_tokens)
+            if self.metrics is not None:
+                self.metrics.call_ended(
+                    queue_wait_s, execution_s, event.output_tokens, failed=bool(event.error)
+                )
             if event.error:
                 span.set_status(Status(StatusCode.ERROR, event.error))
             span.end()

@@ -31,6 +31,7 @@ from hexgen_flow.calibration import DEFAULT_CALIBRATION
 from hexgen_flow.errors import ConfigError, WorkloadError
 from hexgen_service.convert import dispatch_to_ticket
 from hexgen_service.errors import InvalidFieldError
+from hexgen_service.metrics_server import serve_metrics
 from hexgen_service.telemetry import client_interceptors, setup_tracing
 from hexgen_worker.config import WorkerConfig
 from hexgen_worker.convert import (
@@ -42,6 +43,7 @@ from hexgen_worker.convert import (
 )
 from hexgen_worker.engines import Engine, create_engine
 from hexgen_worker.events import CallReport
+from hexgen_worker.metrics import WorkerMetrics
 from hexgen_worker.state import WorkerState
 
 __all__ = ["EXIT_OK", "EXIT_REJECTED", "CoordinatorRejectedError", "Worker"]
@@ -103,6 +105,7 @@ class Worker:
         engine = self.engine if self.engine is not None else create_engine(config)
         self.engine = engine
         await engine.start()
+        metrics = WorkerMetrics(config.worker_id, engine.kind) if config.metrics_listen else None
         state = WorkerState(
             engine,
             gpu=config.gpu,
@@ -111,8 +114,24 @@ class Worker:
             kv_cache_tokens=config.kv_cache_tokens or 0,
             send=self._send,
             tracer=tracer,
+            metrics=metrics,
         )
         self.state = state
+        metrics_server = None
+        if metrics is not None:
+
+            def load() -> tuple[int, int, int, int]:
+                engine_load = engine.load()
+                return (
+                    engine_load.running,
+                    state.queued(),
+                    engine_load.kv_used_tokens,
+                    config.kv_cache_tokens or 0,
+                )
+
+            metrics.watch(load)
+            address, metrics_server = serve_metrics(metrics.registry, config.metrics_listen)
+            log.info("metrics on http://%s/metrics", address)
         events = asyncio.create_task(state.run_engine_events(), name="engine-events")
         log.info(
             "worker %s: %s on %s, %s engine, calibration %s; coordinator %s",
@@ -132,6 +151,8 @@ class Worker:
                 await events
             await engine.close()
             state.close()
+            if metrics_server is not None:
+                metrics_server.shutdown()
             log.info("worker %s stopped", config.worker_id)
 
     async def _link(self, state: WorkerState) -> int:
