@@ -159,13 +159,17 @@ def test_kv_limit_holds_calls_in_the_queue() -> None:
     h = Harness("prefill-first", kv_cache_tokens=2500)
 
     async def body() -> None:
+        # 1050 tokens each, decodes long enough that none finishes before the third is
+        # dispatched, even on a loaded machine
         for n in range(3):
-            h.state.dispatch(ticket(f"c{n}", n))  # 1050 tokens each
+            h.state.dispatch(ticket(f"c{n}", n, input_tokens=650, out=400))
         beat = h.state.heartbeat()
         assert (beat.running, beat.queued, beat.kv_used_tokens) == (2, 1, 2100)
-        await h.until(lambda: len(h.finished()) == 3)
+        await h.until(lambda: len(h.finished()) == 3, timeout=30)
 
-    run(h, body)
+    # A slower clock than the other tests': 0.4 wall seconds a call, so that a loaded
+    # machine's pause between two dispatches does not let the model finish the first.
+    run(h, body, clock=ClusterClock(time.time(), 20.0))
     assert h.started() == ["c0", "c1", "c2"]
 
 
