@@ -14,35 +14,47 @@ execution accuracy must come out equal and only the latencies differ.
 
 It prints, per load level and seed, a table of: policy, workflows finished (of those sent),
 workflow P50/P95/mean latency in cluster seconds (the coordinator's finished - arrival),
-SLO attainment (a failed workflow is a miss), execution accuracy, and hexgen-flow's P95
-divided by that row's P95 (below 1: hexgen-flow is faster); with several seeds, a summary
-across them. Progress goes to stderr.
+SLO attainment (a failed workflow is a miss), execution accuracy, the LLM calls made, the
+share of calls the coordinator dispatched to an A100 (its Prometheus counter), the driver's
+own view (P95 from the scheduled arrival to the agent's return, and how late it started
+questions: large values mean the machine, not the policy, set the figures) and
+hexgen-flow's P95 divided by that row's P95 (below 1: hexgen-flow is faster); with several
+seeds, a summary across them. ``--questions`` above 60 repeats the set, reshuffled, for a
+sustained load. ``--out`` writes every row (with each workflow's latency) as JSON,
+``--plot`` P95 and attainment against the load. Progress goes to stderr.
 
     .venv/bin/python benchmarks/agent_policies.py [--policies vllm least-requests hexgen-flow]
-        [--rates 0.5 1.0 1.5] [--seeds 0] [--questions 60] [--slo-s 60] [--time-scale 20]
+        [--rates 1 2 4] [--seeds 0] [--questions 60] [--slo-s 60] [--time-scale 5]
         [--cluster A100,A100,A6000,L40S] [--out FILE.json] [--plot FILE.png]
 
 Sensitivity to the time scale: the mesh's own overheads (gateway, coordinator, Redis, the
 agent's SQLite work, all on the same cores) are wall time, which the time scale multiplies
-into cluster seconds; run it at two time scales and compare (docs/text-to-sql.md, "The agent
-under load", has both).
+into cluster seconds; run it at two time scales and compare. On two shared cores 2x and 5x
+agree and 20x inflates hexgen-flow's latencies (docs/text-to-sql.md, "The agent under load:
+hexgen-flow against the routers", has the figures).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import dataclasses
 import json
 import random
+import re
 import sys
 import tempfile
 import time
+import urllib.request
 import uuid
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hexgen_client.cluster import LocalCluster, LocalClusterConfig
+from hexgen_client.errors import ClusterError
 from hexgen_client.sql.agent import AgentResult, SqlAgent
 from hexgen_client.sql.chinook import build_chinook
 from hexgen_client.sql.evaluate import execution_match
@@ -52,9 +64,12 @@ from hexgen_flow.metrics import percentile
 PAPER_CLUSTER = "A100,A100,A6000,L40S"
 POLICIES = ("vllm", "least-requests", "hexgen-flow")
 FLAGSHIP = "hexgen-flow"
-DEFAULT_RATES = (0.5, 1.0, 1.5)
+DEFAULT_RATES = (1.0, 2.0, 4.0)
 DEFAULT_SLO_S = 60.0
-DEFAULT_TIME_SCALE = 20.0
+DEFAULT_TIME_SCALE = 5.0
+DISPATCHED = re.compile(
+    r'^hexgen_flow_calls_dispatched_total\{instance="(?P<instance>[^"]+)"\} (?P<value>\S+)$'
+)
 
 
 @dataclass(slots=True)
@@ -72,11 +87,23 @@ class Row:
     p95_s: float
     mean_s: float
     max_s: float
+    client_p95_s: float
+    """P95 of the latency the driver saw, from each workflow's scheduled arrival to the
+    agent's return (wall x time scale): includes the driver's and gateway's own delays and
+    the close, which the coordinator's figures do not."""
+    lag_p95_ms: float
+    """P95 of how late (wall ms) the driver started a workflow after its scheduled arrival:
+    large means the offered load was not what was asked."""
     slo_attainment: float
     execution_accuracy: float
     llm_calls: int
+    calls_by_gpu: dict[str, int]
+    """Calls the coordinator dispatched to each GPU type during the run (its metrics)."""
     wall_s: float
     errors: list[str] = field(default_factory=list)
+    latencies_s: list[float] = field(default_factory=list)
+    """Each finished workflow's latency (cluster s), in question order: attainment at any
+    other SLO can be read off the JSON."""
 
 
 def arrivals(n: int, rate: float, seed: int) -> list[float]:
@@ -91,27 +118,61 @@ def arrivals(n: int, rate: float, seed: int) -> list[float]:
 
 
 def workload(questions: list[Question], n: int, seed: int) -> list[Question]:
-    """The first `n` questions in an order drawn from `seed` (easy, medium and hard mixed
-    over the run rather than in the file's order)."""
-    order = list(questions)
-    random.Random(f"order-{seed}").shuffle(order)
-    return order[:n]
+    """`n` questions in an order drawn from `seed` (easy, medium and hard mixed over the
+    run rather than in the file's order); past the end of the set, it is shuffled again
+    and repeated (each repetition is a workflow of its own), for a longer, sustained load."""
+    rng = random.Random(f"order-{seed}")
+    picked: list[Question] = []
+    while len(picked) < n:
+        order = list(questions)
+        rng.shuffle(order)
+        picked += order
+    return picked[:n]
 
 
 def progress(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
+@dataclass(slots=True)
+class Sent:
+    """One workflow as the driver saw it: wall seconds late after its scheduled arrival,
+    wall seconds from the scheduled arrival to the agent's return, and the result (or the
+    exception that failed it)."""
+
+    late_s: float
+    wall_s: float
+    result: AgentResult | BaseException
+
+
+def dispatched(metrics: str | None) -> dict[str, int]:
+    """Calls dispatched so far to each GPU type, from the coordinator's Prometheus counter
+    ``hexgen_flow_calls_dispatched_total{instance="A100#0"}``; empty without metrics."""
+    if metrics is None:
+        return {}
+    with urllib.request.urlopen(f"http://{metrics}/metrics", timeout=10) as answer:
+        text = answer.read().decode()
+    counts: dict[str, int] = {}
+    for line in text.splitlines():
+        found = DISPATCHED.match(line)
+        if found:
+            gpu = found["instance"].split("#")[0]
+            counts[gpu] = counts.get(gpu, 0) + round(float(found["value"]))
+    return counts
+
+
 async def drive(
     gateway: str,
+    metrics: str | None,
     db: Path,
     questions: list[Question],
     times: list[float],
     args: argparse.Namespace,
     label: str,
-) -> tuple[list[AgentResult | BaseException], float]:
-    """Send every question at its arrival time (wall = cluster / time scale); the results
-    (or the exception that failed a question) in question order, and the wall seconds."""
+) -> tuple[list[Sent], float, dict[str, int]]:
+    """Send every question at its arrival time (wall = cluster / time scale); what each
+    one gave, in question order, the wall seconds of the whole run and the calls dispatched
+    to each GPU type meanwhile."""
     from openai import AsyncOpenAI  # noqa: PLC0415 - the openai extra
 
     client = AsyncOpenAI(
@@ -129,26 +190,58 @@ async def drive(
     # one question alone first (not counted): the model listed, connections open
     await agent.answer(questions[0].question, workflow=f"warmup-{tag}")
     done = 0
+    before = await asyncio.to_thread(dispatched, metrics)
 
-    async def one(i: int, question: Question, origin: float) -> AgentResult:
+    async def one(i: int, question: Question, origin: float) -> Sent:
         nonlocal done
-        delay = origin + times[i] / args.time_scale - time.perf_counter()
+        scheduled = origin + times[i] / args.time_scale
+        delay = scheduled - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
+        late = time.perf_counter() - scheduled
+        result: AgentResult | BaseException
         try:
-            return await agent.answer(question.question, workflow=f"bench-{tag}-{question.id}")
-        finally:
-            done += 1
-            if done % 10 == 0 or done == len(questions):
-                progress(f"  {label}: {done}/{len(questions)} workflows done")
+            result = await agent.answer(
+                question.question, workflow=f"bench-{tag}-{i}-{question.id}"
+            )
+        except Exception as exc:  # an API error fails this workflow, not the run
+            result = exc
+        done += 1
+        if done % 10 == 0 or done == len(questions):
+            progress(f"  {label}: {done}/{len(questions)} workflows done")
+        return Sent(late, time.perf_counter() - scheduled, result)
 
     origin = time.perf_counter()
-    results = await asyncio.gather(
-        *(one(i, q, origin) for i, q in enumerate(questions)), return_exceptions=True
-    )
+    sent = await asyncio.gather(*(one(i, q, origin) for i, q in enumerate(questions)))
     wall_s = time.perf_counter() - origin
     await client.close()
-    return list(results), wall_s
+    after = await asyncio.to_thread(dispatched, metrics)
+    by_gpu = {gpu: n - before.get(gpu, 0) for gpu, n in after.items()}
+    return list(sent), wall_s, by_gpu
+
+
+@contextlib.contextmanager
+def start_mesh(config: LocalClusterConfig, label: str) -> Iterator[LocalCluster]:
+    """A started `LocalCluster`; a start that fails (a service not up in time on a busy
+    machine) is reported with its logs' tails and tried once more."""
+    for attempt in (1, 2):
+        with tempfile.TemporaryDirectory(prefix="agent-policies-logs-") as logs:
+            mesh = LocalCluster(dataclasses.replace(config, log_dir=Path(logs)))
+            try:
+                mesh.start()
+            except ClusterError as exc:
+                progress(f"{label}: the mesh did not start (attempt {attempt}): {exc}")
+                for log in sorted(Path(logs).glob("*.log")):
+                    tail = log.read_text(errors="replace").splitlines()[-5:]
+                    progress("\n".join([f"  --- {log.name}", *(f"  {line}" for line in tail)]))
+                if attempt == 2:
+                    raise
+                continue
+            try:
+                yield mesh
+            finally:
+                mesh.stop()
+            return
 
 
 def run_policy(
@@ -167,19 +260,25 @@ def run_policy(
         tuner=False,
         gateway=True,
         gateway_listen="127.0.0.1:0",
+        metrics_listen="127.0.0.1:0",
         admission="off",  # every workflow runs: attainment counts the late ones
         redis_appendfsync=None,  # durability is not what is measured here
     )
     times = arrivals(len(questions), rate, seed)
     label = f"{policy} at {rate:g} q/s, seed {seed}"
     progress(f"{label}: starting the mesh ({args.cluster}, time scale {args.time_scale:g}x)")
-    with LocalCluster(config) as mesh:
+    with start_mesh(config, label) as mesh:
         assert mesh.gateway_address is not None
-        results, wall_s = asyncio.run(drive(mesh.gateway_address, db, questions, times, args, label))
+        sent, wall_s, by_gpu = asyncio.run(
+            drive(mesh.gateway_address, mesh.metrics_address, db, questions, times, args, label)
+        )
     latencies: list[float] = []
+    seen = [s.wall_s * args.time_scale for s in sent]
+    lags = [s.late_s * 1e3 for s in sent]
     met = correct = calls = 0
     errors: list[str] = []
-    for question, result in zip(questions, results, strict=True):
+    for question, one in zip(questions, sent, strict=True):
+        result = one.result
         if isinstance(result, BaseException):
             errors.append(f"{question.id}: {type(result).__name__}: {result}")
             continue
@@ -200,11 +299,15 @@ def run_policy(
         p95_s=percentile(latencies, 95) if latencies else nan,
         mean_s=sum(latencies) / len(latencies) if latencies else nan,
         max_s=max(latencies) if latencies else nan,
+        client_p95_s=percentile(seen, 95),
+        lag_p95_ms=percentile(lags, 95),
         slo_attainment=met / n,
         execution_accuracy=correct / n,
         llm_calls=calls,
+        calls_by_gpu=by_gpu,
         wall_s=wall_s,
         errors=errors,
+        latencies_s=[round(x, 3) for x in latencies],
     )
     progress(
         f"{label}: P50 {row.p50_s:.1f} s, P95 {row.p95_s:.1f} s, attainment "
@@ -215,10 +318,18 @@ def run_policy(
 
 def ratio(rows: list[Row], row: Row) -> float | None:
     """hexgen-flow's P95 over `row`'s, at the same load and seed; None without it."""
-    flagship = [r for r in rows if r.policy == FLAGSHIP and (r.rate, r.seed) == (row.rate, row.seed)]
+    flagship = [
+        r for r in rows if r.policy == FLAGSHIP and (r.rate, r.seed) == (row.rate, row.seed)
+    ]
     if not flagship or not row.p95_s > 0:
         return None
     return flagship[0].p95_s / row.p95_s
+
+
+def a100_share(row: Row) -> str:
+    """The share of the run's dispatched calls that went to an A100 (retries included)."""
+    total = sum(row.calls_by_gpu.values())
+    return f"{100 * row.calls_by_gpu.get('A100', 0) / total:.0f}%" if total else "-"
 
 
 def table(rows: list[Row], rate: float, seed: int, slo_s: float) -> list[str]:
@@ -226,37 +337,47 @@ def table(rows: list[Row], rate: float, seed: int, slo_s: float) -> list[str]:
     lines = [
         f"load {rate:g} questions/s (Poisson, seed {seed}), SLO {slo_s:g} s:",
         f"  {'policy':<16} {'workflows':>9} {'P50 (s)':>8} {'P95 (s)':>8} {'mean (s)':>8} "
-        f"{'SLO att.':>8} {'accuracy':>8} {'calls':>6}  {FLAGSHIP} P95 / this",
+        f"{'SLO att.':>8} {'accuracy':>8} {'calls':>6} {'on A100':>7} {'driver P95':>10} "
+        f"{'lag P95':>8}  "
+        f"{FLAGSHIP} P95 / this",
     ]
     for r in here:
         q = ratio(rows, r)
         lines.append(
             f"  {r.policy:<16} {f'{r.workflows}/{r.sent}':>9} {r.p50_s:8.1f} {r.p95_s:8.1f} "
             f"{r.mean_s:8.1f} {100 * r.slo_attainment:7.1f}% {100 * r.execution_accuracy:7.1f}% "
-            f"{r.llm_calls:6d}  {'-' if q is None or r.policy == FLAGSHIP else f'{q:.2f}'}"
+            f"{r.llm_calls:6d} {a100_share(r):>7} {r.client_p95_s:9.1f}s {r.lag_p95_ms:6.0f}ms  "
+            f"{'-' if q is None or r.policy == FLAGSHIP else f'{q:.2f}'}"
         )
     return lines
 
 
 def summary(rows: list[Row], rates: list[float], policies: list[str]) -> list[str]:
-    """Across seeds: mean P95 and attainment, and the range of hexgen-flow's P95 ratio."""
-    lines = ["across seeds (mean; ratio: min-max over seeds):"]
+    """Across seeds: the mean P50, P95, attainment and A100 share, and the range of
+    hexgen-flow's P95 ratio (min-max over seeds)."""
+    lines = [
+        "across seeds (means; the ratio's min-max over seeds):",
+        f"  {'load':>7}  {'policy':<16} {'P50 (s)':>8} {'P95 (s)':>8} {'SLO att.':>8} "
+        f"{'accuracy':>8} {'on A100':>7}  {FLAGSHIP} P95 / this",
+    ]
     for rate in rates:
         for policy in policies:
             mine = [r for r in rows if r.rate == rate and r.policy == policy]
             if not mine:
                 continue
-            p95 = sum(r.p95_s for r in mine) / len(mine)
-            att = sum(r.slo_attainment for r in mine) / len(mine)
+            n = len(mine)
+            p50 = sum(r.p50_s for r in mine) / n
+            p95 = sum(r.p95_s for r in mine) / n
+            att = sum(r.slo_attainment for r in mine) / n
+            acc = sum(r.execution_accuracy for r in mine) / n
+            on = [sum(r.calls_by_gpu.values()) for r in mine]
+            a100 = sum(r.calls_by_gpu.get("A100", 0) for r in mine)
+            share = f"{100 * a100 / sum(on):.0f}%" if sum(on) else "-"
             ratios = [q for r in mine if (q := ratio(rows, r)) is not None]
-            span = (
-                f"{min(ratios):.2f}-{max(ratios):.2f}"
-                if ratios and policy != FLAGSHIP
-                else "-"
-            )
+            span = f"{min(ratios):.2f}-{max(ratios):.2f}" if ratios and policy != FLAGSHIP else "-"
             lines.append(
-                f"  {rate:5g} q/s  {policy:<16} P95 {p95:7.1f} s  attainment {100 * att:5.1f} %"
-                f"  {FLAGSHIP} P95 / this {span}"
+                f"  {f'{rate:g} q/s':>7}  {policy:<16} {p50:8.1f} {p95:8.1f} {100 * att:7.1f}% "
+                f"{100 * acc:7.1f}% {share:>7}  {span}"
             )
     return lines
 
@@ -296,7 +417,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )  # fmt: skip
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], metavar="SEED")
     parser.add_argument(
-        "--questions", type=int, default=60, metavar="N", help="questions per run (60: all)"
+        "--questions",
+        type=int,
+        default=60,
+        metavar="N",
+        help="workflows per run (default 60: the whole set once; more repeats it)",
     )
     parser.add_argument(
         "--slo-s", type=float, default=DEFAULT_SLO_S, help="end-to-end SLO, cluster seconds"
