@@ -198,6 +198,8 @@ async def test_bad_session_requests_are_refused_naming_the_field(up: Up) -> None
         assert error.code == grpc.StatusCode.ALREADY_EXISTS
         error = await refused(client.run_call(workflow, "", "x"))
         assert error.code == grpc.StatusCode.INVALID_ARGUMENT and error.details.startswith("stage:")
+        error = await refused(client.run_call(workflow, "bad\nname", "x"))
+        assert error.details.startswith("stage: must not contain control characters")
         error = await refused(client.run_call(_id("unknown"), "s", "x"))
         assert error.code == grpc.StatusCode.NOT_FOUND
         await client.close_workflow(workflow)

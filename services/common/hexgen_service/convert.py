@@ -23,6 +23,7 @@ __all__ = [
     "MAX_CALLS_PER_QUERY",
     "MAX_TOKENS_PER_CALL",
     "SubmitLimits",
+    "check_text",
     "dispatch_to_ticket",
     "expand_workflow",
     "parse_submit",
@@ -73,7 +74,9 @@ class SubmitLimits:
 DEFAULT_LIMITS = SubmitLimits()
 
 
-def _check_text(field: str, value: str, max_bytes: int | None, limits: SubmitLimits) -> None:
+def check_text(field: str, value: str, max_bytes: int | None, limits: SubmitLimits) -> None:
+    """`InvalidFieldError` on `field` when `value` is longer than `max_bytes` (UTF-8) or
+    holds control characters that `limits` do not allow."""
     if max_bytes is not None:
         size = len(value.encode("utf-8"))
         if size > max_bytes:
@@ -131,13 +134,13 @@ def expand_workflow(
             raise InvalidFieldError(
                 f"{field}.stages", f"the workflow exceeds {limits.max_stages} stages"
             )
-        _check_text(f"{where}.id", spb.id, limits.max_id_bytes, limits)
+        check_text(f"{where}.id", spb.id, limits.max_id_bytes, limits)
         sid = spb.id or f"#{n}"
         if sid in last_of:
             raise InvalidFieldError(f"{where}.id", f"duplicate stage id {sid!r}")
         if not spb.step:
             raise InvalidFieldError(f"{where}.step", "must not be empty")
-        _check_text(f"{where}.step", spb.step, limits.max_id_bytes, limits)
+        check_text(f"{where}.step", spb.step, limits.max_id_bytes, limits)
         if not spb.calls:
             raise InvalidFieldError(f"{where}.calls", "a stage needs at least one call")
         if len(spb.calls) > max_calls:
@@ -155,7 +158,7 @@ def expand_workflow(
                         f"{cwhere}.{name}", f"must be in [1, {MAX_TOKENS_PER_CALL}], got {value}"
                     )
             if cpb.step:
-                _check_text(f"{cwhere}.step", cpb.step, limits.max_id_bytes, limits)
+                check_text(f"{cwhere}.step", cpb.step, limits.max_id_bytes, limits)
             if cpb.messages:
                 raise InvalidFieldError(
                     f"{cwhere}.messages",
@@ -254,8 +257,8 @@ def parse_submit(
         raise InvalidFieldError("query_id", "must not be empty (it is the idempotency key)")
     if len(request.query_id) > limits.max_id_chars:
         raise InvalidFieldError("query_id", f"must be at most {limits.max_id_chars} characters")
-    _check_text("query_id", request.query_id, limits.max_id_bytes, limits)
-    _check_text("tenant", request.tenant, limits.max_tenant_bytes, limits)
+    check_text("query_id", request.query_id, limits.max_id_bytes, limits)
+    check_text("tenant", request.tenant, limits.max_tenant_bytes, limits)
     for name in ("slo_s", "slo_scale"):
         value = getattr(request, name)
         if not math.isfinite(value) or value < 0:

@@ -53,7 +53,12 @@ from hexgen_flow.policies.base import NoInstanceError
 from hexgen_flow.runtime import CallTicket
 from hexgen_flow.scheduler import GlobalScheduler
 from hexgen_flow.workload import LLMCall, canonical_step
-from hexgen_service.convert import MAX_TOKENS_PER_CALL, submit_from_query, template_to_proto
+from hexgen_service.convert import (
+    MAX_TOKENS_PER_CALL,
+    check_text,
+    submit_from_query,
+    template_to_proto,
+)
 from hexgen_service.errors import FailedPreconditionError, InvalidFieldError
 
 __all__ = ["Sessions"]
@@ -146,14 +151,20 @@ class Sessions:
             raise InvalidFieldError(
                 "stage", f"must be 1 to {self.limits.max_id_chars} characters, got {len(name)}"
             )
-        prompt = request.call.prompt
-        if (
-            self.limits.max_prompt_bytes is not None
-            and len(prompt.encode("utf-8")) > self.limits.max_prompt_bytes
-        ):
-            raise InvalidFieldError(
-                "call.prompt", f"must be at most {self.limits.max_prompt_bytes} bytes"
+        check_text("stage", name, self.limits.max_id_bytes, self.limits)
+        limit = self.limits.max_prompt_bytes
+        if limit is not None:
+            # A chat call's messages are its prompt too (`prompt` is their rendering).
+            sizes = [("call.prompt", len(request.call.prompt.encode("utf-8")))]
+            sizes.append(
+                (
+                    "call.messages",
+                    sum(len(m.content.encode("utf-8")) for m in request.call.messages),
+                )
             )
+            for field, size in sizes:
+                if size > limit:
+                    raise InvalidFieldError(field, f"must be at most {limit} bytes, got {size}")
         for field in ("input_tokens", "output_tokens"):
             value = getattr(request.call, field)
             if not 0 <= value <= MAX_TOKENS_PER_CALL:
