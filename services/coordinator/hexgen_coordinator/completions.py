@@ -221,6 +221,7 @@ class Completions:
         stage that was never given (it completes without running, which may release more).
         Returns every call released, for `Dispatch.send` (the caller holds the lock)."""
         out: list[CallTicket] = []
+        tried: set[str] = set()  # a skip Redis refused is not tried again in this loop
         while True:
             by_stage: dict[int, list[CallTicket]] = {}
             for t in released:
@@ -241,11 +242,13 @@ class Completions:
                     run.given[k] if run.given else 0, len(run.query.workflow.stages[k].calls)
                 )
                 if (ticket := ledger.tickets.get(call_id_of(query_id, k, index))) is not None
+                and ticket.call_id not in tried
             ]
             if not unwanted:
                 return out
             released = []
             for ticket in unwanted:
+                tried.add(ticket.call_id)
                 released += await self._skip(entry, ticket, now)
 
     async def _skip(self, entry: ActiveQuery, ticket: CallTicket, now: float) -> list[CallTicket]:

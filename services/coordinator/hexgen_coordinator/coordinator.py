@@ -144,6 +144,7 @@ class Coordinator:
         grace = await self._recovery.resume()
         if grace is not None:
             self._tasks.append(grace)
+        await self._sessions.settle_resumed()
         self._tasks.append(asyncio.create_task(self._workers.watch_heartbeats()))
         self._tasks.append(asyncio.create_task(self._sessions.close_idle()))
 

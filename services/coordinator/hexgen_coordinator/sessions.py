@@ -417,7 +417,13 @@ class Sessions:
         session.open = False
         run.end_session(when)
         record_event(entry, K.QUERY_EVENT_KIND_CLOSED, now, text=reason)
-        released = await self.completions.settle(entry, [], when)
+        await self._settle(entry, when)
+
+    async def _settle(self, entry: ActiveQuery, now: float) -> None:
+        """Skip what the closed stages were never given, send what that releases, and end
+        the query if nothing is left (the caller holds its lock)."""
+        run = entry.run
+        released = await self.completions.settle(entry, [], now)
         self.dispatch.send(released)
         self.writes.persist(entry, released)
         if run.finished_s is not None:
@@ -425,6 +431,18 @@ class Sessions:
             self.writes.persist(entry, [])
             await self.writes.flush()  # GetQuery reads a finished query's log from Redis
             self.completions.finish(entry)
+
+    async def settle_resumed(self) -> None:
+        """After a restart: the sessions resumed with closed stages skip what those stages
+        were never given (a crash between closing them and skipping would otherwise leave
+        a closed session waiting for calls that never come)."""
+        now = self.ledger.clock.now()
+        for query_id, entry in list(self.ledger.active.items()):
+            if entry.session is None or not entry.session.closed_stages:
+                continue
+            async with entry.lock:
+                if self.ledger.active.get(query_id) is entry:
+                    await self._settle(entry, now)
 
     async def close_idle(self) -> None:
         """Close the sessions idle for longer than their timeout, every second."""
