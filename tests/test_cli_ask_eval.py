@@ -75,6 +75,7 @@ def test_ask_prints_the_sql_its_rows_and_the_timeline(up: Up, chinook_db: Path) 
     assert "(25 rows, 5 not shown)" in lines
     assert any(line.split()[:1] == ["generate_candidate"] and "2 calls" in line for line in lines)
     assert lines[-1].endswith("SLO 1 s: MISSED")  # a call alone takes longer
+    assert lines[-2].startswith("workflow sql-") and "hexgen-flow get sql-" in lines[-2]
 
 
 @needs_redis_server

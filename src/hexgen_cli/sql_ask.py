@@ -292,6 +292,10 @@ def result_lines(result: AgentResult, gateway: Gateway) -> list[str]:
     lines.append(
         f"{len(result.candidates)} candidates, {revised} revised; {len(result.calls)} LLM calls"
     )
+    errors = sorted({e for c in result.candidates for r, _, e in c.history if e and r < c.round})
+    if errors:  # what the revise prompts were told
+        lines.append("revised on: " + "; ".join(errors))
+    lines.append(f"workflow {result.workflow} (`{PROG} get {result.workflow}`: its stages)")
     latency = f"latency {result.latency_s:.2f} s wall = {result.cluster_latency_s:.1f} cluster s"
     if result.slo_s is not None:
         verdict = "met" if result.slo_met else "MISSED"
