@@ -59,6 +59,7 @@ def test_ask_json(up: Up, chinook_db: Path) -> None:
     # the coordinator's own arrival-to-finish, within the client's wall time on the clock
     assert 0 < doc["cluster_latency_s"] <= doc["latency_s"] * float(TIME_SCALE)
     assert doc["synthetic"] is True  # the responder's label, seen through the gateway
+    assert doc["workflow"].startswith("sql-")
 
 
 @needs_redis_server

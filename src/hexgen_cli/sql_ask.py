@@ -210,7 +210,10 @@ def open_gateway(args: argparse.Namespace, command: str) -> Iterator[Gateway]:
     require_mesh(command)
     require_openai(command)
     if args.gateway:
-        yield Gateway(_base_url(args.gateway), args.time_scale or 1.0, None)
+        # The coordinator behind it, when one answers, tells the clock and the engines.
+        probed = None if args.time_scale else _probe_mesh(args.coordinator)
+        time_scale = args.time_scale or (probed[0] if probed else 1.0)
+        yield Gateway(_base_url(args.gateway), time_scale, probed[1] if probed else None)
         return
     local = _base_url(DEFAULT_GATEWAY)
     if _answers(local):
@@ -329,6 +332,7 @@ def _cmd_ask(args: argparse.Namespace) -> int:
                 "candidates": doc["candidates"],
                 "synthetic": bool(gateway.synthetic or result.synthetic),
                 "error": doc["error"],
+                "workflow": doc["workflow"],
             }
         )
     else:
