@@ -236,6 +236,12 @@ def _print_up(cluster: Any, args: argparse.Namespace) -> None:
             + ", ".join(f"http://{a}/metrics" for a in cluster.worker_metrics_addresses)
             + " (workers)",
         ),
+        (
+            "workers",
+            f"must show the token in {cluster.worker_token_file} (mode 0600)"
+            if cluster.worker_token_file
+            else "any may connect (no token)",
+        ),
         ("redis", f"{cluster.redis_url} ({redis_note}, keys {args.redis_prefix}*)"),
         ("instances", f"{','.join(cluster.gpus)}: simulated engines"),
         ("calibration", cluster.calibration.name),

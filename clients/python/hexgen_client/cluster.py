@@ -66,6 +66,7 @@ from hexgen_flow.cluster import parse_cluster
 from hexgen_flow.errors import ConfigError
 from hexgen_flow.policies.presets import resolve_policy
 from hexgen_service.healthcheck import check
+from hexgen_service.worker_token import write_token
 
 __all__ = [
     "DEFAULT_GATEWAY",
@@ -111,6 +112,8 @@ class LocalCluster:
         """Where the coordinator serves Prometheus metrics (``http://ADDRESS/metrics``)."""
         self.tuner_metrics_address: str | None = None
         """Where the tuner serves Prometheus metrics; None when not served."""
+        self.worker_token_file: Path | None = None
+        """The workers' token (`LocalClusterConfig.worker_token`), once started."""
         self.worker_metrics_addresses: list[str] = []
         """Where each slot's worker serves Prometheus metrics; empty when not served."""
         self.redis_url = self.config.redis_url
@@ -155,6 +158,9 @@ class LocalCluster:
             else:
                 self.log_dir = Path(tempfile.mkdtemp(prefix="hexgen-flow-logs-"))
                 self._own_log_dir = True
+            if config.worker_token:
+                self.worker_token_file = self.log_dir / "worker-token"
+                write_token(self.worker_token_file)
             self._env = {**os.environ, "PYTHONUNBUFFERED": "1", **config.env}
             if self.redis_url is None:
                 self.redis = RedisServer(
@@ -359,11 +365,13 @@ class LocalCluster:
     def _worker_argv(self, slot: int) -> list[str]:
         inst, launch = self.instances[slot], self.worker_launch(slot)
         python = launch.python or self.config.python
-        metrics = (
+        extra = (
             ["--metrics-listen", self.worker_metrics_addresses[slot]]
             if self.worker_metrics_addresses
             else []
         )
+        if self.worker_token_file is not None:
+            extra += ["--worker-token-file", str(self.worker_token_file)]
         return worker_argv(
             python,
             self.coordinator_address,
@@ -371,7 +379,7 @@ class LocalCluster:
             inst.gpu,
             inst.model,
             launch.engine,
-            [*launch.args, *metrics],
+            [*launch.args, *extra],
             self.calibration.argument,
         )
 
@@ -384,6 +392,7 @@ class LocalCluster:
                 self.redis_url,
                 self.calibration.argument,
                 self.metrics_address,
+                self.worker_token_file,
             )
             self.coordinator = self._process("coordinator", "coordinator.log", argv)
         self.coordinator.start()

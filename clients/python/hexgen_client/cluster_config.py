@@ -96,6 +96,10 @@ class LocalClusterConfig:
     None: not served; port 0 picks a free port."""
     tuner_metrics_listen: str | None = None
     """Where the tuner serves Prometheus metrics; None: not served; port 0: a free port."""
+    worker_token: bool = True
+    """Make the coordinator take only workers that show a fresh random token, written to
+    ``worker-token`` in the log folder (mode 0600) and passed to the workers it starts
+    (`hexgen_service.worker_token`)."""
     worker_metrics_listen: str | None = None
     """Where the workers serve Prometheus metrics: HOST:PORT for slot 0, PORT + n for slot
     n (port 0: a free port each); None: not served."""
@@ -136,6 +140,7 @@ def coordinator_argv(
     redis_url: str,
     calibration: str | None = None,
     metrics: str | None = None,
+    worker_token_file: Path | None = None,
 ) -> list[str]:
     """The coordinator's command line; `calibration`: the ``--calibration`` value that
     selects the cluster's calibration from any directory (None: the default)."""
@@ -160,6 +165,8 @@ def coordinator_argv(
         argv += ["--max-call-attempts", str(config.max_call_attempts)]
     if metrics is not None:
         argv += ["--metrics-listen", metrics]
+    if worker_token_file is not None:
+        argv += ["--worker-token-file", str(worker_token_file)]
     return argv + _calibration_args(calibration)
 
 

@@ -18,6 +18,7 @@ from hexgen_flow.errors import HexgenFlowError
 from hexgen_service.metrics_server import serve_metrics
 from hexgen_service.server import GrpcServer
 from hexgen_service.telemetry import setup_logging
+from hexgen_service.worker_token import read_token
 
 SERVICE_NAMES = ("hexgen_flow.v1.CoordinatorService", "hexgen_flow.v1.WorkerService")
 
@@ -72,6 +73,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[CoordinatorConfig, str]:
         metavar="HOST:PORT",
         help="serve Prometheus metrics on http://HOST:PORT/metrics (default: not served)",
     )
+    parser.add_argument(
+        "--worker-token-file",
+        metavar="FILE",
+        default=None,
+        help="refuse workers whose Connect does not carry the token in FILE (UNAUTHENTICATED)",
+    )
     parser.add_argument("--log-level", default="INFO")
     del docs
     args = parser.parse_args(argv)
@@ -116,6 +123,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[CoordinatorConfig, str]:
         retention_s=args.retention_s,
         stream_maxlen=args.stream_maxlen,
         session_idle_s=args.session_idle_s,
+        worker_token=_worker_token(args.worker_token_file, parser),
         admission=args.admission,
         admission_slack=args.admission_slack,
         max_running_queries=args.max_running_queries,
@@ -170,6 +178,15 @@ async def serve(config: CoordinatorConfig) -> None:
         if metrics_server is not None:
             metrics_server.shutdown()
         await redis.aclose()  # type: ignore[attr-defined]  # types-redis predates aclose
+
+
+def _worker_token(path: str | None, parser: argparse.ArgumentParser) -> str:
+    if path is None:
+        return ""
+    try:
+        return read_token(path)
+    except HexgenFlowError as exc:
+        parser.error(str(exc))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -47,6 +47,9 @@ class CoordinatorConfig:
     metrics_listen: str = ""
     """Where Prometheus scrapes the coordinator's metrics (``HOST:PORT``, path /metrics);
     empty: not served."""
+    worker_token: str = ""
+    """The token a worker's Connect must carry (`hexgen_service.worker_token`); empty:
+    any worker may connect."""
     # ---------------------------------------------------------------- faults and retention
     max_call_attempts: int = 3
     """Dispatches a call gets when its engine reports an error; after the last one fails its

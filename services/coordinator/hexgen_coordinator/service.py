@@ -21,6 +21,7 @@ from hexgen_coordinator.coordinator import (
     WorkerLink,
 )
 from hexgen_coordinator.edge import statuses
+from hexgen_service.worker_token import TOKEN_METADATA, check_token
 
 __all__ = ["CoordinatorServicer", "WorkerServicer"]
 
@@ -147,6 +148,17 @@ class WorkerServicer(wpb_grpc.WorkerServiceServicer):
         request_iterator: AsyncIterator[wpb.ConnectRequest],
         context: Context[object, object],
     ) -> AsyncIterator[wpb.ConnectResponse]:
+        expected = self.c.config.worker_token
+        if expected:
+            given = dict(context.invocation_metadata() or ()).get(TOKEN_METADATA)
+            if not check_token(expected, given if isinstance(given, str) else None):
+                log.warning("refused a worker stream from %s: worker token", context.peer())
+                await context.abort(
+                    grpc.StatusCode.UNAUTHENTICATED,
+                    f"worker token {'invalid' if given else 'missing'}: the coordinator "
+                    f"takes workers that send the token of its --worker-token-file",
+                )
+                return
         async with statuses(context):
             first = await anext(aiter(request_iterator), None)
         if first is None or first.WhichOneof("message") != "hello":

@@ -20,6 +20,7 @@ from hexgen_flow.cluster import DEFAULT_MODEL
 from hexgen_flow.errors import HexgenFlowError
 from hexgen_flow.sim.engines import ENGINE_MODELS
 from hexgen_service.telemetry import setup_logging
+from hexgen_service.worker_token import read_token
 from hexgen_worker.config import ENGINE_KINDS, WorkerConfig
 from hexgen_worker.worker import EXIT_REJECTED, Worker
 
@@ -125,6 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-level", type=str.upper, choices=_LOG_LEVELS, default=defaults.log_level
     )
     parser.add_argument(
+        "--worker-token-file",
+        metavar="FILE",
+        default=None,
+        help="send the token in FILE with the stream (a coordinator with a token requires it)",
+    )
+    parser.add_argument(
         "--metrics-listen",
         default=defaults.metrics_listen,
         metavar="HOST:PORT",
@@ -158,6 +165,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         vllm_engine_args=dict(args.vllm_arg),
         log_level=args.log_level,
         metrics_listen=args.metrics_listen,
+        worker_token=read_token(args.worker_token_file) if args.worker_token_file else "",
     ).resolved()
 
 

@@ -83,6 +83,8 @@ class WorkerConfig:
     """Python logging level name."""
     metrics_listen: str = ""
     """Where to serve Prometheus metrics (``HOST:PORT``, at /metrics); empty: nowhere."""
+    worker_token: str = ""
+    """The token its Connect carries (`hexgen_service.worker_token`); empty: none."""
 
     def resolved(self) -> WorkerConfig:
         """A validated copy with the model's name canonical and the None defaults filled.

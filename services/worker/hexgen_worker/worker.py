@@ -33,6 +33,7 @@ from hexgen_service.convert import dispatch_to_ticket
 from hexgen_service.errors import InvalidFieldError
 from hexgen_service.metrics_server import serve_metrics
 from hexgen_service.telemetry import client_interceptors, setup_tracing
+from hexgen_service.worker_token import TOKEN_METADATA
 from hexgen_worker.config import WorkerConfig
 from hexgen_worker.convert import (
     dispatch_messages,
@@ -54,7 +55,13 @@ EXIT_OK = 0
 EXIT_REJECTED = 2
 """The coordinator refused this worker, or the worker's settings are wrong."""
 
-_FATAL_CODES = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION})
+_FATAL_CODES = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.UNAUTHENTICATED,  # a token the coordinator refuses stays refused
+    }
+)
 
 _Outgoing = asyncio.Queue[worker_pb2.ConnectRequest]
 
@@ -240,7 +247,8 @@ class Worker:
         tasks: list[asyncio.Task[None]] = []
         call = None
         try:
-            call = worker_pb2_grpc.WorkerServiceStub(channel).Connect()
+            metadata = ((TOKEN_METADATA, config.worker_token),) if config.worker_token else None
+            call = worker_pb2_grpc.WorkerServiceStub(channel).Connect(metadata=metadata)
             out: _Outgoing = asyncio.Queue()
             unacked = state.unacked()
             out.put_nowait(
