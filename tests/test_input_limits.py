@@ -32,6 +32,7 @@ from hexgen_api.v1 import coordinator_pb2 as cpb
 from hexgen_api.v1 import coordinator_pb2_grpc as cpb_grpc
 from hexgen_api.v1 import workflow_pb2 as wpb
 from hexgen_client.processes import free_port
+from hexgen_coordinator.config import CoordinatorConfig
 from hexgen_coordinator.edge import add_coordinator_services, add_services
 from hexgen_coordinator.service import CoordinatorServicer
 from hexgen_service.healthcheck import check
@@ -311,6 +312,8 @@ async def _drain(call: Any) -> None:
 
 class _StatusOnly:
     """Stands in for the coordinator behind the servicers: only ClusterStatus answers."""
+
+    config = CoordinatorConfig()  # the defaults: no worker token
 
     def status(self) -> cpb.ClusterStatusResponse:
         return cpb.ClusterStatusResponse(policy="stub")
