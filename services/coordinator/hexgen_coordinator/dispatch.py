@@ -227,7 +227,13 @@ class Dispatch:
                 continue
             for index in range(len(stage.calls)):
                 ticket = ledger.tickets.get(call_id_of(query_id, k, index))
-                if ticket is not None and ticket.call_id not in ledger.started:
+                # A call released now has its deadline from now already (and is not sent
+                # yet: the caller sends it).
+                if (
+                    ticket is not None
+                    and ticket.call_id not in ledger.started
+                    and ticket.released_s < now
+                ):
                     waiting.append(ticket)
         changed = self.scheduler.rebudget(waiting, now)
         for ticket in changed:
