@@ -136,6 +136,7 @@ def register(commands: Any) -> None:
 def _cmd_up(args: argparse.Namespace) -> int:
     require_mesh("up")
     from hexgen_client.cluster import LocalCluster, LocalClusterConfig  # noqa: PLC0415 - loads grpc
+    from hexgen_client.processes import port_after  # noqa: PLC0415
 
     cluster = LocalCluster(  # checks the cluster and the policy before starting anything
         LocalClusterConfig(
@@ -157,8 +158,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
             gateway=args.gateway,
             gateway_listen=args.gateway_listen,
             metrics_listen=args.metrics_listen,
-            tuner_metrics_listen=_next_port(args.metrics_listen),
-            worker_metrics_listen=_next_port(args.metrics_listen, 2),
+            tuner_metrics_listen=port_after(args.metrics_listen, 1),
+            worker_metrics_listen=port_after(args.metrics_listen, 2),
             log_dir=args.log_dir,
             keep_logs=True,
         )
@@ -267,9 +268,3 @@ def _print_up(cluster: Any, args: argparse.Namespace) -> None:
     print(f"{PROG} up: the mesh is running")
     print_rows(rows, indent="  ")
     print("Ctrl-C stops it.", flush=True)
-
-
-def _next_port(listen: str, step: int = 1) -> str:
-    """HOST:PORT+step (HOST:0 stays: a free port of its own)."""
-    host, _, port = listen.rpartition(":")
-    return f"{host}:{int(port) + step if int(port) else 0}"

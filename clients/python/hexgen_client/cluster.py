@@ -59,6 +59,7 @@ from hexgen_client.processes import (
     RestartPolicy,
     Supervisor,
     find_redis_server,
+    port_after,
     resolve_address,
     stop_processes,
 )
@@ -139,9 +140,8 @@ class LocalCluster:
             if config.metrics_listen is not None:
                 self.metrics_address = resolve_address(config.metrics_listen, reuse_addr=True)
             if config.worker_metrics_listen is not None:
-                host, _, port = config.worker_metrics_listen.rpartition(":")
                 self.worker_metrics_addresses = [
-                    resolve_address(f"{host}:{int(port) + i if int(port) else 0}", reuse_addr=True)
+                    resolve_address(port_after(config.worker_metrics_listen, i), reuse_addr=True)
                     for i in range(len(self.instances))
                 ]
             if config.tuner and config.tuner_metrics_listen is not None:

@@ -48,6 +48,7 @@ __all__ = [
     "find_redis_server",
     "free_port",
     "launcher_argv",
+    "port_after",
     "resolve_address",
     "split_address",
     "stop_processes",
@@ -71,6 +72,13 @@ def split_address(address: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit():
         raise ConfigError(f"address {address!r}: expected HOST:PORT, e.g. {DEFAULT_COORDINATOR}")
     return host, int(port)
+
+
+def port_after(listen: str, step: int) -> str:
+    """HOST:PORT+step, for services that listen beside another; HOST:0 stays HOST:0 (each
+    gets a free port of its own)."""
+    host, _, port = listen.rpartition(":")
+    return f"{host}:{int(port) + step if int(port) else 0}"
 
 
 def resolve_address(address: str, *, reuse_addr: bool = False) -> str:

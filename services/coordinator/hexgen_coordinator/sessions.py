@@ -400,10 +400,13 @@ class Sessions:
         now = self.ledger.clock.now()
         # Nothing left running: the workflow ended with its last call, not when it was
         # closed (the client's think time after its last answer is not its latency).
-        running = any(
-            t.query_id == query_id
-            for t in self.ledger.tickets.values()
-            if t.run is not None and t.run.is_given(t.stage, t.index)
+        given = run.given or []
+        running = any(  # a stage with a given call not done yet (skipped calls were not given)
+            given[k]
+            > len(stage.calls)
+            - run.stage_calls_left[k]
+            - sum(call_id_of(query_id, k, i) in session.skipped for i in range(len(stage.calls)))
+            for k, stage in enumerate(run.query.workflow.stages)
         )
         when = now if running else session.last_done_s
         session.closed_stages.update(stages)
