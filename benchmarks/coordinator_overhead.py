@@ -16,7 +16,11 @@ moment the released call's DispatchCall arrived, so it includes both gRPC hops, 
 and this script's own event loop on the same two cores.
 
     .venv/bin/python benchmarks/coordinator_overhead.py [--rates 500 1000] [--seconds 15]
-        [--appendfsync always|everysec|none]
+        [--appendfsync always|everysec|none] [--modes open secure]
+
+Each table is printed for both modes: ``open`` (plaintext, no keys: `hexgen-flow up`) and
+``secure`` (`hexgen-flow up --secure`: TLS on both doors, an API key checked on every
+client RPC, workers over mutual TLS with the token, Redis logged in as an ACL user).
 
 Redis's durability is part of the price: with ``--appendfsync always`` (what `hexgen-flow up`
 runs, so that a Redis killed -9 loses no acknowledged write) every reply waits for an fsync
@@ -29,31 +33,37 @@ import argparse
 import asyncio
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterable, AsyncIterator
+from pathlib import Path
 
 import grpc
 
 from hexgen_api.v1 import coordinator_pb2, worker_pb2, worker_pb2_grpc
 from hexgen_client.client import CoordinatorClient
 from hexgen_client.cluster import LocalCluster, LocalClusterConfig
+from hexgen_client.cluster_config import redis_login, secure_argv
 from hexgen_client.processes import RedisServer, free_port
 from hexgen_flow.cluster import parse_cluster
 from hexgen_flow.metrics import percentile
 from hexgen_flow.traces import load_trace, take_queries
+from hexgen_service.auth import read_secret
+from hexgen_service.auth_dir import AuthDir
 from hexgen_service.convert import submit_from_query
+from hexgen_service.worker_token import TOKEN_METADATA
 
 TIME_SCALE = 2000.0
 
 
 async def drive(
-    address: str, rate: float, seconds: float
+    address: str, rate: float, seconds: float, auth: AuthDir | None = None
 ) -> tuple[float, coordinator_pb2.CoordinatorOverhead]:
     trace = load_trace("trace3")
     calls_per_query = sum(q.workflow.num_calls for q in trace) / len(trace)
     qps = rate / calls_per_query
     queries = take_queries(trace, max(1, round(qps * seconds)))
-    async with CoordinatorClient(address) as client:
+    async with _client(address, auth) as client:
         stub = client.stub
         started = time.perf_counter()
         pending = []
@@ -72,12 +82,21 @@ async def drive(
     return status.overhead.completions / elapsed, status.overhead
 
 
+def _client(address: str, auth: AuthDir | None) -> CoordinatorClient:
+    if auth is None:
+        return CoordinatorClient(address)
+    return CoordinatorClient(
+        address, api_key=read_secret(auth.admin_key, "admin key"), tls_ca=auth.ca
+    )
+
+
 class InstantWorkers:
     """Workers that finish every call the moment it arrives, over the real protocol, and
     time each stage's first dispatch from the completion that released it."""
 
-    def __init__(self, address: str, cluster: str) -> None:
+    def __init__(self, address: str, cluster: str, auth: AuthDir | None = None) -> None:
         self.address = address
+        self.auth = auth
         self.instances = parse_cluster(cluster).instances
         self.sent_at: dict[str, float] = {}  # query id -> its latest completion sent
         self.seen: set[tuple[str, int]] = set()
@@ -109,8 +128,26 @@ class InstantWorkers:
                 await asyncio.sleep(0.25)
                 out.put_nowait(worker_pb2.ConnectRequest(heartbeat=worker_pb2.WorkerHeartbeat()))
 
-        async with grpc.aio.insecure_channel(self.address) as channel:
-            stream = worker_pb2_grpc.WorkerServiceStub(channel).Connect(requests())
+        auth = self.auth
+        channel = (
+            grpc.aio.insecure_channel(self.address)
+            if auth is None
+            else grpc.aio.secure_channel(
+                self.address,
+                grpc.ssl_channel_credentials(
+                    auth.ca.read_bytes(),
+                    auth.worker_key.read_bytes(),
+                    auth.worker_cert.read_bytes(),
+                ),
+            )
+        )
+        metadata = (
+            None if auth is None else ((TOKEN_METADATA, read_secret(auth.worker_token, "token")),)
+        )
+        async with channel:
+            stream = worker_pb2_grpc.WorkerServiceStub(channel).Connect(
+                requests(), metadata=metadata
+            )
             beat = asyncio.create_task(heartbeats())
             stopped = asyncio.create_task(stop.wait())
             try:
@@ -148,37 +185,55 @@ async def _until(
 
 
 async def drive_wire(
-    address: str, cluster: str, rate: float, seconds: float
+    address: str,
+    worker_door: str,
+    cluster: str,
+    rate: float,
+    seconds: float,
+    auth: AuthDir | None = None,
 ) -> tuple[float, list[float], coordinator_pb2.CoordinatorOverhead]:
-    workers = InstantWorkers(address, cluster)
+    workers = InstantWorkers(worker_door, cluster, auth)
     stop = asyncio.Event()
-    async with CoordinatorClient(address) as client:
+    async with _client(address, auth) as client:
         await client.wait_ready(timeout_s=30)
         tasks = [
             asyncio.create_task(workers.run_slot(i, stop)) for i in range(len(workers.instances))
         ]
         while not all(i.connected for i in (await client.status()).instances):
             await asyncio.sleep(0.05)
-        achieved, overhead = await drive(address, rate, seconds)
+        achieved, overhead = await drive(address, rate, seconds, auth)
     stop.set()
     await asyncio.gather(*tasks, return_exceptions=True)
     return achieved, workers.wire_ms, overhead
 
 
 def wire_run(
-    rate: float, seconds: float, appendfsync: str | None
+    rate: float, seconds: float, appendfsync: str | None, auth: AuthDir | None = None
 ) -> tuple[float, list[float], coordinator_pb2.CoordinatorOverhead]:
-    """One wire-to-wire run: a private redis-server, the coordinator, instant workers."""
+    """One wire-to-wire run: a private redis-server, the coordinator (with its workers'
+    door apart), instant workers; `auth`: secured."""
     cluster = "A100,A100,A6000,L40S"
-    with RedisServer(appendfsync=appendfsync) as redis_server:
-        port = free_port()
+    acl = auth.redis_acl if auth is not None else None
+    with RedisServer(appendfsync=appendfsync, aclfile=acl) as redis_server:
+        port, worker_port = free_port(), free_port()
+        secure: list[str] = []
+        redis_url = redis_server.url
+        if auth is not None:
+            redis_url, login = redis_login(redis_url, auth, "coordinator")
+            secure = [*login, *secure_argv(auth, "coordinator"),
+                      "--worker-token-file", str(auth.worker_token)]  # fmt: skip
         coordinator = subprocess.Popen(
             [sys.executable, "-m", "hexgen_coordinator", "--listen", f"127.0.0.1:{port}",
-             "--redis-url", redis_server.url, "--cluster", cluster, "--admission", "off",
-             "--time-scale", repr(TIME_SCALE), "--log-level", "ERROR"],
+             "--worker-listen", f"127.0.0.1:{worker_port}",
+             "--redis-url", redis_url, "--cluster", cluster, "--admission", "off",
+             "--time-scale", repr(TIME_SCALE), "--log-level", "ERROR", *secure],
         )  # fmt: skip
         try:
-            return asyncio.run(drive_wire(f"127.0.0.1:{port}", cluster, rate, seconds))
+            return asyncio.run(
+                drive_wire(
+                    f"127.0.0.1:{port}", f"127.0.0.1:{worker_port}", cluster, rate, seconds, auth
+                )
+            )
         finally:
             coordinator.terminate()
             coordinator.wait(timeout=30)
@@ -201,44 +256,61 @@ def main() -> None:
         help="the private Redis's append-only file fsync policy (none: no file; default "
         "always, as `hexgen-flow up` runs it)",
     )
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        choices=("open", "secure"),
+        default=["open", "secure"],
+        help="open: plaintext, no keys; secure: TLS, API keys, mutual TLS, Redis ACL "
+        "(default both)",
+    )
     args = parser.parse_args()
     appendfsync = None if args.appendfsync == "none" else args.appendfsync
     print(f"redis appendfsync: {args.appendfsync}")
-    print(
-        f"{'target/s':>9} {'achieved/s':>10} | completion->dispatch ms p50 / p99 / max "
-        f"| submit->dispatch ms p50 / p99 / max"
-    )
-    for rate in args.rates:
-        config = LocalClusterConfig(
-            listen="127.0.0.1:0",
-            tuner=False,
-            time_scale=TIME_SCALE,
-            admission="off",
-            redis_appendfsync=appendfsync,
-        )
-        with LocalCluster(config) as mesh:
-            achieved, overhead = asyncio.run(drive(mesh.coordinator_address, rate, args.seconds))
-        c = overhead.completion_to_dispatch_ms
-        s = overhead.submit_to_dispatch_ms
+    with tempfile.TemporaryDirectory(prefix="hexgen-bench-auth-") as folder:
+        auth = AuthDir(Path(folder) / "auth")
+        auth.init()
+        modes = {mode: (auth if mode == "secure" else None) for mode in args.modes}
         print(
-            f"{rate:9.0f} {achieved:10.0f} | {c.p50:8.2f} / {c.p99:6.2f} / {c.max:6.1f} "
-            f"| {s.p50:8.2f} / {s.p99:6.2f} / {s.max:6.1f}",
-            flush=True,
+            f"{'mode':>6} {'target/s':>9} {'achieved/s':>10} | completion->dispatch ms "
+            f"p50 / p99 / max | submit->dispatch ms p50 / p99 / max"
         )
-    print()
-    print(
-        f"{'target/s':>9} {'achieved/s':>10} | wire to wire ms p50 / p99 / max (n) "
-        f"| in-handler ms p50 / p99"
-    )
-    for rate in args.rates:
-        achieved, wire, overhead = wire_run(rate, args.seconds, appendfsync)
-        c = overhead.completion_to_dispatch_ms
+        for mode, mode_auth in modes.items():
+            for rate in args.rates:
+                config = LocalClusterConfig(
+                    listen="127.0.0.1:0",
+                    tuner=False,
+                    time_scale=TIME_SCALE,
+                    admission="off",
+                    redis_appendfsync=appendfsync,
+                    auth_dir=mode_auth.path if mode_auth is not None else None,
+                )
+                with LocalCluster(config) as mesh:
+                    achieved, overhead = asyncio.run(
+                        drive(mesh.coordinator_address, rate, args.seconds, mode_auth)
+                    )
+                c = overhead.completion_to_dispatch_ms
+                s = overhead.submit_to_dispatch_ms
+                print(
+                    f"{mode:>6} {rate:9.0f} {achieved:10.0f} | {c.p50:8.2f} / {c.p99:6.2f} / "
+                    f"{c.max:6.1f} | {s.p50:8.2f} / {s.p99:6.2f} / {s.max:6.1f}",
+                    flush=True,
+                )
+        print()
         print(
-            f"{rate:9.0f} {achieved:10.0f} | {percentile(wire, 50):8.2f} / "
-            f"{percentile(wire, 99):6.2f} / {max(wire):6.1f} ({len(wire)}) "
-            f"| {c.p50:8.2f} / {c.p99:6.2f}",
-            flush=True,
+            f"{'mode':>6} {'target/s':>9} {'achieved/s':>10} | wire to wire ms p50 / p99 / "
+            f"max (n) | in-handler ms p50 / p99"
         )
+        for mode, mode_auth in modes.items():
+            for rate in args.rates:
+                achieved, wire, overhead = wire_run(rate, args.seconds, appendfsync, mode_auth)
+                c = overhead.completion_to_dispatch_ms
+                print(
+                    f"{mode:>6} {rate:9.0f} {achieved:10.0f} | {percentile(wire, 50):8.2f} / "
+                    f"{percentile(wire, 99):6.2f} / {max(wire):6.1f} ({len(wire)}) "
+                    f"| {c.p50:8.2f} / {c.p99:6.2f}",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

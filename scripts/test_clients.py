@@ -1,13 +1,20 @@
 """Run the Go and TypeScript clients' live tests against a real local mesh (`make
 test-clients`).
 
-Starts `hexgen-flow up` (simulated engines, a private Redis, ports picked free), reads the
-coordinator's address and the Redis URL from its banner, and starts a second, *limited*
-coordinator on that Redis (its own key prefix, ``--max-running-queries 1``, no worker: the
-query it admits stays running, so the next submission is RESOURCE_EXHAUSTED with a
-``retry-after-s`` trailer, and a watch of it never ends by itself). Then it runs each
-client's `test.sh` with ``HEXGEN_COORDINATOR`` and ``HEXGEN_COORDINATOR_LIMITED`` set to
-them, and after the Go client's `tests/test_client_traces.py` (one trace across the Go
+Starts two meshes at once, `hexgen-flow up` (simulated engines, a private Redis, ports
+picked free; plaintext) and a secured one, `hexgen-flow up --secure --auth-dir TMP/auth
+--tenants a,b` (TLS with a certificate of TMP/auth/ca.pem, API keys of tenants a and b),
+reads the coordinators' addresses and the plaintext mesh's Redis URL from their banners,
+and starts a third, *limited* coordinator on that Redis (its own key prefix,
+``--max-running-queries 1``, no worker: the query it admits stays running, so the next
+submission is RESOURCE_EXHAUSTED with a ``retry-after-s`` trailer, and a watch of it never
+ends by itself). Then it runs each client's `test.sh` with ``HEXGEN_COORDINATOR``,
+``HEXGEN_COORDINATOR_LIMITED``, ``HEXGEN_COORDINATOR_SECURE`` and
+``HEXGEN_COORDINATOR_SECURE_AUTH_DIR`` set to them (the secured tests: a tenant's query
+runs and reads back; no key is UNAUTHENTICATED, another tenant's key NOT_FOUND, SetAlpha
+with a tenant's key PERMISSION_DENIED; ``HEXGEN_FLOW_API_KEY`` and ``HEXGEN_FLOW_TLS_CA``
+are removed from the clients' environment, so the plaintext tests stay plaintext), and
+after the Go client's `tests/test_client_traces.py` (one trace across the Go
 client, the coordinator and a worker; its own `up`), stops everything, and exits non-zero
 when anything failed. ``--install`` first installs the toolchains a client needs and lacks
 (Go, grpc-go and OpenTelemetry Go from Debian's packages with apt-get; Node's packages come
@@ -23,6 +30,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -31,6 +39,8 @@ from hexgen_service.healthcheck import check
 ROOT = Path(__file__).resolve().parents[1]
 TRACES_TEST = "tests/test_client_traces.py"
 LIMITED_PREFIX = "hf-limited:"
+SECURE_TENANTS = "a,b"
+CREDENTIAL_ENV = ("HEXGEN_FLOW_API_KEY", "HEXGEN_FLOW_TLS_CA")
 CLIENTS = {
     "go": ROOT / "clients" / "go" / "test.sh",
     "typescript": ROOT / "clients" / "typescript" / "test.sh",
@@ -64,15 +74,23 @@ def install_toolchains(names: list[str]) -> None:
         sys.exit("test-clients: Node.js and npm are missing (Node 20: apt-get install nodejs npm)")
 
 
-def start_mesh(log: Path) -> tuple[subprocess.Popen[str], dict[str, str]]:
-    """`up`, and its banner's rows ("coordinator": "127.0.0.1:PORT", "redis": "redis://...")."""
+def launch_mesh(log: Path, auth_dir: Path | None = None) -> subprocess.Popen[str]:
+    """`up` (with `auth_dir`: `up --secure` with tenants a and b), started; read its banner
+    with `read_banner`."""
     argv = [
         sys.executable, "-m", "hexgen_cli", "up", "--listen", "127.0.0.1:0",
         "--no-tuner", "--no-gateway", "--metrics-listen", "127.0.0.1:0",
         "--time-scale", "50", "--admission", "off",
     ]  # fmt: skip
+    if auth_dir is not None:
+        argv += ["--secure", "--auth-dir", str(auth_dir), "--tenants", SECURE_TENANTS]
     with log.open("w") as stderr:
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=stderr, text=True)
+        return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=stderr, text=True)
+
+
+def read_banner(proc: subprocess.Popen[str], log: Path) -> dict[str, str]:
+    """The rows of `up`'s banner ("coordinator": "127.0.0.1:PORT", "redis": "redis://..."),
+    once it printed them; exits when it does not come up."""
     assert proc.stdout is not None
     deadline = time.monotonic() + 120
     banner: dict[str, str] = {}
@@ -81,7 +99,7 @@ def start_mesh(log: Path) -> tuple[subprocess.Popen[str], dict[str, str]]:
             key, value = line.strip().split("  ", 1)
             banner[key] = value.strip()
         if line.startswith("Ctrl-C"):
-            return proc, banner
+            return banner
         if time.monotonic() > deadline:
             break
     proc.kill()
@@ -139,22 +157,31 @@ def main() -> int:
     results = ROOT / "results"
     results.mkdir(exist_ok=True)
     started = time.monotonic()
-    proc, banner = start_mesh(results / "test-clients-up.log")
+    scratch = Path(tempfile.mkdtemp(prefix="hexgen-test-clients-"))
+    auth_dir = scratch / "auth"
+    up_log, secure_log = results / "test-clients-up.log", results / "test-clients-up-secure.log"
+    proc = launch_mesh(up_log)
+    secure_proc = launch_mesh(secure_log, auth_dir)
     failed = []
     try:
+        banner = read_banner(proc, up_log)
+        secure = read_banner(secure_proc, secure_log)["coordinator"]
         coordinator = banner["coordinator"]
         redis_url = banner["redis"].split()[0]
         limited, limited_address = start_limited(redis_url, results / "test-clients-limited.log")
         try:
             env = {
-                **os.environ,
+                **{k: v for k, v in os.environ.items() if k not in CREDENTIAL_ENV},
                 "HEXGEN_COORDINATOR": coordinator,
                 "HEXGEN_COORDINATOR_LIMITED": limited_address,
+                "HEXGEN_COORDINATOR_SECURE": secure,
+                "HEXGEN_COORDINATOR_SECURE_AUTH_DIR": str(auth_dir),
             }
             print(
-                f"test-clients: mesh up in {time.monotonic() - started:.1f} s: coordinator "
+                f"test-clients: meshes up in {time.monotonic() - started:.1f} s: coordinator "
                 f"{coordinator}, limited coordinator {limited_address} (redis {redis_url}, "
-                f"keys {LIMITED_PREFIX}*)",
+                f"keys {LIMITED_PREFIX}*), secured coordinator {secure} (TLS, API keys of "
+                f"tenants {SECURE_TENANTS} in {auth_dir})",
                 flush=True,
             )
             for name in names:
@@ -180,6 +207,8 @@ def main() -> int:
             stop(limited)
     finally:
         stop(proc)
+        stop(secure_proc)
+        shutil.rmtree(scratch, ignore_errors=True)
     if failed:
         print(f"test-clients: FAILED: {', '.join(failed)}", file=sys.stderr)
         return 1

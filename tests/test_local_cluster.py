@@ -183,12 +183,12 @@ def test_a_worker_launch_sets_its_engine_interpreter_options_and_environment() -
     assert cluster.worker_launch(0) is vllm
     assert cluster.worker_launch(1) == WorkerLaunch()  # the rest: simulated, as before
     assert cluster._worker_argv(0) == [
-        "/venv/python", "-m", "hexgen_worker", "--coordinator", cluster.coordinator_address,
+        "/venv/python", "-m", "hexgen_worker", "--coordinator", cluster.worker_address,
         "--worker-id", "local-worker-0", "--slot", "0", "--gpu", "A100",
         "--model", cluster.instances[0].model, "--engine", "vllm", "--vllm-model", "/m",
     ]  # fmt: skip
     assert cluster._worker_argv(1) == worker_argv(
-        sys.executable, cluster.coordinator_address, 1, "L40S", cluster.instances[1].model
+        sys.executable, cluster.worker_address, 1, "L40S", cluster.instances[1].model
     )
     assert cluster._worker_argv(1)[-2:] == ["--engine", "simulated"]
     with pytest.raises(ConfigError, match="2 worker launches for a cluster of 1"):

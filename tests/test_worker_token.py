@@ -33,7 +33,7 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
 def _forged_worker(up: Up, *options: str) -> subprocess.CompletedProcess[str]:
     """A worker claiming the real one's id and slot: the takeover an attacker would try."""
     return subprocess.run(
-        [sys.executable, "-m", "hexgen_worker", "--coordinator", up.coordinator,
+        [sys.executable, "-m", "hexgen_worker", "--coordinator", up.worker_door,
          "--worker-id", "local-worker-1", "--slot", "1", "--gpu", "A6000", *options],
         capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip

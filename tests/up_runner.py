@@ -85,6 +85,11 @@ class Up:
         return self.banner["coordinator"]
 
     @property
+    def worker_door(self) -> str:
+        """The coordinator's door for workers (the banner's ``workers  door HOST:PORT; ...``)."""
+        return self.banner["workers"].split()[1].rstrip(";")
+
+    @property
     def stderr(self) -> str:
         return self.stderr_path.read_text()
 

@@ -37,6 +37,13 @@ def register(commands: Any) -> None:
         help="also count queries still running S cluster seconds after arrival as stuck",
     )
     cmd.add_argument("--json", action="store_true", help="print one JSON object")
+    cmd.add_argument(
+        "--redis-password-file",
+        default=None,
+        metavar="FILE",
+        help="the password of the Redis user in --redis-url (a secured mesh: "
+        "redis://coordinator@HOST:PORT/0 and AUTH_DIR/redis/coordinator.password)",
+    )
     cmd.set_defaults(handler=_cmd_check_state)
 
 
@@ -47,6 +54,8 @@ def _cmd_check_state(args: argparse.Namespace) -> int:
         argv += ["--stuck-after-s", repr(args.stuck_after_s)]
     if args.json:
         argv.append("--json")
+    if args.redis_password_file:
+        argv += ["--redis-password-file", args.redis_password_file]
     done = subprocess.run(
         [sys.executable, "-m", "hexgen_coordinator.check_state", *argv], check=False
     )

@@ -7,7 +7,7 @@ import asyncio
 from typing import Any
 
 from hexgen_cli.mesh import require_mesh
-from hexgen_cli.options import add_coordinator_option, print_json
+from hexgen_cli.options import add_coordinator_option, coordinator_client, print_json
 
 __all__ = ["register"]
 
@@ -30,11 +30,10 @@ def register(commands: Any) -> None:
 
 def _cmd_get(args: argparse.Namespace) -> int:
     require_mesh("get")
-    from hexgen_client.client import CoordinatorClient  # noqa: PLC0415 - loads grpc
     from hexgen_client.report import query_json, query_lines  # noqa: PLC0415 - loads grpc
 
     async def run() -> Any:
-        async with CoordinatorClient(args.coordinator) as client:
+        async with coordinator_client(args) as client:
             return await client.get(args.query_id)
 
     reply = asyncio.run(run())

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from hexgen_cli import (
+    auth,
     bench,
     calibrations,
     check_state,
@@ -47,6 +48,7 @@ COMMANDS = (
     "demo",
     "eval",
     "top",
+    "auth",
 )
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -88,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     check_state.register(commands)
     demo.register(commands)
     top.register(commands)
+    auth.register(commands)
     return parser
 
 

@@ -25,6 +25,7 @@ from hexgen_cli.options import (
     PROG,
     add_calibration_option,
     add_coordinator_option,
+    coordinator_client,
     info,
     integer,
     positive_float,
@@ -226,7 +227,6 @@ def add_cluster_options(parser: argparse.ArgumentParser, *, time_scale: float) -
 
 def _cmd_replay(args: argparse.Namespace) -> int:
     require_mesh("replay")
-    from hexgen_client.client import CoordinatorClient  # noqa: PLC0415 - loads grpc
     from hexgen_client.replay import replay  # noqa: PLC0415 - loads grpc
 
     traces = tuple(args.trace or [DEFAULT_TRACE])
@@ -234,7 +234,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     progress = sys.stderr.isatty() if args.progress is None else args.progress
 
     async def run() -> tuple[RunMetrics, Any]:
-        async with CoordinatorClient(args.coordinator) as client:
+        async with coordinator_client(args) as client:
             status = await client.status()
             info(
                 f"{PROG}: replaying {len(queries)} queries at {args.qps:g} q/s into "
@@ -322,7 +322,6 @@ def _ask_query(args: argparse.Namespace) -> Query:
 
 def _cmd_ask(args: argparse.Namespace) -> int:
     require_mesh("ask")
-    from hexgen_client.client import CoordinatorClient  # noqa: PLC0415 - loads grpc
     from hexgen_client.report import event_line, state_name  # noqa: PLC0415 - loads grpc
 
     query = _ask_query(args)
@@ -330,7 +329,7 @@ def _cmd_ask(args: argparse.Namespace) -> int:
     query = dataclasses.replace(query, query_id=query_id, arrival_s=None)
 
     async def run() -> Any:
-        async with CoordinatorClient(args.coordinator) as client:
+        async with coordinator_client(args) as client:
             header = (
                 f"query {query_id}: {query.workflow.num_calls} calls in "
                 f"{len(query.workflow.stages)} stages (times in cluster seconds)"
@@ -355,11 +354,10 @@ def _cmd_ask(args: argparse.Namespace) -> int:
 
 def _cmd_status(args: argparse.Namespace) -> int:
     require_mesh("status")
-    from hexgen_client.client import CoordinatorClient  # noqa: PLC0415 - loads grpc
     from hexgen_client.report import status_json, status_lines  # noqa: PLC0415 - loads grpc
 
     async def run() -> Any:
-        async with CoordinatorClient(args.coordinator) as client:
+        async with coordinator_client(args) as client:
             return await client.status()
 
     status = asyncio.run(run())

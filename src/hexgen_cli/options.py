@@ -32,6 +32,7 @@ __all__ = [
     "add_engine_options",
     "address",
     "alpha_or_auto",
+    "coordinator_client",
     "engine_model",
     "info",
     "integer",
@@ -162,6 +163,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
 
 
 def add_coordinator_option(parser: argparse.ArgumentParser) -> None:
+    """``--coordinator`` and the credentials to call it with (a secured mesh)."""
     parser.add_argument(
         "--coordinator",
         type=address,
@@ -169,6 +171,29 @@ def add_coordinator_option(parser: argparse.ArgumentParser) -> None:
         metavar="HOST:PORT",
         help=f"the coordinator's address (default {DEFAULT_COORDINATOR})",
     )
+    parser.add_argument(
+        "--api-key-file",
+        metavar="FILE",
+        default=None,
+        help="the API key to call a secured coordinator with (default: $HEXGEN_FLOW_API_KEY)",
+    )
+    parser.add_argument(
+        "--tls-ca",
+        metavar="FILE",
+        default=None,
+        help="connect over TLS, verifying the coordinator with this CA (default: "
+        "$HEXGEN_FLOW_TLS_CA; neither: plaintext)",
+    )
+
+
+def coordinator_client(args: argparse.Namespace, **options: Any) -> Any:
+    """A `CoordinatorClient` for ``--coordinator`` with the key and CA of
+    `add_coordinator_option` (imports grpc: call it in a command's handler)."""
+    from hexgen_client.client import CoordinatorClient  # noqa: PLC0415 - loads grpc
+    from hexgen_client.security import read_secret  # noqa: PLC0415
+
+    key = read_secret(args.api_key_file, "--api-key-file") if args.api_key_file else None
+    return CoordinatorClient(args.coordinator, api_key=key, tls_ca=args.tls_ca, **options)
 
 
 # ---------------------------------------------------------------------------------- output

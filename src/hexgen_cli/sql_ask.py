@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import contextlib
 import importlib.util
+import ssl
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -21,7 +22,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hexgen_cli.mesh import require_mesh
-from hexgen_cli.options import PROG, info, positive_float, positive_int, print_json
+from hexgen_cli.options import (
+    PROG,
+    coordinator_client,
+    info,
+    positive_float,
+    positive_int,
+    print_json,
+)
 from hexgen_client.addresses import DEFAULT_GATEWAY
 from hexgen_flow.errors import ConfigError
 
@@ -176,14 +184,13 @@ def _base_url(url: str) -> str:
     return url if url.endswith("/v1") else f"{url}/v1"
 
 
-def _probe_mesh(coordinator: str) -> tuple[float, bool] | None:
-    """(time scale, simulated engines) of the coordinator at `coordinator`; None when it
-    does not answer."""
-    from hexgen_client.client import CoordinatorClient  # noqa: PLC0415 - loads grpc
+def _probe_mesh(args: argparse.Namespace) -> tuple[float, bool] | None:
+    """(time scale, simulated engines) of the coordinator at ``--coordinator`` (with the
+    key and CA given); None when it does not answer."""
     from hexgen_client.errors import CoordinatorError  # noqa: PLC0415 - loads grpc
 
     async def status() -> Any:
-        async with CoordinatorClient(coordinator, timeout_s=2.0) as client:
+        async with coordinator_client(args, timeout_s=2.0) as client:
             return await client.status()
 
     try:
@@ -211,13 +218,13 @@ def open_gateway(args: argparse.Namespace, command: str) -> Iterator[Gateway]:
     require_openai(command)
     if args.gateway:
         # The coordinator behind it, when one answers, tells the clock and the engines.
-        probed = None if args.time_scale else _probe_mesh(args.coordinator)
+        probed = None if args.time_scale else _probe_mesh(args)
         time_scale = args.time_scale or (probed[0] if probed else 1.0)
         yield Gateway(_base_url(args.gateway), time_scale, probed[1] if probed else None)
         return
     local = _base_url(DEFAULT_GATEWAY)
     if _answers(local):
-        probed = _probe_mesh(args.coordinator)
+        probed = _probe_mesh(args)
         time_scale = args.time_scale or (probed[0] if probed else 1.0)
         synthetic = probed[1] if probed else None
         if synthetic:
@@ -246,13 +253,25 @@ def open_gateway(args: argparse.Namespace, command: str) -> Iterator[Gateway]:
 
 
 def make_agent(args: argparse.Namespace, gateway: Gateway, db: Path) -> SqlAgent:
-    from openai import AsyncOpenAI  # noqa: PLC0415 - the openai extra
+    from openai import AsyncOpenAI, DefaultAsyncHttpxClient  # noqa: PLC0415 - the openai extra
 
+    from hexgen_client.credentials import api_key_from_env  # noqa: PLC0415 - loads grpc
+    from hexgen_client.security import ca_from_env, read_secret  # noqa: PLC0415
     from hexgen_client.sql.agent import SqlAgent  # noqa: PLC0415 - loads openai
 
     # 429s carry Retry-After, which the SDK honours: a busy mesh is waited for, a few times
+    # A secured mesh: the gateway forwards the key to the coordinator and serves HTTPS
+    # with a certificate of the mesh's CA.
+    key = read_secret(args.api_key_file, "--api-key-file") if args.api_key_file else None
+    ca = ca_from_env(args.tls_ca)
     client = AsyncOpenAI(
-        base_url=gateway.base_url, api_key="unused", timeout=600.0, max_retries=MAX_RETRIES
+        base_url=gateway.base_url,
+        api_key=api_key_from_env(key) or "unused",
+        timeout=600.0,
+        max_retries=MAX_RETRIES,
+        http_client=DefaultAsyncHttpxClient(verify=ssl.create_default_context(cafile=ca))
+        if ca
+        else None,
     )
     return SqlAgent(
         client,

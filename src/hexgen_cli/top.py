@@ -16,7 +16,13 @@ import time
 from typing import Any
 
 from hexgen_cli.mesh import require_mesh
-from hexgen_cli.options import add_coordinator_option, positive_float, positive_int, print_json
+from hexgen_cli.options import (
+    add_coordinator_option,
+    coordinator_client,
+    positive_float,
+    positive_int,
+    print_json,
+)
 
 __all__ = ["register"]
 
@@ -52,13 +58,12 @@ def register(commands: Any) -> None:
 
 def _cmd_top(args: argparse.Namespace) -> int:
     require_mesh("top")
-    from hexgen_client.client import CoordinatorClient  # noqa: PLC0415 - loads grpc
     from hexgen_client.report import recent_json, status_json, top_lines  # noqa: PLC0415
 
     redraw = sys.stdout.isatty() and not args.json
 
     async def run() -> None:
-        async with CoordinatorClient(args.coordinator) as client:
+        async with coordinator_client(args) as client:
             shown = 0
             while True:
                 started = time.monotonic()

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hexgen_cli.auth import tenant_names, usage_rows
 from hexgen_cli.mesh import add_cluster_options, require_mesh
 from hexgen_cli.options import (
     PROG,
@@ -25,6 +26,7 @@ from hexgen_client.addresses import (  # constants only: no grpc at import time 
     DEFAULT_REDIS_PREFIX,
     DEFAULT_TUNER,
 )
+from hexgen_flow.errors import ConfigError
 
 __all__ = ["register"]
 
@@ -124,6 +126,27 @@ def register(commands: Any) -> None:
         "(default: the coordinator's, 3)",
     )
     up.add_argument(
+        "--secure",
+        action="store_true",
+        help="run secured: API keys (tenants, operators, admin), TLS on every link, workers "
+        "with client certificates, a Redis with one ACL user per service; the credentials "
+        "are made in (or read from) --auth-dir",
+    )
+    up.add_argument(
+        "--auth-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="with --secure: where the credentials are (made if missing; default: LOG_DIR/auth)",
+    )
+    up.add_argument(
+        "--tenants",
+        type=tenant_names,
+        default=(),
+        metavar="NAME[,NAME...]",
+        help="with --secure: make an API key for each tenant (AUTH_DIR/tenants/NAME.key)",
+    )
+    up.add_argument(
         "--log-dir",
         type=Path,
         default=None,
@@ -135,6 +158,13 @@ def register(commands: Any) -> None:
 
 def _cmd_up(args: argparse.Namespace) -> int:
     require_mesh("up")
+    if (args.auth_dir is not None or args.tenants) and not args.secure:
+        raise ConfigError("--auth-dir and --tenants go with --secure")
+    auth_dir = args.auth_dir
+    if args.secure and auth_dir is None:
+        if args.log_dir is None:
+            raise ConfigError("--secure: give --auth-dir DIR (where the credentials go)")
+        auth_dir = args.log_dir / "auth"
     from hexgen_client.cluster import LocalCluster, LocalClusterConfig  # noqa: PLC0415 - loads grpc
     from hexgen_client.processes import port_after  # noqa: PLC0415
 
@@ -162,6 +192,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
             worker_metrics_listen=port_after(args.metrics_listen, 2),
             log_dir=args.log_dir,
             keep_logs=True,
+            auth_dir=auth_dir if args.secure else None,
+            tenants=args.tenants,
         )
     )
 
@@ -221,7 +253,8 @@ def _print_up(cluster: Any, args: argparse.Namespace) -> None:
         ),
         (
             "gateway",
-            f"http://{cluster.gateway_address}/v1 (OpenAI-compatible)"
+            f"{'https' if cluster.auth is not None else 'http'}://{cluster.gateway_address}/v1"
+            " (OpenAI-compatible)"
             if cluster.gateway_address
             else "off",
         ),
@@ -239,9 +272,13 @@ def _print_up(cluster: Any, args: argparse.Namespace) -> None:
         ),
         (
             "workers",
-            f"must show the token in {cluster.worker_token_file} (mode 0600)"
-            if cluster.worker_token_file
-            else "any may connect (no token)",
+            f"door {cluster.worker_address}; "
+            + (
+                f"must show the token in {cluster.worker_token_file} (mode 0600)"
+                if cluster.worker_token_file
+                else "any may connect (no token)"
+            )
+            + (" and a client certificate (mutual TLS)" if cluster.auth is not None else ""),
         ),
         ("redis", f"{cluster.redis_url} ({redis_note}, keys {args.redis_prefix}*)"),
         ("instances", f"{','.join(cluster.gpus)}: simulated engines"),
@@ -265,6 +302,11 @@ def _print_up(cluster: Any, args: argparse.Namespace) -> None:
         ),
         ("logs", str(cluster.log_dir)),
     ]
+    if cluster.auth is not None:
+        rows[-1:-1] = [
+            ("security", "TLS on every link, API keys (tenants, roles), Redis ACL users")
+        ]
+        rows[-1:-1] = usage_rows(cluster.auth, args.tenants)
     print(f"{PROG} up: the mesh is running")
     print_rows(rows, indent="  ")
     print("Ctrl-C stops it.", flush=True)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from hexgen_flow.errors import WorkloadError
 
 __all__ = [
+    "DEFAULT_TENANT",
     "STANDARD_TEMPLATE",
     "STEP_TYPES",
     "LLMCall",
@@ -22,6 +23,9 @@ __all__ = [
     "Workflow",
     "canonical_step",
 ]
+
+DEFAULT_TENANT = "default"
+"""The tenant of a query that names none."""
 
 # Canonical names of the CHESS pipeline's step types. Trace files spell them differently
 # ("Information Retriever", "generate_candidate_llama-agent"); `canonical_step` maps them.
@@ -185,7 +189,7 @@ class Query:
 
     query_id: str
     workflow: Workflow
-    tenant: str = "default"
+    tenant: str = DEFAULT_TENANT
     """Client or tenant the query belongs to (per-tenant attainment, fairness policies)."""
     arrival_s: float | None = None
     """Explicit arrival time; None lets the arrival process choose."""

@@ -2,9 +2,12 @@
 // coordinator and prints their events and results.
 //
 //	go run ./example -addr 127.0.0.1:50051
+//	go run ./example -addr 127.0.0.1:50051 -tls-ca AUTH_DIR/ca.pem -api-key-file AUTH_DIR/tenants/a.key
 //
 // (offline, from a GOPATH as clients/go/README.md sets up; -addr defaults to
-// $HEXGEN_COORDINATOR, then 127.0.0.1:50051).
+// $HEXGEN_COORDINATOR, then 127.0.0.1:50051; without -tls-ca and -api-key-file the client
+// reads $HEXGEN_FLOW_TLS_CA and $HEXGEN_FLOW_API_KEY, and is plaintext without a key when
+// they are unset).
 package main
 
 import (
@@ -24,11 +27,20 @@ import (
 func main() {
 	addr := flag.String("addr", envOr("HEXGEN_COORDINATOR", hexgenflow.DefaultAddress), "coordinator host:port")
 	timeout := flag.Duration("timeout", 2*time.Minute, "give up after this long")
+	apiKeyFile := flag.String("api-key-file", "", "file holding the API key of a secured coordinator (default: $"+hexgenflow.APIKeyEnv+")")
+	tlsCA := flag.String("tls-ca", "", "CA file (PEM) to verify a secured coordinator's certificate with: TLS (default: $"+hexgenflow.TLSCAEnv+"; neither: plaintext)")
 	flag.Parse()
 
+	var opts []hexgenflow.Option
+	if *apiKeyFile != "" {
+		opts = append(opts, hexgenflow.WithAPIKeyFile(*apiKeyFile))
+	}
+	if *tlsCA != "" {
+		opts = append(opts, hexgenflow.WithTLSCA(*tlsCA))
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), *timeout)
 	defer cancel()
-	client, err := hexgenflow.Dial(ctx, *addr)
+	client, err := hexgenflow.Dial(ctx, *addr, opts...)
 	if err != nil {
 		log.Fatal(err)
 	}

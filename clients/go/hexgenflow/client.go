@@ -43,11 +43,19 @@ type Client struct {
 
 // Dial connects to the coordinator at addr ("host:port"). The connection is made in the
 // background (unless WithBlock), so an address where nothing listens shows as an
-// UNAVAILABLE *Error on the first call. Plaintext unless WithTLS.
+// UNAVAILABLE *Error on the first call.
+//
+// TLS when given WithTLSCA (or WithTLS, WithTransportCredentials), else when
+// $HEXGEN_FLOW_TLS_CA names a CA file; plaintext otherwise. The API key of WithAPIKey or
+// WithAPIKeyFile, else $HEXGEN_FLOW_API_KEY, goes with every call as
+// "authorization: Bearer <key>". An unreadable CA or key file is Dial's error.
 func Dial(ctx context.Context, addr string, opts ...Option) (*Client, error) {
 	o := &options{maxRecv: DefaultMaxRecvBytes}
 	for _, opt := range opts {
 		opt(o)
+	}
+	if err := o.resolve(); err != nil {
+		return nil, err
 	}
 	dialOpts := []grpc.DialOption{
 		grpc.WithChainUnaryInterceptor(o.unaryInterceptor),

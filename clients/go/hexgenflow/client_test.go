@@ -105,9 +105,10 @@ func TestLiveClusterStatus(t *testing.T) {
 
 func TestLiveHeaders(t *testing.T) {
 	// An API key, a header of the client's and per-call metadata travel with unary calls
-	// and streams (what is sent: unit_test.go); the coordinator serves them as usual.
+	// and streams (what is sent: unit_test.go); a coordinator that is not secured ignores
+	// the key and serves them as usual (a secured one: secure_test.go).
 	c, ctx := liveClient(t, hexgenflow.WithAPIKey("k-123"), hexgenflow.WithHeader("X-Tenant-Hint", "a"))
-	ctx = hexgenflow.WithMetadata(ctx, "x-api-key", "per-call")
+	ctx = hexgenflow.WithMetadata(hexgenflow.WithCallAPIKey(ctx, "per-call"), "x-extra", "1")
 	if _, err := c.Status(ctx); err != nil {
 		t.Fatal(err)
 	}

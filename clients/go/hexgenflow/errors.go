@@ -107,6 +107,12 @@ var (
 	ErrFailedPrecondition error = &sentinel{codes.FailedPrecondition}
 	// ErrUnavailable: the coordinator (or its Redis) cannot be reached now; retryable.
 	ErrUnavailable error = &sentinel{codes.Unavailable}
+	// ErrUnauthenticated: a secured coordinator got no API key, or one it does not know
+	// (or a revoked or expired one).
+	ErrUnauthenticated error = &sentinel{codes.Unauthenticated}
+	// ErrPermissionDenied: the API key's role may not do this (SetAlpha needs an operator
+	// or admin key).
+	ErrPermissionDenied error = &sentinel{codes.PermissionDenied}
 )
 
 // Code is the gRPC code of err: its *Error's, codes.OK for nil, codes.Unknown otherwise.

@@ -3,6 +3,8 @@ package hexgenflow
 import (
 	"context"
 	"crypto/tls"
+	"fmt"
+	"os"
 	"strings"
 
 	"go.opentelemetry.io/otel/propagation"
@@ -12,9 +14,19 @@ import (
 	"google.golang.org/grpc/metadata"
 )
 
-// APIKeyHeader is the metadata key WithAPIKey sends. The coordinator does not check keys
-// yet; a gateway or proxy in front of it may.
-const APIKeyHeader = "x-api-key"
+// APIKeyHeader is the metadata key the API key travels in, as "Bearer <key>": a secured
+// coordinator (`hexgen-flow up --secure`) authenticates every call by it, and answers
+// UNAUTHENTICATED without one. A coordinator that is not secured ignores it.
+const APIKeyHeader = "authorization"
+
+// APIKeyEnv is the environment variable the API key comes from when neither WithAPIKey
+// nor WithAPIKeyFile is given (as for the Python client and the CLI).
+const APIKeyEnv = "HEXGEN_FLOW_API_KEY"
+
+// TLSCAEnv is the environment variable naming the CA file (PEM) to verify the
+// coordinator's certificate with when no WithTLSCA, WithTLS or WithTransportCredentials is
+// given: set, the connection is TLS; unset or empty, plaintext.
+const TLSCAEnv = "HEXGEN_FLOW_TLS_CA"
 
 // TraceparentHeader is the W3C trace context header, as gRPC metadata. Every call sends
 // it when its context carries one: a value given with WithTraceparent, or else a valid
@@ -34,15 +46,20 @@ const DefaultMaxRecvBytes = 64 << 20
 type Option func(*options)
 
 type options struct {
-	creds    credentials.TransportCredentials
-	headers  metadata.MD
-	block    bool
-	maxRecv  int
-	dialOpts []grpc.DialOption
+	creds      credentials.TransportCredentials
+	tlsCA      *string // WithTLSCA; nil: $HEXGEN_FLOW_TLS_CA
+	apiKey     *string // WithAPIKey; nil: $HEXGEN_FLOW_API_KEY (unless apiKeyFile)
+	apiKeyFile string  // WithAPIKeyFile
+	key        string  // the key sent, once resolved
+	headers    metadata.MD
+	block      bool
+	maxRecv    int
+	dialOpts   []grpc.DialOption
 }
 
 // WithTLS connects over TLS with cfg (nil: the system roots and the address's host name).
-// Without it the connection is plaintext, as `hexgen-flow up` serves.
+// Without it (or WithTLSCA, WithTransportCredentials, $HEXGEN_FLOW_TLS_CA) the connection
+// is plaintext, as `hexgen-flow up` without --secure serves.
 func WithTLS(cfg *tls.Config) Option {
 	return func(o *options) {
 		if cfg == nil {
@@ -50,6 +67,15 @@ func WithTLS(cfg *tls.Config) Option {
 		}
 		o.creds = credentials.NewTLS(cfg)
 	}
+}
+
+// WithTLSCA connects over TLS, verifying the coordinator's certificate against the CA
+// in caFile (PEM; what `hexgen-flow up --secure` writes as AUTH_DIR/ca.pem) and the
+// address's host name (credentials.NewClientTLSFromFile). It overrides
+// $HEXGEN_FLOW_TLS_CA; WithTLSCA("") means plaintext whatever the environment says.
+// WithTLS and WithTransportCredentials win over it.
+func WithTLSCA(caFile string) Option {
+	return func(o *options) { o.tlsCA = &caFile }
 }
 
 // WithTransportCredentials connects with any gRPC transport credentials (mTLS, ALTS, ...).
@@ -68,9 +94,63 @@ func WithHeader(key, value string) Option {
 	}
 }
 
-// WithAPIKey sends key in the APIKeyHeader metadata of every call.
+// WithAPIKey sends key with every call, as the metadata "authorization: Bearer <key>"
+// (over plaintext too: TLS may end at a proxy in front of the coordinator). It overrides
+// $HEXGEN_FLOW_API_KEY; WithAPIKey("") sends no key whatever the environment says. A
+// call's own key (WithCallAPIKey) wins over it.
 func WithAPIKey(key string) Option {
-	return WithHeader(APIKeyHeader, key)
+	return func(o *options) { o.apiKey, o.apiKeyFile = &key, "" }
+}
+
+// WithAPIKeyFile reads the API key from a file (its first line, surrounding white space
+// removed; AUTH_DIR/tenants/NAME.key of `hexgen-flow up --secure`) when dialing, and sends
+// it as WithAPIKey does. Dial fails if the file cannot be read or holds no key.
+func WithAPIKeyFile(path string) Option {
+	return func(o *options) { o.apiKeyFile, o.apiKey = path, nil }
+}
+
+// WithCallAPIKey returns a context whose calls send key instead of the client's (a server
+// acting for several callers, each with its own key).
+func WithCallAPIKey(ctx context.Context, key string) context.Context {
+	return metadata.AppendToOutgoingContext(ctx, APIKeyHeader, bearer(key))
+}
+
+func bearer(key string) string { return "Bearer " + key }
+
+// resolve settles what the options leave to files and the environment: the API key and,
+// when no transport credentials were given, TLS from a CA file.
+func (o *options) resolve() error {
+	switch {
+	case o.apiKeyFile != "":
+		data, err := os.ReadFile(o.apiKeyFile)
+		if err != nil {
+			return fmt.Errorf("hexgenflow: API key file: %w", err)
+		}
+		o.key = strings.TrimSpace(strings.SplitN(strings.TrimSpace(string(data)), "\n", 2)[0])
+		if o.key == "" {
+			return fmt.Errorf("hexgenflow: API key file %s holds no key", o.apiKeyFile)
+		}
+	case o.apiKey != nil:
+		o.key = *o.apiKey
+	default:
+		o.key = strings.TrimSpace(os.Getenv(APIKeyEnv))
+	}
+	if o.creds != nil {
+		return nil
+	}
+	ca := os.Getenv(TLSCAEnv)
+	if o.tlsCA != nil {
+		ca = *o.tlsCA
+	}
+	if ca == "" {
+		return nil
+	}
+	creds, err := credentials.NewClientTLSFromFile(ca, "")
+	if err != nil {
+		return fmt.Errorf("hexgenflow: TLS CA %s: %w", ca, err)
+	}
+	o.creds = creds
+	return nil
 }
 
 // WithBlock makes Dial wait until the connection is up (bounded by Dial's context); a
@@ -115,11 +195,14 @@ func WithMetadata(ctx context.Context, kv ...string) context.Context {
 	return metadata.AppendToOutgoingContext(ctx, kv...)
 }
 
-// outgoing adds the client's headers and the context's traceparent to ctx's outgoing
-// metadata, leaving alone any key the context already sets.
+// outgoing adds the client's API key, headers and the context's traceparent to ctx's
+// outgoing metadata, leaving alone any key the context already sets.
 func (o *options) outgoing(ctx context.Context) context.Context {
 	md, _ := metadata.FromOutgoingContext(ctx)
 	var add []string
+	if o.key != "" && len(md.Get(APIKeyHeader)) == 0 && len(o.headers.Get(APIKeyHeader)) == 0 {
+		add = append(add, APIKeyHeader, bearer(o.key))
+	}
 	for key, values := range o.headers {
 		if len(md.Get(key)) > 0 {
 			continue

@@ -8,6 +8,8 @@ package hexgenflow
 import (
 	"context"
 	"errors"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -22,6 +24,9 @@ func sent(ctx context.Context, opts ...Option) metadata.MD {
 	o := &options{}
 	for _, opt := range opts {
 		opt(o)
+	}
+	if err := o.resolve(); err != nil {
+		panic(err)
 	}
 	md, _ := metadata.FromOutgoingContext(o.outgoing(ctx))
 	return md
@@ -38,14 +43,17 @@ func TestOutgoingHeaders(t *testing.T) {
 	const tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 	opts := []Option{WithAPIKey("k-123"), WithHeader("X-Tenant-Hint", "a")}
 	md := sent(WithTraceparent(context.Background(), tp), opts...)
-	one(t, md, "x-api-key", "k-123")
+	one(t, md, "authorization", "Bearer k-123")
 	one(t, md, "x-tenant-hint", "a")
 	one(t, md, TraceparentHeader, tp)
 
-	// Per-call metadata wins over the client's header of the same key.
-	md = sent(WithMetadata(context.Background(), "x-api-key", "per-call"), opts...)
-	one(t, md, "x-api-key", "per-call")
-	one(t, md, "x-tenant-hint", "a")
+	// Per-call metadata wins over the client's header of the same key; a call's own API
+	// key over the client's.
+	md = sent(WithMetadata(context.Background(), "x-tenant-hint", "per-call"), opts...)
+	one(t, md, "x-tenant-hint", "per-call")
+	one(t, md, "authorization", "Bearer k-123")
+	md = sent(WithCallAPIKey(context.Background(), "other"), opts...)
+	one(t, md, "authorization", "Bearer other")
 
 	// Without a traceparent or a span nothing is sent.
 	if got := sent(context.Background(), opts...).Get(TraceparentHeader); len(got) != 0 {
@@ -125,5 +133,66 @@ func TestErrorText(t *testing.T) {
 	}
 	if Code(nil) != codes.OK || Code(errors.New("x")) != codes.Unknown {
 		t.Error("Code of nil / a plain error")
+	}
+}
+
+func TestAPIKeySources(t *testing.T) {
+	t.Setenv(APIKeyEnv, "from-env")
+	t.Setenv(TLSCAEnv, "")
+	one(t, sent(context.Background()), "authorization", "Bearer from-env")
+	one(t, sent(context.Background(), WithAPIKey("given")), "authorization", "Bearer given")
+	if got := sent(context.Background(), WithAPIKey("")).Get("authorization"); len(got) != 0 {
+		t.Errorf("WithAPIKey(\"\") sent %v", got)
+	}
+
+	dir := t.TempDir()
+	file := filepath.Join(dir, "a.key")
+	if err := os.WriteFile(file, []byte("  from-file\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	one(t, sent(context.Background(), WithAPIKeyFile(file)), "authorization", "Bearer from-file")
+	// The last of WithAPIKey and WithAPIKeyFile wins.
+	one(t, sent(context.Background(), WithAPIKeyFile(file), WithAPIKey("given")), "authorization", "Bearer given")
+
+	t.Setenv(APIKeyEnv, "")
+	if got := sent(context.Background()).Get("authorization"); len(got) != 0 {
+		t.Errorf("no key anywhere, sent %v", got)
+	}
+	for _, opt := range []Option{WithAPIKeyFile(filepath.Join(dir, "missing.key")), WithAPIKeyFile(filepath.Join(dir, "empty.key"))} {
+		_ = os.WriteFile(filepath.Join(dir, "empty.key"), []byte("\n"), 0o600)
+		if _, err := Dial(context.Background(), "127.0.0.1:1", opt); err == nil {
+			t.Error("Dial with an unreadable or empty key file succeeded")
+		}
+	}
+}
+
+func TestTLSCASources(t *testing.T) {
+	resolved := func(opts ...Option) (*options, error) {
+		o := &options{}
+		for _, opt := range opts {
+			opt(o)
+		}
+		return o, o.resolve()
+	}
+	t.Setenv(TLSCAEnv, "")
+	if o, err := resolved(); err != nil || o.creds != nil {
+		t.Errorf("no CA: creds %v, err %v; want plaintext", o.creds, err)
+	}
+	missing := filepath.Join(t.TempDir(), "ca.pem")
+	if _, err := resolved(WithTLSCA(missing)); err == nil || !strings.Contains(err.Error(), "TLS CA") {
+		t.Errorf("a missing CA file: err %v", err)
+	}
+	t.Setenv(TLSCAEnv, missing)
+	if _, err := resolved(); err == nil {
+		t.Error("a missing CA file from the environment: no error")
+	}
+	if o, err := resolved(WithTLSCA("")); err != nil || o.creds != nil {
+		t.Errorf(`WithTLSCA(""): creds %v, err %v; want plaintext`, o.creds, err)
+	}
+	if o, err := resolved(WithTLS(nil)); err != nil || o.creds == nil {
+		t.Errorf("WithTLS wins over the environment's CA: creds %v, err %v", o.creds, err)
+	}
+	if _, err := Dial(context.Background(), "127.0.0.1:1", WithTLSCA(missing)); err == nil {
+		t.Error("Dial with a missing CA file succeeded")
 	}
 }

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -22,6 +23,7 @@ import grpc
 from hexgen_api.v1 import coordinator_pb2, coordinator_pb2_grpc, workflow_pb2
 from hexgen_client.addresses import DEFAULT_COORDINATOR
 from hexgen_client.convert import is_terminal, submit_request
+from hexgen_client.credentials import open_channel
 from hexgen_client.errors import (
     CoordinatorError,
     CoordinatorOverloadedError,
@@ -51,8 +53,15 @@ class CoordinatorClient:
         *,
         timeout_s: float = 10.0,
         interceptors: Sequence[grpc.aio.ClientInterceptor] | None = None,
+        api_key: str | None = None,
+        tls_ca: str | Path | None = None,
     ) -> None:
         self.address = address
+        self.api_key = api_key
+        """Sent as ``authorization: Bearer`` on every RPC; None: ``$HEXGEN_FLOW_API_KEY``."""
+        self.tls_ca = tls_ca
+        """The CA to verify a TLS coordinator with; None: ``$HEXGEN_FLOW_TLS_CA``, else
+        plaintext."""
         self.timeout_s = timeout_s
         """Deadline of every unary RPC (streams have none: a query may run for minutes)."""
         self._interceptors = list(interceptors) if interceptors else None
@@ -64,7 +73,12 @@ class CoordinatorClient:
     @property
     def stub(self) -> coordinator_pb2_grpc.CoordinatorServiceAsyncStub:
         if self._stub is None:
-            self._channel = grpc.aio.insecure_channel(self.address, interceptors=self._interceptors)
+            self._channel = open_channel(
+                self.address,
+                api_key=self.api_key,
+                tls_ca=self.tls_ca,
+                interceptors=self._interceptors or (),
+            )
             self._stub = coordinator_pb2_grpc.CoordinatorServiceStub(self._channel)
         return self._stub
 

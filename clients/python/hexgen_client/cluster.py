@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import ssl
 import tempfile
 import time
 import urllib.error
@@ -47,6 +48,8 @@ from hexgen_client.cluster_config import (
     WorkerLaunch,
     coordinator_argv,
     gateway_argv,
+    redis_login,
+    secure_argv,
     tuner_argv,
     worker_argv,
 )
@@ -66,6 +69,8 @@ from hexgen_client.processes import (
 from hexgen_flow.cluster import parse_cluster
 from hexgen_flow.errors import ConfigError
 from hexgen_flow.policies.presets import resolve_policy
+from hexgen_service.auth import AUTH_METADATA, read_secret
+from hexgen_service.auth_dir import AuthDir
 from hexgen_service.healthcheck import check
 from hexgen_service.worker_token import write_token
 
@@ -106,6 +111,10 @@ class LocalCluster:
         if self.config.redis_url is None:
             find_redis_server(self.config.redis_binary)
         self.coordinator_address = self.config.listen
+        self.worker_address = self.config.worker_listen
+        """The coordinator's door for workers (its WorkerService)."""
+        self.auth = AuthDir(self.config.auth_dir) if self.config.auth_dir is not None else None
+        """The credentials of a secured cluster (`LocalClusterConfig.auth_dir`); None: open."""
         self.tuner_address: str | None = None
         self.gateway_address: str | None = None
         """The gateway's HOST:PORT (its API: ``http://ADDRESS/v1``); None when not run."""
@@ -135,6 +144,9 @@ class LocalCluster:
         config = self.config
         try:
             self.coordinator_address = resolve_address(config.listen)
+            self.worker_address = resolve_address(config.worker_listen)
+            if self.auth is not None:
+                self.auth.init(config.tenants, redis_prefix=config.redis_prefix)
             if config.tuner:
                 self.tuner_address = resolve_address(config.tuner_listen)
             if config.metrics_listen is not None:
@@ -158,7 +170,9 @@ class LocalCluster:
             else:
                 self.log_dir = Path(tempfile.mkdtemp(prefix="hexgen-flow-logs-"))
                 self._own_log_dir = True
-            if config.worker_token:
+            if config.worker_token and self.auth is not None:
+                self.worker_token_file = self.auth.worker_token
+            elif config.worker_token:
                 self.worker_token_file = self.log_dir / "worker-token"
                 write_token(self.worker_token_file)
             self._env = {**os.environ, "PYTHONUNBUFFERED": "1", **config.env}
@@ -167,23 +181,27 @@ class LocalCluster:
                     config.redis_binary,
                     grace_s=config.stop_grace_s,
                     appendfsync=config.redis_appendfsync,
+                    aclfile=self.auth.redis_acl if self.auth is not None else None,
                 )
                 self.redis_url = self.redis.start()
             self._start_coordinator()
             if self.tuner_address is not None:
+                redis_url, login = self._redis_login("tuner")
                 argv = tuner_argv(
                     config,
                     self.tuner_address,
                     self.coordinator_address,
-                    self.redis_url,
+                    redis_url,
                     self.calibration.argument,
                     self.tuner_metrics_address,
                 )
+                argv += [*login, *self._secure("tuner")]
                 self.tuner = self._process("tuner", "tuner.log", argv)
                 self.tuner.start()
                 self._wait_healthy(self.tuner, self.tuner_address)
             if self.gateway_address is not None:
                 argv = gateway_argv(config, self.gateway_address, self.coordinator_address)
+                argv += self._secure("gateway")
                 self.gateway = self._process("gateway", "gateway.log", argv)
                 self.gateway.start()
                 self._wait_healthy(self.gateway, self.gateway_address, http=True)
@@ -317,10 +335,22 @@ class LocalCluster:
     # ------------------------------------------------------------------------- status
 
     def status(self, timeout_s: float = 2.0) -> coordinator_pb2.ClusterStatusResponse:
-        """The coordinator's ClusterStatus (a blocking call)."""
-        with grpc.insecure_channel(self.coordinator_address) as channel:
+        """The coordinator's ClusterStatus (a blocking call; secured: with the admin key)."""
+        if self.auth is None:
+            channel = grpc.insecure_channel(self.coordinator_address)
+            metadata = None
+        else:
+            channel = grpc.secure_channel(
+                self.coordinator_address,
+                grpc.ssl_channel_credentials(self.auth.ca.read_bytes()),
+            )
+            key = read_secret(self.auth.admin_key, "admin key")
+            metadata = ((AUTH_METADATA, f"Bearer {key}"),)
+        with channel:
             stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
-            return stub.ClusterStatus(coordinator_pb2.ClusterStatusRequest(), timeout=timeout_s)
+            return stub.ClusterStatus(
+                coordinator_pb2.ClusterStatusRequest(), timeout=timeout_s, metadata=metadata
+            )
 
     def wait_connected(
         self, timeout_s: float | None = None
@@ -372,9 +402,10 @@ class LocalCluster:
         )
         if self.worker_token_file is not None:
             extra += ["--worker-token-file", str(self.worker_token_file)]
+        extra += self._secure("worker")
         return worker_argv(
             python,
-            self.coordinator_address,
+            self.worker_address,
             slot,
             inst.gpu,
             inst.model,
@@ -383,17 +414,30 @@ class LocalCluster:
             self.calibration.argument,
         )
 
-    def _start_coordinator(self) -> None:
+    def _secure(self, service: str) -> list[str]:
+        return secure_argv(self.auth, service) if self.auth is not None else []
+
+    def _redis_login(self, user: str) -> tuple[str, list[str]]:
+        """The Redis URL `user` (coordinator, tuner) logs in with, and its password option:
+        an ACL user of the private Redis of a secured cluster, else the plain URL."""
         assert self.redis_url is not None
+        if self.auth is None or self.redis is None:
+            return self.redis_url, []
+        return redis_login(self.redis_url, self.auth, user)
+
+    def _start_coordinator(self) -> None:
         if self.coordinator is None:
+            redis_url, login = self._redis_login("coordinator")
             argv = coordinator_argv(
                 self.config,
                 self.coordinator_address,
-                self.redis_url,
+                redis_url,
                 self.calibration.argument,
                 self.metrics_address,
                 self.worker_token_file,
+                self.worker_address,
             )
+            argv += [*login, *self._secure("coordinator")]
             self.coordinator = self._process("coordinator", "coordinator.log", argv)
         self.coordinator.start()
         self._wait_healthy(self.coordinator, self.coordinator_address)
@@ -406,7 +450,10 @@ class LocalCluster:
         while True:
             if not proc.running:
                 raise proc.failure(f"exited with code {proc.returncode} while starting")
-            problem = _http_health(address) if http else check(address, timeout_s=1.0)
+            ca = self.auth.ca if self.auth is not None else None
+            problem = (
+                _http_health(address, ca=ca) if http else check(address, timeout_s=1.0, tls_ca=ca)
+            )
             if problem is None:
                 return
             if time.monotonic() >= deadline:
@@ -416,10 +463,15 @@ class LocalCluster:
             time.sleep(POLL_S)
 
 
-def _http_health(address: str, timeout_s: float = 1.0) -> str | None:
-    """None when ``http://address/health`` answers 200, else what went wrong."""
+def _http_health(address: str, timeout_s: float = 1.0, ca: Path | None = None) -> str | None:
+    """None when ``http://address/health`` answers 200 (``https://`` verified against `ca`
+    when given), else what went wrong."""
+    scheme = "https" if ca is not None else "http"
+    context = ssl.create_default_context(cafile=str(ca)) if ca is not None else None
     try:
-        with urllib.request.urlopen(f"http://{address}/health", timeout=timeout_s) as answer:
+        with urllib.request.urlopen(
+            f"{scheme}://{address}/health", timeout=timeout_s, context=context
+        ) as answer:
             return None if answer.status == 200 else f"HTTP {answer.status}"
     except urllib.error.HTTPError as exc:
         return f"HTTP {exc.code}"

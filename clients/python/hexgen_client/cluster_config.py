@@ -16,6 +16,7 @@ from hexgen_client.addresses import (
 )
 from hexgen_flow.calibration import DEFAULT_CALIBRATION
 from hexgen_flow.cluster import DEFAULT_CLUSTER
+from hexgen_service.auth_dir import AuthDir
 
 __all__ = [
     "DEFAULT_GATEWAY",
@@ -23,6 +24,8 @@ __all__ = [
     "WorkerLaunch",
     "coordinator_argv",
     "gateway_argv",
+    "redis_login",
+    "secure_argv",
     "tuner_argv",
     "worker_argv",
 ]
@@ -96,6 +99,16 @@ class LocalClusterConfig:
     None: not served; port 0 picks a free port."""
     tuner_metrics_listen: str | None = None
     """Where the tuner serves Prometheus metrics; None: not served; port 0: a free port."""
+    worker_listen: str = "127.0.0.1:0"
+    """The coordinator's door for workers (its WorkerService, apart from the clients');
+    port 0 picks a free port."""
+    auth_dir: Path | None = None
+    """Run secured (``hexgen-flow up --secure``): the credentials in this folder (made, or
+    completed, by `hexgen_service.auth_dir.AuthDir.init`): API keys on the coordinator and
+    the tuner, TLS on every link, workers with client certificates (mutual TLS), and a
+    private Redis with one ACL user per service. None: open, on loopback only."""
+    tenants: tuple[str, ...] = ()
+    """With `auth_dir`: the tenants to make keys for (``DIR/tenants/NAME.key``)."""
     worker_token: bool = True
     """Make the coordinator take only workers that show a fresh random token, written to
     ``worker-token`` in the log folder (mode 0600) and passed to the workers it starts
@@ -141,12 +154,14 @@ def coordinator_argv(
     calibration: str | None = None,
     metrics: str | None = None,
     worker_token_file: Path | None = None,
+    worker_listen: str | None = None,
 ) -> list[str]:
     """The coordinator's command line; `calibration`: the ``--calibration`` value that
     selects the cluster's calibration from any directory (None: the default)."""
     argv = [
         config.python, "-m", "hexgen_coordinator",
         "--listen", listen,
+        *(["--worker-listen", worker_listen] if worker_listen else []),
         "--redis-url", redis_url,
         "--redis-prefix", config.redis_prefix,
         "--cluster", config.cluster,
@@ -224,3 +239,27 @@ def worker_argv(
         *_calibration_args(calibration),
         *extra,
     ]  # fmt: skip
+
+
+def secure_argv(auth: AuthDir, service: str) -> list[str]:
+    """What `service` (coordinator, tuner, gateway, worker) adds to its command line to run
+    secured with the credentials of `auth` (`LocalClusterConfig.auth_dir`)."""
+    tls_server = ["--tls-cert", str(auth.server_cert), "--tls-key", str(auth.server_key)]
+    ca = ["--tls-ca", str(auth.ca)]
+    if service == "coordinator":
+        return ["--api-keys-file", str(auth.keys), *tls_server, *ca]
+    if service == "tuner":
+        keys = ["--api-keys-file", str(auth.keys), "--api-key-file", str(auth.tuner_key)]
+        return [*keys, *tls_server, *ca]
+    if service == "gateway":
+        return [*tls_server, *ca]
+    if service == "worker":
+        return [*ca, "--tls-cert", str(auth.worker_cert), "--tls-key", str(auth.worker_key)]
+    raise ValueError(f"no secure options for {service!r}")
+
+
+def redis_login(url: str, auth: AuthDir, user: str) -> tuple[str, list[str]]:
+    """The Redis URL of `user` of the private Redis's ACL, and the option that gives its
+    password (a file: a command line is readable by every user of the machine)."""
+    scheme, rest = url.split("://", 1)
+    return f"{scheme}://{user}@{rest}", ["--redis-password-file", str(auth.redis_password(user))]

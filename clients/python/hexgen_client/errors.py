@@ -33,14 +33,23 @@ class CoordinatorUnavailableError(CoordinatorError):
     answered UNAVAILABLE (its Redis is unreachable): worth retrying."""
 
     def __init__(self, address: str, details: str = "") -> None:
-        super().__init__(
-            address,
-            grpc.StatusCode.UNAVAILABLE,
-            details,
-            f"coordinator at {address}: UNAVAILABLE: {details}"
-            if details.startswith("redis unavailable")
-            else f"cannot reach the coordinator at {address}: is `hexgen-flow up` running?",
-        )
+        if details.startswith("redis unavailable"):
+            message = f"coordinator at {address}: UNAVAILABLE: {details}"
+        elif _tls_trouble(details):
+            message = (
+                f"no connection to the coordinator at {address}: it closed the connection or "
+                "the TLS handshake failed (a plaintext client at a TLS port, or a CA that did "
+                f"not sign its certificate: check --tls-ca or $HEXGEN_FLOW_TLS_CA): {details}"
+            )
+        else:
+            message = f"cannot reach the coordinator at {address}: is `hexgen-flow up` running?"
+        super().__init__(address, grpc.StatusCode.UNAVAILABLE, details, message)
+
+
+def _tls_trouble(details: str) -> bool:
+    # A TLS server closes a plaintext client's connection at once ("Socket closed").
+    lowered = details.lower()
+    return any(w in lowered for w in ("ssl", "tls", "handshake", "certificate", "socket closed"))
 
 
 class CoordinatorOverloadedError(CoordinatorError):

@@ -407,6 +407,7 @@ class RedisServer:
         start_timeout_s: float = 10.0,
         grace_s: float = 5.0,
         appendfsync: str | None = "always",
+        aclfile: Path | None = None,
     ) -> None:
         if appendfsync not in (None, "always", "everysec", "no"):
             raise ConfigError(f"appendfsync {appendfsync!r}: expected always, everysec or no")
@@ -415,6 +416,8 @@ class RedisServer:
         self.start_timeout_s = start_timeout_s
         self.grace_s = grace_s
         self.appendfsync = appendfsync
+        self.aclfile = aclfile
+        """Redis ACL users (``--aclfile``); None: the default user, no password."""
         self.port: int | None = None
         self.dir: Path | None = None
         self.process: ManagedProcess | None = None
@@ -437,6 +440,7 @@ class RedisServer:
                 "--bind", self.host,
                 "--save", "",
                 *self._persistence_args(),
+                *(["--aclfile", str(self.aclfile)] if self.aclfile is not None else []),
                 "--dir", str(self.dir),
                 "--daemonize", "no",
             ]  # fmt: skip
@@ -471,9 +475,13 @@ class RedisServer:
         client = redis.Redis(host=self.host, port=self.port, socket_timeout=0.5)
         try:
             while time.monotonic() < deadline and self.process.running:
-                with contextlib.suppress(redis.RedisError):
+                try:
                     if client.ping():
                         return True
+                except redis.AuthenticationError:
+                    return True  # it answers, and wants a login (an ACL file)
+                except redis.RedisError:
+                    pass
                 time.sleep(POLL_S / 2)
         finally:
             client.close()

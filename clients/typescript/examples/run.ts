@@ -3,6 +3,9 @@
 //   npm run build
 //   node dist/examples/run.js 127.0.0.1:50051      (or HEXGEN_COORDINATOR=...)
 //
+// A secured mesh (`hexgen-flow up --secure`): the client reads the CA file and the API key
+// from HEXGEN_FLOW_TLS_CA and HEXGEN_FLOW_API_KEY (README.md, "A secured mesh").
+//
 // The package imports itself by name (package.json "exports"), as an application would.
 import {
   CoordinatorClient,

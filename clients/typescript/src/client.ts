@@ -1,7 +1,10 @@
 // A promise / async-iterator API over the generated @grpc/grpc-js stub of
 // hexgen_flow.v1.CoordinatorService (src/gen/, `npm run generate`).
+import { readFileSync } from "node:fs";
+
 import {
   credentials as grpcCredentials,
+  InterceptingCall,
   Metadata,
   status,
   type CallOptions as GrpcCallOptions,
@@ -9,6 +12,7 @@ import {
   type ClientOptions,
   type ClientReadableStream,
   type ClientUnaryCall,
+  type Interceptor,
   type ServiceError,
 } from "@grpc/grpc-js";
 
@@ -60,9 +64,42 @@ export function eventKindName(kind: QueryEventKind): string {
   return queryEventKindToJSON(kind).replace(/^QUERY_EVENT_KIND_/, "");
 }
 
+/** The metadata key the API key travels in, as `Bearer <key>`. */
+export const API_KEY_METADATA = "authorization";
+/** The environment variable the API key comes from when `apiKey` is not given. */
+export const API_KEY_ENV = "HEXGEN_FLOW_API_KEY";
+/** The environment variable naming the CA file (PEM) when `tlsCa` is not given. */
+export const TLS_CA_ENV = "HEXGEN_FLOW_TLS_CA";
+
+/**
+ * A grpc-js client interceptor that sends `authorization: Bearer <key>` with every call
+ * that does not carry an `authorization` of its own, over plaintext as over TLS (unlike
+ * call credentials, which grpc-js sends over TLS only). `CoordinatorClient` installs one
+ * for its `apiKey`; give it to any other grpc-js client of the mesh's services.
+ */
+export function apiKeyInterceptor(apiKey: string): Interceptor {
+  const value = `Bearer ${apiKey}`;
+  return (options, nextCall) =>
+    new InterceptingCall(nextCall(options), {
+      start(metadata, listener, next) {
+        if (metadata.get(API_KEY_METADATA).length === 0) metadata.set(API_KEY_METADATA, value);
+        next(metadata, listener);
+      },
+    });
+}
+
 export interface CoordinatorClientOptions {
-  /** Channel credentials; default: plaintext (`credentials.createInsecure()`). */
+  /** Channel credentials; default: TLS verified against `tlsCa` when there is one, else
+   * plaintext (`credentials.createInsecure()`). Given, they win over `tlsCa`. */
   credentials?: ChannelCredentials;
+  /** The API key of a secured coordinator (`hexgen-flow up --secure`), sent with every call
+   * (the wrapped ones and the stub's) as `authorization: Bearer <key>`. Default:
+   * `$HEXGEN_FLOW_API_KEY`; `""`: no key, whatever the environment says. */
+  apiKey?: string;
+  /** Path of the CA file (PEM; `up --secure`'s AUTH_DIR/ca.pem) the coordinator's certificate
+   * is verified against: given, the channel is TLS (`credentials.createSsl`). Default:
+   * `$HEXGEN_FLOW_TLS_CA`; `""` or neither: plaintext. */
+  tlsCa?: string;
   /** grpc-js channel options ("grpc.keepalive_time_ms", ...). */
   channelOptions?: Partial<ClientOptions>;
   /** Deadline of each unary call, in milliseconds, unless the call gives its own; default
@@ -82,6 +119,8 @@ export interface CallOptions {
   timeoutMs?: number;
   /** More metadata for this call. */
   metadata?: Record<string, string>;
+  /** This call's API key, instead of the client's (a server acting for several callers). */
+  apiKey?: string;
   /** Cancels the call (a unary call rejects with CANCELLED, a stream ends with it). */
   signal?: AbortSignal;
 }
@@ -112,10 +151,15 @@ export class CoordinatorClient {
     this.address = address;
     this.timeoutMs = options.timeoutMs ?? 30_000;
     this.metadata = { ...options.metadata };
+    const apiKey = options.apiKey ?? process.env[API_KEY_ENV]?.trim() ?? "";
+    const tlsCa = options.tlsCa ?? process.env[TLS_CA_ENV] ?? "";
+    const channelOptions: Partial<ClientOptions> = { ...options.channelOptions };
+    if (apiKey) channelOptions.interceptors = [...(channelOptions.interceptors ?? []), apiKeyInterceptor(apiKey)];
     this.stub = new CoordinatorServiceClient(
       address,
-      options.credentials ?? grpcCredentials.createInsecure(),
-      options.channelOptions,
+      options.credentials ??
+        (tlsCa ? grpcCredentials.createSsl(readFileSync(tlsCa)) : grpcCredentials.createInsecure()),
+      channelOptions,
     );
   }
 
@@ -258,6 +302,7 @@ export class CoordinatorClient {
     const entries: Record<string, string> = { ...this.metadata, ...options?.metadata };
     if (options?.traceparent) entries["traceparent"] = options.traceparent;
     if (options?.tracestate) entries["tracestate"] = options.tracestate;
+    if (options?.apiKey) entries[API_KEY_METADATA] = `Bearer ${options.apiKey}`;
     for (const [key, value] of Object.entries(entries)) metadata.set(key.toLowerCase(), value);
     return metadata;
   }

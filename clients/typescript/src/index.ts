@@ -1,7 +1,11 @@
 // @hexgen-flow/client: a TypeScript client of the HexGen-Flow coordinator (hexgen_flow.v1).
 export {
+  API_KEY_ENV,
+  API_KEY_METADATA,
   CoordinatorClient,
   DEFAULT_COORDINATOR,
+  TLS_CA_ENV,
+  apiKeyInterceptor,
   TERMINAL_EVENT_KINDS,
   eventKindName,
   isTerminal,

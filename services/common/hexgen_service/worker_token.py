@@ -16,7 +16,7 @@ import os
 import secrets
 from pathlib import Path
 
-from hexgen_flow.errors import ConfigError
+from hexgen_service.auth import read_secret
 
 __all__ = ["TOKEN_METADATA", "check_token", "read_token", "write_token"]
 
@@ -25,13 +25,7 @@ TOKEN_METADATA = "x-hexgen-worker-token"
 
 def read_token(path: str | Path) -> str:
     """The token in `path`; ConfigError naming the file when it cannot be read or is empty."""
-    try:
-        token = Path(path).read_text().strip()
-    except OSError as exc:
-        raise ConfigError(f"--worker-token-file: cannot read {path}: {exc.strerror}") from None
-    if not token:
-        raise ConfigError(f"--worker-token-file: {path} is empty")
-    return token
+    return read_secret(path, "--worker-token-file")
 
 
 def write_token(path: str | Path) -> str:

@@ -7,20 +7,32 @@ import asyncio
 import logging
 import sys
 from dataclasses import fields
+from pathlib import Path
 
 import grpc
 
 from hexgen_coordinator.config import CoordinatorConfig
 from hexgen_coordinator.coordinator import Coordinator
-from hexgen_coordinator.edge import add_coordinator_services
+from hexgen_coordinator.edge import add_coordinator_services, add_worker_service
 from hexgen_coordinator.redis_retry import redis_client
-from hexgen_flow.errors import HexgenFlowError
+from hexgen_flow.errors import ConfigError, HexgenFlowError
+from hexgen_service.auth import PUBLIC_METHODS, AuthInterceptor, KeyStore, Role, read_secret
+from hexgen_service.exposure import refuse_unprotected
 from hexgen_service.metrics_server import serve_metrics
 from hexgen_service.server import GrpcServer
 from hexgen_service.telemetry import setup_logging
+from hexgen_service.tls import TlsFiles
 from hexgen_service.worker_token import read_token
 
-SERVICE_NAMES = ("hexgen_flow.v1.CoordinatorService", "hexgen_flow.v1.WorkerService")
+CLIENT_SERVICE = "hexgen_flow.v1.CoordinatorService"
+WORKER_SERVICE = "hexgen_flow.v1.WorkerService"
+
+ROLES = {
+    f"/{CLIENT_SERVICE}/": Role.TENANT,
+    f"/{CLIENT_SERVICE}/SetAlpha": Role.OPERATOR,
+}
+"""The least role each RPC of the clients' door needs; a tenant's queries are scoped to it
+in the handlers (`hexgen_coordinator.service`)."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -33,8 +45,22 @@ def parse_args(argv: list[str] | None = None) -> tuple[CoordinatorConfig, str]:
     defaults = CoordinatorConfig()
     parser = _Parser(prog="python -m hexgen_coordinator", description=__doc__)
     docs = {f.name: f.name for f in fields(CoordinatorConfig)}
-    parser.add_argument("--listen", default=defaults.listen)
+    parser.add_argument(
+        "--listen", default=defaults.listen, help="the clients' door (CoordinatorService)"
+    )
+    parser.add_argument(
+        "--worker-listen",
+        default=defaults.worker_listen,
+        metavar="HOST:PORT",
+        help="the workers' door (WorkerService); default: on --listen, loopback only",
+    )
     parser.add_argument("--redis-url", default=defaults.redis_url)
+    parser.add_argument(
+        "--redis-password-file",
+        metavar="FILE",
+        default=None,
+        help="the password of the Redis user in --redis-url (redis://USER@HOST:PORT/DB)",
+    )
     parser.add_argument("--redis-prefix", default=defaults.redis_prefix)
     parser.add_argument("--cluster", default=defaults.cluster)
     parser.add_argument("--model", default=defaults.model)
@@ -79,6 +105,25 @@ def parse_args(argv: list[str] | None = None) -> tuple[CoordinatorConfig, str]:
         default=None,
         help="refuse workers whose Connect does not carry the token in FILE (UNAUTHENTICATED)",
     )
+    parser.add_argument(
+        "--api-keys-file",
+        metavar="FILE",
+        default=None,
+        help="authenticate clients with the API keys in FILE (hexgen-flow auth init)",
+    )
+    parser.add_argument("--tls-cert", metavar="FILE", default=None, help="serve TLS (PEM)")
+    parser.add_argument("--tls-key", metavar="FILE", default=None, help="the certificate's key")
+    parser.add_argument(
+        "--tls-ca",
+        metavar="FILE",
+        default=None,
+        help="the workers' door requires client certificates signed by this CA (mutual TLS)",
+    )
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow listening beyond loopback without API keys and TLS (protected mode off)",
+    )
     parser.add_argument("--log-level", default="INFO")
     del docs
     args = parser.parse_args(argv)
@@ -105,9 +150,28 @@ def parse_args(argv: list[str] | None = None) -> tuple[CoordinatorConfig, str]:
             parser.error(f"--{flag.replace('_', '-')} must be > 0")
     if args.max_tenant_queries < 0:
         parser.error("--max-tenant-queries must be >= 0 (0: no limit)")
+    try:
+        tls = TlsFiles.from_flags(args.tls_cert, args.tls_key, args.tls_ca)
+        if tls.ca is not None and tls.cert is None:
+            raise ConfigError(
+                "--tls-ca: the workers' door checks client certificates over "
+                "TLS; give --tls-cert and --tls-key too"
+            )
+        if args.api_keys_file:
+            KeyStore(Path(args.api_keys_file))  # a bad file fails here, named
+        _refuse_unprotected(args, tls)
+        redis_password = (
+            read_secret(args.redis_password_file, "--redis-password-file")
+            if args.redis_password_file
+            else ""
+        )
+    except HexgenFlowError as exc:
+        parser.error(str(exc))
     config = CoordinatorConfig(
         listen=args.listen,
+        worker_listen=args.worker_listen,
         redis_url=args.redis_url,
+        redis_password=redis_password,
         redis_prefix=args.redis_prefix,
         cluster=args.cluster,
         model=args.model,
@@ -135,14 +199,46 @@ def parse_args(argv: list[str] | None = None) -> tuple[CoordinatorConfig, str]:
         max_tenant_bytes=args.max_tenant_bytes,
         max_slo_s=args.max_slo_s,
         metrics_listen=args.metrics_listen,
+        api_keys_file=args.api_keys_file or "",
+        tls_cert=args.tls_cert or "",
+        tls_key=args.tls_key or "",
+        tls_ca=args.tls_ca or "",
+        insecure=args.insecure,
     )
     return config, args.log_level
+
+
+def _refuse_unprotected(args: argparse.Namespace, tls: TlsFiles) -> None:
+    """Protected mode (`hexgen_service.exposure`) for both doors."""
+    refuse_unprotected(
+        "--listen",
+        args.listen,
+        protected=bool(args.api_keys_file) and tls.cert is not None,
+        insecure=args.insecure,
+        needs="--api-keys-file and --tls-cert/--tls-key",
+    )
+    if args.worker_listen:
+        refuse_unprotected(
+            "--worker-listen",
+            args.worker_listen,
+            protected=(tls.cert is not None and tls.ca is not None) or bool(args.worker_token_file),
+            insecure=args.insecure,
+            needs="--tls-ca (mutual TLS) or --worker-token-file",
+        )
+    else:
+        refuse_unprotected(
+            "--listen",
+            args.listen,
+            protected=False,
+            insecure=args.insecure,
+            needs="--worker-listen (workers and clients on one door)",
+        )
 
 
 async def serve(config: CoordinatorConfig) -> None:
     # Bursts of submissions, completion batches and write-behind share the pool: callers
     # wait for a connection rather than fail when it is busy.
-    redis = redis_client(config.redis_url)
+    redis = redis_client(config.redis_url, password=config.redis_password or None)
     try:
         await redis.ping()
     except Exception as exc:  # any connection failure reads the same to a user
@@ -151,11 +247,41 @@ async def serve(config: CoordinatorConfig) -> None:
         ) from None
     coordinator = Coordinator(config, redis)
     await coordinator.start()
+    tls = TlsFiles.from_flags(
+        config.tls_cert or None, config.tls_key or None, config.tls_ca or None
+    )
+    interceptors = []
+    if coordinator.keys is not None:
+        interceptors.append(
+            AuthInterceptor(
+                coordinator.keys,
+                ROLES,
+                # the workers' own check: a token or a client certificate (WorkerServicer)
+                public=(*PUBLIC_METHODS, f"/{WORKER_SERVICE}/"),
+            )
+        )
+    workers_apart = bool(config.worker_listen)
 
     def register(server: grpc.aio.Server) -> None:
-        add_coordinator_services(server, coordinator)
+        add_coordinator_services(server, coordinator, workers=not workers_apart)
 
-    server = GrpcServer(config.listen, register, SERVICE_NAMES)
+    server = GrpcServer(
+        config.listen,
+        register,
+        (CLIENT_SERVICE,) if workers_apart else (CLIENT_SERVICE, WORKER_SERVICE),
+        tls=tls,
+        interceptors=interceptors,
+    )
+    worker_server = None
+    if workers_apart:
+        worker_server = GrpcServer(
+            config.worker_listen,
+            lambda s: add_worker_service(s, coordinator),
+            (WORKER_SERVICE,),
+            tls=tls,
+            require_client_cert=tls.ca is not None,
+        )
+        await worker_server.start()
     await server.start()
     logging.getLogger("hexgen_coordinator").info(
         "coordinator on %s: cluster %s (calibration %s), policy %s, alpha %s, time scale %s",
@@ -172,8 +298,14 @@ async def serve(config: CoordinatorConfig) -> None:
             coordinator.ledger.metrics.registry, config.metrics_listen
         )
         logging.getLogger("hexgen_coordinator").info("metrics on http://%s/metrics", address)
+
+    async def stop() -> None:
+        await coordinator.stop()
+        if worker_server is not None:
+            await worker_server.stop()
+
     try:
-        await server.serve_until_signalled(on_stop=coordinator.stop)
+        await server.serve_until_signalled(on_stop=stop)
     finally:
         if metrics_server is not None:
             metrics_server.shutdown()

@@ -33,6 +33,8 @@ import logging
 import math
 import time
 from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from opentelemetry import trace
 
@@ -53,6 +55,7 @@ from hexgen_flow.admission import (
 from hexgen_flow.runtime import CallTicket, QueryRun
 from hexgen_flow.scheduler import GlobalScheduler
 from hexgen_flow.workload import Query
+from hexgen_service.auth import TenantLimits
 from hexgen_service.convert import SubmitLimits, parse_submit, stage_names, without_prompts
 from hexgen_service.errors import AlreadyExistsError, InvalidFieldError, OverloadedError
 
@@ -92,8 +95,14 @@ class Admission:
         dispatch: Dispatch,
         writes: WriteBehind,
         views: QueryViews,
+        *,
+        tenant_limits: Callable[[str], TenantLimits] | None = None,
     ) -> None:
         self.config = config
+        self.tenant_limits = tenant_limits
+        """A tenant's own limits (the API keys file's ``tenants``); None: only the global
+        ``--max-tenant-queries``."""
+        self._rates: dict[str, TokenBucket] = {}
         self.scheduler = scheduler
         self.store = store
         self.tracer = tracer
@@ -306,13 +315,27 @@ class Admission:
                 f"{config.max_running_queries})",
                 self._wall(self._soonest_finish_s(now), scale),
             )
-        if config.max_tenant_queries > 0:
+        own = self.tenant_limits(query.tenant) if self.tenant_limits else TenantLimits()
+        cap = own.max_running or config.max_tenant_queries
+        if cap > 0:
             running = Counter(e.run.query.tenant for e in active.values())[query.tenant]
-            if running >= config.max_tenant_queries:
+            if running >= cap:
                 raise OverloadedError(
                     f"tenant {query.tenant!r} has {running} queries running (limit: "
-                    f"{config.max_tenant_queries} per tenant)",
+                    f"{cap}{'' if own.max_running else ' per tenant'})",
                     self._wall(self._soonest_finish_s(now, query.tenant), scale),
+                )
+        if own.rate_qps > 0:
+            bucket = self._rates.get(query.tenant)
+            if bucket is None or bucket.rate != own.rate_qps:
+                bucket = TokenBucket(own.rate_qps, own.burst or max(1, math.ceil(own.rate_qps)))
+                self._rates[query.tenant] = bucket
+            wait = bucket.take(time.monotonic())
+            if wait > 0:
+                raise OverloadedError(
+                    f"tenant {query.tenant!r} submits faster than its rate "
+                    f"({own.rate_qps:g} queries/s, burst {bucket.burst}); retry in {wait:.2f} s",
+                    wait,
                 )
         if config.admission == "off":
             return False
@@ -417,3 +440,25 @@ class Admission:
             raise AlreadyExistsError("query_id", f"a query {query.query_id!r} exists")
         self._check_same(query, prompts, known, known_prompts)
         return self.views.info_of_stored(stored)
+
+
+@dataclass
+class TokenBucket:
+    """`rate` tokens a second, at most `burst` saved up; a submission takes one."""
+
+    rate: float
+    burst: int
+    tokens: float = -1.0
+    at: float = 0.0
+
+    def take(self, now: float) -> float:
+        """Take a token at `now` (wall seconds): 0 when one was there, else the seconds
+        until one will be (nothing taken)."""
+        if self.tokens < 0:
+            self.tokens, self.at = float(self.burst), now
+        self.tokens = min(float(self.burst), self.tokens + (now - self.at) * self.rate)
+        self.at = now
+        if self.tokens >= 1:
+            self.tokens -= 1
+            return 0.0
+        return (1 - self.tokens) / self.rate

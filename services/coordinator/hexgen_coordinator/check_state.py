@@ -28,6 +28,9 @@ from dataclasses import asdict, dataclass, field
 
 import redis
 
+from hexgen_flow.errors import HexgenFlowError
+from hexgen_service.auth import read_secret
+
 __all__ = ["StateReport", "check_state", "main"]
 
 _FIXED = ("meta", "qseq", "active", "completions", "finished", "alpha:history")
@@ -200,8 +203,21 @@ def main(argv: list[str] | None = None) -> int:
         help="also count queries running longer than this (cluster seconds) as stuck",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--redis-password-file",
+        default=None,
+        help="the password of the Redis user in --redis-url (redis://USER@HOST:PORT/DB)",
+    )
     args = parser.parse_args(argv)
-    client: redis.Redis[bytes] = redis.Redis.from_url(args.redis_url, socket_connect_timeout=5)
+    password = None
+    if args.redis_password_file:
+        try:
+            password = read_secret(args.redis_password_file, "--redis-password-file")
+        except HexgenFlowError as exc:
+            parser.error(str(exc))
+    client: redis.Redis[bytes] = redis.Redis.from_url(
+        args.redis_url, socket_connect_timeout=5, password=password
+    )
     try:
         report = check_state(client, args.prefix, args.stuck_after_s)
     except redis.exceptions.ConnectionError as exc:

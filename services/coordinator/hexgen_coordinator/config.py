@@ -14,9 +14,14 @@ DEFAULT_LISTEN = "127.0.0.1:50051"
 @dataclass(frozen=True, slots=True)
 class CoordinatorConfig:
     listen: str = DEFAULT_LISTEN
-    """Address the CoordinatorService and WorkerService listen on."""
+    """The clients' door: where the CoordinatorService listens."""
+    worker_listen: str = ""
+    """The workers' door: where the WorkerService listens; empty: on `listen` too (allowed
+    on a loopback address only)."""
     redis_url: str = "redis://127.0.0.1:6379/0"
-    """Where workflow state lives."""
+    """Where workflow state lives (``redis://USER@HOST:PORT/DB`` for an ACL user)."""
+    redis_password: str = ""
+    """The password of the Redis user (``--redis-password-file``); empty: none."""
     redis_prefix: str = "hf:"
     """Prefix of every Redis key (several clusters can share one Redis)."""
     cluster: str = DEFAULT_CLUSTER
@@ -50,6 +55,18 @@ class CoordinatorConfig:
     worker_token: str = ""
     """The token a worker's Connect must carry (`hexgen_service.worker_token`); empty:
     any worker may connect."""
+    # ---------------------------------------------------------------- security
+    api_keys_file: str = ""
+    """The API keys file (`hexgen_service.auth`); empty: clients are not authenticated."""
+    tls_cert: str = ""
+    """PEM certificate both doors serve TLS with; empty: plaintext."""
+    tls_key: str = ""
+    """Its private key."""
+    tls_ca: str = ""
+    """The CA whose client certificates the workers' door requires (mutual TLS); empty:
+    workers show no certificate."""
+    insecure: bool = False
+    """Listen on a non-loopback address without protection (protected mode off)."""
     # ---------------------------------------------------------------- faults and retention
     max_call_attempts: int = 3
     """Dispatches a call gets when its engine reports an error; after the last one fails its

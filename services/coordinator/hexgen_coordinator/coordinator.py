@@ -22,6 +22,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import redis.asyncio as aioredis
 
@@ -45,6 +46,7 @@ from hexgen_flow.cluster import parse_cluster
 from hexgen_flow.policies.presets import resolve_policy
 from hexgen_flow.runtime import CallTicket
 from hexgen_flow.scheduler import GlobalScheduler
+from hexgen_service.auth import KeyStore
 from hexgen_service.clock import ClusterClock
 from hexgen_service.errors import InvalidFieldError
 from hexgen_service.telemetry import setup_tracing
@@ -79,8 +81,18 @@ class Coordinator:
         self._writes = WriteBehind(redis, store, ledger.active)
         self._views = QueryViews(cluster, scheduler, store, ledger)
         self._dispatch = Dispatch(cluster, scheduler, self.tracer, ledger, self._writes)
+        self.keys = KeyStore(Path(config.api_keys_file)) if config.api_keys_file else None
+        """The API keys (`hexgen_service.auth`); None: clients are not authenticated."""
         self._admission = Admission(
-            config, scheduler, store, self.tracer, ledger, self._dispatch, self._writes, self._views
+            config,
+            scheduler,
+            store,
+            self.tracer,
+            ledger,
+            self._dispatch,
+            self._writes,
+            self._views,
+            tenant_limits=self.keys.limits if self.keys is not None else None,
         )
         self._completions = Completions(
             cluster,

@@ -34,6 +34,7 @@ from hexgen_service.errors import (
 __all__ = [
     "add_coordinator_services",
     "add_services",
+    "add_worker_service",
     "statuses",
 ]
 
@@ -196,21 +197,29 @@ def add_services(
             register(service, wrapped)
 
 
-def add_coordinator_services(server: grpc.aio.Server, coordinator: Any) -> None:
-    """Register `coordinator`'s CoordinatorService and WorkerService on `server` (what
-    ``python -m hexgen_coordinator`` serves), undecodable requests answered with
-    INVALID_ARGUMENT."""
-    from hexgen_api.v1 import coordinator_pb2_grpc, worker_pb2_grpc  # noqa: PLC0415
-    from hexgen_coordinator.service import (  # noqa: PLC0415 - service imports this module
-        CoordinatorServicer,
-        WorkerServicer,
-    )
+def add_coordinator_services(
+    server: grpc.aio.Server, coordinator: Any, *, workers: bool = True
+) -> None:
+    """Register `coordinator`'s CoordinatorService (and its WorkerService, with `workers`)
+    on `server` (what ``python -m hexgen_coordinator`` serves), undecodable requests
+    answered with INVALID_ARGUMENT."""
+    from hexgen_api.v1 import coordinator_pb2_grpc  # noqa: PLC0415
+    from hexgen_coordinator.service import CoordinatorServicer  # noqa: PLC0415 - imports us
 
     add_services(
         server,
         coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server,
         CoordinatorServicer(coordinator),
     )
+    if workers:
+        add_worker_service(server, coordinator)
+
+
+def add_worker_service(server: grpc.aio.Server, coordinator: Any) -> None:
+    """Register `coordinator`'s WorkerService on `server` (the workers' door)."""
+    from hexgen_api.v1 import worker_pb2_grpc  # noqa: PLC0415
+    from hexgen_coordinator.service import WorkerServicer  # noqa: PLC0415 - imports us
+
     add_services(
         server, worker_pb2_grpc.add_WorkerServiceServicer_to_server, WorkerServicer(coordinator)
     )

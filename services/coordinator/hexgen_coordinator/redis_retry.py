@@ -36,9 +36,13 @@ REDIS_UNAVAILABLE: tuple[type[Exception], ...] = (ConnectionError, TimeoutError,
 T = TypeVar("T")
 
 
-def redis_client(url: str, max_connections: int = 64) -> aioredis.Redis[bytes]:
+def redis_client(
+    url: str, max_connections: int = 64, *, password: str | None = None
+) -> aioredis.Redis[bytes]:
     """The coordinator's Redis client: a blocking pool (bursts wait for a connection rather
-    than fail), retries with backoff over about 3 s, idle connections checked before use."""
+    than fail), retries with backoff over about 3 s, idle connections checked before use;
+    `password` for the ACL user the URL names (kept out of the URL: command lines are
+    world-readable)."""
     pool: aioredis.BlockingConnectionPool[aioredis.Connection] = (
         aioredis.BlockingConnectionPool.from_url(
             url,
@@ -48,6 +52,7 @@ def redis_client(url: str, max_connections: int = 64) -> aioredis.Redis[bytes]:
             retry_on_error=list(REDIS_UNAVAILABLE),
             health_check_interval=5,
             socket_connect_timeout=2,
+            **({"password": password} if password else {}),
         )
     )
     return aioredis.Redis(connection_pool=pool)

@@ -21,11 +21,14 @@ from hexgen_coordinator.coordinator import (
     WorkerLink,
 )
 from hexgen_coordinator.edge import statuses
+from hexgen_flow.workload import DEFAULT_TENANT
+from hexgen_service.auth import Role, current_principal
 from hexgen_service.worker_token import TOKEN_METADATA, check_token
 
 __all__ = ["CoordinatorServicer", "WorkerServicer"]
 
 log = logging.getLogger(__name__)
+audit = logging.getLogger("hexgen.audit")
 
 Context = grpc.aio.ServicerContext
 
@@ -33,14 +36,80 @@ Context = grpc.aio.ServicerContext
 class CoordinatorServicer(cpb_grpc.CoordinatorServiceServicer):
     """Every handler runs in `statuses`: errors become statuses with a one-line message
     (INVALID_ARGUMENT, ALREADY_EXISTS, RESOURCE_EXHAUSTED with ``retry-after-s``,
-    UNAVAILABLE while Redis is unreachable, NOT_FOUND for an unknown query)."""
+    UNAVAILABLE while Redis is unreachable, NOT_FOUND for an unknown query).
+
+    With API keys (`hexgen_service.auth`), a tenant's key works on its own queries only: it
+    submits as its tenant (naming another is PERMISSION_DENIED), another tenant's query is
+    NOT_FOUND exactly as an unknown one is (its existence is not revealed), and cluster
+    status comes without the workers' ids. Operators and admins see every tenant."""
 
     def __init__(self, coordinator: Coordinator) -> None:
         self.c = coordinator
 
+    # ------------------------------------------------------------------ tenant scoping
+
+    async def _tenant_for(self, context: Context[object, object], field: str, asked: str) -> str:
+        """The tenant a submission runs as: the key's own unless an operator names one."""
+        principal = current_principal.get()
+        if principal is None:
+            return asked
+        if asked == DEFAULT_TENANT and not principal.may(Role.OPERATOR):
+            asked = ""  # a client's unnamed tenant: the key's own
+        if asked and not principal.sees(asked):
+            audit.warning(
+                "denied %s=%r to key %s of tenant %r",
+                field,
+                asked,
+                principal.key_id,
+                principal.tenant,
+            )
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"{field}: the key of tenant {principal.tenant!r} may not act for {asked!r}",
+            )
+        return asked or principal.tenant
+
+    async def _hidden(self, context: Context[object, object], query_id: str) -> str | None:
+        """The tenant of `query_id` when the caller is a tenant's key that may not see it;
+        None when it may, or when no such query exists (the handler answers that)."""
+        principal = current_principal.get()
+        if principal is None or principal.may(Role.OPERATOR) or not query_id:
+            return None
+        async with statuses(context):
+            try:
+                tenant = (await self.c.get_info(query_id)).tenant
+            except UnknownQueryError:
+                return None
+        return None if principal.sees(tenant) else tenant
+
+    async def _visible(self, context: Context[object, object], query_id: str) -> None:
+        """NOT_FOUND, as for an unknown id, unless the caller may see `query_id`."""
+        tenant = await self._hidden(context, query_id)
+        if tenant is not None:
+            principal = current_principal.get()
+            audit.warning(
+                "denied query %r of tenant %r to key %s",
+                query_id,
+                tenant,
+                principal.key_id if principal else "",
+            )
+            await _not_found(context, query_id)
+
+    async def _id_free(self, context: Context[object, object], query_id: str) -> None:
+        """ALREADY_EXISTS when another tenant's query has this id (an idempotent resend of
+        one's own returns it; another's is not shown)."""
+        if await self._hidden(context, query_id) is not None:
+            await context.abort(
+                grpc.StatusCode.ALREADY_EXISTS, f"query_id: {query_id!r} is taken; choose another"
+            )
+
+    # ------------------------------------------------------------------ RPCs
+
     async def SubmitQuery(  # noqa: N802 - gRPC method name
         self, request: cpb.SubmitQueryRequest, context: Context[object, object]
     ) -> cpb.SubmitQueryResponse:
+        request.tenant = await self._tenant_for(context, "tenant", request.tenant)
+        await self._id_free(context, request.query_id)
         async with statuses(context):
             info, created = await self.c.submit(request)
             return cpb.SubmitQueryResponse(query=info, created=created)
@@ -51,6 +120,7 @@ class CoordinatorServicer(cpb_grpc.CoordinatorServiceServicer):
     ) -> AsyncIterator[cpb.WatchQueryResponse]:
         if not request.query_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "query_id: must not be empty")
+        await self._visible(context, request.query_id)
         async with statuses(context):
             try:
                 async for event in self.c.watch(request.query_id):
@@ -61,6 +131,8 @@ class CoordinatorServicer(cpb_grpc.CoordinatorServiceServicer):
     async def RunQuery(  # noqa: N802
         self, request: cpb.RunQueryRequest, context: Context[object, object]
     ) -> AsyncIterator[cpb.RunQueryResponse]:
+        request.query.tenant = await self._tenant_for(context, "query.tenant", request.query.tenant)
+        await self._id_free(context, request.query.query_id)
         async with statuses(context, "query."):
             info, _ = await self.c.submit(request.query)
         async with statuses(context):
@@ -70,6 +142,7 @@ class CoordinatorServicer(cpb_grpc.CoordinatorServiceServicer):
     async def CancelQuery(  # noqa: N802
         self, request: cpb.CancelQueryRequest, context: Context[object, object]
     ) -> cpb.CancelQueryResponse:
+        await self._visible(context, request.query_id)
         async with statuses(context):
             try:
                 return cpb.CancelQueryResponse(query=await self.c.cancel(request.query_id))
@@ -80,6 +153,7 @@ class CoordinatorServicer(cpb_grpc.CoordinatorServiceServicer):
     async def GetQuery(  # noqa: N802
         self, request: cpb.GetQueryRequest, context: Context[object, object]
     ) -> cpb.GetQueryResponse:
+        await self._visible(context, request.query_id)
         async with statuses(context):
             try:
                 return await self.c.get(request.query_id)
@@ -91,8 +165,12 @@ class CoordinatorServicer(cpb_grpc.CoordinatorServiceServicer):
         self, request: cpb.ClusterStatusRequest, context: Context[object, object]
     ) -> cpb.ClusterStatusResponse:
         async with statuses(context):
-            return self.c.status()
-        raise AssertionError("unreachable")
+            status = self.c.status()
+        principal = current_principal.get()
+        if principal is not None and not principal.may(Role.OPERATOR):
+            for instance in status.instances:  # who holds a slot is the operators' business
+                instance.worker_id = ""
+        return status
 
     async def SetAlpha(  # noqa: N802
         self, request: cpb.SetAlphaRequest, context: Context[object, object]
@@ -105,6 +183,8 @@ class CoordinatorServicer(cpb_grpc.CoordinatorServiceServicer):
     async def OpenWorkflow(  # noqa: N802
         self, request: cpb.OpenWorkflowRequest, context: Context[object, object]
     ) -> cpb.OpenWorkflowResponse:
+        request.tenant = await self._tenant_for(context, "tenant", request.tenant)
+        await self._id_free(context, request.workflow_id)
         async with statuses(context):
             info, created = await self.c.open_workflow(request)
             return cpb.OpenWorkflowResponse(workflow=info, created=created)
@@ -113,6 +193,7 @@ class CoordinatorServicer(cpb_grpc.CoordinatorServiceServicer):
     async def RunCall(  # noqa: N802
         self, request: cpb.RunCallRequest, context: Context[object, object]
     ) -> AsyncIterator[cpb.RunCallResponse]:
+        await self._visible(context, request.workflow_id)
         async with statuses(context):
             try:
                 async for response in self.c.run_call(request):
@@ -123,6 +204,7 @@ class CoordinatorServicer(cpb_grpc.CoordinatorServiceServicer):
     async def CloseWorkflow(  # noqa: N802
         self, request: cpb.CloseWorkflowRequest, context: Context[object, object]
     ) -> cpb.CloseWorkflowResponse:
+        await self._visible(context, request.workflow_id)
         async with statuses(context):
             try:
                 return cpb.CloseWorkflowResponse(

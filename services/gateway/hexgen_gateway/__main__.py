@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import os
+import ssl
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import NoReturn
 
-from hexgen_flow.errors import HexgenFlowError
+from hexgen_flow.errors import ConfigError, HexgenFlowError
 from hexgen_gateway.config import GatewayConfig
+from hexgen_service.auth import API_KEY_ENV, read_secret
+from hexgen_service.exposure import is_loopback
 from hexgen_service.telemetry import setup_logging
+from hexgen_service.tls import TlsFiles, ca_from_env, channel_credentials
 
 PROG = "hexgen-gateway"
 
@@ -57,6 +64,31 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[GatewayConfig, str]
         help="wall seconds a request may take before it is cancelled and answered 504 "
         f"(default {d.request_timeout_s:g})",
     )
+    security = parser.add_argument_group("security (docs/security.md)")
+    security.add_argument(
+        "--tls-cert", default=None, metavar="FILE", help="serve HTTPS with this certificate (PEM)"
+    )
+    security.add_argument(
+        "--tls-key", default=None, metavar="FILE", help="the private key of --tls-cert (PEM)"
+    )
+    security.add_argument(
+        "--tls-ca",
+        default=None,
+        metavar="FILE",
+        help="verify a TLS coordinator with this CA (default: $HEXGEN_FLOW_TLS_CA, else plaintext)",
+    )
+    security.add_argument(
+        "--api-key-file",
+        default=d.api_key_file,
+        metavar="FILE",
+        help="the gateway's own API key, for its /health only; requests always carry their "
+        "caller's Authorization: Bearer key (default: none)",
+    )
+    security.add_argument(
+        "--insecure",
+        action="store_true",
+        help="listen beyond loopback over plain HTTP (without --tls-cert/--tls-key)",
+    )
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     args = parser.parse_args(argv)
     for name in ("listen", "coordinator"):
@@ -71,15 +103,50 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[GatewayConfig, str]
             default_stage=args.default_stage,
             default_max_tokens=args.default_max_tokens,
             request_timeout_s=args.request_timeout_s,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
+            tls_ca=args.tls_ca,
+            api_key_file=args.api_key_file,
+            insecure=args.insecure,
         )
+        check_files(config)
     except HexgenFlowError as exc:
         parser.error(str(exc))
     return config, args.log_level.upper()
 
 
+def check_files(config: GatewayConfig) -> None:
+    """Read every file the security flags name once, so that a missing or malformed one is
+    a ConfigError naming its flag before anything starts."""
+    if config.tls_cert is not None and config.tls_key is not None:
+        try:
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
+                config.tls_cert, config.tls_key
+            )
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError(
+                f"--tls-cert/--tls-key: cannot load {config.tls_cert} with {config.tls_key}: "
+                f"{getattr(exc, 'strerror', None) or exc}"
+            ) from None
+    ca = ca_from_env(config.tls_ca)
+    if ca is not None:
+        channel_credentials(TlsFiles(ca=Path(ca)))
+    if config.api_key_file:
+        read_secret(config.api_key_file, "--api-key-file")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     config, level = parse_config(argv)
     setup_logging(level)
+    # The gateway acts for its callers: a key in its environment would be lent to every
+    # request that comes without one. Its own key, if any, is --api-key-file (for /health).
+    os.environ.pop(API_KEY_ENV, None)
+    if not config.https and not is_loopback(config.listen):  # allowed by --insecure
+        logging.getLogger(__name__).warning(
+            "--insecure: serving plain HTTP on %s: callers' API keys cross the network in "
+            "the clear",
+            config.listen,
+        )
     import uvicorn  # noqa: PLC0415 - after the arguments are checked
 
     from hexgen_gateway.app import create_app  # noqa: PLC0415
@@ -93,6 +160,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             log_level=level.lower(),
             access_log=False,
             timeout_graceful_shutdown=2,
+            ssl_certfile=config.tls_cert,
+            ssl_keyfile=config.tls_key,
         )
     except OSError as exc:  # the listen address is taken or invalid
         print(f"{PROG}: error: {exc}", file=sys.stderr)

@@ -9,6 +9,12 @@
 - ``POST /v1/workflows/{id}/close``: close a workflow (HexGen-Flow's own): it ends when
   its last call finishes, instead of after the coordinator's idle timeout.
 
+Every request's ``Authorization: Bearer <key>`` is the caller's API key: the RPCs made for
+the request carry it to the coordinator (`hexgen_client.credentials.request_api_key`), which
+checks it; the gateway lends nobody a key of its own. The coordinator's UNAUTHENTICATED is
+401, its PERMISSION_DENIED 403. Its own key (``--api-key-file``), if any, serves only
+``/health``.
+
 Every answer to a completion carries ``X-Hexgen-Workflow`` and ``X-Hexgen-Query`` (the
 workflow's id), ``X-Hexgen-Call`` (the call's id) and ``X-Hexgen-Deadline-S`` (the call's
 stage deadline on the cluster clock, from the time the workflow has left). Errors are
@@ -23,10 +29,12 @@ import asyncio
 import json
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import trace
@@ -34,7 +42,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hexgen_api.v1 import coordinator_pb2
 from hexgen_client.client import CoordinatorClient
+from hexgen_client.credentials import request_api_key
 from hexgen_client.errors import CoordinatorError
+from hexgen_gateway.callers import CallerKey, caller_id
 from hexgen_gateway.config import GatewayConfig
 from hexgen_gateway.errors import OpenAIError, from_coordinator
 from hexgen_gateway.mapping import (
@@ -55,6 +65,7 @@ from hexgen_gateway.openai_api import (
     parse_completion,
     usage,
 )
+from hexgen_service.auth import read_secret
 from hexgen_service.telemetry import client_interceptors, context_from_traceparent, setup_tracing
 
 __all__ = ["SERVICE_NAME", "Gateway", "create_app"]
@@ -64,6 +75,9 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = "hexgen-gateway"
 HEALTH_TIMEOUT_S = 2.0
 OWNER = "hexgen-flow"
+_STATUS_KEPT = 1024
+"""Callers whose ClusterStatus answer is reused (the most recent ones)."""
+_REFUSED = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 
 
 class Gateway:
@@ -72,26 +86,54 @@ class Gateway:
     def __init__(self, config: GatewayConfig, client: CoordinatorClient | None = None) -> None:
         self.config = config
         self.tracer = setup_tracing(SERVICE_NAME)
+        # No key of its own: every RPC carries the key of the request it is made for.
         self.client = client or CoordinatorClient(
-            config.coordinator, timeout_s=config.rpc_timeout_s, interceptors=client_interceptors()
+            config.coordinator,
+            timeout_s=config.rpc_timeout_s,
+            interceptors=client_interceptors(),
+            tls_ca=config.tls_ca,
         )
+        self.health_client: CoordinatorClient | None = None
+        """A client with the gateway's own key (``--api-key-file``), for ``/health`` only."""
+        if config.api_key_file:
+            self.health_client = CoordinatorClient(
+                config.coordinator,
+                timeout_s=HEALTH_TIMEOUT_S,
+                api_key=read_secret(config.api_key_file, "--api-key-file"),
+                tls_ca=config.tls_ca,
+            )
         self.mapper = WorkflowMapper(self.client, request_timeout_s=config.request_timeout_s)
-        self._status: coordinator_pb2.ClusterStatusResponse | None = None
-        self._status_at = -float("inf")
+        self._status: OrderedDict[str, tuple[float, coordinator_pb2.ClusterStatusResponse]] = (
+            OrderedDict()
+        )
+        """ClusterStatus answers by caller (`caller_id`): one caller's is never another's."""
         self._background: set[asyncio.Task[None]] = set()
+
+    async def close(self) -> None:
+        await self.client.close()
+        if self.health_client is not None:
+            await self.health_client.close()
 
     # ----------------------------------------------------------------------- cluster
 
     async def status(self, *, fresh: bool = False) -> coordinator_pb2.ClusterStatusResponse:
-        """ClusterStatus, reused for `models_ttl_s`; `OpenAIError` 503 when unreachable."""
+        """ClusterStatus with the caller's key, reused for `models_ttl_s` for the same
+        caller; `OpenAIError` 503 when unreachable, 401/403 when the key is refused."""
         now = time.monotonic()
-        if fresh or self._status is None or now - self._status_at > self.config.models_ttl_s:
+        caller = caller_id()
+        cached = self._status.get(caller)
+        if fresh or cached is None or now - cached[0] > self.config.models_ttl_s:
             try:
-                self._status = await self.client.status()
+                status = await self.client.status()
             except CoordinatorError as exc:
+                self._status.pop(caller, None)
                 raise from_coordinator(exc, {}) from None
-            self._status_at = now
-        return self._status
+            cached = (now, status)
+            self._status[caller] = cached
+            while len(self._status) > _STATUS_KEPT:
+                self._status.popitem(last=False)
+        self._status.move_to_end(caller)
+        return cached[1]
 
     async def models(self) -> list[str]:
         """The instances' models, each once, in slot order."""
@@ -103,10 +145,17 @@ class Gateway:
         return names
 
     async def check_model(self, model: str | None) -> None:
-        """404 when `model` is given and no instance of the cluster serves it."""
+        """404 when `model` is given and no instance of the cluster serves it. A caller
+        whose key may not see the cluster (403) is not checked here: the coordinator
+        decides about its request."""
         if model is None:
             return
-        models = await self.models()
+        try:
+            models = await self.models()
+        except OpenAIError as exc:
+            if exc.status == 403:
+                return
+            raise
         if models and model not in models:
             raise OpenAIError(
                 404,
@@ -240,16 +289,23 @@ class Gateway:
         )
 
     async def health(self) -> Response:
+        """200 when the coordinator answers (asked with the gateway's own key, else the
+        caller's); a refusal of the key is an answer too (200 without the instances)."""
         try:
-            status = await asyncio.wait_for(self.client.status(), HEALTH_TIMEOUT_S)
-        except (CoordinatorError, TimeoutError) as exc:
-            error = OpenAIError(
-                503,
-                f"the coordinator at {self.config.coordinator} does not answer: {exc}",
-                type="service_unavailable",
-                code="unavailable",
-            )
-            return JSONResponse(error.body(), status_code=503)
+            status = await asyncio.wait_for(self._health_status(), HEALTH_TIMEOUT_S)
+        except CoordinatorError as exc:
+            if exc.code in _REFUSED:
+                return JSONResponse(
+                    {
+                        "status": "ok",
+                        "coordinator": self.config.coordinator,
+                        "detail": "the coordinator answers; it shows its instances only to "
+                        f"a key that may see them ({exc.code.name})",
+                    }
+                )
+            return self._unhealthy(exc)
+        except TimeoutError as exc:
+            return self._unhealthy(exc)
         connected = sum(inst.connected for inst in status.instances)
         return JSONResponse(
             {
@@ -259,6 +315,24 @@ class Gateway:
                 "connected": connected,
             }
         )
+
+    async def _health_status(self) -> coordinator_pb2.ClusterStatusResponse:
+        if self.health_client is None:
+            return await self.client.status()
+        token = request_api_key.set(None)  # the gateway's own key, not the caller's
+        try:
+            return await self.health_client.status()
+        finally:
+            request_api_key.reset(token)
+
+    def _unhealthy(self, exc: Exception) -> Response:
+        error = OpenAIError(
+            503,
+            f"the coordinator at {self.config.coordinator} does not answer: {exc}",
+            type="service_unavailable",
+            code="unavailable",
+        )
+        return JSONResponse(error.body(), status_code=503)
 
     async def models_response(self) -> Response:
         models = await self.models()
@@ -290,7 +364,7 @@ def create_app(config: GatewayConfig | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
-        await gateway.client.close()
+        await gateway.close()
 
     app = FastAPI(
         title="HexGen-Flow gateway",
@@ -300,6 +374,7 @@ def create_app(config: GatewayConfig | None = None) -> FastAPI:
         redoc_url=None,
     )
     app.state.gateway = gateway
+    app.add_middleware(CallerKey)
 
     async def openai_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, OpenAIError)

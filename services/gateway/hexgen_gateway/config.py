@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from hexgen_client.addresses import DEFAULT_COORDINATOR, DEFAULT_GATEWAY
 from hexgen_flow.errors import ConfigError
+from hexgen_service.exposure import refuse_unprotected
 
 __all__ = ["DEFAULT_GATEWAY", "GatewayConfig"]
 
@@ -29,7 +30,20 @@ class GatewayConfig:
     rpc_timeout_s: float = 10.0
     """Deadline of each unary RPC to the coordinator (SubmitQuery, ClusterStatus, ...)."""
     models_ttl_s: float = 5.0
-    """How long the cluster's model names (ClusterStatus) are reused before asking again."""
+    """How long the cluster's model names (ClusterStatus) are reused before asking again
+    (per caller's key: one caller's answer is never another's)."""
+    tls_cert: str | None = None
+    """The HTTPS certificate (PEM): with `tls_key`, the gateway serves HTTPS only."""
+    tls_key: str | None = None
+    """The private key of `tls_cert`."""
+    tls_ca: str | None = None
+    """The CA to verify a TLS coordinator with (None: ``$HEXGEN_FLOW_TLS_CA``, else a
+    plaintext channel)."""
+    api_key_file: str = ""
+    """The gateway's own key, used only for its ``/health`` ClusterStatus; callers' requests
+    always carry their own ``Authorization: Bearer`` key and never this one. Empty: none."""
+    insecure: bool = False
+    """Listen beyond loopback over plain HTTP (protected mode refuses it otherwise)."""
 
     def __post_init__(self) -> None:
         if self.default_max_tokens < 1:
@@ -42,3 +56,17 @@ class GatewayConfig:
             raise ConfigError(f"models ttl must be >= 0, got {self.models_ttl_s}")
         if not self.default_stage.strip():
             raise ConfigError("the default stage must be a non-empty name")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("--tls-cert and --tls-key: give both or neither")
+        refuse_unprotected(
+            "--listen",
+            self.listen,
+            protected=self.https,
+            insecure=self.insecure,
+            needs="--tls-cert/--tls-key",
+        )
+
+    @property
+    def https(self) -> bool:
+        """Whether the gateway serves HTTPS."""
+        return self.tls_cert is not None

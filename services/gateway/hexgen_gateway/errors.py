@@ -4,11 +4,17 @@ with the matching HTTP status, and the coordinator's gRPC statuses mapped onto t
 | coordinator | HTTP | type |
 |---|---|---|
 | INVALID_ARGUMENT (the field named) | 400 | invalid_request_error (param: the request's part) |
+| UNAUTHENTICATED (no key, or a bad one) | 401 + WWW-Authenticate | invalid_request_error |
+| PERMISSION_DENIED (the key's role may not) | 403 | invalid_request_error |
+| NOT_FOUND | 404 | invalid_request_error |
 | ALREADY_EXISTS | 409 | invalid_request_error |
 | RESOURCE_EXHAUSTED (``retry-after-s``) | 429 + Retry-After | rate_limit_error |
 | UNAVAILABLE, nothing answers | 503 | service_unavailable |
 | DEADLINE_EXCEEDED | 504 | timeout |
 | anything else | 500 | server_error |
+
+A 401's code is ``invalid_api_key`` and a 403's ``permission_denied`` (the OpenAI SDKs raise
+`AuthenticationError` and `PermissionDeniedError` for them).
 """
 
 from __future__ import annotations
@@ -87,6 +93,15 @@ def from_coordinator(exc: CoordinatorError, param_of: Mapping[str, str]) -> Open
             headers=retry_after_headers(exc.retry_after_s),
         )
     code = exc.code
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return OpenAIError(
+            401,
+            details,
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": 'Bearer realm="hexgen-flow"'},
+        )
+    if code == grpc.StatusCode.PERMISSION_DENIED:
+        return OpenAIError(403, details, code="permission_denied")
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         field = details.split(": ", 1)[0] if ": " in details else ""
         return bad_request(details, _param(field, param_of) if field else None)

@@ -37,6 +37,7 @@ from hexgen_api.v1 import coordinator_pb2, workflow_pb2
 from hexgen_client.client import CoordinatorClient
 from hexgen_client.errors import CoordinatorError
 from hexgen_flow.workload import canonical_step
+from hexgen_gateway.callers import caller_id
 from hexgen_gateway.errors import OpenAIError, bad_request, from_coordinator
 
 __all__ = [
@@ -249,15 +250,17 @@ class WorkflowMapper:
     def __init__(self, client: CoordinatorClient, *, request_timeout_s: float) -> None:
         self.client = client
         self.request_timeout_s = request_timeout_s
-        self._opened: OrderedDict[str, None] = OrderedDict()
-        """Workflows this gateway opened (the latest `_OPENED_KEPT`): not opened again."""
+        self._opened: OrderedDict[tuple[str, str], None] = OrderedDict()
+        """(caller, workflow) this gateway opened (the latest `_OPENED_KEPT`): not opened
+        again for that caller. Another caller naming the same workflow id opens it with its
+        own key: the coordinator, not this memory, decides whose the workflow is."""
 
     async def start(self, context: WorkflowContext, call: CallRequest) -> StartedCall:
         """Give the request's call to its workflow (opening it first if need be) and open
         its event stream; `OpenAIError` when the coordinator refuses it (400, 404, 409,
         429, 503, 504, 500)."""
         param_of = call.param_of()
-        if context.workflow not in self._opened:
+        if (caller_id(), context.workflow) not in self._opened:
             await self._open(context, call, param_of)
         events = self.client.run_call(
             context.workflow,
@@ -321,13 +324,13 @@ class WorkflowMapper:
             # this one before a restart) that had other headers. Its calls are welcome.
             if exc.code != grpc.StatusCode.ALREADY_EXISTS:
                 raise from_coordinator(exc, {**param_of, "template": HEADER_TEMPLATE}) from None
-        self._opened[context.workflow] = None
+        self._opened[caller_id(), context.workflow] = None
         while len(self._opened) > _OPENED_KEPT:
             self._opened.popitem(last=False)
 
     async def close(self, workflow: str) -> coordinator_pb2.QueryInfo:
         """Close a workflow (`POST /v1/workflows/{id}/close`)."""
-        self._opened.pop(workflow, None)
+        self._opened.pop((caller_id(), workflow), None)
         try:
             return await self.client.close_workflow(workflow)
         except CoordinatorError as exc:

@@ -7,14 +7,14 @@ import asyncio
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
-import redis.asyncio as aioredis
 
 from hexgen_flow.errors import HexgenFlowError
 from hexgen_service.telemetry import setup_logging
 from hexgen_tuner.config import TunerConfig
-from hexgen_tuner.service import serve
+from hexgen_tuner.service import check_files, redis_client, serve
 
 PROG = "hexgen-tuner"
 
@@ -80,11 +80,49 @@ def parse_config(argv: Sequence[str] | None = None) -> TunerConfig:
         metavar="HOST:PORT",
         help="serve Prometheus metrics on http://HOST:PORT/metrics (default: not served)",
     )
+    security = parser.add_argument_group("security (docs/security.md)")
+    security.add_argument(
+        "--api-keys-file",
+        default=d.api_keys_file,
+        metavar="FILE",
+        help="check callers' API keys against this keys file: GetAlpha needs a tenant key, "
+        "ListTuningRuns and Retune an operator key (default: no keys checked)",
+    )
+    security.add_argument(
+        "--tls-cert", default=None, metavar="FILE", help="serve TLS with this certificate (PEM)"
+    )
+    security.add_argument(
+        "--tls-key", default=None, metavar="FILE", help="the private key of --tls-cert (PEM)"
+    )
+    security.add_argument(
+        "--tls-ca",
+        default=None,
+        metavar="FILE",
+        help="verify a TLS coordinator with this CA (default: $HEXGEN_FLOW_TLS_CA, else plaintext)",
+    )
+    security.add_argument(
+        "--api-key-file",
+        default=d.api_key_file,
+        metavar="FILE",
+        help="the tuner's own (operator) API key, sent to the coordinator (default: "
+        "$HEXGEN_FLOW_API_KEY, else none)",
+    )
+    security.add_argument(
+        "--redis-password-file",
+        default=d.redis_password_file,
+        metavar="FILE",
+        help="the password of the Redis user --redis-url names (redis://tuner@HOST:PORT/0)",
+    )
+    security.add_argument(
+        "--insecure",
+        action="store_true",
+        help="listen beyond loopback without --api-keys-file and --tls-cert/--tls-key",
+    )
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     args = parser.parse_args(argv)
     setup_logging(args.log_level.upper())
     try:
-        return TunerConfig(
+        config = TunerConfig(
             listen=args.listen,
             coordinator=args.coordinator,
             redis_url=args.redis_url,
@@ -96,29 +134,48 @@ def parse_config(argv: Sequence[str] | None = None) -> TunerConfig:
             tolerance=args.tolerance,
             calibration=args.calibration,
             metrics_listen=args.metrics_listen,
+            api_keys_file=args.api_keys_file,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
+            tls_ca=args.tls_ca,
+            api_key_file=args.api_key_file,
+            redis_password_file=args.redis_password_file,
+            insecure=args.insecure,
         )
+        check_files(config)
     except HexgenFlowError as exc:
         parser.error(str(exc))
+    return config
 
 
-async def _check_redis(url: str) -> None:
-    client = aioredis.Redis.from_url(url)
+async def _check_redis(config: TunerConfig) -> None:
+    client = redis_client(config)
     try:
         await client.ping()
     finally:
         await client.aclose()  # type: ignore[attr-defined]  # types-redis predates aclose
 
 
+def _redacted(url: str) -> str:
+    """`url` with its password, if any, replaced by ``***`` (it goes to the logs)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = f"{parts.username}:***@" if parts.username else ":***@"
+    return urlunsplit(parts._replace(netloc=user + parts.netloc.rpartition("@")[2]))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_config(argv)
     try:
-        asyncio.run(_check_redis(config.redis_url))
+        asyncio.run(_check_redis(config))
     except (redis.RedisError, OSError, ValueError) as exc:
-        print(f"{PROG}: error: cannot reach Redis at {config.redis_url}: {exc}", file=sys.stderr)
+        where = _redacted(config.redis_url)
+        print(f"{PROG}: error: cannot reach Redis at {where}: {exc}", file=sys.stderr)
         return 2
     try:
         asyncio.run(serve(config))
-    except OSError as exc:  # the listen address is taken or invalid
+    except (OSError, HexgenFlowError) as exc:  # the listen address is taken or invalid
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from hexgen_client.addresses import (
     DEFAULT_COORDINATOR,
@@ -12,6 +13,8 @@ from hexgen_client.addresses import (
     DEFAULT_TUNER,
 )
 from hexgen_flow.errors import ConfigError
+from hexgen_service.exposure import refuse_unprotected
+from hexgen_service.tls import TlsFiles
 
 __all__ = ["TunerConfig"]
 
@@ -52,6 +55,25 @@ class TunerConfig:
     """Where to serve Prometheus metrics (``HOST:PORT``, at /metrics); empty: nowhere."""
     rpc_timeout_s: float = 10.0
     """Deadline of each RPC to the coordinator."""
+    api_keys_file: str = ""
+    """The keys file (`hexgen_service.auth.KeyStore`) the TunerService checks callers'
+    keys against: GetAlpha needs a tenant key, ListTuningRuns and Retune an operator's.
+    Empty: no keys checked."""
+    tls_cert: str | None = None
+    """The TunerService's certificate (PEM): with `tls_key`, it serves TLS only."""
+    tls_key: str | None = None
+    """The private key of `tls_cert`."""
+    tls_ca: str | None = None
+    """The CA to verify a TLS coordinator with (None: ``$HEXGEN_FLOW_TLS_CA``, else a
+    plaintext channel)."""
+    api_key_file: str = ""
+    """The tuner's own (operator) key, sent to the coordinator with ClusterStatus and
+    SetAlpha. Empty: ``$HEXGEN_FLOW_API_KEY``, else none."""
+    redis_password_file: str = ""
+    """The password of the Redis user `redis_url` names (``redis://tuner@host:port/0``).
+    Empty: the URL's own password, if any."""
+    insecure: bool = False
+    """Listen beyond loopback without keys and TLS (protected mode refuses it otherwise)."""
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.period_s) and self.period_s > 0):
@@ -69,3 +91,26 @@ class TunerConfig:
             raise ConfigError(f"tolerance must be in [0, 1), got {self.tolerance}")
         if not self.rpc_timeout_s > 0:
             raise ConfigError(f"rpc timeout must be > 0, got {self.rpc_timeout_s}")
+        tls = self.tls_files
+        if self.redis_password_file and _url_has_password(self.redis_url):
+            raise ConfigError(
+                "--redis-password-file: --redis-url carries a password already; give it in "
+                "one place"
+            )
+        refuse_unprotected(
+            "--listen",
+            self.listen,
+            protected=bool(self.api_keys_file) and tls.cert is not None,
+            insecure=self.insecure,
+            needs="--api-keys-file and --tls-cert/--tls-key",
+        )
+
+    @property
+    def tls_files(self) -> TlsFiles:
+        """The TunerService's certificate and key, and the CA its coordinator is checked
+        with; ConfigError when a certificate comes without its key or the other way."""
+        return TlsFiles.from_flags(self.tls_cert, self.tls_key, self.tls_ca)
+
+
+def _url_has_password(url: str) -> bool:
+    return urlsplit(url).password is not None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from pathlib import Path
 from typing import Never
 
 import grpc
@@ -15,19 +16,39 @@ import redis.asyncio as aioredis
 from hexgen_api.v1 import tuner_pb2, tuner_pb2_grpc
 from hexgen_client.client import CoordinatorClient
 from hexgen_client.errors import CoordinatorError
+from hexgen_service.auth import AuthInterceptor, KeyStore, Role, read_secret
+from hexgen_service.exposure import is_loopback
 from hexgen_service.metrics_server import serve_metrics
 from hexgen_service.server import GrpcServer
 from hexgen_service.telemetry import client_interceptors, setup_tracing
+from hexgen_service.tls import TlsFiles, ca_from_env, channel_credentials, server_credentials
 from hexgen_tuner.config import TunerConfig
 from hexgen_tuner.store import AlphaChange, TuningRunRecord
 from hexgen_tuner.tuner import AlphaTuner
 
-__all__ = ["SERVICE_NAME", "TunerServicer", "run_to_proto", "serve"]
+__all__ = [
+    "RULES",
+    "SERVICE_NAME",
+    "TunerServicer",
+    "check_files",
+    "redis_client",
+    "run_to_proto",
+    "serve",
+]
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "hexgen_flow.v1.TunerService"
 DEFAULT_RUNS_LIMIT = 20
+
+RULES: dict[str, Role] = {
+    f"/{SERVICE_NAME}/GetAlpha": Role.TENANT,
+    f"/{SERVICE_NAME}/ListTuningRuns": Role.OPERATOR,
+    f"/{SERVICE_NAME}/Retune": Role.OPERATOR,
+}
+"""The least role of each TunerService method (with ``--api-keys-file``): anyone with a key
+may read the α in force; the runs (the traffic's shape) and starting one are an
+operator's. Health checking and reflection need no key."""
 
 Context = grpc.aio.ServicerContext
 
@@ -106,19 +127,76 @@ async def _redis_unavailable(context: Context[object, object], exc: redis.RedisE
     await context.abort(grpc.StatusCode.UNAVAILABLE, f"Redis: {exc}")
 
 
+def check_files(config: TunerConfig) -> None:
+    """Read every file the security flags name (keys, certificates, secrets) once, so that
+    a missing or malformed one is a ConfigError naming its flag before anything starts."""
+    tls = config.tls_files
+    if config.api_keys_file:
+        KeyStore(Path(config.api_keys_file))
+    if tls.cert is not None:
+        server_credentials(TlsFiles(tls.cert, tls.key), require_client_cert=False)
+    ca = ca_from_env(config.tls_ca)
+    if ca is not None:
+        channel_credentials(TlsFiles(ca=Path(ca)))
+    if config.api_key_file:
+        read_secret(config.api_key_file, "--api-key-file")
+    if config.redis_password_file:
+        read_secret(config.redis_password_file, "--redis-password-file")
+
+
+def redis_client(config: TunerConfig) -> aioredis.Redis[bytes]:
+    """The tuner's Redis client: `redis_url`, logged in with the password of
+    `redis_password_file` when there is one."""
+    password = (
+        read_secret(config.redis_password_file, "--redis-password-file")
+        if config.redis_password_file
+        else None
+    )
+    client: aioredis.Redis[bytes] = aioredis.Redis.from_url(config.redis_url, password=password)
+    return client
+
+
+def coordinator_client(config: TunerConfig) -> CoordinatorClient:
+    """The client of the coordinator whose α is tuned: its own key, the CA to check it."""
+    key = read_secret(config.api_key_file, "--api-key-file") if config.api_key_file else None
+    return CoordinatorClient(
+        config.coordinator,
+        timeout_s=config.rpc_timeout_s,
+        interceptors=client_interceptors(),
+        api_key=key,
+        tls_ca=config.tls_ca,
+    )
+
+
 async def serve(config: TunerConfig) -> None:
     """Run the tuner until SIGTERM/SIGINT: the gRPC service and a tuning run every period."""
     tracer = setup_tracing("hexgen-tuner")
-    redis_client = aioredis.Redis.from_url(config.redis_url)
-    coordinator = CoordinatorClient(
-        config.coordinator, timeout_s=config.rpc_timeout_s, interceptors=client_interceptors()
+    tls = config.tls_files
+    interceptors = (
+        [AuthInterceptor(KeyStore(Path(config.api_keys_file)), RULES)]
+        if config.api_keys_file
+        else []
     )
-    tuner = AlphaTuner(config, redis_client, coordinator, tracer=tracer)
+    store_client = redis_client(config)
+    coordinator = coordinator_client(config)
+    tuner = AlphaTuner(config, store_client, coordinator, tracer=tracer)
 
     def register(server: grpc.aio.Server) -> None:
         tuner_pb2_grpc.add_TunerServiceServicer_to_server(TunerServicer(tuner), server)
 
-    server = GrpcServer(config.listen, register, [SERVICE_NAME])
+    server = GrpcServer(
+        config.listen,
+        register,
+        [SERVICE_NAME],
+        tls=tls if tls.cert is not None else None,
+        interceptors=interceptors,
+    )
+    missing = [
+        *([] if config.api_keys_file else ["checks no API keys"]),
+        *([] if tls.cert is not None else ["speaks plaintext"]),
+    ]
+    if missing and not is_loopback(config.listen):  # allowed by --insecure
+        log.warning("--insecure: the TunerService on %s %s", config.listen, " and ".join(missing))
     stop = asyncio.Event()
     await server.start()
     metrics_server = None
@@ -141,7 +219,7 @@ async def serve(config: TunerConfig) -> None:
         if metrics_server is not None:
             metrics_server.shutdown()
         await coordinator.close()
-        await redis_client.aclose()  # type: ignore[attr-defined]  # types-redis predates aclose
+        await store_client.aclose()  # type: ignore[attr-defined]  # types-redis predates aclose
 
 
 def _g(value: float) -> str:

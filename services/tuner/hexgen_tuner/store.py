@@ -158,7 +158,10 @@ class TunerStore:
 
     async def next_run_id(self) -> str:
         """A run id no earlier run of this tuner (or of a restarted one) has used."""
-        seq = await self.client.incr(self.seq_key)
+        # INCR by name: redis-py's `incr` sends INCRBY, which the tuner's Redis ACL user
+        # (`hexgen_service.auth_dir.REDIS_COMMANDS`) is not given.
+        raw = await self.client.execute_command("INCR", self.seq_key)  # type: ignore[no-untyped-call]
+        seq = int(raw)
         return f"tune-{seq:06d}"
 
     async def record_run(self, run: TuningRunRecord) -> None:

@@ -132,6 +132,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="send the token in FILE with the stream (a coordinator with a token requires it)",
     )
     parser.add_argument(
+        "--tls-ca",
+        metavar="FILE",
+        default=None,
+        help="connect over TLS, verifying the coordinator against this CA (PEM)",
+    )
+    parser.add_argument(
+        "--tls-cert",
+        metavar="FILE",
+        default=None,
+        help="the worker's client certificate (PEM), for a workers' door with mutual TLS",
+    )
+    parser.add_argument("--tls-key", metavar="FILE", default=None, help="its private key")
+    parser.add_argument(
         "--metrics-listen",
         default=defaults.metrics_listen,
         metavar="HOST:PORT",
@@ -166,6 +179,9 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         log_level=args.log_level,
         metrics_listen=args.metrics_listen,
         worker_token=read_token(args.worker_token_file) if args.worker_token_file else "",
+        tls_ca=args.tls_ca or "",
+        tls_cert=args.tls_cert or "",
+        tls_key=args.tls_key or "",
     ).resolved()
 
 

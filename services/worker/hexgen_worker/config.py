@@ -85,6 +85,12 @@ class WorkerConfig:
     """Where to serve Prometheus metrics (``HOST:PORT``, at /metrics); empty: nowhere."""
     worker_token: str = ""
     """The token its Connect carries (`hexgen_service.worker_token`); empty: none."""
+    tls_ca: str = ""
+    """The CA to verify a TLS coordinator with; empty with no certificate: plaintext."""
+    tls_cert: str = ""
+    """The worker's client certificate (PEM), for a workers' door with mutual TLS."""
+    tls_key: str = ""
+    """Its private key."""
 
     def resolved(self) -> WorkerConfig:
         """A validated copy with the model's name canonical and the None defaults filled.
@@ -95,6 +101,8 @@ class WorkerConfig:
             raise ConfigError("--worker-id is required (a name stable across restarts)")
         if ":" not in self.coordinator:
             raise ConfigError(f"--coordinator: expected HOST:PORT, got {self.coordinator!r}")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError("--tls-cert and --tls-key: give both or neither")
         if self.slot < -1:
             raise ConfigError(f"--slot must be >= 0, or -1 for any slot, got {self.slot}")
         if self.engine not in ENGINE_KINDS:

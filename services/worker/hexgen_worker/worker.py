@@ -33,6 +33,7 @@ from hexgen_service.convert import dispatch_to_ticket
 from hexgen_service.errors import InvalidFieldError
 from hexgen_service.metrics_server import serve_metrics
 from hexgen_service.telemetry import client_interceptors, setup_tracing
+from hexgen_service.tls import TlsFiles, channel_credentials
 from hexgen_service.worker_token import TOKEN_METADATA
 from hexgen_worker.config import WorkerConfig
 from hexgen_worker.convert import (
@@ -233,16 +234,27 @@ class Worker:
 
     async def _session(self, state: WorkerState) -> None:
         config = self.config
-        channel = grpc.aio.insecure_channel(
-            config.coordinator,
-            interceptors=client_interceptors(),
-            options=[
-                ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-                # A subchannel of our own: gRPC's shared one keeps its own reconnect backoff
-                # (1 s growing to 120 s) across channels, which would hold a reconnect back
-                # long after the coordinator is up again; our backoff decides instead.
-                ("grpc.use_local_subchannel_pool", 1),
-            ],
+        options = [
+            ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+            # A subchannel of our own: gRPC's shared one keeps its own reconnect backoff
+            # (1 s growing to 120 s) across channels, which would hold a reconnect back
+            # long after the coordinator is up again; our backoff decides instead.
+            ("grpc.use_local_subchannel_pool", 1),
+        ]
+        tls = TlsFiles.from_flags(
+            config.tls_cert or None, config.tls_key or None, config.tls_ca or None
+        )
+        channel = (
+            grpc.aio.secure_channel(
+                config.coordinator,
+                channel_credentials(tls),
+                interceptors=client_interceptors(),
+                options=options,
+            )
+            if tls.enabled
+            else grpc.aio.insecure_channel(
+                config.coordinator, interceptors=client_interceptors(), options=options
+            )
         )
         tasks: list[asyncio.Task[None]] = []
         call = None

@@ -1,0 +1,22 @@
+"""What a client, and an operator's tools, need of a secured mesh's credentials: the
+auth directory (`AuthDir`), the keys file (`KeyStore`, `Role`, `TenantLimits`) and reading
+a one-line secret. The command line reaches them here, as it reaches everything of the
+mesh, through the client package."""
+
+from __future__ import annotations
+
+from hexgen_service.auth import KeyRecord, KeyStore, Role, TenantLimits, read_secret
+from hexgen_service.auth_dir import AuthDir
+from hexgen_service.certs import write_private
+from hexgen_service.tls import ca_from_env
+
+__all__ = [
+    "AuthDir",
+    "KeyRecord",
+    "KeyStore",
+    "Role",
+    "TenantLimits",
+    "ca_from_env",
+    "read_secret",
+    "write_private",
+]
