@@ -49,6 +49,7 @@ __all__ = [
     "Principal",
     "Role",
     "TenantLimits",
+    "bearer_key",
     "current_principal",
     "new_key",
     "read_secret",
@@ -349,11 +350,20 @@ def _write(path: Path, data: dict[str, Any]) -> None:
 Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"  # generic in the stubs only
 
 
+def bearer_key(authorization: str | None) -> str | None:
+    """The key of an ``authorization: Bearer <key>`` value; None without one (or with
+    another scheme)."""
+    if not authorization:
+        return None
+    scheme, _, token = authorization.strip().partition(" ")
+    token = token.strip()
+    return token if scheme.lower() == "bearer" and token else None
+
+
 def _bearer(metadata: Any) -> str | None:
     for key, value in metadata or ():
         if key == AUTH_METADATA and isinstance(value, str):
-            scheme, _, token = value.partition(" ")
-            return token.strip() if scheme.lower() == "bearer" else value.strip()
+            return bearer_key(value)
     return None
 
 

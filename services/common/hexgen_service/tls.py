@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -20,6 +21,7 @@ from hexgen_flow.errors import ConfigError
 __all__ = [
     "TLS_CA_ENV",
     "TlsFiles",
+    "add_tls_options",
     "ca_from_env",
     "channel_credentials",
     "server_credentials",
@@ -88,3 +90,24 @@ def channel_credentials(files: TlsFiles) -> grpc.ChannelCredentials:
 def ca_from_env(ca: str | None) -> str | None:
     """`ca`, else ``$HEXGEN_FLOW_TLS_CA`` (empty counts as unset)."""
     return ca or os.environ.get(TLS_CA_ENV) or None
+
+
+VERIFY_COORDINATOR = (
+    "verify a TLS coordinator with this CA (default: $HEXGEN_FLOW_TLS_CA, else plaintext)"
+)
+
+
+def add_tls_options(parser: Any, *, serves: str | None, ca_help: str = VERIFY_COORDINATOR) -> None:
+    """``--tls-cert``/``--tls-key`` (the certificate this process `serves` with, e.g.
+    "TLS", "HTTPS"; or shows as a client when `serves` is None) and ``--tls-ca``, on an
+    argparse parser or argument group; values are file paths or None."""
+    shows = (
+        f"serve {serves} with this certificate (PEM)"
+        if serves
+        else ("show this client certificate (PEM)")
+    )
+    parser.add_argument("--tls-cert", default=None, metavar="FILE", help=shows)
+    parser.add_argument(
+        "--tls-key", default=None, metavar="FILE", help="the private key of --tls-cert (PEM)"
+    )
+    parser.add_argument("--tls-ca", default=None, metavar="FILE", help=ca_help)

@@ -21,7 +21,7 @@ from hexgen_service.exposure import refuse_unprotected
 from hexgen_service.metrics_server import serve_metrics
 from hexgen_service.server import GrpcServer
 from hexgen_service.telemetry import setup_logging
-from hexgen_service.tls import TlsFiles
+from hexgen_service.tls import TlsFiles, add_tls_options
 from hexgen_service.worker_token import read_token
 
 CLIENT_SERVICE = "hexgen_flow.v1.CoordinatorService"
@@ -111,13 +111,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[CoordinatorConfig, str]:
         default=None,
         help="authenticate clients with the API keys in FILE (hexgen-flow auth init)",
     )
-    parser.add_argument("--tls-cert", metavar="FILE", default=None, help="serve TLS (PEM)")
-    parser.add_argument("--tls-key", metavar="FILE", default=None, help="the certificate's key")
-    parser.add_argument(
-        "--tls-ca",
-        metavar="FILE",
-        default=None,
-        help="the workers' door requires client certificates signed by this CA (mutual TLS)",
+    add_tls_options(
+        parser,
+        serves="TLS (both doors)",
+        ca_help="the workers' door requires client certificates signed by this CA (mutual TLS)",
     )
     parser.add_argument(
         "--insecure",

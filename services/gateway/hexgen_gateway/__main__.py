@@ -16,7 +16,7 @@ from hexgen_gateway.config import GatewayConfig
 from hexgen_service.auth import API_KEY_ENV, read_secret
 from hexgen_service.exposure import is_loopback
 from hexgen_service.telemetry import setup_logging
-from hexgen_service.tls import TlsFiles, ca_from_env, channel_credentials
+from hexgen_service.tls import TlsFiles, add_tls_options, ca_from_env, channel_credentials
 
 PROG = "hexgen-gateway"
 
@@ -65,18 +65,7 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[GatewayConfig, str]
         f"(default {d.request_timeout_s:g})",
     )
     security = parser.add_argument_group("security (docs/security.md)")
-    security.add_argument(
-        "--tls-cert", default=None, metavar="FILE", help="serve HTTPS with this certificate (PEM)"
-    )
-    security.add_argument(
-        "--tls-key", default=None, metavar="FILE", help="the private key of --tls-cert (PEM)"
-    )
-    security.add_argument(
-        "--tls-ca",
-        default=None,
-        metavar="FILE",
-        help="verify a TLS coordinator with this CA (default: $HEXGEN_FLOW_TLS_CA, else plaintext)",
-    )
+    add_tls_options(security, serves="HTTPS")
     security.add_argument(
         "--api-key-file",
         default=d.api_key_file,

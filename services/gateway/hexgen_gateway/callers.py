@@ -9,18 +9,9 @@ import hashlib
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from hexgen_client.credentials import request_api_key
+from hexgen_service.auth import bearer_key
 
-__all__ = ["CallerKey", "bearer_key", "caller_id"]
-
-
-def bearer_key(authorization: str | None) -> str | None:
-    """The key of an ``Authorization: Bearer <key>`` header; None without one (or with
-    another scheme)."""
-    if not authorization:
-        return None
-    scheme, _, token = authorization.strip().partition(" ")
-    token = token.strip()
-    return token if scheme.lower() == "bearer" and token else None
+__all__ = ["CallerKey", "caller_id"]
 
 
 def caller_id() -> str:

@@ -13,6 +13,7 @@ import redis
 
 from hexgen_flow.errors import HexgenFlowError
 from hexgen_service.telemetry import setup_logging
+from hexgen_service.tls import add_tls_options
 from hexgen_tuner.config import TunerConfig
 from hexgen_tuner.service import check_files, redis_client, serve
 
@@ -88,18 +89,7 @@ def parse_config(argv: Sequence[str] | None = None) -> TunerConfig:
         help="check callers' API keys against this keys file: GetAlpha needs a tenant key, "
         "ListTuningRuns and Retune an operator key (default: no keys checked)",
     )
-    security.add_argument(
-        "--tls-cert", default=None, metavar="FILE", help="serve TLS with this certificate (PEM)"
-    )
-    security.add_argument(
-        "--tls-key", default=None, metavar="FILE", help="the private key of --tls-cert (PEM)"
-    )
-    security.add_argument(
-        "--tls-ca",
-        default=None,
-        metavar="FILE",
-        help="verify a TLS coordinator with this CA (default: $HEXGEN_FLOW_TLS_CA, else plaintext)",
-    )
+    add_tls_options(security, serves="TLS")
     security.add_argument(
         "--api-key-file",
         default=d.api_key_file,

@@ -20,6 +20,7 @@ from hexgen_flow.cluster import DEFAULT_MODEL
 from hexgen_flow.errors import HexgenFlowError
 from hexgen_flow.sim.engines import ENGINE_MODELS
 from hexgen_service.telemetry import setup_logging
+from hexgen_service.tls import add_tls_options
 from hexgen_service.worker_token import read_token
 from hexgen_worker.config import ENGINE_KINDS, WorkerConfig
 from hexgen_worker.worker import EXIT_REJECTED, Worker
@@ -131,19 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="send the token in FILE with the stream (a coordinator with a token requires it)",
     )
-    parser.add_argument(
-        "--tls-ca",
-        metavar="FILE",
-        default=None,
-        help="connect over TLS, verifying the coordinator against this CA (PEM)",
+    add_tls_options(
+        parser,
+        serves=None,
+        ca_help="connect over TLS, verifying the coordinator against this CA (PEM)",
     )
-    parser.add_argument(
-        "--tls-cert",
-        metavar="FILE",
-        default=None,
-        help="the worker's client certificate (PEM), for a workers' door with mutual TLS",
-    )
-    parser.add_argument("--tls-key", metavar="FILE", default=None, help="its private key")
     parser.add_argument(
         "--metrics-listen",
         default=defaults.metrics_listen,
