@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -71,7 +72,7 @@ def _snapshot(up: Up, auth: AuthDir) -> dict[bytes, Any]:
     try:
         state: dict[bytes, Any] = {}
         for key in client.scan_iter(match="hf:*"):
-            kind = client.type(key)
+            kind = client.execute_command("TYPE", key)
             if kind == b"hash":
                 state[key] = client.hgetall(key)
             elif kind == b"stream":
@@ -120,10 +121,22 @@ def _call(up: Up, auth: AuthDir, method: str, request: Any, key: Path | None) ->
         return rpc(request, metadata=metadata, timeout=10)
 
 
-def _refused(up: Up, auth: AuthDir, method: str, request: Any, key: Path | None) -> grpc.RpcError:
+@dataclass(frozen=True)
+class Refusal:
+    """What a refused RPC answered."""
+
+    code: grpc.StatusCode
+    details: str
+    trailers: dict[str, str]
+
+
+def _refused(up: Up, auth: AuthDir, method: str, request: Any, key: Path | None) -> Refusal:
     with pytest.raises(grpc.RpcError) as caught:
         _call(up, auth, method, request, key)
-    return caught.value
+    error = caught.value
+    assert isinstance(error, grpc.Call)
+    trailers = {str(k): str(v) for k, v in error.trailing_metadata() or ()}
+    return Refusal(error.code, error.details or "", trailers)
 
 
 @pytest.fixture(scope="module")
@@ -175,17 +188,18 @@ def test_another_tenant_finds_nothing_of_a_and_cancels_nothing(
         ("CloseWorkflow", cpb.CloseWorkflowRequest(workflow_id=a_query)),
     ):
         error = _refused(up, auth, method, request, b)
-        assert error.code() == grpc.StatusCode.NOT_FOUND, method
+        assert error.code == grpc.StatusCode.NOT_FOUND, method
         # word for word what an id nobody used gets: a's query is not revealed
-        unknown = _refused(up, auth, method, type(request)(**{
-            next(iter(request.DESCRIPTOR.fields_by_name)): "nobody-used-this"}), b)  # fmt: skip
-        assert error.details() == unknown.details().replace("nobody-used-this", a_query)
+        unused = request.__class__()
+        setattr(unused, next(iter(request.DESCRIPTOR.fields_by_name)), "nobody-used-this")
+        unknown = _refused(up, auth, method, unused, b)
+        assert error.details == unknown.details.replace("nobody-used-this", a_query)
     done = _cli("get", a_query, "--coordinator", up.coordinator, key=b, ca=auth.ca)
     assert done.returncode == 2 and "NOT_FOUND" in done.stderr
     # reusing a's id is refused without showing a's query
     taken = _refused(up, auth, "SubmitQuery", cpb.SubmitQueryRequest(
         query_id=a_query, workflow=_one_call_workflow()), b)  # fmt: skip
-    assert taken.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert taken.code == grpc.StatusCode.ALREADY_EXISTS
     assert _snapshot(up, auth) == before
     # an operator (here the admin) sees every tenant
     admin = _call(up, auth, "GetQuery", cpb.GetQueryRequest(query_id=a_query), auth.admin_key)
@@ -197,8 +211,8 @@ def test_a_tenant_key_cannot_submit_for_another_tenant(secure: tuple[Up, AuthDir
     before = _snapshot(up, auth)
     request = cpb.SubmitQueryRequest(query_id="b-as-a", tenant="a", workflow=_one_call_workflow())
     error = _refused(up, auth, "SubmitQuery", request, auth.tenant_key("b"))
-    assert error.code() == grpc.StatusCode.PERMISSION_DENIED
-    assert "tenant: the key of tenant 'b' may not act for 'a'" in error.details()
+    assert error.code == grpc.StatusCode.PERMISSION_DENIED
+    assert "tenant: the key of tenant 'b' may not act for 'a'" in error.details
     assert _snapshot(up, auth) == before
 
 
@@ -208,8 +222,8 @@ def test_set_alpha_needs_an_operator(secure: tuple[Up, AuthDir]) -> None:
     alpha = _call(up, auth, "ClusterStatus", cpb.ClusterStatusRequest(), auth.admin_key).alpha
     error = _refused(up, auth, "SetAlpha", cpb.SetAlphaRequest(alpha=0.0, reason="attack"),
                      auth.tenant_key("a"))  # fmt: skip
-    assert error.code() == grpc.StatusCode.PERMISSION_DENIED
-    assert "SetAlpha needs the operator role" in error.details()
+    assert error.code == grpc.StatusCode.PERMISSION_DENIED
+    assert "SetAlpha needs the operator role" in error.details
     assert _snapshot(up, auth) == before
     status = _call(up, auth, "ClusterStatus", cpb.ClusterStatusRequest(), auth.admin_key)
     assert status.alpha == alpha
@@ -242,16 +256,16 @@ def test_an_expired_key_and_a_revoked_key_are_refused(secure: tuple[Up, AuthDir]
     expired_path.write_text(expired)
     wait_for("the new keys to be read", lambda: _works(up, auth, path), 5)
     error = _refused(up, auth, "ClusterStatus", request, expired_path)
-    assert error.code() == grpc.StatusCode.UNAUTHENTICATED and "expired" in error.details()
+    assert error.code == grpc.StatusCode.UNAUTHENTICATED and "expired" in error.details
     done = _cli("auth", "revoke", str(auth.path), record.key_id)
     assert done.returncode == 0 and f"revoked key {record.key_id}" in done.stderr
     wait_for("the revocation to take", lambda: not _works(up, auth, path), 5)
     error = _refused(up, auth, "ClusterStatus", request, path)
-    assert error.code() == grpc.StatusCode.UNAUTHENTICATED and "revoked" in error.details()
+    assert error.code == grpc.StatusCode.UNAUTHENTICATED and "revoked" in error.details
     bogus = auth.path / "bogus.key"
     bogus.write_text(fresh[:-4] + "AAAA")  # the right id, a wrong secret
     error = _refused(up, auth, "ClusterStatus", request, bogus)
-    assert error.code() == grpc.StatusCode.UNAUTHENTICATED and "unknown" in error.details()
+    assert error.code == grpc.StatusCode.UNAUTHENTICATED and "unknown" in error.details
 
 
 def _works(up: Up, auth: AuthDir, key: Path) -> bool:
@@ -392,6 +406,7 @@ async def _forge_a_completion(up: Up, auth: AuthDir) -> None:
         await call.write(wpb.ConnectRequest(hello=wpb.WorkerHello(
             worker_id="local-worker-1", slot=1, gpu="A6000")))  # fmt: skip
         welcome = await call.read()
+        assert isinstance(welcome, wpb.ConnectResponse)
         assert welcome.WhichOneof("message") == "welcome" and welcome.welcome.slot == 1
         # A query whose first call can only go to slot 0 (the A100) while slot 1 is away.
         stub = cpb_grpc.CoordinatorServiceStub(client)
@@ -461,9 +476,9 @@ def test_a_tenants_own_rate_limit_is_admission_control(secure: tuple[Up, AuthDir
         query_id="b-1", workflow=_one_call_workflow()), b)  # fmt: skip
     error = _refused(up, auth, "SubmitQuery", cpb.SubmitQueryRequest(
         query_id="b-2", workflow=_one_call_workflow()), b)  # fmt: skip
-    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "tenant 'b' submits faster than its rate (0.2 queries/s, burst 1)" in error.details()
-    retry = dict(error.trailing_metadata())["retry-after-s"]  # type: ignore[attr-defined]
+    assert error.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "tenant 'b' submits faster than its rate (0.2 queries/s, burst 1)" in error.details
+    retry = error.trailers["retry-after-s"]
     assert 3.0 < float(retry) <= 5.0
     # tenant a has no limit of its own
     for i in range(2):
