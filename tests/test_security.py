@@ -14,8 +14,8 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -136,7 +136,7 @@ def _refused(up: Up, auth: AuthDir, method: str, request: Any, key: Path | None)
     error = caught.value
     assert isinstance(error, grpc.Call)
     trailers = {str(k): str(v) for k, v in error.trailing_metadata() or ()}
-    return Refusal(error.code, error.details or "", trailers)
+    return Refusal(error.code(), error.details() or "", trailers)
 
 
 @pytest.fixture(scope="module")
