@@ -208,7 +208,11 @@ async def drive_wire(
 
 
 def wire_run(
-    rate: float, seconds: float, appendfsync: str | None, auth: AuthDir | None = None
+    rate: float,
+    seconds: float,
+    appendfsync: str | None,
+    auth: AuthDir | None = None,
+    coordinator_args: tuple[str, ...] = (),
 ) -> tuple[float, list[float], coordinator_pb2.CoordinatorOverhead]:
     """One wire-to-wire run: a private redis-server, the coordinator (with its workers'
     door apart), instant workers; `auth`: secured."""
@@ -226,7 +230,8 @@ def wire_run(
             [sys.executable, "-m", "hexgen_coordinator", "--listen", f"127.0.0.1:{port}",
              "--worker-listen", f"127.0.0.1:{worker_port}",
              "--redis-url", redis_url, "--cluster", cluster, "--admission", "off",
-             "--time-scale", repr(TIME_SCALE), "--log-level", "ERROR", *secure],
+             "--time-scale", repr(TIME_SCALE), "--log-level", "ERROR", *secure,
+             *coordinator_args],
         )  # fmt: skip
         try:
             return asyncio.run(
@@ -264,7 +269,14 @@ def main() -> None:
         help="open: plaintext, no keys; secure: TLS, API keys, mutual TLS, Redis ACL "
         "(default both)",
     )
+    parser.add_argument(
+        "--no-gc-tuning",
+        action="store_true",
+        help="run the wire-to-wire coordinators with Python's default garbage collector "
+        "(hexgen_service.gc_tuning off), to see what the tuning buys",
+    )
     args = parser.parse_args()
+    coordinator_args = ("--no-gc-tuning",) if args.no_gc_tuning else ()
     appendfsync = None if args.appendfsync == "none" else args.appendfsync
     print(f"redis appendfsync: {args.appendfsync}")
     with tempfile.TemporaryDirectory(prefix="hexgen-bench-auth-") as folder:
@@ -299,15 +311,18 @@ def main() -> None:
         print()
         print(
             f"{'mode':>6} {'target/s':>9} {'achieved/s':>10} | wire to wire ms p50 / p99 / "
-            f"max (n) | in-handler ms p50 / p99"
+            f"max (n) > 5 ms | in-handler ms p50 / p99"
         )
         for mode, mode_auth in modes.items():
             for rate in args.rates:
-                achieved, wire, overhead = wire_run(rate, args.seconds, appendfsync, mode_auth)
+                achieved, wire, overhead = wire_run(
+                    rate, args.seconds, appendfsync, mode_auth, coordinator_args
+                )
                 c = overhead.completion_to_dispatch_ms
+                slow = sum(1 for ms in wire if ms > 5.0)
                 print(
                     f"{mode:>6} {rate:9.0f} {achieved:10.0f} | {percentile(wire, 50):8.2f} / "
-                    f"{percentile(wire, 99):6.2f} / {max(wire):6.1f} ({len(wire)}) "
+                    f"{percentile(wire, 99):6.2f} / {max(wire):6.1f} ({len(wire)}) {slow:5d} "
                     f"| {c.p50:8.2f} / {c.p99:6.2f}",
                     flush=True,
                 )

@@ -1,18 +1,20 @@
 """The coordinator's Redis state: idempotent submission, exactly-once completion, atomic
 stage release, placements that never undo a completion, failures up to a limit, retention
 and keys no id can collide with. Runs against the real Redis at HEXGEN_TEST_REDIS (default
-127.0.0.1:6379)."""
+127.0.0.1:6379), and again on a real local 3-master Redis Cluster (`redis_cluster_here`)
+through the coordinator's cluster client, with a hash tag in the prefix."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 import redis.asyncio as aioredis
 
+from hexgen_coordinator.redis_retry import redis_client
 from hexgen_coordinator.store import (
     ALPHA_HISTORY_MAX,
     COMPLETE_DUPLICATE,
@@ -21,14 +23,33 @@ from hexgen_coordinator.store import (
     Placement,
     WorkflowStore,
 )
+from redis_cluster_here import RedisClusterHere, needs_redis_cluster
 
 REDIS_URL = os.environ.get("HEXGEN_TEST_REDIS", "redis://127.0.0.1:6379/0")
 
 
+@pytest.fixture(
+    scope="module", params=["redis", pytest.param("cluster", marks=needs_redis_cluster)]
+)
+def backend(request: pytest.FixtureRequest) -> Iterator[tuple[str, bool]]:
+    """(URL, is a Redis Cluster): the single Redis, then a cluster started for the module."""
+    if request.param == "redis":
+        yield REDIS_URL, False
+        return
+    with RedisClusterHere() as cluster:
+        yield cluster.url, True
+
+
 @pytest.fixture
-async def store() -> AsyncIterator[WorkflowStore]:
-    redis = aioredis.Redis.from_url(REDIS_URL)
-    prefix = f"hf-test-{uuid.uuid4().hex[:8]}:"
+async def store(backend: tuple[str, bool]) -> AsyncIterator[WorkflowStore]:
+    url, cluster = backend
+    tag = uuid.uuid4().hex[:8]
+    if cluster:  # the coordinator's own client; every key in the slot of the prefix's tag
+        redis = redis_client(url, cluster=True)
+        prefix = f"hf-test-{{{tag}}}:"
+    else:
+        redis = aioredis.Redis.from_url(url)
+        prefix = f"hf-test-{tag}:"
     yield WorkflowStore(redis, prefix)
     keys = [k async for k in redis.scan_iter(match=f"{prefix}*")]
     if keys:

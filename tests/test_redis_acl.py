@@ -159,7 +159,10 @@ def test_the_line_is_exact() -> None:
         "user tuner on resetpass "
         "#2bb80d537b1da3e38bd30361aa855686bde0eacd7162fef6a25fe97bf527a25b "
         "resetkeys %R~hf:finished ~hf:tuner:* resetchannels -@all +ping +multi +exec "
-        "+discard +xrevrange +xrange +xlen +incr +lpush +rpush +ltrim +lrange +lindex"
+        "+discard +xrevrange +xrange +xlen +incr +lpush +rpush +ltrim +lrange +lindex "
+        # a Redis Cluster's client (--redis-cluster) maps slots to nodes and reads the
+        # commands' key positions; ASKING follows a slot that moves (tests/test_redis_cluster.py)
+        "+cluster|slots +command +asking"
     )
     assert "~a\\*b:*" in redis_acl_line("coordinator", "x", "a*b:")  # a literal prefix
     for user, password, prefix in (("admin", "x", "hf:"), ("tuner", "", "hf:"), ("tuner", "x", "")):

@@ -28,7 +28,16 @@ def register(commands: Any) -> None:
         "and exits 1 when any of the last four is non-zero.",
     )
     cmd.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
-    cmd.add_argument("--prefix", default="hf:", help="the coordinator's --redis-prefix")
+    cmd.add_argument(
+        "--prefix",
+        default=None,
+        help="the coordinator's --redis-prefix (default hf:, with --redis-cluster hf:{0}:)",
+    )
+    cmd.add_argument(
+        "--redis-cluster",
+        action="store_true",
+        help="--redis-url is a node of a Redis Cluster (the keys are scanned on every master)",
+    )
     cmd.add_argument(
         "--stuck-after-s",
         type=float,
@@ -49,7 +58,11 @@ def register(commands: Any) -> None:
 
 def _cmd_check_state(args: argparse.Namespace) -> int:
     require_mesh("check-state")
-    argv = ["--redis-url", args.redis_url, "--prefix", args.prefix]
+    argv = ["--redis-url", args.redis_url]
+    if args.prefix is not None:
+        argv += ["--prefix", args.prefix]
+    if args.redis_cluster:
+        argv.append("--redis-cluster")
     if args.stuck_after_s is not None:
         argv += ["--stuck-after-s", repr(args.stuck_after_s)]
     if args.json:

@@ -126,3 +126,14 @@ class Estimator:
                 self._plans.clear()
             self._plans[key] = plan
         return plan
+
+    @property
+    def plans_cached(self) -> int:
+        """Workflows whose plans are cached."""
+        return len({key[0] for key in self._plans})
+
+    def forget(self, workflow: Workflow) -> None:
+        """Drop `workflow`'s cached plans (its query ended): a service holds only the plans
+        of the workflows it runs, and a full garbage collection walks no finished one."""
+        for mode in ("step", "call"):
+            self._plans.pop((id(workflow), mode), None)

@@ -481,6 +481,8 @@ def _http_health(address: str, timeout_s: float = 1.0, ca: Path | None = None) -
 
 def _check_config(config: LocalClusterConfig) -> None:
     """The coordinator options and the restart policy, checked before anything starts."""
+    if config.redis_cluster and config.redis_url is None:
+        raise ConfigError("redis_cluster: give the redis_url of a node of the Redis Cluster")
     if config.admission is not None and config.admission not in ("reject", "best-effort", "off"):
         raise ConfigError(f"admission {config.admission!r}: expected reject, best-effort or off")
     if config.retention_s is not None and not config.retention_s > 0:

@@ -77,7 +77,11 @@ class LocalClusterConfig:
     redis_url: str | None = None
     """A running Redis to use; None starts a private ``redis-server``."""
     redis_prefix: str = DEFAULT_REDIS_PREFIX
-    """Prefix of the mesh's Redis keys."""
+    """Prefix of the mesh's Redis keys; with `redis_cluster`, left at the default: the
+    services' cluster default (``hf:{0}:``), else one with a hash tag."""
+    redis_cluster: bool = False
+    """`redis_url` is a node of a Redis Cluster (the coordinator's and the tuner's
+    ``--redis-cluster``); needs `redis_url`."""
     redis_binary: str = "redis-server"
     """The Redis server program for the private Redis (looked up on PATH)."""
     redis_appendfsync: str | None = "always"
@@ -147,6 +151,16 @@ def _calibration_args(calibration: str | None) -> list[str]:
     return ["--calibration", calibration]
 
 
+def _redis_prefix_args(config: LocalClusterConfig) -> list[str]:
+    """``--redis-prefix P`` (and ``--redis-cluster``); on a Redis Cluster the default prefix
+    goes unsaid, so that the services take their cluster default (with a hash tag)."""
+    if not config.redis_cluster:
+        return ["--redis-prefix", config.redis_prefix]
+    if config.redis_prefix == DEFAULT_REDIS_PREFIX:
+        return ["--redis-cluster"]
+    return ["--redis-prefix", config.redis_prefix, "--redis-cluster"]
+
+
 def coordinator_argv(
     config: LocalClusterConfig,
     listen: str,
@@ -163,7 +177,7 @@ def coordinator_argv(
         "--listen", listen,
         *(["--worker-listen", worker_listen] if worker_listen else []),
         "--redis-url", redis_url,
-        "--redis-prefix", config.redis_prefix,
+        *_redis_prefix_args(config),
         "--cluster", config.cluster,
         "--policy", config.policy,
         "--time-scale", repr(config.time_scale),
@@ -199,7 +213,7 @@ def tuner_argv(
         "--listen", listen,
         "--coordinator", coordinator,
         "--redis-url", redis_url,
-        "--redis-prefix", config.redis_prefix,
+        *_redis_prefix_args(config),
         "--period-s", repr(config.tuner_period_s),
         *(["--metrics-listen", metrics] if metrics is not None else []),
         *_calibration_args(calibration),

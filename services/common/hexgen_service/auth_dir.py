@@ -37,6 +37,12 @@ REDIS_USERS = ("coordinator", "tuner", "health")
 """Who logs in to Redis, each as its own ACL user: the coordinator, the tuner, and the
 health probe of a Redis container (``redis-cli --user health ping``: PING only)."""
 
+_CLUSTER_COMMANDS = ("cluster|slots", "command", "asking")
+"""What a client of a Redis Cluster (``--redis-cluster``) sends besides its own commands:
+redis-py's cluster client maps slots to nodes (CLUSTER SLOTS) and reads where each command
+has its keys (COMMAND); ASKING follows a slot while it moves to another node. Harmless on a
+single Redis (read-only introspection), so one ACL file serves both."""
+
 REDIS_COMMANDS: dict[str, tuple[str, ...]] = {
     "coordinator": (
         # connection and transactions: health checks, pipelines (MULTI/EXEC)
@@ -51,6 +57,7 @@ REDIS_COMMANDS: dict[str, tuple[str, ...]] = {
         "rpush", "lrange", "llen", "ltrim",
         # `hexgen-flow check-state` (run with the coordinator's credentials)
         "scan", "type", "pttl",
+        *_CLUSTER_COMMANDS,
     ),
     "tuner": (
         "ping", "multi", "exec", "discard",
@@ -58,6 +65,7 @@ REDIS_COMMANDS: dict[str, tuple[str, ...]] = {
         "xrevrange", "xrange", "xlen",
         # its own runs, alpha history and run counter (`hexgen_tuner.store`)
         "incr", "lpush", "rpush", "ltrim", "lrange", "lindex",
+        *_CLUSTER_COMMANDS,
     ),
     # answers PONG once the data is loaded (LOADING before): no key, nothing else
     "health": ("ping",),

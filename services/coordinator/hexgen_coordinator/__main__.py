@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import sys
 from dataclasses import fields
@@ -14,10 +15,11 @@ import grpc
 from hexgen_coordinator.config import CoordinatorConfig
 from hexgen_coordinator.coordinator import Coordinator
 from hexgen_coordinator.edge import add_coordinator_services, add_worker_service
-from hexgen_coordinator.redis_retry import redis_client
+from hexgen_coordinator.redis_retry import cluster_prefix, redis_client
 from hexgen_flow.errors import ConfigError, HexgenFlowError
 from hexgen_service.auth import PUBLIC_METHODS, AuthInterceptor, KeyStore, Role, read_secret
 from hexgen_service.exposure import refuse_unprotected
+from hexgen_service.gc_tuning import GcPauses, freeze_startup
 from hexgen_service.metrics_server import serve_metrics
 from hexgen_service.server import GrpcServer
 from hexgen_service.telemetry import setup_logging
@@ -61,7 +63,17 @@ def parse_args(argv: list[str] | None = None) -> tuple[CoordinatorConfig, str]:
         default=None,
         help="the password of the Redis user in --redis-url (redis://USER@HOST:PORT/DB)",
     )
-    parser.add_argument("--redis-prefix", default=defaults.redis_prefix)
+    parser.add_argument(
+        "--redis-prefix",
+        default=None,
+        help=f"prefix of every Redis key (default {defaults.redis_prefix}; with "
+        "--redis-cluster hf:{0}:, and it must hold a {hash tag})",
+    )
+    parser.add_argument(
+        "--redis-cluster",
+        action="store_true",
+        help="--redis-url is a node of a Redis Cluster (every key in the prefix's slot)",
+    )
     parser.add_argument("--cluster", default=defaults.cluster)
     parser.add_argument("--model", default=defaults.model)
     parser.add_argument("--calibration", default=None, metavar="NAME|measured:FILE")
@@ -121,6 +133,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[CoordinatorConfig, str]:
         action="store_true",
         help="allow listening beyond loopback without API keys and TLS (protected mode off)",
     )
+    parser.add_argument(
+        "--gc-tuning",
+        action=argparse.BooleanOptionalAction,
+        default=defaults.gc_tuning,
+        help="freeze the start-up objects and collect young objects less often, so that a "
+        "full garbage collection does not stall the completion path (default: on)",
+    )
     parser.add_argument("--log-level", default="INFO")
     del docs
     args = parser.parse_args(argv)
@@ -157,6 +176,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[CoordinatorConfig, str]:
         if args.api_keys_file:
             KeyStore(Path(args.api_keys_file))  # a bad file fails here, named
         _refuse_unprotected(args, tls)
+        redis_prefix = cluster_prefix(
+            args.redis_prefix, defaults.redis_prefix, cluster=args.redis_cluster
+        )
         redis_password = (
             read_secret(args.redis_password_file, "--redis-password-file")
             if args.redis_password_file
@@ -169,7 +191,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[CoordinatorConfig, str]:
         worker_listen=args.worker_listen,
         redis_url=args.redis_url,
         redis_password=redis_password,
-        redis_prefix=args.redis_prefix,
+        redis_prefix=redis_prefix,
+        redis_cluster=args.redis_cluster,
         cluster=args.cluster,
         model=args.model,
         calibration=args.calibration,
@@ -201,6 +224,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[CoordinatorConfig, str]:
         tls_key=args.tls_key or "",
         tls_ca=args.tls_ca or "",
         insecure=args.insecure,
+        gc_tuning=args.gc_tuning,
     )
     return config, args.log_level
 
@@ -235,7 +259,9 @@ def _refuse_unprotected(args: argparse.Namespace, tls: TlsFiles) -> None:
 async def serve(config: CoordinatorConfig) -> None:
     # Bursts of submissions, completion batches and write-behind share the pool: callers
     # wait for a connection rather than fail when it is busy.
-    redis = redis_client(config.redis_url, password=config.redis_password or None)
+    redis = redis_client(
+        config.redis_url, password=config.redis_password or None, cluster=config.redis_cluster
+    )
     try:
         await redis.ping()
     except Exception as exc:  # any connection failure reads the same to a user
@@ -244,6 +270,15 @@ async def serve(config: CoordinatorConfig) -> None:
         ) from None
     coordinator = Coordinator(config, redis)
     await coordinator.start()
+    gc_pause = coordinator.ledger.metrics.gc_pause
+    GcPauses(observe=lambda generation, s: gc_pause.labels(str(generation)).observe(s)).install()
+    if config.gc_tuning:  # after start-up: what it built (and rebuilt from Redis) is frozen
+        frozen = freeze_startup()
+        logging.getLogger("hexgen_coordinator").info(
+            "garbage collector: %d start-up objects frozen, thresholds %s",
+            frozen,
+            gc.get_threshold(),
+        )
     tls = TlsFiles.from_flags(
         config.tls_cert or None, config.tls_key or None, config.tls_ca or None
     )

@@ -161,7 +161,7 @@ class Admission:
                 self.ledger.queries_rejected += 1
                 self.ledger.metrics.queries_rejected.labels(query.tenant).inc()
                 raise
-            if not best_effort:
+            if not best_effort and self.config.admission != "off":
                 # Counted in the backlog at once: submissions racing this one see it.
                 provisional = QueryRun(query, -1, now, slo_s)
                 self.model.track(provisional, self.config.admission_slack)
@@ -206,7 +206,9 @@ class Admission:
         if best_effort:
             run.deadline_s += BEST_EFFORT_DELAY_S
             self._best_effort.add(query_id)
-        else:
+        elif self.config.admission != "off":
+            # The model forgets an ended query when it next predicts; with admission off it
+            # never predicts, so it tracks nothing (it would hold every query ever run).
             self.model.track(run, self.config.admission_slack)
         span = self.tracer.start_span(
             "query",
@@ -375,6 +377,8 @@ class Admission:
 
     def _sync(self) -> None:
         """Track running queries the model does not know yet (resumed after a restart)."""
+        if self.config.admission == "off":
+            return
         active = self.ledger.active
         best_effort = self._best_effort
         if len(best_effort) > 2 * len(active) + 64:

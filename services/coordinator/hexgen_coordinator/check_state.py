@@ -14,7 +14,8 @@ counts what should never happen:
   query, and keys under the prefix that belong to nothing.
 
 Exit status: 0 when the last four are all zero, 1 otherwise, 2 for bad usage or no Redis.
-``hexgen-flow check-state`` runs this module.
+``hexgen-flow check-state`` runs this module. With ``--redis-cluster`` the URL names a node of
+a Redis Cluster, and the keys are scanned on every master.
 """
 
 from __future__ import annotations
@@ -25,9 +26,12 @@ import sys
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+from typing import cast
 
 import redis
+from redis.exceptions import RedisClusterException
 
+from hexgen_coordinator.redis_retry import cluster_prefix
 from hexgen_flow.errors import HexgenFlowError
 from hexgen_service.auth import read_secret
 
@@ -181,6 +185,20 @@ def _check_query(
         report.note(f"query {query_id!r} ended {state} but is still in the active set")
 
 
+def _client(url: str, password: str | None, *, cluster: bool) -> redis.Redis[bytes]:
+    """A client of the Redis at `url`, or of the Redis Cluster `url` is a node of (typed as
+    a plain client: it answers every command the check sends, its SCAN on every master)."""
+    if cluster:
+        return cast(
+            "redis.Redis[bytes]",
+            redis.RedisCluster.from_url(url, socket_connect_timeout=5, password=password),
+        )
+    plain: redis.Redis[bytes] = redis.Redis.from_url(
+        url, socket_connect_timeout=5, password=password
+    )
+    return plain
+
+
 def _escape(prefix: str) -> str:
     """`prefix` as a literal SCAN pattern."""
     return "".join("\\" + c if c in "*?[]\\" else c for c in prefix)
@@ -195,7 +213,16 @@ class _Parser(argparse.ArgumentParser):
 def main(argv: list[str] | None = None) -> int:
     parser = _Parser(prog="hexgen-flow check-state", description=__doc__.split("\n\n")[0])
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
-    parser.add_argument("--prefix", default="hf:", help="the coordinator's --redis-prefix")
+    parser.add_argument(
+        "--prefix",
+        default=None,
+        help="the coordinator's --redis-prefix (default hf:, with --redis-cluster hf:{0}:)",
+    )
+    parser.add_argument(
+        "--redis-cluster",
+        action="store_true",
+        help="--redis-url is a node of a Redis Cluster (SCAN goes over every master)",
+    )
     parser.add_argument(
         "--stuck-after-s",
         type=float,
@@ -210,21 +237,24 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     password = None
-    if args.redis_password_file:
-        try:
-            password = read_secret(args.redis_password_file, "--redis-password-file")
-        except HexgenFlowError as exc:
-            parser.error(str(exc))
-    client: redis.Redis[bytes] = redis.Redis.from_url(
-        args.redis_url, socket_connect_timeout=5, password=password
-    )
     try:
-        report = check_state(client, args.prefix, args.stuck_after_s)
-    except redis.exceptions.ConnectionError as exc:
-        sys.stderr.write(f"hexgen-flow check-state: error: cannot reach {args.redis_url}: {exc}\n")
+        prefix = cluster_prefix(args.prefix, "hf:", cluster=args.redis_cluster)
+        if args.redis_password_file:
+            password = read_secret(args.redis_password_file, "--redis-password-file")
+    except HexgenFlowError as exc:
+        parser.error(str(exc))
+    try:
+        client = _client(args.redis_url, password, cluster=args.redis_cluster)
+        try:
+            report = check_state(client, prefix, args.stuck_after_s)
+        finally:
+            client.close()
+    except (redis.exceptions.ConnectionError, RedisClusterException) as exc:
+        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        sys.stderr.write(
+            f"hexgen-flow check-state: error: cannot reach {args.redis_url}: {message}\n"
+        )
         return 2
-    finally:
-        client.close()
     if args.json:
         print(json.dumps(asdict(report)))
     else:

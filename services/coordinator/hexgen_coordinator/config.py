@@ -23,7 +23,10 @@ class CoordinatorConfig:
     redis_password: str = ""
     """The password of the Redis user (``--redis-password-file``); empty: none."""
     redis_prefix: str = "hf:"
-    """Prefix of every Redis key (several clusters can share one Redis)."""
+    """Prefix of every Redis key (several clusters can share one Redis); on a Redis Cluster
+    it holds a hash tag (``hf:{0}:``), so that every key is in the tag's slot."""
+    redis_cluster: bool = False
+    """`redis_url` is a node of a Redis Cluster (``--redis-cluster``), not a single Redis."""
     cluster: str = DEFAULT_CLUSTER
     """The instance slots, as `--cluster` writes them; workers take these slots."""
     model: str = DEFAULT_MODEL
@@ -67,6 +70,9 @@ class CoordinatorConfig:
     workers show no certificate."""
     insecure: bool = False
     """Listen on a non-loopback address without protection (protected mode off)."""
+    gc_tuning: bool = True
+    """Freeze the objects alive after start-up and raise the young generation's threshold
+    (`hexgen_service.gc_tuning`), so full collections stay short."""
     # ---------------------------------------------------------------- faults and retention
     max_call_attempts: int = 3
     """Dispatches a call gets when its engine reports an error; after the last one fails its

@@ -19,9 +19,9 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
-import redis.exceptions
 from google.protobuf.message import DecodeError
 
+from hexgen_coordinator.redis_retry import REDIS_UNAVAILABLE
 from hexgen_service.errors import (
     RETRY_AFTER_KEY,
     AlreadyExistsError,
@@ -42,12 +42,7 @@ log = logging.getLogger(__name__)
 
 Context = grpc.aio.ServicerContext
 
-_REDIS_DOWN = (
-    UnavailableError,
-    redis.exceptions.ConnectionError,  # BusyLoadingError is one
-    redis.exceptions.TimeoutError,
-    redis.exceptions.BusyLoadingError,
-)
+_REDIS_DOWN: tuple[type[Exception], ...] = (UnavailableError, *REDIS_UNAVAILABLE)
 
 
 def _one_line(text: str) -> str:

@@ -86,6 +86,14 @@ class CoordinatorMetrics:
             buckets=_OVERHEAD_BUCKETS,
             registry=r,
         )
+        self.gc_pause = Histogram(
+            "hexgen_flow_gc_pause_seconds",
+            "Python garbage collections, by generation: each one stops the event loop "
+            "(hexgen_service.gc_tuning; wall seconds).",
+            ["generation"],
+            buckets=_OVERHEAD_BUCKETS,
+            registry=r,
+        )
 
     def watch(self, ledger: Ledger, scheduler: GlobalScheduler, cluster: Cluster) -> None:
         """Report the present state of `ledger` and `scheduler` at every scrape, and keep each

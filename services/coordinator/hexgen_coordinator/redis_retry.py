@@ -12,37 +12,58 @@ Two layers, because they protect different things:
   holding only that query's lock, so that the mesh resumes where it stopped once Redis is
   back. Every such write is a script that checks the state it changes, so running it again
   after a reply was lost applies it at most once (`hexgen_coordinator.store`).
+
+On a Redis Cluster (``--redis-cluster``) `redis_client` builds redis-py's cluster client
+with the same retries and timeouts; every key of the coordinator carries the hash tag of its
+prefix (`cluster_prefix`), so each script, pipeline and transaction touches one slot.
 """
 
 from __future__ import annotations
 
 import asyncio
+import builtins
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 from redis.backoff import ExponentialBackoff
-from redis.exceptions import BusyLoadingError, ConnectionError, TimeoutError
+from redis.exceptions import BusyLoadingError, ClusterDownError, ConnectionError, TimeoutError
 from redis.retry import Retry
 
-__all__ = ["REDIS_UNAVAILABLE", "redis_client", "until_stored"]
+from hexgen_service.redis_keys import CLUSTER_PREFIX, cluster_prefix
+
+__all__ = [
+    "CLUSTER_PREFIX",
+    "REDIS_UNAVAILABLE",
+    "cluster_prefix",
+    "redis_client",
+    "until_stored",
+]
 
 log = logging.getLogger("hexgen_coordinator.coordinator")  # the coordinator's one logger
 
-REDIS_UNAVAILABLE: tuple[type[Exception], ...] = (ConnectionError, TimeoutError, BusyLoadingError)
+REDIS_UNAVAILABLE: tuple[type[Exception], ...] = (
+    ConnectionError,
+    TimeoutError,
+    BusyLoadingError,
+    ClusterDownError,  # a Redis Cluster without a master for a slot (a failover under way)
+)
 """The errors that mean "Redis is away for now" (retryable), not "the request is wrong"."""
 
 T = TypeVar("T")
 
 
 def redis_client(
-    url: str, max_connections: int = 64, *, password: str | None = None
+    url: str, max_connections: int = 64, *, password: str | None = None, cluster: bool = False
 ) -> aioredis.Redis[bytes]:
     """The coordinator's Redis client: a blocking pool (bursts wait for a connection rather
     than fail), retries with backoff over about 3 s, idle connections checked before use;
     `password` for the ACL user the URL names (kept out of the URL: command lines are
-    world-readable)."""
+    world-readable); `cluster`: `url` is a node of a Redis Cluster."""
+    if cluster:
+        return _cluster_client(url, max_connections, password)
     pool: aioredis.BlockingConnectionPool[aioredis.Connection] = (
         aioredis.BlockingConnectionPool.from_url(
             url,
@@ -56,6 +77,52 @@ def redis_client(
         )
     )
     return aioredis.Redis(connection_pool=pool)
+
+
+if TYPE_CHECKING:  # generic in types-redis, not at run time
+    _Cluster = RedisCluster[bytes]
+else:
+    _Cluster = RedisCluster
+
+
+class _WaitingCluster(_Cluster):
+    """redis-py's cluster client, with a command waiting (up to `wait_s`) for one of
+    `turns` rather than failing at once when every connection to a node is busy
+    (MaxConnectionsError), as the single-Redis client's blocking pool waits."""
+
+    turns: asyncio.Semaphore | None = None
+    wait_s: float = 30.0
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        if self.turns is None:
+            return await super().execute_command(*args, **kwargs)
+        try:
+            async with asyncio.timeout(self.wait_s):
+                await self.turns.acquire()
+        except builtins.TimeoutError:  # asyncio's, not redis-py's
+            raise ConnectionError(f"no Redis connection free in {self.wait_s:g} s") from None
+        try:
+            return await super().execute_command(*args, **kwargs)
+        finally:
+            self.turns.release()
+
+
+def _cluster_client(url: str, max_connections: int, password: str | None) -> aioredis.Redis[bytes]:
+    """The coordinator's client of a Redis Cluster (`url`: any one of its nodes; the others
+    are discovered), with the retries and timeouts of the single-Redis one. Typed as a plain
+    client: it takes the same commands, scripts and pipelines (transactions of one slot)."""
+    client = _WaitingCluster.from_url(
+        url,
+        # per node; headroom over the commands' turns for pipelines, which draw their own
+        max_connections=max_connections + 8,
+        retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=6),
+        health_check_interval=5,
+        socket_connect_timeout=2,
+        password=password,  # a password in the URL wins
+    )
+    assert isinstance(client, _WaitingCluster)
+    client.turns = asyncio.Semaphore(max_connections)
+    return cast("aioredis.Redis[bytes]", client)
 
 
 async def until_stored(what: str, write: Callable[[], Awaitable[T]], cap_s: float = 2.0) -> T:

@@ -10,8 +10,10 @@ from typing import NoReturn
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
+from redis.exceptions import RedisClusterException
 
 from hexgen_flow.errors import HexgenFlowError
+from hexgen_service.redis_keys import cluster_prefix
 from hexgen_service.telemetry import setup_logging
 from hexgen_service.tls import add_tls_options
 from hexgen_tuner.config import TunerConfig
@@ -39,7 +41,14 @@ def parse_config(argv: Sequence[str] | None = None) -> TunerConfig:
     )
     parser.add_argument("--redis-url", default=d.redis_url, help=f"(default {d.redis_url})")
     parser.add_argument(
-        "--redis-prefix", default=d.redis_prefix, help=f"key prefix (default {d.redis_prefix})"
+        "--redis-prefix",
+        default=None,
+        help=f"key prefix (default {d.redis_prefix}; with --redis-cluster hf:{{0}}:)",
+    )
+    parser.add_argument(
+        "--redis-cluster",
+        action="store_true",
+        help="--redis-url is a node of a Redis Cluster (the prefix must hold a {hash tag})",
     )
     parser.add_argument(
         "--period-s",
@@ -116,7 +125,8 @@ def parse_config(argv: Sequence[str] | None = None) -> TunerConfig:
             listen=args.listen,
             coordinator=args.coordinator,
             redis_url=args.redis_url,
-            redis_prefix=args.redis_prefix,
+            redis_prefix=cluster_prefix(args.redis_prefix, cluster=args.redis_cluster),
+            redis_cluster=args.redis_cluster,
             period_s=args.period_s,
             window=args.window,
             min_queries=args.min_queries,
@@ -159,7 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = parse_config(argv)
     try:
         asyncio.run(_check_redis(config))
-    except (redis.RedisError, OSError, ValueError) as exc:
+    except (redis.RedisError, RedisClusterException, OSError, ValueError) as exc:
         where = _redacted(config.redis_url)
         print(f"{PROG}: error: cannot reach Redis at {where}: {exc}", file=sys.stderr)
         return 2

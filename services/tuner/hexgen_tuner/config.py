@@ -14,6 +14,7 @@ from hexgen_client.addresses import (
 )
 from hexgen_flow.errors import ConfigError
 from hexgen_service.exposure import refuse_unprotected
+from hexgen_service.redis_keys import cluster_prefix
 from hexgen_service.tls import TlsFiles
 
 __all__ = ["TunerConfig"]
@@ -30,7 +31,10 @@ class TunerConfig:
     redis_url: str = DEFAULT_REDIS_URL
     """The Redis the coordinator writes its ``finished`` stream to."""
     redis_prefix: str = DEFAULT_REDIS_PREFIX
-    """Prefix of every key: reads ``P + "finished"``, writes ``P + "tuner:..."``."""
+    """Prefix of every key: reads ``P + "finished"``, writes ``P + "tuner:..."``; on a Redis
+    Cluster the coordinator's, with its hash tag (`cluster_prefix`)."""
+    redis_cluster: bool = False
+    """`redis_url` is a node of a Redis Cluster (``--redis-cluster``)."""
     period_s: float = 30.0
     """Wall seconds between tuning runs (the first one a period after start)."""
     window: int = 200
@@ -92,6 +96,7 @@ class TunerConfig:
         if not self.rpc_timeout_s > 0:
             raise ConfigError(f"rpc timeout must be > 0, got {self.rpc_timeout_s}")
         tls = self.tls_files
+        cluster_prefix(self.redis_prefix, cluster=self.redis_cluster)
         if self.redis_password_file and _url_has_password(self.redis_url):
             raise ConfigError(
                 "--redis-password-file: --redis-url carries a password already; give it in "

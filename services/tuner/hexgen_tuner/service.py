@@ -7,11 +7,12 @@ import asyncio
 import logging
 import math
 from pathlib import Path
-from typing import Never
+from typing import Never, cast
 
 import grpc
 import redis
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 
 from hexgen_api.v1 import tuner_pb2, tuner_pb2_grpc
 from hexgen_client.client import CoordinatorClient
@@ -146,12 +147,19 @@ def check_files(config: TunerConfig) -> None:
 
 def redis_client(config: TunerConfig) -> aioredis.Redis[bytes]:
     """The tuner's Redis client: `redis_url`, logged in with the password of
-    `redis_password_file` when there is one."""
+    `redis_password_file` when there is one; on a Redis Cluster (`redis_cluster`) the
+    cluster's client, typed as a plain one (it takes the same commands, and transactions
+    whose keys share one slot, as the prefix's hash tag makes them)."""
     password = (
         read_secret(config.redis_password_file, "--redis-password-file")
         if config.redis_password_file
         else None
     )
+    if config.redis_cluster:
+        return cast(
+            "aioredis.Redis[bytes]",
+            RedisCluster.from_url(config.redis_url, password=password),
+        )
     client: aioredis.Redis[bytes] = aioredis.Redis.from_url(config.redis_url, password=password)
     return client
 
