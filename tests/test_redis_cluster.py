@@ -269,3 +269,12 @@ async def test_the_acl_users_do_their_work_on_a_cluster(redis_cluster: RedisClus
 
 def _text(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def test_up_on_a_redis_cluster_needs_the_node_to_use() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "hexgen_cli", "up", "--redis-cluster"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "--redis-cluster: give --redis-url, a node of the Redis Cluster" in done.stderr

@@ -19,7 +19,8 @@ from hexgen_cli.options import (
     positive_int,
     print_rows,
 )
-from hexgen_client.addresses import (  # constants only: no grpc at import time  # constants only
+from hexgen_client.addresses import (  # constants only: no grpc at import time
+    DEFAULT_CLUSTER_PREFIX,
     DEFAULT_COORDINATOR,
     DEFAULT_GATEWAY,
     DEFAULT_METRICS,
@@ -59,6 +60,12 @@ def register(commands: Any) -> None:
         default=DEFAULT_REDIS_PREFIX,
         metavar="PREFIX",
         help=f"prefix of the mesh's Redis keys (default {DEFAULT_REDIS_PREFIX})",
+    )
+    up.add_argument(
+        "--redis-cluster",
+        action="store_true",
+        help="--redis-url is a node of a Redis Cluster: every key of the mesh carries one "
+        "hash tag (prefix hf:{0}: unless --redis-prefix gives one with a tag)",
     )
     up.add_argument(
         "--tuner",
@@ -158,6 +165,8 @@ def register(commands: Any) -> None:
 
 def _cmd_up(args: argparse.Namespace) -> int:
     require_mesh("up")
+    if args.redis_cluster and args.redis_url is None:
+        raise ConfigError("--redis-cluster: give --redis-url, a node of the Redis Cluster")
     if (args.auth_dir is not None or args.tenants) and not args.secure:
         raise ConfigError("--auth-dir and --tenants go with --secure")
     auth_dir = args.auth_dir
@@ -182,6 +191,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
             listen=args.listen,
             redis_url=args.redis_url,
             redis_prefix=args.redis_prefix,
+            redis_cluster=args.redis_cluster,
             tuner=args.tuner,
             tuner_listen=args.tuner_listen,
             tuner_period_s=args.tuner_period_s,
@@ -223,6 +233,13 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
 SUPERVISE_PERIOD_S = 0.2
 """How often `up` looks for services that died (wall seconds)."""
+
+
+def _prefix(args: argparse.Namespace) -> str:
+    """The prefix the services run with: on a Redis Cluster the default one has a hash tag."""
+    if args.redis_cluster and args.redis_prefix == DEFAULT_REDIS_PREFIX:
+        return DEFAULT_CLUSTER_PREFIX
+    return str(args.redis_prefix)
 
 
 def _restart_summary(restarts: dict[str, int]) -> str:
@@ -280,7 +297,7 @@ def _print_up(cluster: Any, args: argparse.Namespace) -> None:
             )
             + (" and a client certificate (mutual TLS)" if cluster.auth is not None else ""),
         ),
-        ("redis", f"{cluster.redis_url} ({redis_note}, keys {args.redis_prefix}*)"),
+        ("redis", f"{cluster.redis_url} ({redis_note}, keys {_prefix(args)}*)"),
         ("instances", f"{','.join(cluster.gpus)}: simulated engines"),
         ("calibration", cluster.calibration.name),
         (

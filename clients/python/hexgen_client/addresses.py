@@ -3,7 +3,10 @@ tuner and `LocalCluster`)."""
 
 from __future__ import annotations
 
+from hexgen_service.redis_keys import CLUSTER_PREFIX as DEFAULT_CLUSTER_PREFIX
+
 __all__ = [
+    "DEFAULT_CLUSTER_PREFIX",
     "DEFAULT_COORDINATOR",
     "DEFAULT_GATEWAY",
     "DEFAULT_METRICS",
