@@ -488,3 +488,12 @@ def test_a_tenants_own_rate_limit_is_admission_control(secure: tuple[Up, AuthDir
     keys = json.loads(listed.stdout)["keys"]
     assert {(k["tenant"], k["role"]) for k in keys} >= {("a", "tenant"), ("admin", "admin")}
     assert _key(auth.tenant_key("a")) not in auth.keys.read_text()  # hashed at rest
+
+
+def test_up_refuses_to_listen_beyond_loopback_unless_secured(tmp_path: Path) -> None:
+    done = _cli("up", "--listen", "0.0.0.0:0", "--gateway-listen", "127.0.0.1:0",
+                "--log-dir", str(tmp_path))  # fmt: skip
+    assert done.returncode == 2
+    assert "--listen 0.0.0.0:0: a mesh reachable beyond this machine must run with --secure" in (
+        done.stderr
+    )

@@ -165,6 +165,21 @@ def register(commands: Any) -> None:
 
 def _cmd_up(args: argparse.Namespace) -> int:
     require_mesh("up")
+    from hexgen_client.security import is_loopback  # noqa: PLC0415 - loads the mesh
+    exposed = [
+        f"{flag} {value}"
+        for flag, value in (
+            ("--listen", args.listen),
+            ("--tuner-listen", args.tuner_listen),
+            ("--gateway-listen", args.gateway_listen),
+        )
+        if not is_loopback(value)
+    ]
+    if exposed and not args.secure:
+        raise ConfigError(
+            f"{', '.join(exposed)}: a mesh reachable beyond this machine must run with "
+            "--secure (API keys, TLS, mutual TLS for workers)"
+        )
     if args.redis_cluster and args.redis_url is None:
         raise ConfigError("--redis-cluster: give --redis-url, a node of the Redis Cluster")
     if (args.auth_dir is not None or args.tenants) and not args.secure:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from hexgen_service.auth import KeyRecord, KeyStore, Role, TenantLimits, read_secret
 from hexgen_service.auth_dir import AuthDir
 from hexgen_service.certs import write_private
+from hexgen_service.exposure import is_loopback
 from hexgen_service.tls import ca_from_env
 
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "Role",
     "TenantLimits",
     "ca_from_env",
+    "is_loopback",
     "read_secret",
     "write_private",
 ]
