@@ -9,30 +9,20 @@ a child of the coordinator's, joined through the `traceparent` of the dispatch m
 from __future__ import annotations
 
 import asyncio
-import os
 import uuid
 from collections.abc import AsyncIterator
 
-import grpc
 import pytest
-import redis.asyncio as aioredis
 from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from hexgen_api.v1 import coordinator_pb2, coordinator_pb2_grpc, worker_pb2_grpc
+from hexgen_api.v1 import coordinator_pb2
 from hexgen_client.client import CoordinatorClient
-from hexgen_client.processes import free_port
-from hexgen_coordinator.config import CoordinatorConfig
-from hexgen_coordinator.coordinator import Coordinator
-from hexgen_coordinator.service import CoordinatorServicer, WorkerServicer
 from hexgen_flow.workload import LLMCall, Query, Workflow
-from hexgen_service.server import GrpcServer
 from hexgen_service.telemetry import context_from_traceparent, setup_tracing, traceparent_of
-from hexgen_worker import Worker, WorkerConfig
-
-REDIS_URL = os.environ.get("HEXGEN_TEST_REDIS", "redis://127.0.0.1:6379/0")
+from in_process_mesh import in_process_mesh
 
 
 @pytest.fixture(scope="module")
@@ -59,42 +49,8 @@ def test_a_traceparent_carries_the_span_across() -> None:
 
 @pytest.fixture
 async def mesh() -> AsyncIterator[str]:
-    redis: aioredis.Redis[bytes] = aioredis.Redis.from_url(REDIS_URL)
-    prefix = f"hf-trace-test-{uuid.uuid4().hex[:8]}:"
-    address = f"127.0.0.1:{free_port()}"
-    config = CoordinatorConfig(
-        listen=address, redis_prefix=prefix, cluster="A100,L40S", time_scale=200.0
-    )
-    coordinator = Coordinator(config, redis)
-    await coordinator.start()
-
-    def register(server: grpc.aio.Server) -> None:
-        coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(
-            CoordinatorServicer(coordinator), server
-        )
-        worker_pb2_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(coordinator), server)
-
-    server = GrpcServer(address, register, ["hexgen_flow.v1.CoordinatorService"], grace_s=0.2)
-    await server.start()
-    workers = [
-        Worker(WorkerConfig(coordinator=address, worker_id=f"trace-{slot}", slot=slot, gpu=gpu))
-        for slot, gpu in enumerate(("A100", "L40S"))
-    ]
-    tasks = [asyncio.create_task(w.run()) for w in workers]
-    try:
-        for w in workers:
-            await asyncio.wait_for(w.welcomed.wait(), 20)
+    async with in_process_mesh(("A100", "L40S"), "trace-test", time_scale=200.0) as (_, address):
         yield address
-    finally:
-        for w in workers:
-            w.stop()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await coordinator.stop()
-        await server.stop()
-        keys = [k async for k in redis.scan_iter(match=f"{prefix}*")]
-        if keys:
-            await redis.delete(*keys)
-        await redis.aclose()  # type: ignore[attr-defined]  # types-redis predates aclose
 
 
 async def test_a_query_is_one_trace_across_coordinator_and_worker(
