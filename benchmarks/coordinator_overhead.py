@@ -35,7 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterable, AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import grpc
@@ -54,6 +54,7 @@ from hexgen_service.convert import submit_from_query
 from hexgen_service.worker_token import TOKEN_METADATA
 
 TIME_SCALE = 2000.0
+CLUSTER = "A100,A100,A6000,L40S"
 
 
 async def drive(
@@ -191,7 +192,9 @@ async def drive_wire(
     rate: float,
     seconds: float,
     auth: AuthDir | None = None,
+    ready: Callable[[], Awaitable[object]] | None = None,
 ) -> tuple[float, list[float], coordinator_pb2.CoordinatorOverhead]:
+    """`ready`: awaited once every instant worker is connected, before the drive starts."""
     workers = InstantWorkers(worker_door, cluster, auth)
     stop = asyncio.Event()
     async with _client(address, auth) as client:
@@ -201,10 +204,23 @@ async def drive_wire(
         ]
         while not all(i.connected for i in (await client.status()).instances):
             await asyncio.sleep(0.05)
+        if ready is not None:
+            await ready()
         achieved, overhead = await drive(address, rate, seconds, auth)
     stop.set()
     await asyncio.gather(*tasks, return_exceptions=True)
     return achieved, workers.wire_ms, overhead
+
+
+def coordinator_argv(
+    port: int, worker_port: int, redis_url: str, extra: tuple[str, ...] = ()
+) -> list[str]:
+    """The command line of a benchmark coordinator on 127.0.0.1 (`CLUSTER`, admission off,
+    `TIME_SCALE`), with `extra` arguments appended."""
+    return [sys.executable, "-m", "hexgen_coordinator", "--listen", f"127.0.0.1:{port}",
+            "--worker-listen", f"127.0.0.1:{worker_port}",
+            "--redis-url", redis_url, "--cluster", CLUSTER, "--admission", "off",
+            "--time-scale", repr(TIME_SCALE), "--log-level", "ERROR", *extra]  # fmt: skip
 
 
 def wire_run(
@@ -216,7 +232,7 @@ def wire_run(
 ) -> tuple[float, list[float], coordinator_pb2.CoordinatorOverhead]:
     """One wire-to-wire run: a private redis-server, the coordinator (with its workers'
     door apart), instant workers; `auth`: secured."""
-    cluster = "A100,A100,A6000,L40S"
+    cluster = CLUSTER
     acl = auth.redis_acl if auth is not None else None
     with RedisServer(appendfsync=appendfsync, aclfile=acl) as redis_server:
         port, worker_port = free_port(), free_port()
@@ -227,12 +243,8 @@ def wire_run(
             secure = [*login, *secure_argv(auth, "coordinator"),
                       "--worker-token-file", str(auth.worker_token)]  # fmt: skip
         coordinator = subprocess.Popen(
-            [sys.executable, "-m", "hexgen_coordinator", "--listen", f"127.0.0.1:{port}",
-             "--worker-listen", f"127.0.0.1:{worker_port}",
-             "--redis-url", redis_url, "--cluster", cluster, "--admission", "off",
-             "--time-scale", repr(TIME_SCALE), "--log-level", "ERROR", *secure,
-             *coordinator_args],
-        )  # fmt: skip
+            coordinator_argv(port, worker_port, redis_url, (*secure, *coordinator_args))
+        )
         try:
             return asyncio.run(
                 drive_wire(
