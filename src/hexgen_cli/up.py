@@ -166,6 +166,7 @@ def register(commands: Any) -> None:
 def _cmd_up(args: argparse.Namespace) -> int:
     require_mesh("up")
     from hexgen_client.security import is_loopback  # noqa: PLC0415 - loads the mesh
+
     exposed = [
         f"{flag} {value}"
         for flag, value in (
