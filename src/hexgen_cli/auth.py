@@ -15,11 +15,11 @@ from typing import Any
 
 from hexgen_cli.options import PROG, info, positive_float, print_json, print_rows
 
-__all__ = ["register", "tenant_names"]
+__all__ = ["name_list", "register"]
 
 
-def tenant_names(text: str) -> tuple[str, ...]:
-    """``--tenants a,b``: the names, in order, without repeats."""
+def name_list(text: str) -> tuple[str, ...]:
+    """``--tenants a,b`` or ``--hosts x,y``: the names, in order, without repeats."""
     names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
     if not names:
         raise argparse.ArgumentTypeError("expected NAME[,NAME...]")
@@ -45,11 +45,11 @@ def register(commands: Any) -> None:
     )
     init.add_argument("dir", type=Path, metavar="DIR")
     init.add_argument(
-        "--tenants", type=tenant_names, default=(), metavar="NAME[,NAME...]",
+        "--tenants", type=name_list, default=(), metavar="NAME[,NAME...]",
         help="make a key for each tenant: DIR/tenants/NAME.key",
     )  # fmt: skip
     init.add_argument(
-        "--hosts", type=tenant_names, default=(), metavar="NAME[,NAME...]",
+        "--hosts", type=name_list, default=(), metavar="NAME[,NAME...]",
         help="more names or addresses the server certificate is valid for (it always is "
         "for localhost, 127.0.0.1, ::1, coordinator, tuner and gateway)",
     )  # fmt: skip

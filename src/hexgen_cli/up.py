@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hexgen_cli.auth import tenant_names, usage_rows
+from hexgen_cli.auth import name_list, usage_rows
 from hexgen_cli.mesh import add_cluster_options, require_mesh
 from hexgen_cli.options import (
     PROG,
@@ -148,7 +148,7 @@ def register(commands: Any) -> None:
     )
     up.add_argument(
         "--tenants",
-        type=tenant_names,
+        type=name_list,
         default=(),
         metavar="NAME[,NAME...]",
         help="with --secure: make an API key for each tenant (AUTH_DIR/tenants/NAME.key)",
