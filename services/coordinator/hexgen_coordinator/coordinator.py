@@ -214,7 +214,7 @@ class Coordinator:
 
     def watch(self, query_id: str) -> AsyncIterator[cpb.QueryEvent]:
         """The query's events so far, then live ones until it ends."""
-        return events.watch(query_id, self.ledger, self.store, self._views)
+        return events.watch(query_id, self.ledger, self.store, self._views, self._writes)
 
     async def get_info(self, query_id: str) -> cpb.QueryInfo:
         return await self._views.get_info(query_id)

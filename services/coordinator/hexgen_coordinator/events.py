@@ -14,6 +14,7 @@ from hexgen_api.v1 import coordinator_pb2 as cpb
 from hexgen_coordinator.ledger import ActiveQuery, Ledger
 from hexgen_coordinator.store import WorkflowStore
 from hexgen_coordinator.views import QueryViews
+from hexgen_coordinator.write_behind import WriteBehind
 
 __all__ = ["WATCH_BUFFER", "end_watch", "record_event", "watch"]
 
@@ -65,12 +66,15 @@ def end_watch(watcher: asyncio.Queue[cpb.QueryEvent | None]) -> None:
 
 
 async def watch(
-    query_id: str, ledger: Ledger, store: WorkflowStore, views: QueryViews
+    query_id: str, ledger: Ledger, store: WorkflowStore, views: QueryViews, writes: WriteBehind
 ) -> AsyncIterator[cpb.QueryEvent]:
     """The query's events so far, then live ones until it ends."""
     entry = ledger.active.get(query_id)
     if entry is None:
         await views.get_info(query_id)  # NOT_FOUND if unknown
+        # A query that ended a moment ago may still have its last events behind: read the
+        # log once they are in Redis, or the watcher sees it stop before its end.
+        await writes.flush()
         for raw in await store.events(query_id):
             yield cpb.QueryEvent.FromString(raw)
         return
