@@ -242,7 +242,10 @@ def predict(
 ) -> RunResult:
     """The simulator's run of `queries` arriving at `arrivals` on `cluster`."""
     timed = [dataclasses.replace(q, arrival_s=arrivals[q.query_id]) for q in queries]
-    options: dict[str, Any] = {} if engine is None else {"engine": engine}
+    # The servers run without prefix caching (above): so does the simulated engine.
+    options: dict[str, Any] = {"prefix_caching": False}
+    if engine is not None:
+        options["engine"] = engine
     sim = Simulation(timed, cluster, resolve_policy(policy), SimConfig(qps, seed=seed, **options))
     calls: list[CallTimes] = []
     complete = sim.scheduler.complete

@@ -1,6 +1,6 @@
-"""The benchmark's sensitivity band: every calibration and seed it names is run, the ranges
-are the extremes of the rows they summarise, the best router is chosen per row and seed, and
-results.md shows it."""
+"""The benchmark's sensitivity band: every calibration, prefix-caching setting and seed it
+names is run, the ranges are the extremes of the rows they summarise, the best router is
+chosen per row and seed, and results.md shows it."""
 
 from __future__ import annotations
 
@@ -25,13 +25,21 @@ PLAN = BenchPlan(
 )
 
 
-def test_the_band_spans_every_calibration_seed_and_cluster(tmp_path: Path) -> None:
+def test_the_band_spans_every_calibration_caching_seed_and_cluster(tmp_path: Path) -> None:
     outcome = run_bench(PLAN, tmp_path, workers=1)
     band = outcome.doc["band"]
     assert band["calibrations"] == ["aiconfigurator", "chess-measured"]  # the plan's first
     assert band["seeds"] == [0, 3]
+    assert band["prefix_caching"] == [True, False]  # the plan's own setting first
     rows = band["rows"]
-    assert len(rows) == 2 * 2 * 2  # calibrations x seeds x clusters (one trace, one rate)
+    assert len(rows) == 2 * 2 * 2 * 2  # calibrations x caching x seeds x clusters
+    # Caching changes the engine: the same row with it off is another run.
+    by_caching = {
+        r["prefix_caching"]: r["p95_s"]["hexgen-flow"]
+        for r in rows
+        if (r["calibration"], r["seed"], r["cluster"]) == ("aiconfigurator", 0, "x1")
+    }
+    assert len(set(by_caching.values())) == 2
     for row in rows:
         p95 = row["p95_s"]
         routers = {p: p95[p] for p in ("least-requests", "llf")}
@@ -39,14 +47,17 @@ def test_the_band_spans_every_calibration_seed_and_cluster(tmp_path: Path) -> No
         assert row["speedup_vs_best_router"] == min(routers.values()) / p95["hexgen-flow"]
         assert row["speedup_vs_vllm"] == p95["vllm"] / p95["hexgen-flow"]
     # Seeds change the arrivals: the same row under another seed is another run.
-    by_seed = {r["seed"]: r["p95_s"]["vllm"] for r in rows if r["cluster"] == "x1"}
+    by_seed = {
+        r["seed"]: r["p95_s"]["vllm"] for r in rows if r["cluster"] == "x1" and r["prefix_caching"]
+    }
     assert len(set(by_seed.values())) == 2
-    assert len(band["bands"]) == 4
+    assert len(band["bands"]) == 8
     for span in band["bands"]:
         mine = [
             r["speedup_vs_best_router"]
             for r in rows
-            if (r["calibration"], r["cluster"]) == (span["calibration"], span["cluster"])
+            if (r["calibration"], r["prefix_caching"], r["cluster"])
+            == (span["calibration"], span["prefix_caching"], span["cluster"])
         ]
         assert span["speedup_vs_best_router"] == {"min": min(mine), "max": max(mine)}
         assert span["homogeneous"] == (span["cluster"] == "A100x2")
@@ -55,12 +66,13 @@ def test_the_band_spans_every_calibration_seed_and_cluster(tmp_path: Path) -> No
     own = next(
         r
         for r in rows
-        if (r["calibration"], r["seed"], r["cluster"]) == ("aiconfigurator", 0, "x1")
+        if (r["calibration"], r["prefix_caching"], r["seed"], r["cluster"])
+        == ("aiconfigurator", True, 0, "x1")
     )
     assert own["p95_s"] == {p: matrix[p] for p in own["p95_s"]}
     text = (tmp_path / "results.md").read_text()
     assert "## Sensitivity band" in text
-    assert "| `chess-measured` | A100x2 (homogeneous) | A100,A100 |" in text
+    assert "| `chess-measured` | off | A100x2 (homogeneous) | A100,A100 |" in text
 
 
 def test_no_band_without_a_load_aware_router() -> None:

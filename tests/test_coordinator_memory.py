@@ -41,6 +41,7 @@ async def test_nothing_of_an_ended_query_stays_in_the_coordinator(
             pass
     assert coordinator.active == {} and coordinator.tickets == {}
     assert coordinator.scheduler.estimator.plans_cached == 0
+    assert len(coordinator.scheduler.load.prefix_homes) == 0
     # The backlog model drops ended queries when it next predicts (each submission): at
     # most the query that ended since the last one is left; with admission off it tracks none.
     tracked = {run.query.query_id for run in coordinator._admission.model.tracked()}

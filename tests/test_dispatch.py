@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import collections
 import math
-import random
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pytest
 
+from dispatch_driver import Driver as _Driver
+from dispatch_driver import context as _ctx
 from hexgen_flow.cluster import Cluster
 from hexgen_flow.errors import ConfigError
-from hexgen_flow.estimate import REPRESENTATIVE_TOKENS, Estimator
+from hexgen_flow.estimate import REPRESENTATIVE_TOKENS
 from hexgen_flow.policies.dispatch import (
     LeastRequestsDispatcher,
     LeastWorkDispatcher,
@@ -27,57 +28,14 @@ from hexgen_flow.policies.dispatch import (
     WorkloadBalancedDispatcher,
 )
 from hexgen_flow.policies.registration import DISPATCHERS
-from hexgen_flow.runtime import CallTicket, ClusterLoad, PolicyContext, QueryRun
-from hexgen_flow.workload import LLMCall, Query, Workflow
+from hexgen_flow.runtime import ClusterLoad
+from hexgen_flow.workload import LLMCall
 from pinned_calibration import latency_model, parse_cluster
 
 MODEL = "llama-3.1-70b"
 BIG = LLMCall("generate_candidate", 11748, 678)
 SMALL = LLMCall("information_retriever", 308, 5)
 REVISE = LLMCall("revise", 5963, 79)
-
-
-def _ctx(cluster: Cluster, seed: int = 0) -> PolicyContext:
-    return PolicyContext(cluster, Estimator(cluster), ClusterLoad(cluster), random.Random(seed))
-
-
-class _Driver:
-    """Plays the simulator's part: numbers tickets and keeps the load ledger."""
-
-    def __init__(self, ctx: PolicyContext) -> None:
-        self.ctx = ctx
-        self.seq = 0
-
-    def ticket(self, call: LLMCall) -> CallTicket:
-        run = QueryRun(Query(f"q{self.seq}", Workflow.chain([(call,)])), self.seq, 0.0, 100.0)
-        t = CallTicket(self.seq, run, 0, call, 0.0, 100.0)
-        self.seq += 1
-        return t
-
-    def place(self, instance: int, call: LLMCall) -> CallTicket:
-        """Put a call in flight on `instance` (work_s as the simulator sets it)."""
-        t = self.ticket(call)
-        t.instance = instance
-        t.work_s = self.ctx.estimator.call_time(instance, call)
-        self.ctx.load.on_dispatch(t)
-        return t
-
-    def dispatch(self, policy: Any, calls: Sequence[LLMCall]) -> list[int]:
-        """Dispatch `calls` one by one (nothing completes); the chosen instances."""
-        out = []
-        for call in calls:
-            t = self.ticket(call)
-            i = policy.select(t, 0.0)
-            assert isinstance(i, int)
-            out.append(self.commit(t, i))
-        return out
-
-    def commit(self, t: CallTicket, i: int) -> int:
-        """Record the dispatcher's choice `i` for `t` in the load ledger."""
-        t.instance = i
-        t.work_s = self.ctx.estimator.call_time(i, t.call)
-        self.ctx.load.on_dispatch(t)
-        return i
 
 
 def _step_time(gpu: str, step: str) -> float:

@@ -49,13 +49,15 @@ def test_the_readme_block_is_what_the_committed_results_render_to() -> None:
 
 
 def _sample(tasks: list[Task]) -> list[Task]:
-    """The flagship and the baseline on the first matrix row, and one band row of another
-    calibration, seed and cluster: every part of the engine and the policies the figures
-    rest on, in seconds rather than the slice's twenty minutes."""
+    """The flagship and the baseline on the first matrix row, and band rows of another
+    calibration, caching setting, seed and cluster (a prefix-aware router among them): every
+    part of the engine and the policies the figures rest on, in seconds rather than the
+    slice's minutes."""
     wanted = [
         ("matrix", "x1", "trace1", 0.5, "hexgen-flow"),
         ("matrix", "x1", "trace1", 0.5, "vllm"),
-        ("band", "chess-measured", 1, "H100x4", "trace2", 1.0, "least-requests"),
+        ("band", "chess-measured", False, 1, "H100x4", "trace2", 1.0, "least-requests"),
+        ("band", "aiconfigurator", True, 2, "x1", "trace3", 1.0, "llm-d"),
     ]
     by_key = {t.key: t for t in tasks}
     return [by_key[k] for k in wanted]
@@ -95,12 +97,19 @@ def test_the_committed_results_are_what_the_code_measures() -> None:
                     DRIFTED,
                 )
         else:
-            _, calibration, seed, cluster, trace, qps, preset = task.key
+            _, calibration, caching, seed, cluster, trace, qps, preset = task.key
             row = next(
                 r
                 for r in doc["band"]["rows"]
-                if (r["calibration"], r["seed"], r["cluster"], r["trace"], r["qps"])
-                == (calibration, seed, cluster, trace, qps)
+                if (
+                    r["calibration"],
+                    r["prefix_caching"],
+                    r["seed"],
+                    r["cluster"],
+                    r["trace"],
+                    r["qps"],
+                )
+                == (calibration, caching, seed, cluster, trace, qps)
             )
             assert _same(row["p95_s"][preset], record["p95_s"]), (
                 task.key,
@@ -172,6 +181,7 @@ def _doc(p95: dict[tuple[str, float, str], float] | None = None) -> dict[str, An
             "load_aware": routers,
             "calibration": "aiconfigurator",
             "engine": "vllm-v1",
+            "prefix_caching": False,
         },
         "matrix": cells,
         "matrix_rows": rows,
@@ -217,6 +227,12 @@ def test_the_block_renders_a_results_document() -> None:
         "load-aware router on trace1, and `hexgen-flow` is the best of the five presets on "
         "every row\nof the matrix.\n"
     )
+    # The engine's prefix caching is named when it is on.
+    cached = _doc()
+    cached["meta"]["prefix_caching"] = True
+    assert "engine model `vllm-v1` with prefix caching (vLLM V1's default)" in " ".join(
+        render_readme_block(cached).split()
+    )
     # When another preset wins a row, the claim says on how many rows hexgen-flow is best.
     lost = render_readme_block(_doc({("trace1", 1.0, "llf"): 199.0}))
     assert "best of the five presets on 1 of the 2 rows of the matrix." in " ".join(lost.split())
@@ -238,6 +254,7 @@ def test_the_band_is_one_sentence_over_both_kinds_of_cluster() -> None:
 
     doc["band"] = {
         "calibrations": ["aiconfigurator", "chess-measured"],
+        "prefix_caching": [True, False],
         "seeds": [0, 1, 2],
         "bands": [
             band("aiconfigurator", False, 1.1, 1.3),
@@ -248,10 +265,11 @@ def test_the_band_is_one_sentence_over_both_kinds_of_cluster() -> None:
     }
     text = " ".join(render_readme_block(doc).split())
     assert (
-        "**Band** (min-max over the calibrations `aiconfigurator` and `chess-measured`, arrival "
-        "seeds 0, 1 and 2, every trace and rate): on the heterogeneous clusters `hexgen-flow`'s "
-        "P95 is 1.00-1.00× lower than `vllm`'s and 1.05-1.40× lower than the best load-aware "
-        "router's; on homogeneous clusters its speedup over the best router is 0.97-1.02×."
+        "**Band** (min-max over the calibrations `aiconfigurator` and `chess-measured`, prefix "
+        "caching on and off, arrival seeds 0, 1 and 2, every trace and rate): on the "
+        "heterogeneous clusters `hexgen-flow`'s P95 is 1.00-1.00× lower than `vllm`'s and "
+        "1.05-1.40× lower than the best load-aware router's; on homogeneous clusters its "
+        "speedup over the best router is 0.97-1.02×."
     ) in text
     assert "**Band**" not in render_readme_block(_doc())
 

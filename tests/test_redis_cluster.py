@@ -45,7 +45,7 @@ pytestmark = needs_redis_cluster
 
 NUM_QUERIES = 24
 QPS = 2.0
-TIME_SCALE = 50.0
+TIME_SCALE = 25.0  # slow enough that the replay is still running when the coordinator dies
 QUERIES: list[Query] = [
     replace(q, query_id=f"rc/{q.query_id}") for q in take_queries(load_trace("trace3"), NUM_QUERIES)
 ]

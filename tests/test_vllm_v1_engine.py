@@ -14,13 +14,13 @@ from hexgen_flow.cluster import Cluster, InstanceSpec, parse_cluster
 from hexgen_flow.errors import ConfigError
 from hexgen_flow.latency import latency_model
 from hexgen_flow.policies.presets import resolve_policy
+from hexgen_flow.prefix import DEFAULT_PREFIX_SHARE
 from hexgen_flow.runtime import CallTicket, QueryRun
 from hexgen_flow.sim.engine import BatchingEngineModel
 from hexgen_flow.sim.engines import ENGINE_MODELS, check_engine_model, create_engine_model
 from hexgen_flow.sim.simulator import SimConfig, Simulation
 from hexgen_flow.sim.vllm_v1 import (
     BLOCK_SIZE,
-    DEFAULT_PREFIX_SHARE,
     VllmV1EngineModel,
     default_max_num_batched_tokens,
 )
@@ -364,6 +364,8 @@ def test_the_registry_names_both_models_and_refuses_others() -> None:
     with pytest.raises(ConfigError, match="no prefix cache"):
         SimConfig(qps=1.0, engine="prefill-first", prefix_caching=True)
     assert SimConfig(qps=1.0).engine == "vllm-v1"  # the default
+    assert SimConfig(qps=1.0).prefix_caching is True  # vLLM V1's default, made explicit
+    assert SimConfig(qps=1.0, engine="prefill-first").prefix_caching is False
 
 
 def test_the_simulator_runs_every_query_to_the_end_on_either_model() -> None:
@@ -390,11 +392,14 @@ def test_the_simulator_runs_every_query_to_the_end_on_either_model() -> None:
 def test_simulate_runs_the_vllm_v1_engine_model() -> None:
     args = ("simulate", "--trace", "trace1", "--num-queries", "30", "--alpha", "0.5")
     doc = run_json(*args, "--engine", "vllm-v1", "--cluster", "A100,L40S")
-    assert doc["engine"] == "vllm-v1" and doc["prefix_caching"] is False
+    assert doc["engine"] == "vllm-v1" and doc["prefix_caching"] is True  # vLLM V1's default
     assert doc["completed"] == 30 and isinstance(doc["preemptions"], int)
     assert doc == run_json(*args, "--cluster", "A100,L40S")  # the default
+    off = run_json(*args, "--cluster", "A100,L40S", "--no-prefix-caching")
+    assert off["prefix_caching"] is False and off["latency_s"] != doc["latency_s"]
     base = run_json(*args, "--engine", "prefill-first", "--cluster", "A100,L40S")
     assert base["engine"] == "prefill-first" and base["preemptions"] == 0
+    assert base["prefix_caching"] is False  # it has no prefix cache
     assert doc["latency_s"] != base["latency_s"]
     line = one_error_line(run_cli("simulate", "--engine", "vllm"))
     assert "unknown engine model 'vllm'; known: prefill-first, vllm-v1" in line

@@ -139,7 +139,8 @@ def test_simulated_calls_batch_like_the_simulator() -> None:
 
 def test_simulated_engine_runs_the_vllm_v1_model_like_the_simulator() -> None:
     engine = simulated("vllm-v1")
-    model = VllmV1EngineModel(engine.spec)  # the simulator's vllm-v1 model, driven offline
+    # the simulator's vllm-v1 model, driven offline, with the worker's (default) caching
+    model = VllmV1EngineModel(engine.spec, enable_prefix_caching=engine.prefix_caching)
     sizes = [(300, 5), (1000, 100), (12000, 40)]
     for seq, (n_in, n_out) in enumerate(sizes):
         model.admit(ticket(seq, n_in, n_out), 0.0)
@@ -173,14 +174,19 @@ def test_the_engine_model_flag_reaches_the_simulated_engine(
 ) -> None:
     base = ["--coordinator", "localhost:50051", "--worker-id", "w1", "--gpu", "A100"]
     config = config_from_args(build_parser().parse_args([*base, "--engine-model", "vllm-v1"]))
-    assert (config.engine_model, config.prefix_caching) == ("vllm-v1", False)
+    assert (config.engine_model, config.prefix_caching) == ("vllm-v1", None)
     engine = create_engine(config)
     assert isinstance(engine, SimulatedEngine) and engine.engine_model == "vllm-v1"
+    assert engine.prefix_caching  # vllm-v1's default, as vLLM V1 serves
     assert config_from_args(build_parser().parse_args(base)).engine_model == "vllm-v1"
-    cached = config_from_args(
-        build_parser().parse_args([*base, "--engine-model", "vllm-v1", "--prefix-caching"])
+    off = config_from_args(
+        build_parser().parse_args([*base, "--engine-model", "vllm-v1", "--no-prefix-caching"])
     )
-    assert cached.prefix_caching
+    off_engine = create_engine(off)
+    assert isinstance(off_engine, SimulatedEngine) and not off_engine.prefix_caching
+    first = config_from_args(build_parser().parse_args([*base, "--engine-model", "prefill-first"]))
+    first_engine = create_engine(first)
+    assert isinstance(first_engine, SimulatedEngine) and not first_engine.prefix_caching
     for bad, expected in (
         (["--engine-model", "vllm"], "invalid choice"),
         (["--engine-model", "prefill-first", "--prefix-caching"], "has no prefix cache"),

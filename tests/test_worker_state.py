@@ -17,7 +17,7 @@ from hexgen_flow.estimate import Estimator
 from hexgen_flow.policies.registration import QUEUES
 from hexgen_flow.runtime import CallTicket, ClusterLoad, PolicyContext
 from hexgen_flow.scheduler import InstanceScheduler
-from hexgen_flow.sim.engine import BatchingEngineModel
+from hexgen_flow.sim.engines import create_engine_model
 from hexgen_flow.workload import LLMCall
 from hexgen_service.clock import ClusterClock
 from hexgen_worker import DispatchOutcome, WelcomeSettings, WorkerConfig, WorkerState
@@ -362,7 +362,11 @@ def test_worker_reproduces_the_simulators_latencies() -> None:
         e.call_id: e.finished_s - arrived[e.call_id] for e in h.sent if isinstance(e, CallFinished)
     }
 
-    model = BatchingEngineModel(h.engine.spec)
+    # The same engine model the worker runs (vllm-v1, caching as the worker does), driven
+    # offline in simulated time.
+    model = create_engine_model(
+        h.engine.engine_model, h.engine.spec, prefix_caching=h.engine.prefix_caching
+    )
     queue = QUEUES.create("fcfs", policy_context("A6000"), 0)
     scheduler = InstanceScheduler(queue, model)
     arrivals = sorted((t, int(c[1:])) for c, t in arrived.items())

@@ -10,6 +10,7 @@ from typing import Any
 from hexgen_cli.options import add_calibration_option, add_engine_options, positive_int
 from hexgen_flow.cluster import parse_cluster
 from hexgen_flow.errors import ConfigError
+from hexgen_flow.sim.engines import prefix_caching_of
 
 __all__ = ["register"]
 
@@ -43,7 +44,7 @@ def register(commands: Any) -> None:
         help="worker processes (default 2; 1 runs everything in this process)",
     )
     add_calibration_option(bench, file_default=False)
-    add_engine_options(bench)
+    add_engine_options(bench)  # the band runs prefix caching both on and off
     bench.set_defaults(handler=_cmd_bench)
 
 
@@ -53,7 +54,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     plan = QUICK_PLAN if args.quick else FULL_PLAN
     if args.calibration is not None:
         plan = dataclasses.replace(plan, calibration=args.calibration)
-    plan = dataclasses.replace(plan, engine=args.engine, prefix_caching=args.prefix_caching)
+    caching = prefix_caching_of(args.engine, args.prefix_caching)
+    plan = dataclasses.replace(plan, engine=args.engine, prefix_caching=caching)
     for _, spec in plan.clusters:  # a cluster the calibration cannot run fails here, once
         parse_cluster(spec, calibration=plan.calibration)
     out: Path = args.out

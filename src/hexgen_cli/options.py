@@ -156,9 +156,11 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--prefix-caching",
-        action="store_true",
-        help="prefix caching in the engine model (vllm-v1 only; calls of one query with the "
-        "same step type are assumed to share most of their prompt)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="prefix caching in the engine model (default: on with vllm-v1, as vLLM V1 "
+        "serves; prefill-first has none; calls of one query with the same step type are "
+        "assumed to share most of their prompt)",
     )
 
 

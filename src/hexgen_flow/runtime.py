@@ -14,6 +14,7 @@ from typing import Any
 
 from hexgen_flow.cluster import Cluster
 from hexgen_flow.estimate import Estimator
+from hexgen_flow.prefix import PrefixHomes
 from hexgen_flow.workload import LLMCall, Query, Stage, Workflow
 
 __all__ = ["CallTicket", "ClusterLoad", "PolicyContext", "QueryRun"]
@@ -257,8 +258,11 @@ class ClusterLoad:
     """Per-instance load ledger that the dispatchers read.
 
     `in_flight` counts calls dispatched to an instance and not yet finished (queued or
-    running); `outstanding_s` is their estimated single-request time on that instance.
-    The driver calls `on_dispatch` and `on_complete`; nothing else writes here.
+    running); `outstanding_s` is their estimated single-request time on that instance;
+    `tokens_in_flight` their prompt and output tokens (the KV blocks they hold or will);
+    `prefix_homes` where each query's calls of each step type last went (prefix-aware
+    dispatch reads it through `prefix_home`). The driver calls `on_dispatch` and
+    `on_complete`, and sets `prefix_caching`; nothing else writes here.
     """
 
     __slots__ = (
@@ -270,6 +274,9 @@ class ClusterLoad:
         "min_kv_tokens",
         "outstanding_kv_s",
         "outstanding_s",
+        "prefix_caching",
+        "prefix_homes",
+        "tokens_in_flight",
     )
 
     def __init__(self, cluster: Cluster) -> None:
@@ -279,6 +286,11 @@ class ClusterLoad:
         self.outstanding_s = [0.0] * n
         self.outstanding_kv_s = [0.0] * n
         """KV-token-seconds in flight: sum of (input + output tokens) x work_s."""
+        self.tokens_in_flight = [0] * n
+        self.prefix_homes = PrefixHomes()
+        self.prefix_caching = True
+        """Whether the engines cache prompt prefixes (vLLM V1's default); the driver sets it
+        (the simulator from its engine model). Off, no instance is a prefix home."""
         self.kv_tokens = [inst.kv_cache_tokens for inst in cluster.instances]
         self.min_kv_tokens = min(self.kv_tokens)
         self.available = [True] * n
@@ -290,18 +302,30 @@ class ClusterLoad:
         self.in_flight[i] += 1
         self.outstanding_s[i] += ticket.work_s
         call = ticket.call
-        self.outstanding_kv_s[i] += (call.input_tokens + call.output_tokens) * ticket.work_s
+        tokens = call.input_tokens + call.output_tokens
+        self.outstanding_kv_s[i] += tokens * ticket.work_s
+        self.tokens_in_flight[i] += tokens
+        self.prefix_homes.put(ticket.query_id, call.step, i)
 
     def on_complete(self, ticket: CallTicket) -> None:
         i = ticket.instance
         self.in_flight[i] -= 1
         self.outstanding_s[i] -= ticket.work_s
         call = ticket.call
-        self.outstanding_kv_s[i] -= (call.input_tokens + call.output_tokens) * ticket.work_s
+        tokens = call.input_tokens + call.output_tokens
+        self.outstanding_kv_s[i] -= tokens * ticket.work_s
+        self.tokens_in_flight[i] -= tokens
         if self.in_flight[i] == 0:
             # no float drift on an idle instance
             self.outstanding_s[i] = 0.0
             self.outstanding_kv_s[i] = 0.0
+
+    def prefix_home(self, ticket: CallTicket) -> int | None:
+        """The instance that probably caches `ticket`'s shared prompt prefix: where its
+        query's last call of the same step type went; None if none, or no engine caches."""
+        if not self.prefix_caching:
+            return None
+        return self.prefix_homes.get(ticket.query_id, ticket.call.step)
 
     def set_available(self, instance: int, available: bool) -> None:
         self.available[instance] = available

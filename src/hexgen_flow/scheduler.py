@@ -201,7 +201,15 @@ class GlobalScheduler:
         released: list[CallTicket] = []
         for k in run.complete_call(stage, now):
             released.extend(self.release(run, k, now))
+        if run.finished_s is not None:
+            self.forget(run.query)
         return released
+
+    def forget(self, query: Query) -> None:
+        """`query` ended (any outcome): drop what the scheduler keeps for it, its cached plans
+        and its prefix homes, so a long-running driver holds only the queries it runs."""
+        self.estimator.forget(query.workflow)
+        self.load.prefix_homes.forget(query.query_id)
 
     def release_call(self, run: QueryRun, stage: int, index: int, now: float) -> CallTicket:
         """A ticket for a session's call given after its stage's release (a call beyond the

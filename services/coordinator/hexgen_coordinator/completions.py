@@ -375,7 +375,7 @@ class Completions:
         for watcher in entry.watchers:
             end_watch(watcher)
         self.ledger.active.pop(query_id, None)
-        self.scheduler.estimator.forget(run.query.workflow)
+        self.scheduler.forget(run.query)
         metrics = self.ledger.metrics
         metrics.queries_finished.labels(tenant, outcome).inc()
         latency, met = 0.0, False

@@ -84,8 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--prefix-caching",
-        action="store_true",
-        help="simulated engine: prefix caching in the engine model (vllm-v1 only)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="simulated engine: prefix caching in the engine model (default: the engine "
+        "model's; vllm-v1 caches, as vLLM V1 does)",
     )
     parser.add_argument(
         "--kv-cache-tokens", type=int, help="default: the latency model's KV capacity"

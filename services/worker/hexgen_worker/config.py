@@ -11,7 +11,7 @@ from typing import Any, Literal
 from hexgen_flow.cluster import DEFAULT_MODEL, Cluster, InstanceSpec
 from hexgen_flow.errors import ConfigError
 from hexgen_flow.latency import latency_model, resolve_model
-from hexgen_flow.sim.engines import DEFAULT_ENGINE_MODEL, check_engine_model
+from hexgen_flow.sim.engines import DEFAULT_ENGINE_MODEL, prefix_caching_of
 
 __all__ = ["ENGINE_KINDS", "EngineKind", "WorkerConfig"]
 
@@ -41,8 +41,9 @@ class WorkerConfig:
     engine_model: str = DEFAULT_ENGINE_MODEL
     """simulated engine: the core's engine model it runs (``--engine-model``; the name the
     simulator's ``--engine`` takes), so that the mesh and the simulator share it."""
-    prefix_caching: bool = False
-    """simulated engine: prefix caching in the engine model (vllm-v1 only)."""
+    prefix_caching: bool | None = None
+    """simulated engine: prefix caching in the engine model; None: the engine model's
+    default (vllm-v1: on, as vLLM V1 serves; `hexgen_flow.sim.engines.prefix_caching_of`)."""
     kv_cache_tokens: int | None = None
     """KV-cache tokens declared to the coordinator; None: the latency model's capacity."""
     max_batch: int | None = None
@@ -110,7 +111,7 @@ class WorkerConfig:
                 f"--engine: unknown engine {self.engine!r}; known: {', '.join(ENGINE_KINDS)}"
             )
         try:
-            check_engine_model(self.engine_model, prefix_caching=self.prefix_caching)
+            prefix_caching_of(self.engine_model, self.prefix_caching)
         except ConfigError as exc:
             raise ConfigError(f"--engine-model: {exc}") from None
         model = resolve_model(self.model).name

@@ -3,6 +3,7 @@ list of pool tasks a plan expands to."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +30,14 @@ BASELINE = "vllm"
 """The preset every speedup and goodput ratio is measured against."""
 FLAGSHIP = "hexgen-flow"
 """The preset the summary is about."""
-LOAD_AWARE: tuple[str, ...] = ("ray-serve", "least-requests", "least-work", "llf")
+LOAD_AWARE: tuple[str, ...] = (
+    "ray-serve",
+    "least-requests",
+    "least-work",
+    "llf",
+    "llm-d",
+    "dynamo",
+)
 """The load-aware router presets: the routers people run instead of round-robin. Every
 ratio over `BASELINE` is reported beside the ratio over the best of these in the plan (per
 matrix row the lowest P95, per goodput trace the highest goodput)."""
@@ -68,8 +76,9 @@ class BenchPlan:
     """Where every simulation's latency numbers come from (``--calibration``)."""
     engine: str = DEFAULT_ENGINE_MODEL
     """The simulated engine model of every instance (``--engine``)."""
-    prefix_caching: bool = False
-    """Prefix caching in that engine model (``--prefix-caching``)."""
+    prefix_caching: bool = True
+    """Prefix caching in that engine model: on, as vLLM V1 serves by default
+    (``--no-prefix-caching`` turns it off; the band runs both)."""
     qps: tuple[float, ...] = (0.5, 1.0)
     """Arrival rates of the matrix (queries/s)."""
     seed: int = 0
@@ -98,6 +107,9 @@ class BenchPlan:
     speed_alpha: float = 0.5
     band_calibrations: tuple[str, ...] = ("aiconfigurator", "chess-measured")
     """The sensitivity band's calibrations (besides `calibration`, which comes first)."""
+    band_prefix_caching: tuple[bool, ...] = (True, False)
+    """The band's engine settings: prefix caching on and off (besides `prefix_caching`,
+    which comes first; an engine model without a prefix cache runs off only)."""
     band_seeds: tuple[int, ...] = (0, 1, 2)
     band_clusters: tuple[tuple[str, str], ...] = (
         ("x1", "A100,A100,A6000,L40S"),
@@ -130,6 +142,14 @@ class BenchPlan:
     def band_calibration_list(self) -> tuple[str, ...]:
         """`calibration`, then the other `band_calibrations`, each once."""
         return tuple(dict.fromkeys((self.calibration, *self.band_calibrations)))
+
+    @property
+    def band_caching_list(self) -> tuple[bool, ...]:
+        """`prefix_caching`, then the other `band_prefix_caching`, each once; only off when
+        the engine model has no prefix cache."""
+        if self.engine != "vllm-v1":
+            return (False,)
+        return tuple(dict.fromkeys((self.prefix_caching, *self.band_prefix_caching)))
 
     @property
     def goodput_policies(self) -> tuple[str, ...]:
@@ -205,6 +225,7 @@ def plan_tasks(plan: BenchPlan) -> list[Task]:
         tenants: bool = False,
         seed: int = plan.seed,
         calibration: str = plan.calibration,
+        prefix_caching: bool = plan.prefix_caching,
     ) -> None:
         tasks.append(
             Task(
@@ -222,7 +243,7 @@ def plan_tasks(plan: BenchPlan) -> list[Task]:
                 goodput=(plan.goodput_target, plan.goodput_max_qps, plan.goodput_resolution),
                 calibration=calibration,
                 engine=plan.engine,
-                prefix_caching=plan.prefix_caching,
+                prefix_caching=prefix_caching,
             )
         )
 
@@ -251,23 +272,27 @@ def plan_tasks(plan: BenchPlan) -> list[Task]:
                     )
     if plan.runs_band:
         band_presets = [p for p in BAND_PRESETS if p in plan.presets]
-        for calibration in plan.band_calibration_list:
-            for seed in plan.band_seeds:
-                for label, spec in plan.band_clusters:
-                    for trace in plan.traces:
-                        for qps in plan.qps:
-                            for preset in band_presets:
-                                add(
-                                    "run",
-                                    ("band", calibration, seed, label, trace, qps, preset),
-                                    preset=preset,
-                                    trace=trace,
-                                    cluster=spec,
-                                    qps=qps,
-                                    num_queries=None,
-                                    seed=seed,
-                                    calibration=calibration,
-                                )
+        for calibration, caching, seed, (label, spec), trace, qps, preset in itertools.product(
+            plan.band_calibration_list,
+            plan.band_caching_list,
+            plan.band_seeds,
+            plan.band_clusters,
+            plan.traces,
+            plan.qps,
+            band_presets,
+        ):
+            add(
+                "run",
+                ("band", calibration, caching, seed, label, trace, qps, preset),
+                preset=preset,
+                trace=trace,
+                cluster=spec,
+                qps=qps,
+                num_queries=None,
+                seed=seed,
+                calibration=calibration,
+                prefix_caching=caching,
+            )
     for preset in plan.presets:
         if "slo_sweep" in plan.parts:
             for scale in plan.slo_sweep_scales:

@@ -90,10 +90,11 @@ def render_readme_block(doc: dict[str, Any]) -> str:
     cells = {(c["cluster"], c["trace"], c["qps"], c["policy"]): c for c in doc["matrix"]}
     rows = doc["matrix_rows"]
     routers = _and([f"`{p}`" for p in doc["meta"]["load_aware"]])
+    caching = " with prefix caching (vLLM V1's default)" if doc["meta"]["prefix_caching"] else ""
     calibration = (
         f"**Simulated** with calibration `{doc['meta']['calibration']}` and engine model "
-        f"`{doc['meta']['engine']}` (docs/hardware.md, docs/design.md): the figures compare "
-        "schedulers on a model of the engine; they are not measurements."
+        f"`{doc['meta']['engine']}`{caching} (docs/hardware.md, docs/design.md): the figures "
+        "compare schedulers on a model of the engine; they are not measurements."
     )
     legend = (
         f"Best router: the lowest P95 of the load-aware routers {routers} on that row; the "
@@ -165,9 +166,11 @@ def _band_lines(doc: dict[str, Any]) -> list[str]:
 
     calibrations = _and([f"`{c}`" for c in band["calibrations"]])
     seeds = _and([str(s) for s in band["seeds"]])
+    caching = _and(["on" if c else "off" for c in band["prefix_caching"]])
     sentence = (
-        f"**Band** (min-max over the calibrations {calibrations}, arrival seeds {seeds}, every "
-        f"trace and rate): on the heterogeneous clusters `{FLAGSHIP}`'s P95 is "
+        f"**Band** (min-max over the calibrations {calibrations}, prefix caching {caching}, "
+        f"arrival seeds {seeds}, every trace and rate): on the heterogeneous clusters "
+        f"`{FLAGSHIP}`'s P95 is "
         f"{span(False, 'speedup_vs_vllm')} lower than `{BASELINE}`'s and "
         f"{span(False, 'speedup_vs_best_router')} lower than the best load-aware router's; on "
         f"homogeneous clusters its speedup over the best router is "

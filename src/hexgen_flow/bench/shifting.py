@@ -17,7 +17,8 @@ each would have done over the whole run.
 
 **High load** (`HighLoad`): 30 queries/s of the paper's trace mix on a cluster of
 Qwen3-30B-A3B instances sized for it; `hexgen-flow` (α tuned on another arrival sample, as
-``--alpha auto`` does) against round-robin `vllm`, `llf` and `least-requests`.
+``--alpha auto`` does) against round-robin `vllm`, `llf`, `least-requests`, `llm-d` and
+`dynamo`.
 
 `run_shifting_load` returns one JSON-able document; `render_markdown` and `plot_shifting`
 render it. Everything but the wall times is a pure function of the seed.
@@ -129,7 +130,7 @@ class HighLoad:
     tune_grid: tuple[float, ...] = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
     """A coarse grid (plus the refining midpoints): α moves P95 by a few % here, and each
     replay costs seconds on 240 instances."""
-    presets: tuple[str, ...] = (PRESET, "vllm", "llf", "least-requests")
+    presets: tuple[str, ...] = (PRESET, "vllm", "llf", "least-requests", "llm-d", "dynamo")
 
 
 HIGH_LOAD = HighLoad()
@@ -201,10 +202,12 @@ def _alpha_by_phase(
 # ---------------------------------------------------------------------------- scenarios
 
 
-def _static(sc: ShiftScenario, cluster: Cluster, seed: int) -> tuple[float, tuple[AlphaPoint, ...]]:
+def _static(
+    sc: ShiftScenario, cluster: Cluster, seed: int, prefix_caching: bool | None
+) -> tuple[float, tuple[AlphaPoint, ...]]:
     """α tuned on a fresh sample (`seed`) of the first phase alone."""
     first = PhaseSchedule(sc.phases[:1]).build(seed)
-    config = SimConfig(qps=sc.phases[0].qps, seed=seed)
+    config = SimConfig(qps=sc.phases[0].qps, seed=seed, prefix_caching=prefix_caching)
     result = tune_alpha(first.queries, cluster, PRESETS[sc.preset], config)
     return result.alpha, result.curve
 
@@ -216,14 +219,16 @@ def run_scenario(
     draws: int = STATIC_DRAWS,
     from_worst: bool = True,
     calibration: str | None = None,
+    prefix_caching: bool | None = None,
     progress: bool = False,
 ) -> dict[str, Any]:
     """One scenario: static, online and every fixed α of the grid (module docstring);
-    `from_worst`: also the online tuner started from the worst of the `draws` static α."""
+    `from_worst`: also the online tuner started from the worst of the `draws` static α;
+    `prefix_caching`: the engine model's (None: its default, on)."""
     started = time.perf_counter()
     cluster = parse_cluster(sc.cluster, calibration=calibration)
     run = PhaseSchedule(sc.phases).build(seed)
-    config = SimConfig(qps=run.mean_qps, seed=seed)
+    config = SimConfig(qps=run.mean_qps, seed=seed, prefix_caching=prefix_caching)
     preset = PRESETS[sc.preset]
     runs: dict[float, dict[str, Any]] = {}
 
@@ -239,11 +244,11 @@ def run_scenario(
     grid = [runs[a] for a in ALPHA_GRID]
     best = min(grid, key=_rank)
 
-    static_alpha, static_curve = _static(sc, cluster, seed + 1)
+    static_alpha, static_curve = _static(sc, cluster, seed + 1, config.prefix_caching)
     static = fixed(static_alpha)
     static_draws = []
     for k in range(1, draws + 1):
-        alpha = static_alpha if k == 1 else _static(sc, cluster, seed + k)[0]
+        alpha = static_alpha if k == 1 else _static(sc, cluster, seed + k, config.prefix_caching)[0]
         rec = fixed(alpha)
         static_draws.append(
             {
@@ -286,6 +291,7 @@ def run_scenario(
         "title": sc.title,
         "cluster": sc.cluster,
         "calibration": cluster.calibration.name,
+        "prefix_caching": config.prefix_caching,
         "policy": sc.preset,
         "seed": seed,
         "phases": [

@@ -8,6 +8,7 @@ from typing import Literal
 from hexgen_flow.errors import ConfigError
 from hexgen_flow.estimate import EstimateMode
 from hexgen_flow.policies.base import Dispatcher
+from hexgen_flow.prefix import DEFAULT_PREFIX_SHARE, checked_prefix_share
 from hexgen_flow.runtime import CallTicket, PolicyContext
 
 __all__ = [
@@ -192,13 +193,29 @@ class MarginalLatencyDispatcher(Dispatcher):
     W_i is the outstanding work on i (`ClusterLoad.outstanding_s`); `share` is the part of
     it still ahead when the call arrives (half, for calls uniformly far along).
 
+    Prefix affinity: on the instance where the query's last call of the same step type went
+    (`ClusterLoad.prefix_home`; none when the engines cache no prefixes), the engine
+    probably still caches the prompt prefix they share, so p_i there is only the uncached
+    part, (1 - prefix_share) * p_i, in both terms. No separate weight: a cache hit is worth
+    the prefill seconds it saves, which is large on a slow-prefill GPU and small on a fast
+    one, and is traded against speed and load in the same unit.
+
     Parameters:
         alpha: 1 picks the instance where the call itself finishes first; 0 the one where it
             delays the other calls least.
         share: fraction of the outstanding work assumed still to run.
+        prefix_share: fraction of a call's prompt assumed cached where its query's last call
+            of the same step type went (`hexgen_flow.prefix`); 0 ignores prefix caches.
     """
 
-    def __init__(self, ctx: PolicyContext, *, alpha: float = 0.5, share: float = 0.5) -> None:
+    def __init__(
+        self,
+        ctx: PolicyContext,
+        *,
+        alpha: float = 0.5,
+        share: float = 0.5,
+        prefix_share: float = DEFAULT_PREFIX_SHARE,
+    ) -> None:
         super().__init__(ctx)
         if not 0.0 <= alpha <= 1.0:
             raise ConfigError(f"alpha must be in [0, 1], got {alpha}")
@@ -206,6 +223,7 @@ class MarginalLatencyDispatcher(Dispatcher):
             raise ConfigError(f"share must be in [0, 1], got {share}")
         self.alpha = alpha
         self._share = share
+        self._uncached = 1.0 - checked_prefix_share(prefix_share)
         instances = ctx.cluster.instances
         self._split = [inst.latency.split for inst in instances]
         # One extra entry: B + 1 may exceed max_batch while calls queue.
@@ -216,9 +234,12 @@ class MarginalLatencyDispatcher(Dispatcher):
         load = self.ctx.load
         in_flight, outstanding = load.in_flight, load.outstanding_s
         alpha, share = self.alpha, self._share
+        home = load.prefix_home(ticket)
         best, best_score = -1, float("inf")
         for i in self.candidates(ticket):
             prefill, decode = self._split[i](call.input_tokens, call.output_tokens)
+            if i == home:
+                prefill *= self._uncached
             table = self._slowdown[i]
             b = min(in_flight[i], len(table) - 2)
             after = table[b + 1]

@@ -67,7 +67,8 @@ PRESETS: dict[str, Preset] = {
             PolicyRef("urgency", MappingProxyType({"estimate": "call"})),
             PolicyRef("dag"),
             "HexGen-Flow: workload balance on marginal latency (per-call estimates, "
-            "outstanding work, live batch sizes) + urgency queue on DAG-aware stage budgets",
+            "outstanding work, live batch sizes, prefix affinity) + urgency queue on "
+            "DAG-aware stage budgets",
         ),
         Preset(
             "hexgen-flow-paper",
@@ -141,6 +142,21 @@ PRESETS: dict[str, Preset] = {
             PolicyRef("fcfs"),
             _PAPER_BUDGET,
             "least outstanding estimated work + FCFS",
+        ),
+        # Prefix-cache-aware routers (vLLM V1 caches prefixes by default).
+        Preset(
+            "llm-d",
+            PolicyRef("prefix-queue"),
+            PolicyRef("fcfs"),
+            _PAPER_BUDGET,
+            "llm-d's default profile: queue scorer (2) + prefix-cache scorer (3) + FCFS",
+        ),
+        Preset(
+            "dynamo",
+            PolicyRef("kv-overlap"),
+            PolicyRef("fcfs"),
+            _PAPER_BUDGET,
+            "NVIDIA Dynamo's KV router: least new prefill + decode KV tokens + FCFS",
         ),
     )
 }

@@ -13,6 +13,7 @@ from hexgen_flow.policies.dispatch import (
     RoundRobinDispatcher,
     WorkloadBalancedDispatcher,
 )
+from hexgen_flow.policies.prefix_routers import KvOverlapDispatcher, PrefixQueueDispatcher
 from hexgen_flow.policies.queues import (
     FcfsQueue,
     LeastLaxityQueue,
@@ -32,6 +33,8 @@ DISPATCHERS.register("round-robin", RoundRobinDispatcher)
 DISPATCHERS.register("pow2", PowerOfTwoDispatcher)
 DISPATCHERS.register("least-work", LeastWorkDispatcher)
 DISPATCHERS.register("least-requests", LeastRequestsDispatcher)
+DISPATCHERS.register("prefix-queue", PrefixQueueDispatcher)
+DISPATCHERS.register("kv-overlap", KvOverlapDispatcher)
 
 QUEUES: Registry[LocalQueue] = Registry("queue policy")
 QUEUES.register("urgency", UrgencyQueue)

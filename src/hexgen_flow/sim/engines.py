@@ -82,11 +82,23 @@ def check_engine_model(name: str, *, prefix_caching: bool = False) -> str:
     return name
 
 
+def prefix_caching_of(name: str, prefix_caching: bool | None) -> bool:
+    """Whether engine model `name` caches prefixes: `prefix_caching`, or when None the
+    engine's default: on for `vllm-v1`, as vLLM V1 serves by default; `prefill-first` has
+    no prefix cache. `ConfigError` when asked for a cache the engine lacks."""
+    check_engine_model(name, prefix_caching=bool(prefix_caching))
+    if prefix_caching is None:
+        return ENGINE_MODELS[name] is VllmV1EngineModel
+    return prefix_caching
+
+
 def create_engine_model(
-    name: str, spec: InstanceSpec, *, prefix_caching: bool = False
+    name: str, spec: InstanceSpec, *, prefix_caching: bool | None = None
 ) -> EngineModel:
-    """A fresh engine model `name` for the instance `spec`."""
-    cls = ENGINE_MODELS[check_engine_model(name, prefix_caching=prefix_caching)]
+    """A fresh engine model `name` for the instance `spec` (`prefix_caching`: None for the
+    engine's default, `prefix_caching_of`)."""
+    caching = prefix_caching_of(name, prefix_caching)
+    cls = ENGINE_MODELS[name]
     if cls is VllmV1EngineModel:
-        return VllmV1EngineModel(spec, enable_prefix_caching=prefix_caching)
+        return VllmV1EngineModel(spec, enable_prefix_caching=caching)
     return cls(spec)

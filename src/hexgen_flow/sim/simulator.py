@@ -27,8 +27,8 @@ from hexgen_flow.sim.arrivals import arrival_times
 from hexgen_flow.sim.engines import (
     DEFAULT_ENGINE_MODEL,
     EngineModel,
-    check_engine_model,
     create_engine_model,
+    prefix_caching_of,
 )
 from hexgen_flow.workload import Query
 
@@ -49,8 +49,10 @@ class SimConfig:
     """Coefficient of variation of inter-arrival gaps (1 = Poisson, > 1 = bursty)."""
     engine: str = DEFAULT_ENGINE_MODEL
     """Engine model of every instance, by name (`hexgen_flow.sim.engines.ENGINE_MODELS`)."""
-    prefix_caching: bool = False
-    """Prefix caching in the engine model (vllm-v1 only)."""
+    prefix_caching: bool | None = None
+    """Prefix caching in the engine model; None (the default) is the engine's own default,
+    made explicit on construction: on for vllm-v1, as vLLM V1 serves; prefill-first has
+    none (`hexgen_flow.sim.engines.prefix_caching_of`)."""
 
     def __post_init__(self) -> None:
         if not self.qps > 0:
@@ -59,7 +61,8 @@ class SimConfig:
             raise ConfigError(f"slo-scale must be > 0, got {self.slo_scale}")
         if not self.arrival_cv > 0:
             raise ConfigError(f"arrival-cv must be > 0, got {self.arrival_cv}")
-        check_engine_model(self.engine, prefix_caching=self.prefix_caching)
+        caching = prefix_caching_of(self.engine, self.prefix_caching)
+        object.__setattr__(self, "prefix_caching", caching)  # frozen: set once, here
 
 
 class Simulation:
@@ -83,6 +86,7 @@ class Simulation:
         self.preset = preset
         self.config = config
         self.scheduler = GlobalScheduler(cluster, preset, seed=config.seed + 1, estimator=estimator)
+        self.scheduler.load.prefix_caching = bool(config.prefix_caching)
         self.estimator = self.scheduler.estimator
         self.slo_base_s = self.scheduler.slo_base_s
         self._check_fits()

@@ -45,6 +45,7 @@ from collections import deque
 from hexgen_flow.cluster import InstanceSpec
 from hexgen_flow.errors import ConfigError
 from hexgen_flow.latency import DecodeStepFit
+from hexgen_flow.prefix import DEFAULT_PREFIX_SHARE
 from hexgen_flow.runtime import CallTicket
 from hexgen_flow.sim.prefix_cache import PrefixCache
 from hexgen_flow.sim.vllm_v1_requests import (
@@ -58,16 +59,12 @@ from hexgen_flow.sim.vllm_v1_requests import (
 
 __all__ = [
     "BLOCK_SIZE",
-    "DEFAULT_PREFIX_SHARE",
     "VllmV1EngineModel",
     "default_max_num_batched_tokens",
 ]
 
 BLOCK_SIZE = 16
 """vLLM's default KV-cache block size on CUDA, in tokens."""
-DEFAULT_PREFIX_SHARE = 0.75
-"""Assumed fraction of a prompt shared by the calls of one query with the same step type
-(the database schema and question that CHESS's prompts of one step repeat)."""
 
 _SERVER_BATCHED_TOKENS = 2048
 _LARGE_GPU_SERVER_BATCHED_TOKENS = 8192

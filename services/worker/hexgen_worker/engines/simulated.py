@@ -29,7 +29,12 @@ import time
 
 from hexgen_flow.cluster import InstanceSpec
 from hexgen_flow.runtime import CallTicket
-from hexgen_flow.sim.engines import DEFAULT_ENGINE_MODEL, EngineModel, create_engine_model
+from hexgen_flow.sim.engines import (
+    DEFAULT_ENGINE_MODEL,
+    EngineModel,
+    create_engine_model,
+    prefix_caching_of,
+)
 from hexgen_service.clock import ClusterClock
 from hexgen_worker.engines.base import Engine, EngineLoad, translate_time
 from hexgen_worker.engines.responder import respond
@@ -74,14 +79,15 @@ class SimulatedEngine(Engine):
         spec: InstanceSpec,
         engine_model: str = DEFAULT_ENGINE_MODEL,
         *,
-        prefix_caching: bool = False,
+        prefix_caching: bool | None = None,
     ) -> None:
         super().__init__()
         self.spec = spec
         """The instance modelled: GPU type, model, KV-cache tokens, max batch."""
         self.engine_model = engine_model
         """The engine model's name (`hexgen_flow.sim.engines.ENGINE_MODELS`)."""
-        self._prefix_caching = prefix_caching
+        self.prefix_caching = prefix_caching_of(engine_model, prefix_caching)
+        """Whether the engine model caches prefixes (None given: the engine model's default)."""
         self._model: EngineModel = self._new_model()
         self._offset = 0.0
         """Model time minus cluster time (non-zero only after the cluster clock changed)."""
@@ -105,7 +111,7 @@ class SimulatedEngine(Engine):
             self.spec.kv_cache_tokens,
             self.spec.max_batch,
             self.engine_model,
-            " with prefix caching" if self._prefix_caching else "",
+            " with prefix caching" if self.prefix_caching else "",
         )
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name="simulated-engine")
@@ -164,9 +170,7 @@ class SimulatedEngine(Engine):
     # ------------------------------------------------------------------ the model's clock
 
     def _new_model(self) -> EngineModel:
-        return create_engine_model(
-            self.engine_model, self.spec, prefix_caching=self._prefix_caching
-        )
+        return create_engine_model(self.engine_model, self.spec, prefix_caching=self.prefix_caching)
 
     def _clock_changed(self, old: ClusterClock, new: ClusterClock) -> None:
         unix = time.time()
