@@ -27,7 +27,12 @@ def register(commands: Any) -> None:
         "running, duplicate_completions, missing_completions, stuck_queries, orphan_keys} "
         "and exits 1 when any of the last four is non-zero.",
     )
-    cmd.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    cmd.add_argument(
+        "--redis-url",
+        default="redis://127.0.0.1:6379/0",
+        help="redis://[USER@]HOST:PORT/DB, or Redis behind Sentinel: "
+        "redis+sentinel://[USER@]HOST:PORT[,HOST:PORT...]/SERVICE[/DB] (default %(default)s)",
+    )
     cmd.add_argument(
         "--prefix",
         default=None,

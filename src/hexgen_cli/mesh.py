@@ -218,7 +218,9 @@ def add_cluster_options(parser: argparse.ArgumentParser, *, time_scale: float) -
         "--redis-url",
         default=None,
         metavar="URL",
-        help="a running Redis to use (default: start a private redis-server on a free port)",
+        help="a running Redis to use: redis://HOST:PORT/DB, or behind Sentinel "
+        "redis+sentinel://HOST:PORT[,...]/SERVICE (default: start a private redis-server "
+        "on a free port)",
     )
 
 

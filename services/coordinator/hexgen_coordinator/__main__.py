@@ -21,6 +21,7 @@ from hexgen_service.auth import PUBLIC_METHODS, AuthInterceptor, KeyStore, Role,
 from hexgen_service.exposure import refuse_unprotected
 from hexgen_service.gc_tuning import GcPauses, freeze_startup
 from hexgen_service.metrics_server import serve_metrics
+from hexgen_service.redis_sentinel import REDIS_URL_HELP, check_redis_url
 from hexgen_service.server import GrpcServer
 from hexgen_service.telemetry import setup_logging
 from hexgen_service.tls import TlsFiles, add_tls_options
@@ -56,7 +57,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[CoordinatorConfig, str]:
         metavar="HOST:PORT",
         help="the workers' door (WorkerService); default: on --listen, loopback only",
     )
-    parser.add_argument("--redis-url", default=defaults.redis_url)
+    parser.add_argument(
+        "--redis-url", default=defaults.redis_url, help=f"{REDIS_URL_HELP} (default %(default)s)"
+    )
     parser.add_argument(
         "--redis-password-file",
         metavar="FILE",
@@ -176,6 +179,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[CoordinatorConfig, str]:
         if args.api_keys_file:
             KeyStore(Path(args.api_keys_file))  # a bad file fails here, named
         _refuse_unprotected(args, tls)
+        check_redis_url(args.redis_url, cluster=args.redis_cluster)
         redis_prefix = cluster_prefix(
             args.redis_prefix, defaults.redis_prefix, cluster=args.redis_cluster
         )

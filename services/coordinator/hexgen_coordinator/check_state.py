@@ -34,6 +34,12 @@ from redis.exceptions import RedisClusterException
 from hexgen_coordinator.redis_retry import cluster_prefix
 from hexgen_flow.errors import HexgenFlowError
 from hexgen_service.auth import read_secret
+from hexgen_service.redis_sentinel import (
+    REDIS_URL_HELP,
+    check_redis_url,
+    parse_sentinel_url,
+    sync_master,
+)
 
 __all__ = ["StateReport", "check_state", "main"]
 
@@ -193,6 +199,9 @@ def _client(url: str, password: str | None, *, cluster: bool) -> redis.Redis[byt
             "redis.Redis[bytes]",
             redis.RedisCluster.from_url(url, socket_connect_timeout=5, password=password),
         )
+    sentinel = parse_sentinel_url(url)
+    if sentinel is not None:  # the master the Sentinels name
+        return sync_master(sentinel, password=password, socket_connect_timeout=5)
     plain: redis.Redis[bytes] = redis.Redis.from_url(
         url, socket_connect_timeout=5, password=password
     )
@@ -212,7 +221,11 @@ class _Parser(argparse.ArgumentParser):
 
 def main(argv: list[str] | None = None) -> int:
     parser = _Parser(prog="hexgen-flow check-state", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    parser.add_argument(
+        "--redis-url",
+        default="redis://127.0.0.1:6379/0",
+        help=f"{REDIS_URL_HELP} (default %(default)s)",
+    )
     parser.add_argument(
         "--prefix",
         default=None,
@@ -238,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     password = None
     try:
+        check_redis_url(args.redis_url, cluster=args.redis_cluster)
         prefix = cluster_prefix(args.prefix, "hf:", cluster=args.redis_cluster)
         if args.redis_password_file:
             password = read_secret(args.redis_password_file, "--redis-password-file")

@@ -15,7 +15,10 @@ Two layers, because they protect different things:
 
 On a Redis Cluster (``--redis-cluster``) `redis_client` builds redis-py's cluster client
 with the same retries and timeouts; every key of the coordinator carries the hash tag of its
-prefix (`cluster_prefix`), so each script, pipeline and transaction touches one slot.
+prefix (`cluster_prefix`), so each script, pipeline and transaction touches one slot. Behind
+Sentinel (a ``redis+sentinel://`` URL, `hexgen_service.redis_sentinel`) it builds a client of
+the master that asks the Sentinels again when a connection fails, so the same retries ride
+out a failover.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from redis.exceptions import BusyLoadingError, ClusterDownError, ConnectionError
 from redis.retry import Retry
 
 from hexgen_service.redis_keys import CLUSTER_PREFIX, cluster_prefix
+from hexgen_service.redis_sentinel import async_master, parse_sentinel_url
 
 __all__ = [
     "CLUSTER_PREFIX",
@@ -61,9 +65,20 @@ def redis_client(
     """The coordinator's Redis client: a blocking pool (bursts wait for a connection rather
     than fail), retries with backoff over about 3 s, idle connections checked before use;
     `password` for the ACL user the URL names (kept out of the URL: command lines are
-    world-readable); `cluster`: `url` is a node of a Redis Cluster."""
+    world-readable); `cluster`: `url` is a node of a Redis Cluster; a ``redis+sentinel://``
+    URL: the master the Sentinels name (its pool does not block: no cap on connections)."""
     if cluster:
         return _cluster_client(url, max_connections, password)
+    sentinel = parse_sentinel_url(url)
+    if sentinel is not None:
+        return async_master(
+            sentinel,
+            password=password,
+            retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=6),
+            retry_on_error=list(REDIS_UNAVAILABLE),
+            health_check_interval=5,
+            socket_connect_timeout=2,
+        )
     pool: aioredis.BlockingConnectionPool[aioredis.Connection] = (
         aioredis.BlockingConnectionPool.from_url(
             url,

@@ -14,6 +14,7 @@ from redis.exceptions import RedisClusterException
 
 from hexgen_flow.errors import HexgenFlowError
 from hexgen_service.redis_keys import cluster_prefix
+from hexgen_service.redis_sentinel import REDIS_URL_HELP, check_redis_url
 from hexgen_service.telemetry import setup_logging
 from hexgen_service.tls import add_tls_options
 from hexgen_tuner.config import TunerConfig
@@ -39,7 +40,9 @@ def parse_config(argv: Sequence[str] | None = None) -> TunerConfig:
     parser.add_argument(
         "--coordinator", default=d.coordinator, help=f"HOST:PORT (default {d.coordinator})"
     )
-    parser.add_argument("--redis-url", default=d.redis_url, help=f"(default {d.redis_url})")
+    parser.add_argument(
+        "--redis-url", default=d.redis_url, help=f"{REDIS_URL_HELP} (default {d.redis_url})"
+    )
     parser.add_argument(
         "--redis-prefix",
         default=None,
@@ -121,6 +124,7 @@ def parse_config(argv: Sequence[str] | None = None) -> TunerConfig:
     args = parser.parse_args(argv)
     setup_logging(args.log_level.upper())
     try:
+        check_redis_url(args.redis_url, cluster=args.redis_cluster)
         config = TunerConfig(
             listen=args.listen,
             coordinator=args.coordinator,

@@ -20,6 +20,7 @@ from hexgen_client.errors import CoordinatorError
 from hexgen_service.auth import AuthInterceptor, KeyStore, Role, read_secret
 from hexgen_service.exposure import is_loopback
 from hexgen_service.metrics_server import serve_metrics
+from hexgen_service.redis_sentinel import async_master, parse_sentinel_url
 from hexgen_service.server import GrpcServer
 from hexgen_service.telemetry import client_interceptors, setup_tracing
 from hexgen_service.tls import TlsFiles, ca_from_env, channel_credentials, server_credentials
@@ -160,6 +161,9 @@ def redis_client(config: TunerConfig) -> aioredis.Redis[bytes]:
             "aioredis.Redis[bytes]",
             RedisCluster.from_url(config.redis_url, password=password),
         )
+    sentinel = parse_sentinel_url(config.redis_url)
+    if sentinel is not None:  # the master the Sentinels name
+        return async_master(sentinel, password=password)
     client: aioredis.Redis[bytes] = aioredis.Redis.from_url(config.redis_url, password=password)
     return client
 
