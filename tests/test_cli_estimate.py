@@ -72,7 +72,8 @@ def test_an_instance_without_latency_data_shows_its_floors(tmp_path: Path) -> No
     assert (doc["gpu"], doc["gpus_per_instance"], doc["precision"]) == ("B200", 1, "fp8")
     assert doc["prefill_s"] is None and doc["below_floor"] is None
     assert doc["latency_source"] is None
-    assert doc["floor_prefill_s"] == 12000 * 2 * 70.6e9 / 4500e12
+    # the parameters a prompt token is multiplied through: less two untied 128,256 x 8,192 tables
+    assert doc["floor_prefill_s"] == 12000 * 2 * (70.6e9 - 2 * 128_256 * 8_192) / 4500e12
     assert doc["kv_capacity_tokens"] > 0
 
 

@@ -41,24 +41,35 @@ def _sub_physical(prefix_cached: bool) -> LatencyModel:
 # --------------------------------------------------------------------------- floors by hand
 
 
+# Llama-3.1-70B: 70.6e9 parameters, of which two untied tables of 128,256 x 8,192 (the input
+# embedding, a lookup, and the output head, run for a prompt's last token only)
+LLAMA_PROMPT_PARAMS = 70.6e9 - 2 * 128_256 * 8_192  # 68.499e9
+LLAMA_DECODE_READ = 70.6e9 - 128_256 * 8_192  # a step reads the input table's rows only
+
+
 def test_prefill_floor_by_hand() -> None:
-    # 12,000 tokens x 2 x 70.6e9 FLOP / (4 x 312e12 FLOP/s) = 1.3577 s
+    # 12,000 tokens x 2 x 68.499e9 FLOP / (4 x 312e12 FLOP/s) = 1.3173 s
     assert prefill_floor_s(_hardware("A100", 4), 12_000) == pytest.approx(
-        12_000 * 2 * 70.6e9 / (4 * 312e12), rel=1e-12
+        12_000 * 2 * LLAMA_PROMPT_PARAMS / (4 * 312e12), rel=1e-12
     )
-    assert prefill_floor_s(_hardware("A100", 4), 12_000) == pytest.approx(1.3577, abs=1e-4)
+    assert prefill_floor_s(_hardware("A100", 4), 12_000) == pytest.approx(1.3173, abs=1e-4)
     # fp8 on L40S: 733 instead of 362 TFLOP/s
     assert prefill_floor_s(_hardware("L40S", 4, precision="fp8"), 1000) == pytest.approx(
-        1000 * 2 * 70.6e9 / (4 * 733e12), rel=1e-12
+        1000 * 2 * LLAMA_PROMPT_PARAMS / (4 * 733e12), rel=1e-12
+    )
+    # tied embeddings are one matrix: SmolLM2-135M drops one table of 49,152 x 576
+    smollm = _hardware("A100", 1, model="smollm2-135m")
+    assert prefill_floor_s(smollm, 1000) == pytest.approx(
+        1000 * 2 * (134_515_008 - 49_152 * 576) / 312e12, rel=1e-12
     )
 
 
 def test_decode_step_floor_by_hand() -> None:
-    # (141.2e9 weight bytes + 8 x 4,000 x 327,680 KV bytes) / (4 x 2.039e12 B/s)
-    expected = (70.6e9 * 2 + 8 * 4000 * 2 * 80 * 8 * 128 * 2) / (4 * 2.039e12)
+    # (137.0e9 weight bytes + 8 x 4,000 x 327,680 KV bytes) / (4 x 2.039e12 B/s)
+    expected = (LLAMA_DECODE_READ * 2 + 8 * 4000 * 2 * 80 * 8 * 128 * 2) / (4 * 2.039e12)
     assert decode_step_floor_s(_hardware("A100", 4), 8, 4000) == pytest.approx(expected, rel=1e-12)
     # fp8 weights are half the bytes; the KV cache stays bf16
-    fp8 = (70.6e9 + 8 * 4000 * 327_680) / (4 * 0.864e12)
+    fp8 = (LLAMA_DECODE_READ + 8 * 4000 * 327_680) / (4 * 0.864e12)
     assert decode_step_floor_s(_hardware("L40S", 4, precision="fp8"), 8, 4000) == pytest.approx(
         fp8, rel=1e-12
     )
@@ -66,9 +77,12 @@ def test_decode_step_floor_by_hand() -> None:
 
 def test_a_mixture_of_experts_reads_its_active_weights() -> None:
     qwen = _hardware("A100", 1, model="qwen3-30b-a3b")
-    expected = (3.3e9 * 2 + 1000 * 2 * 48 * 4 * 128 * 2) / 2.039e12
+    table = 151_936 * 2_048  # untied: input embedding and output head
+    expected = ((3.3e9 - table) * 2 + 1000 * 2 * 48 * 4 * 128 * 2) / 2.039e12
     assert decode_step_floor_s(qwen, 1, 1000) == pytest.approx(expected, rel=1e-12)
-    assert prefill_floor_s(qwen, 1000) == pytest.approx(1000 * 2 * 3.3e9 / 312e12, rel=1e-12)
+    assert prefill_floor_s(qwen, 1000) == pytest.approx(
+        1000 * 2 * (3.3e9 - 2 * table) / 312e12, rel=1e-12
+    )
 
 
 # --------------------------------------------------------------------------- the check
@@ -79,7 +93,7 @@ def test_a_sub_physical_model_is_refused_with_both_numbers() -> None:
         check_floors(_sub_physical(prefix_cached=False), input_tokens=(12_000,))
     message = str(err.value)
     assert "\n" not in message
-    for part in ("llama-3.1-70b", "A100", "prefill of 12000 tokens", "0.012 s", "1.358 s"):
+    for part in ("llama-3.1-70b", "A100", "prefill of 12000 tokens", "0.012 s", "1.317 s"):
         assert part in message, (part, message)
 
 
@@ -88,7 +102,7 @@ def test_a_sub_physical_model_marked_prefix_cached_is_reported_not_refused() -> 
     prefill = next(c for c in comparisons if c.phase == "prefill")
     assert prefill.below and prefill.tokens == 12_000
     assert prefill.model_s == pytest.approx(0.012)
-    assert prefill.floor_s == pytest.approx(1.3577, abs=1e-4)
+    assert prefill.floor_s == pytest.approx(1.3173, abs=1e-4)
 
 
 def test_the_decode_step_is_checked_too() -> None:
@@ -138,7 +152,7 @@ def test_aiconfigurator_models_are_above_every_floor(gpu: str) -> None:
 def test_estimate_without_latency_data_has_floors_only() -> None:
     estimate = estimate_instance(_hardware("A100-40GB-SXM", 4), None, 12_000, 200)
     assert estimate.prefill_s is None and estimate.below_floor is None
-    assert estimate.floor_prefill_s == pytest.approx(1.3577, abs=1e-4)
+    assert estimate.floor_prefill_s == pytest.approx(1.3173, abs=1e-4)
     assert estimate.context_tokens == 12_000
 
 

@@ -61,6 +61,12 @@ class EntryFields:
             raise self._fail(key, "an integer >= 1")
         return value
 
+    def flag(self, key: str) -> bool:
+        value = self._required(key)
+        if not isinstance(value, bool):
+            raise self._fail(key, "true or false")
+        return value
+
     def choice(self, key: str, options: tuple[str, ...]) -> str:
         value = self._required(key)
         if value not in options:

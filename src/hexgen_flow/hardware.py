@@ -115,6 +115,9 @@ class ModelSpec:
     """Key/value heads per layer (grouped-query attention)."""
     head_dim: int
     hidden_size: int
+    vocab_size: int
+    tied_embeddings: bool
+    """Whether the output head is the input embedding matrix (one table, not two)."""
     tensor_parallel: tuple[tuple[str, int], ...]
     """(GPU name, tp) for each GPU type the model has latency data for, at the degree the
     data was taken at: also an instance's default tp. Empty: no latency data."""
@@ -133,8 +136,26 @@ class ModelSpec:
     def weight_bytes(self, precision: Precision) -> int:
         return self.parameters * BYTES_PER_PARAMETER[precision]
 
-    def active_weight_bytes(self, precision: Precision) -> int:
-        return self.active_parameters * BYTES_PER_PARAMETER[precision]
+    @property
+    def embedding_parameters(self) -> int:
+        """One embedding table: vocabulary x hidden size."""
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def prompt_token_parameters(self) -> int:
+        """The parameters every prompt token is multiplied through in a prefill: the active
+        ones less the input embedding (a lookup, no multiply) and the output head (vLLM
+        computes logits for a prompt's last token only); tied, they are one matrix."""
+        return self.active_parameters - (1 if self.tied_embeddings else 2) * (
+            self.embedding_parameters
+        )
+
+    def decode_read_bytes(self, precision: Precision) -> int:
+        """The weights one decode step reads whole: the active ones less the input
+        embedding table, of which a step reads only its sequences' rows (tied, the output
+        head reads that matrix whole anyway)."""
+        untied_input = 0 if self.tied_embeddings else self.embedding_parameters
+        return (self.active_parameters - untied_input) * BYTES_PER_PARAMETER[precision]
 
 
 @dataclass(frozen=True, slots=True)
@@ -293,6 +314,8 @@ _MODEL_FIELDS = (
     "kv_heads",
     "head_dim",
     "hidden_size",
+    "vocab_size",
+    "tied_embeddings",
     "tensor_parallel",
     "measured_profile",
     "aiconfigurator_model",
@@ -311,6 +334,8 @@ def _parse_model(doc: object, where: str) -> ModelSpec:
         kv_heads=fields.count("kv_heads"),
         head_dim=fields.count("head_dim"),
         hidden_size=fields.count("hidden_size"),
+        vocab_size=fields.count("vocab_size"),
+        tied_embeddings=fields.flag("tied_embeddings"),
         tensor_parallel=fields.counts_by_name("tensor_parallel"),
         measured_profile=fields.optional_text("measured_profile"),
         aiconfigurator_model=fields.optional_text("aiconfigurator_model"),
@@ -318,6 +343,11 @@ def _parse_model(doc: object, where: str) -> ModelSpec:
     )
     if model.active_parameters > model.parameters:
         raise ConfigError(f"{fields.where}: active_parameters exceeds parameters")
+    if model.prompt_token_parameters < 1:
+        raise ConfigError(
+            f"{fields.where}: the embedding tables (vocab_size x hidden_size"
+            f"{'' if model.tied_embeddings else ' x 2, untied'}) exceed active_parameters"
+        )
     for gpu, _ in model.tensor_parallel:
         gpu_catalogue().resolve(gpu)  # a typo in the table fails here, listing the GPUs
     # Every GPU with latency data takes its batch slowdown from aiconfigurator (latency.py).

@@ -2,9 +2,11 @@
 
 No engine beats its hardware's peaks (docs/hardware.md, docs/algorithm.md §10):
 
-- prefill of N prompt tokens >= N x 2 x active parameters / (tp x dense FLOP/s);
-- one decode step of B sequences at context C >= (active weight bytes + B x C x KV bytes per
-  token) / (tp x memory bandwidth).
+- prefill of N prompt tokens >= N x 2 x the parameters a prompt token is multiplied through
+  (the active ones less the embedding tables: `ModelSpec.prompt_token_parameters`) /
+  (tp x dense FLOP/s);
+- one decode step of B sequences at context C >= (the weight bytes it reads whole, active
+  less the input embedding table + B x C x KV bytes per token) / (tp x memory bandwidth).
 
 Both ignore attention's own FLOPs and every overhead, so a real engine sits above them. A
 latency model below a floor is not physics: `check_floors` refuses it, unless its source is
@@ -43,9 +45,9 @@ CHECK_OUTPUT_TOKENS = 200
 
 
 def prefill_floor_s(hardware: InstanceHardware, input_tokens: int) -> float:
-    """Least time to prefill `input_tokens`: 2 FLOPs per active parameter per token at the
-    group's dense peak."""
-    flop = input_tokens * 2 * hardware.model.active_parameters
+    """Least time to prefill `input_tokens`: 2 FLOPs per parameter a prompt token is
+    multiplied through, per token, at the group's dense peak."""
+    flop = input_tokens * 2 * hardware.model.prompt_token_parameters
     return flop / (hardware.tensor_parallel * hardware.gpu.flop_s(hardware.precision))
 
 
@@ -53,11 +55,12 @@ def decode_step_floor_s(hardware: InstanceHardware, batch: int, context_tokens: 
     """Least time of one decode step of `batch` sequences of `context_tokens` each: the
     weights and every sequence's KV cache read once at the group's peak bandwidth.
 
-    The weights counted are the active ones: a mixture of experts reads only the routed
-    experts at batch 1, and no batch reads fewer, so this stays a floor for any batch.
+    The weights counted are the active ones less the input embedding table, of which a step
+    reads its sequences' rows only: a mixture of experts reads only the routed experts at
+    batch 1, and no batch reads fewer, so this stays a floor for any batch.
     """
     kv_bytes = batch * context_tokens * hardware.model.kv_bytes_per_token
-    read = hardware.model.active_weight_bytes(hardware.precision) + kv_bytes
+    read = hardware.model.decode_read_bytes(hardware.precision) + kv_bytes
     return read / (hardware.tensor_parallel * hardware.gpu.memory_bytes_per_s)
 
 
