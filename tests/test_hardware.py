@@ -126,6 +126,16 @@ def test_model_catalogue() -> None:
     qwen = resolve_model("Qwen/Qwen3-30B-A3B")
     assert qwen.active_parameters < qwen.parameters
     assert resolve_model("HuggingFaceTB/SmolLM2-135M").kv_bytes_per_token == 2 * 30 * 3 * 64 * 2
+    # What a prompt token is multiplied through: less the input embedding (a lookup) and the
+    # output head (the last prompt token only); one matrix when they are tied.
+    assert not llama.tied_embeddings and llama.embedding_parameters == 128_256 * 8_192
+    assert llama.prompt_token_parameters == 70.6e9 - 2 * 128_256 * 8_192
+    assert llama.decode_read_bytes("bf16") == (70.6e9 - 128_256 * 8_192) * 2
+    smollm = resolve_model("smollm2-135m")
+    assert smollm.tied_embeddings
+    assert smollm.prompt_token_parameters == 134_515_008 - 49_152 * 576
+    assert smollm.decode_read_bytes("bf16") == 134_515_008 * 2  # the head reads it all
+    assert qwen.prompt_token_parameters == 3.3e9 - 2 * 151_936 * 2_048
 
 
 # --------------------------------------------------------------------------- instances
