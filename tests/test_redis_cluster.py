@@ -16,9 +16,7 @@ import asyncio
 import subprocess
 import sys
 import time
-from collections import Counter
 from collections.abc import Iterator
-from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -27,18 +25,17 @@ import redis
 
 from hexgen_api.v1 import coordinator_pb2, coordinator_pb2_grpc, tuner_pb2, tuner_pb2_grpc
 from hexgen_client.client import CoordinatorClient
-from hexgen_client.cluster import LocalCluster, LocalClusterConfig
+from hexgen_client.cluster import LocalCluster
 from hexgen_client.replay import replay
 from hexgen_coordinator.redis_retry import CLUSTER_PREFIX, cluster_prefix, redis_client
 from hexgen_coordinator.session_store import SessionStore
 from hexgen_coordinator.store import Placement, WorkflowStore
 from hexgen_flow.errors import ConfigError
-from hexgen_flow.traces import load_trace, take_queries
-from hexgen_flow.workload import Query
 from hexgen_service.auth_dir import redis_acl_line
 from hexgen_tuner.store import AlphaChange, TunerStore
 from hexgen_tuner.window import read_window
 from redis_cluster_here import RedisClusterHere, needs_redis_cluster
+from replay_on_redis import assert_each_call_completed_once, mesh_config, trace3_replay
 from up_runner import check_state
 
 pytestmark = needs_redis_cluster
@@ -46,15 +43,7 @@ pytestmark = needs_redis_cluster
 NUM_QUERIES = 24
 QPS = 2.0
 TIME_SCALE = 25.0  # slow enough that the replay is still running when the coordinator dies
-QUERIES: list[Query] = [
-    replace(q, query_id=f"rc/{q.query_id}") for q in take_queries(load_trace("trace3"), NUM_QUERIES)
-]
-CALL_IDS = {
-    f"{q.query_id}/{k}.{i}"
-    for q in QUERIES
-    for k, stage in enumerate(q.workflow.stages)
-    for i in range(len(stage.calls))
-}
+QUERIES, CALL_IDS = trace3_replay("rc", NUM_QUERIES)
 
 
 @pytest.fixture(scope="module")
@@ -65,16 +54,8 @@ def redis_cluster() -> Iterator[RedisClusterHere]:
 
 @pytest.fixture(scope="module")
 def mesh(redis_cluster: RedisClusterHere) -> Iterator[LocalCluster]:
-    config = LocalClusterConfig(
-        listen="127.0.0.1:0",
-        tuner_listen="127.0.0.1:0",
-        redis_url=redis_cluster.url,
-        redis_cluster=True,  # the default prefix: the services' hf:{0}:
-        time_scale=TIME_SCALE,
-        tuner_period_s=3600,  # tuning runs only when a test asks (Retune)
-        start_timeout_s=60,
-        admission="off",  # every query is admitted: the point is where its state goes
-    )
+    # redis_cluster: the default prefix, the services' hf:{0}:
+    config = mesh_config(redis_cluster.url, TIME_SCALE, redis_cluster=True)
     with LocalCluster(config) as cluster:
         yield cluster
 
@@ -152,9 +133,7 @@ def test_a_replay_with_a_coordinator_restart_completes_every_call_once(
         entries = client.xrange(CLUSTER_PREFIX + "completions")
     finally:
         client.close()
-    done = Counter(fields[b"call_id"].decode() for _, fields in entries)
-    assert set(done) == CALL_IDS, "calls lost or unknown calls completed"
-    assert all(n == 1 for n in done.values()), "a call completed more than once"
+    assert_each_call_completed_once(entries, CALL_IDS)
     status = mesh.status()
     assert status.queries_running == 0
     with grpc.insecure_channel(mesh.coordinator_address) as channel:

@@ -8,37 +8,26 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
-from collections import Counter
 from collections.abc import Iterator
-from dataclasses import replace
 
 import grpc
 import pytest
 
 from hexgen_api.v1 import tuner_pb2, tuner_pb2_grpc
 from hexgen_client.client import CoordinatorClient
-from hexgen_client.cluster import LocalCluster, LocalClusterConfig
+from hexgen_client.cluster import LocalCluster
 from hexgen_client.replay import replay
 from hexgen_flow.errors import ConfigError
-from hexgen_flow.traces import load_trace, take_queries
-from hexgen_flow.workload import Query
 from hexgen_service.redis_sentinel import SentinelUrl, parse_sentinel_url, sync_master
 from redis_sentinel_here import SERVICE, RedisSentinelHere, needs_redis_sentinel
+from replay_on_redis import assert_each_call_completed_once, mesh_config, trace3_replay
 from up_runner import check_state
 
 NUM_QUERIES = 24
 QPS = 2.0
 TIME_SCALE = 25.0
 PREFIX = "hf:"
-QUERIES: list[Query] = [
-    replace(q, query_id=f"rs/{q.query_id}") for q in take_queries(load_trace("trace3"), NUM_QUERIES)
-]
-CALL_IDS = {
-    f"{q.query_id}/{k}.{i}"
-    for q in QUERIES
-    for k, stage in enumerate(q.workflow.stages)
-    for i in range(len(stage.calls))
-}
+QUERIES, CALL_IDS = trace3_replay("rs", NUM_QUERIES)
 
 
 # ------------------------------------------------------------------------- the URL
@@ -115,15 +104,7 @@ def here() -> Iterator[RedisSentinelHere]:
 
 @pytest.fixture(scope="module")
 def mesh(here: RedisSentinelHere) -> Iterator[LocalCluster]:
-    config = LocalClusterConfig(
-        listen="127.0.0.1:0",
-        tuner_listen="127.0.0.1:0",
-        redis_url=here.url,
-        time_scale=TIME_SCALE,
-        tuner_period_s=3600,  # tuning runs only when a test asks (Retune)
-        start_timeout_s=60,
-        admission="off",  # every query is admitted: the point is where its state goes
-    )
+    config = mesh_config(here.url, TIME_SCALE)
     with LocalCluster(config) as cluster:
         yield cluster
 
@@ -154,9 +135,7 @@ def test_a_replay_rides_out_a_failover_and_completes_every_call_once(
         entries = client.xrange(PREFIX + "completions")
     finally:
         client.close()
-    done = Counter(fields[b"call_id"].decode() for _, fields in entries)
-    assert set(done) == CALL_IDS, "calls lost or unknown calls completed"
-    assert all(n == 1 for n in done.values()), "a call completed more than once"
+    assert_each_call_completed_once(entries, CALL_IDS)
     assert mesh.status().queries_running == 0
     code, report = check_state(here.url)  # through the Sentinel, on the new master
     assert code == 0, report
