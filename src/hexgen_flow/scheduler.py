@@ -201,13 +201,13 @@ class GlobalScheduler:
         released: list[CallTicket] = []
         for k in run.complete_call(stage, now):
             released.extend(self.release(run, k, now))
-        if run.finished_s is not None:
-            self.forget(run.query)
         return released
 
     def forget(self, query: Query) -> None:
         """`query` ended (any outcome): drop what the scheduler keeps for it, its cached plans
-        and its prefix homes, so a long-running driver holds only the queries it runs."""
+        and its prefix homes, so a long-running driver holds only the queries it runs. The
+        driver calls it where it ends a query (the simulator when the last call finishes,
+        the coordinator whatever the outcome)."""
         self.estimator.forget(query.workflow)
         self.load.prefix_homes.forget(query.query_id)
 

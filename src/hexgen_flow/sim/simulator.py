@@ -232,6 +232,7 @@ class Simulation:
         self._enqueue(released, now)
         if run is not None and run.finished_s is not None:
             q = run.query
+            self.scheduler.forget(q)
             self._outcomes.append(QueryOutcome(q.query_id, q.tenant, run.arrival_s, now, run.slo_s))
 
     def _rebudget(self, run: QueryRun, now: float) -> None:
