@@ -1,13 +1,12 @@
-"""Redis behind Sentinel on this machine, for the tests of a mesh on one: a master, a replica
-of it and one Sentinel that monitors them (quorum 1), each ``redis-server`` on a free port of
-127.0.0.1 in its own folder, no persistence; started and torn down by the test. `url` is what
-the services take (``redis+sentinel://127.0.0.1:S/SERVICE``). `needs_redis_sentinel` skips
-when ``redis-server`` is not on PATH."""
+"""Redis behind Sentinel on this machine, for the tests of a mesh on one: a master and a
+replica of it (`hexgen_client.processes.RedisServer`, no persistence) and one Sentinel that
+monitors them (quorum 1), on free ports of 127.0.0.1; started and torn down by the test.
+`url` is what the services take (``redis+sentinel://127.0.0.1:S/SERVICE``).
+`needs_redis_sentinel` skips when ``redis-server`` is not on PATH."""
 
 from __future__ import annotations
 
 import shutil
-import socket
 import tempfile
 import time
 from pathlib import Path
@@ -16,7 +15,7 @@ from types import TracebackType
 import pytest
 import redis
 
-from hexgen_client.processes import ManagedProcess, stop_processes
+from hexgen_client.processes import ManagedProcess, RedisServer, free_port, stop_processes
 
 __all__ = ["RedisSentinelHere", "needs_redis_sentinel"]
 
@@ -28,25 +27,26 @@ needs_redis_sentinel = pytest.mark.skipif(
 SERVICE = "hexgen"
 
 
-def _free_ports(n: int) -> list[int]:
-    ports: list[int] = []
-    while len(ports) < n:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = int(sock.getsockname()[1])
-        if port not in ports:
-            ports.append(port)
-    return ports
-
-
 class RedisSentinelHere:
     """``with RedisSentinelHere() as here:`` a master, a replica and a Sentinel."""
 
     def __init__(self, start_timeout_s: float = 30.0) -> None:
         self.start_timeout_s = start_timeout_s
-        self.master_port = self.replica_port = self.sentinel_port = 0
+        self.master = RedisServer(appendfsync=None)
+        self.replica: RedisServer | None = None
+        self.sentinel_port = 0
         self.dir: Path | None = None
-        self.processes: list[ManagedProcess] = []
+        self.sentinel_process: ManagedProcess | None = None
+
+    @property
+    def master_port(self) -> int:
+        assert self.master.port is not None
+        return self.master.port
+
+    @property
+    def replica_port(self) -> int:
+        assert self.replica is not None and self.replica.port is not None
+        return self.replica.port
 
     @property
     def url(self) -> str:
@@ -63,36 +63,17 @@ class RedisSentinelHere:
         return str(host), int(port)
 
     def start(self) -> RedisSentinelHere:
-        self.dir = Path(tempfile.mkdtemp(prefix="hexgen-redis-sentinel-"))
-        self.master_port, self.replica_port, self.sentinel_port = _free_ports(3)
-        self.processes = [
-            self._server(self.master_port, []),
-            self._server(self.replica_port, ["--replicaof", "127.0.0.1", str(self.master_port)]),
-        ]
-        for port in (self.master_port, self.replica_port):
-            self._wait(lambda p=port: redis.Redis(port=p, socket_timeout=1).ping())
+        self.master.start()
+        self.replica = RedisServer(
+            appendfsync=None, extra_args=("--replicaof", "127.0.0.1", str(self.master_port))
+        )
+        self.replica.start()
         self._wait(self._replica_in_sync)
-        self.processes.append(self._sentinel())
+        self.dir = Path(tempfile.mkdtemp(prefix="hexgen-redis-sentinel-"))
+        self.sentinel_port = free_port()
+        self.sentinel_process = self._sentinel()
         self._wait(self._sentinel_sees_the_replica)
         return self
-
-    def _server(self, port: int, extra: list[str]) -> ManagedProcess:
-        assert self.dir is not None
-        folder = self.dir / str(port)
-        folder.mkdir()
-        argv = [
-            "redis-server",
-            "--port", str(port),
-            "--bind", "127.0.0.1",
-            "--appendonly", "no",
-            "--save", "",
-            "--dir", str(folder),
-            "--daemonize", "no",
-            *extra,
-        ]  # fmt: skip
-        server = ManagedProcess(f"redis-{port}", argv, folder / "redis.log")
-        server.start()
-        return server
 
     def _sentinel(self) -> ManagedProcess:
         assert self.dir is not None
@@ -167,8 +148,12 @@ class RedisSentinelHere:
         raise RuntimeError(f"Redis behind Sentinel not ready in {self.start_timeout_s} s: {last}")
 
     def stop(self) -> None:
-        stop_processes(self.processes, 5.0)
-        self.processes = []
+        if self.sentinel_process is not None:
+            stop_processes([self.sentinel_process], 5.0)
+            self.sentinel_process = None
+        for server in (self.replica, self.master):
+            if server is not None:
+                server.stop()
         if self.dir is not None:
             shutil.rmtree(self.dir, ignore_errors=True)
             self.dir = None

@@ -24,7 +24,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -408,6 +408,7 @@ class RedisServer:
         grace_s: float = 5.0,
         appendfsync: str | None = "always",
         aclfile: Path | None = None,
+        extra_args: Sequence[str] = (),
     ) -> None:
         if appendfsync not in (None, "always", "everysec", "no"):
             raise ConfigError(f"appendfsync {appendfsync!r}: expected always, everysec or no")
@@ -418,6 +419,8 @@ class RedisServer:
         self.appendfsync = appendfsync
         self.aclfile = aclfile
         """Redis ACL users (``--aclfile``); None: the default user, no password."""
+        self.extra_args = tuple(extra_args)
+        """More ``redis-server`` options (``--replicaof HOST PORT`` for a replica)."""
         self.port: int | None = None
         self.dir: Path | None = None
         self.process: ManagedProcess | None = None
@@ -441,6 +444,7 @@ class RedisServer:
                 "--save", "",
                 *self._persistence_args(),
                 *(["--aclfile", str(self.aclfile)] if self.aclfile is not None else []),
+                *self.extra_args,
                 "--dir", str(self.dir),
                 "--daemonize", "no",
             ]  # fmt: skip
