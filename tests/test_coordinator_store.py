@@ -95,6 +95,25 @@ async def test_submit_is_idempotent_and_counts_queries(store: WorkflowStore) -> 
     assert await store.active_ids() == ["a", "b"]
 
 
+async def test_a_workflow_declared_whole_enters_the_admitted_stream_once(
+    store: WorkflowStore,
+) -> None:
+    await store.submit("w", b"spec", "acme", 10.0, 100.0, [1, 2], [0, 1], shape=b"shape")
+    await store.submit("w", b"spec", "acme", 10.0, 100.0, [1, 2], [0, 1], shape=b"shape")
+    # A session is not declared whole: the tuner sees it once it has finished, not here.
+    await store.submit("s", b"spec", "acme", 12.0, 50.0, [0], [0], session_idle_s=30.0)
+    entries = await store.redis.xrange(store.admitted_key)
+    assert [e[1] for e in entries] == [
+        {
+            b"query_id": b"w",
+            b"tenant": b"acme",
+            b"arrival_s": b"10.0",
+            b"slo_s": b"100.0",
+            b"submit": b"shape",  # the shape: no prompts
+        }
+    ]
+
+
 async def test_completion_releases_stages_exactly_when_their_dependencies_finish(
     store: WorkflowStore,
 ) -> None:

@@ -1,7 +1,7 @@
 """The Redis ACL an auth directory writes (`hexgen_service.auth_dir.redis_acl_line`), on a
 real ``redis-server --aclfile``: the coordinator's user runs everything the coordinator
-does and nothing more, the tuner's user reads the ``finished`` stream and keeps its own
-keys, and the default user is off.
+does and nothing more, the tuner's user reads the ``admitted`` and ``finished`` streams
+and keeps its own keys, and the default user is off.
 
 The server loads the file `AuthDir.init` writes plus one line for the test itself (an
 admin user, to read ``ACL LOG`` and reset the database between tests); nothing else.
@@ -158,8 +158,8 @@ def test_the_line_is_exact() -> None:
     assert line == (
         "user tuner on resetpass "
         "#2bb80d537b1da3e38bd30361aa855686bde0eacd7162fef6a25fe97bf527a25b "
-        "resetkeys %R~hf:finished ~hf:tuner:* resetchannels -@all +ping +multi +exec "
-        "+discard +xrevrange +xrange +xlen +incr +lpush +rpush +ltrim +lrange +lindex "
+        "resetkeys %R~hf:admitted %R~hf:finished ~hf:tuner:* resetchannels -@all +ping +multi "
+        "+exec +discard +xrevrange +xrange +xlen +incr +lpush +rpush +ltrim +lrange +lindex "
         # a Redis Cluster's client (--redis-cluster) maps slots to nodes and reads the
         # commands' key positions; ASKING follows a slot that moves (tests/test_redis_cluster.py)
         "+cluster|slots +command +asking"
@@ -298,7 +298,8 @@ def test_the_coordinator_scripts_cannot_reach_keys_outside_the_prefix(acl: AclRe
 # ------------------------------------------------------------------------------ the tuner
 
 
-async def test_the_tuner_user_reads_finished_and_keeps_its_own_keys(acl: AclRedis) -> None:
+async def test_the_tuner_user_reads_its_window_and_keeps_its_own_keys(acl: AclRedis) -> None:
+    acl.admin.xadd(f"{PREFIX}admitted", {"query_id": "a", "tenant": "demo"})
     acl.admin.xadd(f"{PREFIX}finished", {"query_id": "q", "tenant": "demo"})
     client = acl.aclient("tuner")
     try:
@@ -315,7 +316,7 @@ async def test_the_tuner_user_reads_finished_and_keeps_its_own_keys(acl: AclRedi
         last = await store.last_alpha()
         assert last is not None and last.alpha == 0.3
         window = await read_window(client, PREFIX, 100)
-        assert window.skipped == 1  # read (and found unreadable: no shape)
+        assert window.skipped == 2  # both streams read (and found unreadable: no shape)
         assert await client.xlen(f"{PREFIX}finished") == 1
     finally:
         await client.aclose()  # type: ignore[attr-defined]  # types-redis predates aclose
@@ -324,6 +325,8 @@ async def test_the_tuner_user_reads_finished_and_keeps_its_own_keys(acl: AclRedi
 
 DENIED_TO_TUNER = [
     ("XADD", "hf:finished", "*", "query_id", "forged"),
+    ("XADD", "hf:admitted", "*", "query_id", "forged"),
+    ("XTRIM", "hf:admitted", "MAXLEN", "0"),
     ("XTRIM", "hf:finished", "MAXLEN", "0"),
     ("XDEL", "hf:finished", "0-1"),
     ("DEL", "hf:finished"),

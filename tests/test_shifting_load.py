@@ -133,8 +133,8 @@ def test_online_tuner_moves_alpha_off_a_bad_start_under_high_load() -> None:
     online = sim.run()
     steps = tuner.steps
     assert [s.time_s for s in steps] == [100.0 * (k + 1) for k in range(len(steps))]
-    assert steps[0].window == 0 and not steps[0].changed  # too few finished queries yet
-    assert "too few queries" in steps[0].reason
+    # Each run replays the queries admitted before it, finished or not.
+    assert steps[0].window == sum((q.arrival_s or 0.0) < 100.0 for q in run.queries)
     assert any(s.changed for s in steps)
     assert sim.scheduler.alpha == steps[-1].alpha
     # α = 1 (every call to its fastest instance) is the worst α at this load (docs/design.md,
@@ -151,10 +151,13 @@ def test_every_online_step_is_the_cores_retune_of_the_window_the_mesh_would_read
     config = SimConfig(qps=0.15)
     metrics, steps = run_online(run.queries, CLUSTER, FLOW.with_alpha(0.0), config, SETTINGS)
     by_id = {q.query_id: q for q in run.queries}
-    finishing = sorted(metrics.outcomes, key=lambda o: o.finished_s)
+    arriving = sorted(metrics.outcomes, key=lambda o: o.arrival_s)
     current = 0.0
     for step in steps:
-        recent = [o for o in finishing if o.finished_s < step.time_s][-SETTINGS.window :]
+        # The window is the latest admitted queries, finished or not (the coordinator's
+        # `admitted` stream): some of each window are still running at its tick.
+        recent = [o for o in arriving if o.arrival_s < step.time_s][-SETTINGS.window :]
+        assert any(o.finished_s > step.time_s for o in recent)
         window = TuningWindow.of((by_id[o.query_id], o.arrival_s, o.slo_s) for o in recent)
         again = retune(
             window,
@@ -168,6 +171,18 @@ def test_every_online_step_is_the_cores_retune_of_the_window_the_mesh_would_read
         assert again.decision.reason == step.reason
         current = step.alpha
     assert sum(s.changed for s in steps) >= 1
+
+
+def test_a_run_with_too_few_admitted_queries_changes_nothing() -> None:
+    run = HIGH.build(seed=1)
+    sim = Simulation(run.queries, CLUSTER, FLOW.with_alpha(1.0), SimConfig(qps=0.15))
+    tuner = OnlineTuner(OnlineSettings(period_s=20.0, window=30, min_queries=10))
+    tuner.attach(sim)
+    sim.run()
+    first = tuner.steps[0]
+    assert sum((q.arrival_s or 0.0) < 20.0 for q in run.queries) < 10
+    assert (first.window, first.changed, first.alpha) == (0, False, 1.0)
+    assert "too few queries in the window" in first.reason
 
 
 def test_the_online_tuner_needs_an_alpha() -> None:

@@ -1,4 +1,4 @@
-"""The α tuner: the window of finished queries rebuilt from the real Redis stream, the runs
+"""The α tuner: the window of recent queries rebuilt from the real Redis streams, the runs
 and α history it keeps in Redis, its decision rule, its replays in the simulator, and the
 TunerService over real gRPC. Runs against the real Redis at HEXGEN_TEST_REDIS (default
 127.0.0.1:6379), each test under its own key prefix, deleted afterwards.
@@ -37,7 +37,7 @@ from hexgen_tuner.config import TunerConfig
 from hexgen_tuner.service import SERVICE_NAME, TunerServicer
 from hexgen_tuner.store import AlphaChange, TunerStore, TuningRunRecord
 from hexgen_tuner.tuner import OBSERVED, AlphaTuner, decide, tuning_grid
-from hexgen_tuner.window import finished_key, read_window, window_from_entries
+from hexgen_tuner.window import admitted_key, finished_key, read_window, window_from_entries
 
 REDIS_URL = os.environ.get("HEXGEN_TEST_REDIS", "redis://127.0.0.1:6379/0")
 TRACE = load_trace("trace1")
@@ -75,6 +75,22 @@ async def add_finished(
             "tenant": query.tenant,
             "arrival_s": repr(arrival_s),
             "finished_s": repr(arrival_s + latency_s),
+            "slo_s": repr(slo_s),
+            "submit": submit_from_query(query).SerializeToString(),
+        },
+    )
+
+
+async def add_admitted(
+    client: aioredis.Redis[bytes], prefix: str, query: Query, arrival_s: float, slo_s: float
+) -> None:
+    """One entry of the coordinator's admitted stream, as its submit script writes it."""
+    await client.xadd(
+        admitted_key(prefix),
+        {
+            "query_id": query.query_id,
+            "tenant": query.tenant,
+            "arrival_s": repr(arrival_s),
             "slo_s": repr(slo_s),
             "submit": submit_from_query(query).SerializeToString(),
         },
@@ -124,6 +140,33 @@ async def test_window_takes_the_newest_entries_and_skips_unreadable_ones(
     assert window.skipped == 2
     assert [q.query_id for q in window.queries] == ["trace1-10", "trace1-11", "trace1-3"]
     assert [q.arrival_s for q in window.queries] == [0.0, 10.0, 400.0]
+
+
+async def test_the_window_is_the_latest_admitted_queries_finished_or_not(
+    redis_client: aioredis.Redis[bytes], prefix: str
+) -> None:
+    # Queries 0-5 admitted 10 s apart; 0-2 have finished, 3-5 are still running. Query 9 is
+    # a workflow session: never in `admitted`, in `finished` once it ended (arrived at 25 s).
+    for i in range(6):
+        await add_admitted(redis_client, prefix, TRACE[i], 10.0 * i, 150.0 + i)
+    for i in range(3):
+        await add_finished(redis_client, prefix, TRACE[i], 10.0 * i, slo_s=150.0 + i)
+    await add_finished(redis_client, prefix, TRACE[9], 25.0, slo_s=99.0)
+
+    window = await read_window(redis_client, prefix, 4)
+
+    # The last 4 by arrival over both streams, each once, running ones included.
+    assert [q.query_id for q in window.queries] == ["trace1-9", "trace1-3", "trace1-4", "trace1-5"]
+    assert [q.arrival_s for q in window.queries] == [0.0, 5.0, 15.0, 25.0]
+    assert [q.slo_s for q in window.queries] == [99.0, 153.0, 154.0, 155.0]
+    whole = await read_window(redis_client, prefix, 200)
+    assert [q.query_id for q in whole.queries] == [
+        "trace1-0", "trace1-1", "trace1-2", "trace1-9", "trace1-3", "trace1-4", "trace1-5"
+    ]  # fmt: skip
+    assert whole.skipped == 0
+    # An entry of either stream that cannot be read is skipped and counted.
+    await redis_client.xadd(admitted_key(prefix), {"query_id": "x", "arrival_s": "nan"})
+    assert (await read_window(redis_client, prefix, 200)).skipped == 1
 
 
 async def test_an_empty_stream_is_an_empty_window(

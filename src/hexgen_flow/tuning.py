@@ -7,10 +7,10 @@ midpoints next to the best grid value are tried as well, so a narrow optimum bet
 points is not missed.
 
 Online tuning, one implementation for the mesh and the simulator: `retune` is one tuning run
-on a `TuningWindow` of recently finished queries (replays from an empty cluster at the
+on a `TuningWindow` of recently admitted queries (replays from an empty cluster at the
 window's own arrival times, then `decide`); the mesh's tuner service calls it on the window it
 reads from Redis, and `OnlineTuner` calls it from inside a running `Simulation` every period
-(`Simulation.every`) on the simulation's own finished queries, and sets the live α.
+(`Simulation.every`) on the simulation's own admitted queries, and sets the live α.
 """
 
 from __future__ import annotations
@@ -303,9 +303,9 @@ class OnlineSettings:
     """Simulated seconds between tuning runs (the first one a period after the start). The
     mesh's period is 30 wall seconds: 30 to 600 cluster seconds at time scales 1 to 20."""
     window: int = 200
-    """How many of the most recently finished queries a run replays."""
+    """How many of the most recently admitted queries a run replays."""
     min_queries: int = 20
-    """Fewer finished queries than this: the run changes nothing."""
+    """Fewer admitted queries than this: the run changes nothing."""
     seed: int = 0
     """Seed of the replays (the policies' random choices)."""
     tolerance: float = 0.05
@@ -344,21 +344,20 @@ class AlphaStep:
 
 class OnlineTuner:
     """The mesh tuner's loop inside a `Simulation`: every `settings.period_s` of simulated
-    time it takes the last `settings.window` finished queries (as the mesh's tuner reads the
-    coordinator's ``finished`` stream), calls `retune` with the simulation's cluster and
-    preset, and sets the α the simulation's dispatcher uses from then on."""
+    time it takes the last `settings.window` admitted queries, finished or not (as the mesh's
+    tuner reads the coordinator's ``admitted`` stream: a workflow is declared whole when it
+    arrives, so its shape is known before it finishes), calls `retune` with the simulation's
+    cluster and preset, and sets the α the simulation's dispatcher uses from then on."""
 
     def __init__(self, settings: OnlineSettings | None = None) -> None:
         self.settings = settings or OnlineSettings()
         self.steps: list[AlphaStep] = []
-        self._queries: dict[str, Query] = {}
 
     def attach(self, sim: Simulation) -> None:
         """Run on `sim` (its preset must have an α, and its query ids must be distinct)."""
         if sim.scheduler.alpha is None:
             raise ConfigError(f"policy {sim.preset.name!r} has no alpha to tune")
-        self._queries = {q.query_id: q for q in sim.queries}
-        if len(self._queries) != len(sim.queries):
+        if len({q.query_id for q in sim.queries}) != len(sim.queries):
             raise ConfigError("online tuning needs distinct query ids")
         sim.every(self.settings.period_s, self._tick)
 
@@ -366,8 +365,7 @@ class OnlineTuner:
         settings = self.settings
         current = sim.scheduler.alpha
         assert current is not None  # attach checked that the policy has an α
-        recent = sim.finished[-settings.window :]
-        window = TuningWindow.of((self._queries[o.query_id], o.arrival_s, o.slo_s) for o in recent)
+        window = TuningWindow.of(sim.admitted[-settings.window :])
         run = retune(
             window,
             sim.cluster,

@@ -61,7 +61,7 @@ REDIS_COMMANDS: dict[str, tuple[str, ...]] = {
     ),
     "tuner": (
         "ping", "multi", "exec", "discard",
-        # the `finished` stream (read only, by its key pattern)
+        # the `admitted` and `finished` streams (read only, by their key patterns)
         "xrevrange", "xrange", "xlen",
         # its own runs, alpha history and run counter (`hexgen_tuner.store`)
         "incr", "lpush", "rpush", "ltrim", "lrange", "lindex",
@@ -82,7 +82,8 @@ def _key_pattern(text: str) -> str:
 
 def redis_keys(user: str, prefix: str = "hf:") -> tuple[str, ...]:
     """The key patterns of `user`: ``~P*`` the coordinator (every key of the mesh); the
-    tuner ``%R~P finished`` (read only) and ``~P tuner:*`` (its own keys); the health
+    tuner ``%R~P admitted`` and ``%R~P finished`` (read only) and ``~P tuner:*`` (its own
+    keys); the health
     probe none."""
     if not prefix or any(c.isspace() for c in prefix):
         raise ConfigError(f"redis prefix: {prefix!r} must be non-empty, without spaces")
@@ -90,7 +91,7 @@ def redis_keys(user: str, prefix: str = "hf:") -> tuple[str, ...]:
     if user == "coordinator":
         return (f"~{p}*",)
     if user == "tuner":
-        return (f"%R~{p}finished", f"~{p}tuner:*")
+        return (f"%R~{p}admitted", f"%R~{p}finished", f"~{p}tuner:*")
     if user == "health":
         return ()
     raise ConfigError(f"redis user: no ACL for {user!r} (known: {', '.join(REDIS_USERS)})")

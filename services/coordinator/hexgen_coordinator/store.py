@@ -16,8 +16,12 @@ Key layout (every key starts with the configured prefix P, default ``hf:``)::
                                   f:{call_id} = failed attempts; a workflow session's
                                   fields: see `hexgen_coordinator.session_store`
     P ev:{id}              list   the query's events (QueryEvent bytes), in order
-    P completions          stream one entry per finished call (what the tuner reads)
-    P finished             stream one entry per finished query, with its shape
+    P completions          stream one entry per finished call
+    P admitted             stream one entry per admitted workflow declared whole, with its
+                                  shape (what the tuner replays: its window is the latest
+                                  admitted queries, finished or not)
+    P finished             stream one entry per finished query, with its shape (a workflow
+                                  session's shape is known only here)
     P alpha:history        list   JSON of the latest alpha changes
 
 No id can make two keys collide: a query's two keys sit in different namespaces (``q:`` and
@@ -26,7 +30,8 @@ No id can make two keys collide: a query's two keys sit in different namespaces 
 Every change that decides what runs next is one Lua script that checks the state it
 changes, so it applies exactly once whatever order or number of times it arrives:
 
-- `submit` creates a query only if its id is new;
+- `submit` creates a query only if its id is new (and, for a workflow declared whole,
+  appends it to the ``admitted`` stream);
 - `place` (plain commands, written behind) records where calls went in fields of their own
   (``p:``), which no completion reads as done; a write after the query ended sets the
   retention window on its keys again, so nothing it writes outlives the query;
@@ -37,7 +42,7 @@ changes, so it applies exactly once whatever order or number of times it arrives
   limit, ends the query FAILED;
 - `cancel` ends a running query.
 
-A finished query (succeeded, cancelled or failed) expires after the retention window; both
+A finished query (succeeded, cancelled or failed) expires after the retention window; the three
 streams are trimmed to about `stream_maxlen` entries.
 """
 
@@ -73,9 +78,9 @@ ALPHA_HISTORY_MAX = 1000
 """alpha:history keeps this many latest changes."""
 
 _SUBMIT = """
--- KEYS: q, qseq, active ; ARGV: submit, shape, tenant, arrival_s, slo_s, deadline_s,
---        calls_total, stages_total, then per stage: left, deps, then query_id, session
---        ('' for a static query, else 'open'), idle timeout of a session
+-- KEYS: q, qseq, active, admitted ; ARGV: submit, shape, tenant, arrival_s, slo_s,
+--        deadline_s, calls_total, stages_total, then per stage: left, deps, then query_id,
+--        session ('' for a static query, else 'open'), idle timeout of a session, maxlen
 -- returns {created, index}
 if redis.call('EXISTS', KEYS[1]) == 1 then
   return {0, tonumber(redis.call('HGET', KEYS[1], 'index'))}
@@ -96,6 +101,10 @@ end
 redis.call('SADD', KEYS[3], ARGV[9 + 2 * n])
 if ARGV[10 + 2 * n] ~= '' then
   redis.call('HSET', KEYS[1], 'session', ARGV[10 + 2 * n], 'idle_s', ARGV[11 + 2 * n])
+else
+  redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[12 + 2 * n], '*', 'query_id',
+    ARGV[9 + 2 * n], 'tenant', ARGV[3], 'arrival_s', ARGV[4], 'slo_s', ARGV[5],
+    'submit', ARGV[2])
 end
 return {1, index}
 """
@@ -332,6 +341,10 @@ class WorkflowStore:
         return f"{self.prefix}completions"
 
     @property
+    def admitted_key(self) -> str:
+        return f"{self.prefix}admitted"
+
+    @property
     def finished_key(self) -> str:
         return f"{self.prefix}finished"
 
@@ -376,7 +389,8 @@ class WorkflowStore:
         """Record a new query (root stages released); (created, query index).
 
         Idempotent: an id already stored is left untouched and reported as not created.
-        `shape` is the submission without its prompts (what the `finished` stream keeps).
+        `shape` is the submission without its prompts (what the `admitted` and `finished`
+        streams keep; a session is added to `admitted` never, to `finished` when it ends).
         """
         args: list[Any] = [
             submit,
@@ -391,8 +405,13 @@ class WorkflowStore:
         ]
         for calls, deps in zip(stage_calls, stage_deps, strict=True):
             args += [calls, deps]
-        args += [query_id, "" if session_idle_s is None else "open", repr(session_idle_s or 0.0)]
-        keys = [self.qkey(query_id), f"{self.prefix}qseq", self.active_key]
+        args += [
+            query_id,
+            "" if session_idle_s is None else "open",
+            repr(session_idle_s or 0.0),
+            self.stream_maxlen,
+        ]
+        keys = [self.qkey(query_id), f"{self.prefix}qseq", self.active_key, self.admitted_key]
         created, index = await self._submit(keys=keys, args=args)
         return bool(created), int(index)
 

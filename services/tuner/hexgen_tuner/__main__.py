@@ -63,7 +63,7 @@ def parse_config(argv: Sequence[str] | None = None) -> TunerConfig:
         "--window",
         type=int,
         default=d.window,
-        help=f"finished queries replayed per run (default {d.window})",
+        help=f"latest admitted queries replayed per run (default {d.window})",
     )
     parser.add_argument(
         "--min-queries",

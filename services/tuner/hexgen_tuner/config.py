@@ -29,18 +29,19 @@ class TunerConfig:
     coordinator: str = DEFAULT_COORDINATOR
     """The coordinator whose α is tuned (ClusterStatus, SetAlpha)."""
     redis_url: str = DEFAULT_REDIS_URL
-    """The Redis the coordinator writes its ``finished`` stream to."""
+    """The Redis the coordinator writes its ``admitted`` and ``finished`` streams to."""
     redis_prefix: str = DEFAULT_REDIS_PREFIX
-    """Prefix of every key: reads ``P + "finished"``, writes ``P + "tuner:..."``; on a Redis
-    Cluster the coordinator's, with its hash tag (`cluster_prefix`)."""
+    """Prefix of every key: reads ``P + "admitted"`` and ``P + "finished"``, writes
+    ``P + "tuner:..."``; on a Redis Cluster the coordinator's, with its hash tag
+    (`cluster_prefix`)."""
     redis_cluster: bool = False
     """`redis_url` is a node of a Redis Cluster (``--redis-cluster``)."""
     period_s: float = 30.0
     """Wall seconds between tuning runs (the first one a period after start)."""
     window: int = 200
-    """How many of the most recently finished queries a run replays."""
+    """How many of the most recently admitted queries a run replays (`read_window`)."""
     min_queries: int = 20
-    """Fewer finished queries in the window than this: the run changes nothing."""
+    """Fewer queries in the window than this: the run changes nothing."""
     runs_kept: int = 200
     """Tuning runs kept in Redis (``ListTuningRuns``), newest first."""
     history_kept: int = 1000

@@ -2,7 +2,8 @@
 
 A run (docs/algorithm.md §6, online):
 
-1. read the last `window` finished queries from Redis (`read_window`);
+1. read the last `window` admitted queries from Redis (`read_window`: workflows declared
+   whole from the moment they are admitted, sessions once they finished);
 2. ask the coordinator for its cluster, policy and α (ClusterStatus);
 3. with a policy that has an α, `hexgen_flow.tuning.retune` (in a worker thread): with at
    least `min_queries` queries, replay the window in the simulator for every α of the grid

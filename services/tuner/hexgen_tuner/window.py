@@ -1,13 +1,18 @@
-"""The tuning window: the most recently finished queries, rebuilt as the simulator's input.
+"""The tuning window: the most recently admitted queries, rebuilt as the simulator's input.
 
-The coordinator appends one entry per finished query to the Redis stream
-``P + "finished"``: ``query_id, tenant, arrival_s, finished_s, slo_s`` (cluster seconds, as
-strings) and ``submit`` (the serialized `SubmitQueryRequest`). A window is the last N
-entries, each rebuilt as a domain `Query` (``hexgen_service.convert.query_from_submit``)
-and handed to the core's `hexgen_flow.tuning.TuningWindow.of`, which makes its SLO explicit
-(the one the coordinator gave it) and its arrival time relative to the window's first
-arrival, so the simulator replays the traffic as it came (the simulator's online tuner
-builds its windows with the same function).
+The coordinator appends one entry per admitted workflow declared whole to the Redis stream
+``P + "admitted"`` (``query_id, tenant, arrival_s, slo_s`` in cluster seconds, as strings,
+and ``submit``, the serialized `SubmitQueryRequest` without its prompts), and one entry per
+finished query to ``P + "finished"`` (the same fields and ``finished_s``). A window is the
+last N queries by arrival over both streams: a declared workflow counts from the moment it
+is admitted, so a change of load or mix reaches the window one query latency sooner than
+through finished queries alone; a workflow session (whose calls are not known until it
+has made them) counts once it has finished. Each is rebuilt as a domain `Query`
+(``hexgen_service.convert.query_from_submit``) and handed to the core's
+`hexgen_flow.tuning.TuningWindow.of`, which makes its SLO explicit (the one the coordinator
+gave it) and its arrival time relative to the window's first arrival, so the simulator
+replays the traffic as it came (the simulator's online tuner builds its windows from its
+admitted queries with the same function).
 """
 
 from __future__ import annotations
@@ -27,10 +32,11 @@ from hexgen_service.convert import query_from_submit
 from hexgen_service.errors import InvalidFieldError
 
 __all__ = [
-    "FinishedQuery",
+    "RecentQuery",
     "TrafficWindow",
+    "admitted_key",
     "finished_key",
-    "parse_finished",
+    "parse_entry",
     "read_window",
     "window_from_entries",
 ]
@@ -41,20 +47,24 @@ StreamEntry = tuple[bytes | str, Mapping[bytes, bytes]]
 """One entry as redis-py returns it: (entry id, {field: value})."""
 
 
+def admitted_key(prefix: str) -> str:
+    return prefix + "admitted"
+
+
 def finished_key(prefix: str) -> str:
     return prefix + "finished"
 
 
 @dataclass(frozen=True, slots=True)
-class FinishedQuery:
-    """One entry of the ``finished`` stream."""
+class RecentQuery:
+    """One entry of the ``admitted`` or the ``finished`` stream."""
 
     query: Query
     """The submitted query (no arrival time; its SLO as submitted)."""
     arrival_s: float
     """When the coordinator admitted it, cluster seconds."""
-    finished_s: float
-    """When its last call finished, cluster seconds."""
+    finished_s: float | None
+    """When its last call finished, cluster seconds; None in an ``admitted`` entry."""
     slo_s: float
     """The SLO the coordinator resolved for it, seconds."""
 
@@ -69,8 +79,9 @@ def _number(fields: Mapping[bytes, bytes], name: str) -> float:
     return value
 
 
-def parse_finished(fields: Mapping[bytes, bytes]) -> FinishedQuery:
-    """One stream entry as a `FinishedQuery`; ValueError naming the problem otherwise."""
+def parse_entry(fields: Mapping[bytes, bytes]) -> RecentQuery:
+    """One entry of either stream as a `RecentQuery` (an entry without ``finished_s`` is an
+    admitted one); ValueError naming the problem otherwise."""
     submit = fields.get(b"submit")
     if submit is None:
         raise ValueError("field 'submit' is missing")
@@ -85,13 +96,13 @@ def parse_finished(fields: Mapping[bytes, bytes]) -> FinishedQuery:
     if tenant:
         query = replace(query, tenant=tenant.decode())
     arrival_s = _number(fields, "arrival_s")
-    finished_s = _number(fields, "finished_s")
+    finished_s = _number(fields, "finished_s") if b"finished_s" in fields else None
     slo_s = _number(fields, "slo_s")
-    if arrival_s < 0 or finished_s < arrival_s:
+    if arrival_s < 0 or (finished_s is not None and finished_s < arrival_s):
         raise ValueError(f"times out of order: arrival_s {arrival_s}, finished_s {finished_s}")
     if slo_s <= 0:
         raise ValueError(f"slo_s must be > 0, got {slo_s}")
-    return FinishedQuery(query, arrival_s, finished_s, slo_s)
+    return RecentQuery(query, arrival_s, finished_s, slo_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,24 +130,32 @@ class TrafficWindow:
         return self.tuning.span_s
 
 
-def window_from_entries(entries: Sequence[StreamEntry]) -> TrafficWindow:
-    """The window of `entries` (oldest first). A query id seen twice keeps its latest entry."""
-    latest: dict[str, FinishedQuery] = {}
+def window_from_entries(entries: Sequence[StreamEntry], size: int | None = None) -> TrafficWindow:
+    """The window of `entries` (from either stream, each stream's oldest first): a query id
+    seen twice keeps its latest entry (so list the ``admitted`` entries before the
+    ``finished`` ones); `size`: only the last `size` queries by arrival."""
+    latest: dict[str, RecentQuery] = {}
     skipped = 0
     for entry_id, fields in entries:
         try:
-            record = parse_finished(fields)
+            record = parse_entry(fields)
         except ValueError as exc:
             skipped += 1
-            log.warning("finished-stream entry %r skipped: %s", entry_id, exc)
+            log.warning("tuning-window entry %r skipped: %s", entry_id, exc)
             continue
         latest.pop(record.query.query_id, None)
         latest[record.query.query_id] = record
-    window = TuningWindow.of((r.query, r.arrival_s, r.slo_s) for r in latest.values())
+    records = sorted(latest.values(), key=lambda r: (r.arrival_s, r.query.query_id))
+    if size is not None:
+        records = records[-size:] if size > 0 else []
+    window = TuningWindow.of((r.query, r.arrival_s, r.slo_s) for r in records)
     return TrafficWindow(window, skipped)
 
 
 async def read_window(client: aioredis.Redis[bytes], prefix: str, size: int) -> TrafficWindow:
-    """The window of the last `size` entries of ``prefix + "finished"``."""
-    newest_first = await client.xrevrange(finished_key(prefix), count=size)
-    return window_from_entries(list(reversed(newest_first)))
+    """The last `size` queries by arrival of the last `size` entries of each stream,
+    ``prefix + "admitted"`` and ``prefix + "finished"`` (a coordinator from before the
+    ``admitted`` stream writes only the second: its window is its finished queries)."""
+    admitted = await client.xrevrange(admitted_key(prefix), count=size)
+    finished = await client.xrevrange(finished_key(prefix), count=size)
+    return window_from_entries([*reversed(admitted), *reversed(finished)], size)

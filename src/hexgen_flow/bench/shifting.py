@@ -7,7 +7,7 @@ Scenarios (`shift_scenarios`), each a `PhaseSchedule` on the paper's cluster und
 - **static**: α tuned offline on the first phase (`tune_alpha` on a fresh arrival sample of
   that phase, seed + 1, as ``--alpha auto`` does) and kept;
 - **online**: the same start, then the mesh tuner's loop inside the simulation
-  (`hexgen_flow.tuning.OnlineTuner`: every period, `retune` on the last finished queries);
+  (`hexgen_flow.tuning.OnlineTuner`: every period, `retune` on the last admitted queries);
 - **fixed α**: every α of the tuner's grid for the whole run; the **best fixed α in
   hindsight** is the one with the lowest P95 (then higher attainment).
 

@@ -39,7 +39,7 @@ def _scenario_lines(sc: dict[str, Any]) -> list[str]:
             for p in phases
         )
         + f". Online tuner: every {sc['tuning']['period_s']:g} s, the last "
-        f"{sc['tuning']['window']} finished queries, tolerance "
+        f"{sc['tuning']['window']} admitted queries, tolerance "
         f"{100 * sc['tuning']['tolerance']:g} %.",
         "",
     ]

@@ -108,6 +108,7 @@ class Simulation:
         self._dirty: list[int] = []
         self._is_dirty = [False] * len(cluster)
         self._outcomes: list[QueryOutcome] = []
+        self._admitted: list[tuple[Query, float, float]] = []
         self.calls_moved = 0
         """Queued calls moved to another instance by `_rebudget`."""
         self._released: dict[int, list[CallTicket]] = {}
@@ -146,6 +147,12 @@ class Simulation:
     def finished(self) -> Sequence[QueryOutcome]:
         """The queries finished so far, in finishing order (read it, do not change it)."""
         return self._outcomes
+
+    @property
+    def admitted(self) -> Sequence[tuple[Query, float, float]]:
+        """The queries admitted so far as (query, arrival_s, slo_s), in arrival order: what
+        the coordinator's ``admitted`` stream holds (read it, do not change it)."""
+        return self._admitted
 
     # ----------------------------------------------------------------- event handling
 
@@ -197,7 +204,9 @@ class Simulation:
 
     def _arrive(self, index: int, now: float) -> None:
         query = self.queries[index]
-        run = self.scheduler.admit(query, index, now, self.slo_of(query))
+        slo_s = self.slo_of(query)
+        run = self.scheduler.admit(query, index, now, slo_s)
+        self._admitted.append((query, now, slo_s))
         for stage in query.workflow.roots:
             self._enqueue(self.scheduler.release(run, stage, now), now)
 
