@@ -33,6 +33,7 @@ import yaml
 from cryptography import x509
 
 from hexgen_service.auth_dir import AuthDir
+from hexgen_service.redis_sentinel import SentinelUrl, check_redis_url, parse_sentinel_url
 from hexgen_worker.cli import build_parser, config_from_args
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -373,9 +374,9 @@ def test_services_run_as_compose_runs_them(docs: dict[str, list[Doc]], overlay: 
     workloads = {"coordinator": "StatefulSet", "tuner": "Deployment", "gateway": "Deployment"}
     for name, kind in workloads.items():
         (container,) = _containers(_named(docs[overlay], kind, name))
-        # Redis's address comes from the ConfigMap hexgen-redis (in-cluster by default).
+        # Redis's URL comes from the ConfigMap hexgen-redis (in-cluster by default).
         ours = [
-            a.replace("$(REDIS_ADDRESS)", "redis:6379")
+            _with_env(a, container, docs[overlay])
             for a in _command(container)
             if a != "--redis-prefix=hf:"  # compose's default, spelled out for the shards
         ]
@@ -383,6 +384,59 @@ def test_services_run_as_compose_runs_them(docs: dict[str, list[Doc]], overlay: 
         assert ours == theirs, name
         probe = container["readinessProbe"]["exec"]["command"]
         assert probe == services[name]["healthcheck"]["test"][1:], name
+
+
+def _with_env(arg: str, container: Doc, docs: list[Doc]) -> str:
+    """`arg` with each ``$(VAR)`` the container's env takes from a ConfigMap's key replaced
+    by that key's value in the render `docs`, as the kubelet expands it."""
+    for env in container.get("env", []):
+        ref = env.get("valueFrom", {}).get("configMapKeyRef")
+        if ref is not None:
+            value = _named(docs, "ConfigMap", ref["name"])["data"][ref["key"]]
+            arg = arg.replace(f"$({env['name']})", value)
+    assert "$(" not in arg, f"{arg}: a variable the container does not define"
+    return arg
+
+
+@needs_kustomize
+def test_an_overlay_points_the_mesh_at_redis_behind_sentinel(tmp_path: Path) -> None:
+    """docs/kubernetes.md, "External Redis": merging scheme, address and path into the
+    ConfigMap hexgen-redis gives the coordinator and the tuner a Sentinel URL that they
+    accept, each logged in as its own ACL user."""
+    assert KUSTOMIZE is not None
+    tree = tmp_path / "k8s"
+    shutil.copytree(K8S, tree, ignore=shutil.ignore_patterns("auth"))
+    AuthDir(tree / "overlays" / "local" / "auth").init(
+        ("demo", "health"), server_names=("coordinator-workers",)
+    )
+    sentinel = tree / "overlays" / "sentinel"
+    sentinel.mkdir()
+    (sentinel / "kustomization.yaml").write_text(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\n"
+        "kind: Kustomization\n"
+        "resources: [../local]\n"
+        "configMapGenerator:\n"
+        "  - name: hexgen-redis\n"
+        "    behavior: merge\n"
+        "    literals:\n"
+        "      - scheme=redis+sentinel\n"
+        "      - address=sentinel-0.sentinel:26379,sentinel-1.sentinel:26379\n"
+        "      - path=hexgen/2\n"
+    )
+    built = _run([*KUSTOMIZE, str(sentinel)])
+    assert built.returncode == 0, built.stderr
+    docs = [d for d in yaml.safe_load_all(built.stdout) if d]
+    for kind, name in (("StatefulSet", "coordinator"), ("Deployment", "tuner")):
+        (container,) = _containers(_named(docs, kind, name))
+        (url,) = (
+            _with_env(a, container, docs)[len("--redis-url=") :]
+            for a in _command(container)
+            if a.startswith("--redis-url=")
+        )
+        check_redis_url(url)  # what the service checks at start-up
+        assert parse_sentinel_url(url) == SentinelUrl(
+            (("sentinel-0.sentinel", 26379), ("sentinel-1.sentinel", 26379)), "hexgen", 2, name
+        ), name
 
 
 def _mount_secrets(docs: list[Doc], workload: Doc, at: Path) -> None:
