@@ -158,7 +158,7 @@ class Worker:
             gpu=cfg.gpu,
             model=cfg.model,
             kv_cache_tokens=cfg.kv_cache_tokens or 0,
-            send=self.sent.append,
+            send=lambda _link, report: self.sent.append(report),
         )
 
     def dispatch(

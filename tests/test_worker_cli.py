@@ -19,6 +19,8 @@ ERROR_CASES = [
     (["--coordinator", "localhost:1", "--gpu", "A100"], "--worker-id"),
     ([*BASE[:4], "--gpu", "H900"], "A6000"),
     (["--coordinator", "nohost", *BASE[2:]], "HOST:PORT"),
+    ([*BASE, "--coordinator", "nohost"], "HOST:PORT"),
+    ([*BASE, "--coordinator", "localhost:50051"], "localhost:50051 is given twice"),
     ([*BASE, "--engine", "openai"], "--openai-url"),
     ([*BASE, "--engine", "vllm"], "--vllm-model"),
     ([*BASE, "--engine", "tgi"], "invalid choice"),
@@ -61,6 +63,14 @@ def test_arguments_fill_the_config() -> None:
     )
     assert config.kv_cache_tokens is not None and 100_000 < config.kv_cache_tokens < 200_000
     assert config.vllm_engine_args == {"enforce_eager": True, "dtype": "bfloat16"}
+    assert config.coordinators == ("localhost:50051",)
+
+
+def test_coordinator_repeated_links_every_shard_in_order() -> None:
+    args = build_parser().parse_args([*BASE, "--coordinator", "10.0.0.2:50052"])
+    config = config_from_args(args)
+    assert config.coordinator == "localhost:50051"
+    assert config.coordinators == ("localhost:50051", "10.0.0.2:50052")
 
 
 def run_worker(*args: str) -> subprocess.Popen[str]:

@@ -74,7 +74,7 @@ class Harness:
             gpu=cfg.gpu,
             model=cfg.model,
             kv_cache_tokens=cfg.kv_cache_tokens or 0,
-            send=self.sent.append,
+            send=lambda _link, report: self.sent.append(report),
         )
 
     def finished(self) -> list[str]:

@@ -8,6 +8,7 @@ simulator touches them on every call and attribute access is the hot path.
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -262,7 +263,13 @@ class ClusterLoad:
     `tokens_in_flight` their prompt and output tokens (the KV blocks they hold or will);
     `prefix_homes` where each query's calls of each step type last went (prefix-aware
     dispatch reads it through `prefix_home`). The driver calls `on_dispatch` and
-    `on_complete`, and sets `prefix_caching`; nothing else writes here.
+    `on_complete`, and sets `prefix_caching`; nothing else writes here, except
+    `report_others` where other drivers share the instances.
+
+    Other drivers: coordinator shards share their workers, so an instance also runs calls
+    that another shard dispatched. `report_others` adds what the instance last reported of
+    those to `in_flight`, `outstanding_s` and `tokens_in_flight`, so that every policy
+    reading them sees the whole instance; the simulator has one driver and never calls it.
     """
 
     __slots__ = (
@@ -272,6 +279,9 @@ class ClusterLoad:
         "in_flight",
         "kv_tokens",
         "min_kv_tokens",
+        "others_in_flight",
+        "others_outstanding_s",
+        "others_tokens",
         "outstanding_kv_s",
         "outstanding_s",
         "prefix_caching",
@@ -296,6 +306,12 @@ class ClusterLoad:
         self.available = [True] * n
         """Whether an instance takes new calls (a service's worker may be away)."""
         self.all_available = True
+        self.others_in_flight = [0] * n
+        """Of `in_flight`: calls other drivers put on the instance (`report_others`)."""
+        self.others_outstanding_s = [0.0] * n
+        """Of `outstanding_s`: those calls' estimated single-request seconds."""
+        self.others_tokens = [0] * n
+        """Of `tokens_in_flight`: those calls' input + output tokens."""
 
     def on_dispatch(self, ticket: CallTicket) -> None:
         i = ticket.instance
@@ -315,10 +331,27 @@ class ClusterLoad:
         tokens = call.input_tokens + call.output_tokens
         self.outstanding_kv_s[i] -= tokens * ticket.work_s
         self.tokens_in_flight[i] -= tokens
-        if self.in_flight[i] == 0:
-            # no float drift on an idle instance
-            self.outstanding_s[i] = 0.0
+        if self.in_flight[i] == self.others_in_flight[i]:
+            # none of ours left: no float drift on an instance idle for us
+            self.outstanding_s[i] = self.others_outstanding_s[i]
             self.outstanding_kv_s[i] = 0.0
+
+    def report_others(
+        self, instance: int, in_flight: int, outstanding_s: float, tokens: int
+    ) -> None:
+        """What other drivers have in flight on `instance` now (its latest report): replaces
+        the previous report in `in_flight`, `outstanding_s` and `tokens_in_flight`. Their
+        KV-token-seconds are not reported: `outstanding_kv_s` stays this driver's own."""
+        i = instance
+        in_flight, tokens = max(in_flight, 0), max(tokens, 0)
+        if not (math.isfinite(outstanding_s) and outstanding_s > 0.0):
+            outstanding_s = 0.0
+        self.in_flight[i] += in_flight - self.others_in_flight[i]
+        self.outstanding_s[i] += outstanding_s - self.others_outstanding_s[i]
+        self.tokens_in_flight[i] += tokens - self.others_tokens[i]
+        self.others_in_flight[i] = in_flight
+        self.others_outstanding_s[i] = outstanding_s
+        self.others_tokens[i] = tokens
 
     def prefix_home(self, ticket: CallTicket) -> int | None:
         """The instance that probably caches `ticket`'s shared prompt prefix: where its

@@ -125,7 +125,10 @@ class _Present(Collector):
         )
         gauges = {
             "connected": "1 while a worker holds the instance's slot.",
-            "in_flight_calls": "Calls dispatched to the instance and not finished.",
+            "in_flight_calls": "Calls dispatched to the instance and not finished (with a "
+            "worker shared by coordinator shards, the other shards' too).",
+            "others_in_flight_calls": "Of in_flight_calls, those other coordinator shards "
+            "dispatched (the worker's last heartbeat).",
             "running_calls": "Calls in the instance's engine (its worker's last heartbeat).",
             "queued_calls": "Calls in the instance's local queue (its last heartbeat).",
             "kv_used_tokens": "KV-cache tokens in use (its last heartbeat).",
@@ -141,6 +144,7 @@ class _Present(Collector):
             values = {
                 "connected": 1.0 if link is not None else 0.0,
                 "in_flight_calls": load.in_flight[inst.index],
+                "others_in_flight_calls": load.others_in_flight[inst.index],
                 "running_calls": link.running if link else 0,
                 "queued_calls": link.queued if link else 0,
                 "kv_used_tokens": link.kv_used if link else 0,

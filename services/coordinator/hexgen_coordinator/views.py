@@ -198,6 +198,7 @@ class QueryViews:
                     kv_used_tokens=link.kv_used if link else 0,
                     kv_capacity_tokens=inst.kv_cache_tokens,
                     outstanding_s=load.outstanding_s[inst.index],
+                    others_in_flight=load.others_in_flight[inst.index],
                 )
             )
         return cpb.ClusterStatusResponse(

@@ -91,6 +91,16 @@ class WorkerSlots:
     def on_heartbeat(self, link: WorkerLink, msg: wpb.WorkerHeartbeat) -> None:
         link.last_seen = time.monotonic()
         link.running, link.queued, link.kv_used = msg.running, msg.queued, msg.kv_used_tokens
+        if link.slot >= 0 and self.ledger.links[link.slot] is link:
+            # A worker shared by coordinator shards reports what the other shards have on it
+            # (0 from a worker of this coordinator alone, or from one older than these
+            # fields). The dispatcher then counts those calls as in flight there.
+            # Approximate: they are as of this heartbeat (the calls other shards dispatched
+            # since are unseen until the next), and their seconds are the worker's estimate
+            # with its own latency model, not this coordinator's.
+            self.scheduler.load.report_others(
+                link.slot, msg.others_in_flight, msg.others_outstanding_s, msg.others_tokens
+            )
 
     def disconnect(self, link: WorkerLink, reason: str) -> None:
         """The worker's stream ended: its calls go elsewhere."""
@@ -101,6 +111,7 @@ class WorkerSlots:
         slot = link.slot
         ledger.links[slot] = None
         self.scheduler.load.set_available(slot, False)
+        self.scheduler.load.report_others(slot, 0, 0.0, 0)  # the next worker reports its own
         moved = [t for t in ledger.tickets.values() if t.instance == slot]
         log.warning(
             "worker %s left slot %d (%s); redispatching %d calls",

@@ -1,5 +1,6 @@
 """HexGen-Flow worker: one serving instance, its local queue in front of an engine,
-linked to the coordinator by one ``WorkerService.Connect`` stream.
+linked to its coordinator (or to each of several coordinator shards) by one
+``WorkerService.Connect`` stream.
 
 Start one from code with ``await Worker(WorkerConfig(coordinator=..., worker_id=...,
 gpu=...)).run()``; from a shell with ``python -m hexgen_worker``.

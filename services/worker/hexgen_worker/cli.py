@@ -58,9 +58,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog=PROG,
         description="A HexGen-Flow worker: one serving instance (local queue + engine) "
-        "linked to a coordinator.",
+        "linked to a coordinator, or to several coordinator shards at once.",
     )
-    parser.add_argument("--coordinator", required=True, metavar="HOST:PORT")
+    parser.add_argument(
+        "--coordinator",
+        required=True,
+        action="append",
+        metavar="HOST:PORT",
+        help="the coordinator's worker door; repeat it to serve several coordinator shards "
+        "at once (one queue for all of their calls)",
+    )
     parser.add_argument("--worker-id", required=True, metavar="ID", help="stable across restarts")
     parser.add_argument(
         "--slot", type=int, default=defaults.slot, help="cluster slot; -1: any of my GPU type"
@@ -151,7 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> WorkerConfig:
     """The resolved configuration of parsed arguments (raises `ConfigError`)."""
     return WorkerConfig(
-        coordinator=args.coordinator,
+        coordinator=args.coordinator[0],
+        extra_coordinators=tuple(args.coordinator[1:]),
         worker_id=args.worker_id,
         slot=args.slot,
         gpu=args.gpu,

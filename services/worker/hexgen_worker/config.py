@@ -24,7 +24,10 @@ class WorkerConfig:
     """Everything one worker process needs; `resolved()` fills the derived defaults."""
 
     coordinator: str = "localhost:50051"
-    """Address (HOST:PORT) of the coordinator's WorkerService."""
+    """Address (HOST:PORT) of the coordinator's WorkerService (the first, with several)."""
+    extra_coordinators: tuple[str, ...] = ()
+    """More coordinators (shards) this worker serves at the same time (``--coordinator``
+    given again): one link each, every call in the one local queue (`coordinators`)."""
     worker_id: str = ""
     """Identity of this worker, stable across its restarts (required)."""
     slot: int = -1
@@ -100,8 +103,12 @@ class WorkerConfig:
         """
         if not self.worker_id:
             raise ConfigError("--worker-id is required (a name stable across restarts)")
-        if ":" not in self.coordinator:
-            raise ConfigError(f"--coordinator: expected HOST:PORT, got {self.coordinator!r}")
+        for address in self.coordinators:
+            if ":" not in address:
+                raise ConfigError(f"--coordinator: expected HOST:PORT, got {address!r}")
+        if len(set(self.coordinators)) != len(self.coordinators):
+            twice = next(a for a in self.coordinators if self.coordinators.count(a) > 1)
+            raise ConfigError(f"--coordinator: {twice} is given twice")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("--tls-cert and --tls-key: give both or neither")
         if self.slot < -1:
@@ -153,6 +160,11 @@ class WorkerConfig:
             max_batch=max_batch,
             max_concurrency=concurrency,
         )
+
+    @property
+    def coordinators(self) -> tuple[str, ...]:
+        """Every coordinator this worker links to, in link order (link 0 first)."""
+        return (self.coordinator, *self.extra_coordinators)
 
     def instance_spec(self) -> InstanceSpec:
         """The instance this worker declares (what the simulated engine models)."""

@@ -12,7 +12,7 @@ from hexgen_service.errors import InvalidFieldError
 from hexgen_worker.config import EngineKind, WorkerConfig
 from hexgen_worker.engines.base import ChatMessage
 from hexgen_worker.events import CallFinished, CallReport, CallStarted, CallTokens, Heartbeat
-from hexgen_worker.state import WelcomeSettings
+from hexgen_worker.welcome import WelcomeSettings
 
 __all__ = [
     "DEFAULT_HEARTBEAT_INTERVAL_S",
@@ -126,5 +126,8 @@ def heartbeat_request(heartbeat: Heartbeat) -> worker_pb2.ConnectRequest:
             running=heartbeat.running,
             queued=heartbeat.queued,
             kv_used_tokens=heartbeat.kv_used_tokens,
+            others_in_flight=heartbeat.others_in_flight,
+            others_outstanding_s=heartbeat.others_outstanding_s,
+            others_tokens=heartbeat.others_tokens,
         )
     )

@@ -82,3 +82,10 @@ class Heartbeat:
     """Calls waiting in the local queue."""
     kv_used_tokens: int
     """KV-cache tokens reserved by the running calls."""
+    others_in_flight: int = 0
+    """Calls held here (queued or running) that the OTHER coordinators dispatched: what a
+    worker shared by coordinator shards tells each of them (0 with one coordinator)."""
+    others_outstanding_s: float = 0.0
+    """Their estimated single-request seconds on this instance (cluster seconds)."""
+    others_tokens: int = 0
+    """Their input + output tokens."""

@@ -1,15 +1,22 @@
 """A worker's state: its calls, its local queue in front of its engine, and its outbox.
 
-`WorkerState` is everything a worker knows, without the network: the coordinator link
-(`hexgen_worker.worker.Worker`) feeds it the coordinator's messages (`configure`,
+`WorkerState` is everything a worker knows, without the network: the coordinator links
+(`hexgen_worker.link.CoordinatorLink`) feed it the coordinators' messages (`configure`,
 `dispatch`, `cancel`, `update_deadline`, `ack`) and the engine's events
-(`run_engine_events`), and it reports through one `send` callable. Tests drive it directly.
+(`run_engine_events`), and it reports through one `send(link, report)` callable. Tests
+drive it directly.
+
+A worker may serve several coordinator shards at once (one link each, numbered in the
+order of ``--coordinator``): every method that concerns a coordinator's call takes its
+`link` (0 with one coordinator), calls are known by (link, call id), each call's reports go
+to the link that dispatched it, and the calls of every link share the one local queue and
+engine (`hexgen_worker.shards.ShardMap` maps their ids, order and clocks onto them).
 
 Rules it keeps:
 
-- A call id is executed at most once: a dispatch of a call that is queued or running is
-  ignored; of a call that finished and is not yet acknowledged, its `CallFinished` is sent
-  again.
+- A (link, call id) is executed at most once: a dispatch of a call that is queued or
+  running is ignored; of a call that finished and is not yet acknowledged, its
+  `CallFinished` is sent again.
 - Every `CallFinished` stays in the outbox until the coordinator acknowledges it; the link
   resends the outbox after every reconnect, so nothing finished is lost while the link is
   down (`send` may drop messages then).
@@ -24,8 +31,7 @@ import enum
 import json
 import logging
 import random
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from opentelemetry import trace
@@ -50,6 +56,8 @@ from hexgen_worker.events import (
     Heartbeat,
 )
 from hexgen_worker.metrics import WorkerMetrics
+from hexgen_worker.shards import ShardMap
+from hexgen_worker.welcome import WelcomeSettings
 
 __all__ = ["CallStatus", "DispatchOutcome", "WelcomeSettings", "WorkerState"]
 
@@ -84,35 +92,28 @@ class DispatchOutcome(enum.Enum):
     """Cannot run here (it can never fit, or the worker is stopping): reported failed."""
 
 
-@dataclass(frozen=True, slots=True)
-class WelcomeSettings:
-    """The coordinator's welcome, validated (see `hexgen_worker.convert.welcome_from_proto`)."""
-
-    slot: int
-    """Slot of the cluster this worker holds."""
-    instance: str
-    """Instance name, e.g. "A100#0"."""
-    clock: ClusterClock
-    """The cluster clock: every time sent and received is read on it."""
-    cluster: str
-    """The cluster as ``--cluster`` writes it."""
-    queue_policy: str
-    """Name of the local queue policy (a `QUEUES` name)."""
-    queue_params: Mapping[str, Any]
-    """The local queue's parameters."""
-    heartbeat_interval_s: float
-    """Wall seconds between heartbeats."""
-    drop_call_ids: tuple[str, ...] = ()
-    """Resident calls the coordinator no longer wants here."""
-
-
 class _Call:
     """A call the worker holds (queued or running)."""
 
-    __slots__ = ("queued_s", "span", "started_s", "status", "ticket")
+    __slots__ = ("call_id", "link", "queued_s", "span", "started_s", "status", "ticket", "work_s")
 
-    def __init__(self, ticket: CallTicket, queued_s: float, span: trace.Span) -> None:
+    def __init__(
+        self,
+        ticket: CallTicket,
+        link: int,
+        call_id: str,
+        queued_s: float,
+        span: trace.Span,
+        work_s: float,
+    ) -> None:
         self.ticket = ticket
+        """The ticket the queue and the engine hold (id, order and times mapped to them)."""
+        self.link = link
+        """The link (coordinator) that dispatched it: its reports go there."""
+        self.call_id = call_id
+        """Its id at that coordinator."""
+        self.work_s = work_s
+        """Its estimated single-request seconds here (what other links are told)."""
         self.status = CallStatus.QUEUED
         self.queued_s = queued_s
         """When it reached this worker's queue (cluster clock)."""
@@ -131,11 +132,14 @@ class WorkerState:
         gpu: str,
         model: str,
         kv_cache_tokens: int,
-        send: Callable[[CallReport], None],
+        send: Callable[[int, CallReport], None],
+        coordinators: Sequence[str] = ("coordinator",),
         calibration: str | None = None,
         tracer: trace.Tracer | None = None,
         metrics: WorkerMetrics | None = None,
     ) -> None:
+        """`send(link, report)` reports on link `link`; `coordinators` names the links (the
+        coordinators' addresses, in link order: what errors and logs call them)."""
         self.engine = engine
         self.metrics = metrics
         """The worker's Prometheus metrics, when it serves them."""
@@ -148,49 +152,78 @@ class WorkerState:
         """KV-cache tokens declared: a call larger than this can never run here."""
         self._send = send
         self._tracer = tracer or trace.get_tracer("hexgen-worker")
+        self.shards = ShardMap(coordinators)
         self.settings: WelcomeSettings | None = None
+        """The latest welcome (of any link; `shards.settings` holds each link's)."""
         self.clock: ClusterClock | None = None
+        """The clock the queue and the engine run on (the first welcome's; with one
+        coordinator, its latest)."""
         self.scheduler: InstanceScheduler | None = None
         self._queue_key: tuple[str, int, str, str] | None = None
+        self._queue_link: int | None = None
+        """The link whose slot the local queue plans for (the first welcomed)."""
+        self._estimator: Estimator | None = None
         self._clusters: dict[str, Cluster] = {}
+        self._stand_ins: set[str] = set()
+        """Welcome clusters this machine cannot read (`_cluster`)."""
         self._calls: dict[str, _Call] = {}
-        self._outbox: dict[str, CallFinished] = {}
+        """By engine id (`ShardMap.engine_id`)."""
+        self._outbox: dict[tuple[int, str], CallFinished] = {}
+        """By (link, call id); times on the local clock."""
         self.accepting = True
         """False once the worker is stopping: new dispatches are refused."""
 
     # ------------------------------------------------------------------ what it holds
 
-    def resident_call_ids(self) -> list[str]:
-        """Calls queued or running here (the hello's resident_call_ids)."""
-        return list(self._calls)
+    def resident_call_ids(self, link: int = 0) -> list[str]:
+        """Link `link`'s calls queued or running here (its hello's resident_call_ids)."""
+        return [c.call_id for c in self._calls.values() if c.link == link]
 
-    def unacked(self) -> list[CallFinished]:
-        """Finished calls not yet acknowledged, in finishing order (the outbox)."""
-        return list(self._outbox.values())
+    def unacked(self, link: int = 0) -> list[CallFinished]:
+        """Link `link`'s finished calls not yet acknowledged, in finishing order (its part
+        of the outbox), with times on its clock."""
+        return [self._for_link(link, f) for (at, _), f in self._outbox.items() if at == link]
 
-    def status(self, call_id: str) -> CallStatus | None:
+    def status(self, call_id: str, link: int = 0) -> CallStatus | None:
         """Whether a call is queued or running here (None: neither)."""
-        call = self._calls.get(call_id)
+        call = self._calls.get(self.shards.engine_id(link, call_id))
         return call.status if call is not None else None
 
-    def ticket(self, call_id: str) -> CallTicket | None:
-        call = self._calls.get(call_id)
+    def ticket(self, call_id: str, link: int = 0) -> CallTicket | None:
+        """The ticket the queue holds for a call (its times on the local clock)."""
+        call = self._calls.get(self.shards.engine_id(link, call_id))
         return call.ticket if call is not None else None
 
     def queued(self) -> int:
         return len(self.scheduler.queue) if self.scheduler is not None else 0
 
-    def heartbeat(self) -> Heartbeat:
+    def heartbeat(self, link: int = 0) -> Heartbeat:
+        """The load reported on link `link`: the whole engine and queue, and what the other
+        links' coordinators have here."""
         load = self.engine.load()
-        return Heartbeat(load.running, self.queued(), load.kv_used_tokens)
+        if self.shards.links == 1:
+            return Heartbeat(load.running, self.queued(), load.kv_used_tokens)
+        others = [c for c in self._calls.values() if c.link != link]
+        return Heartbeat(
+            load.running,
+            self.queued(),
+            load.kv_used_tokens,
+            others_in_flight=len(others),
+            others_outstanding_s=sum(c.work_s for c in others),
+            others_tokens=sum(
+                c.ticket.call.input_tokens + c.ticket.call.output_tokens for c in others
+            ),
+        )
 
     # ------------------------------------------------------------------ the welcome
 
-    def configure(self, settings: WelcomeSettings) -> None:
-        """Adopt a welcome: clock, local queue, dropped calls; then admit what fits.
+    def configure(self, settings: WelcomeSettings, link: int = 0) -> None:
+        """Adopt link `link`'s welcome: clock, local queue, dropped calls; then admit what
+        fits.
 
         Raises `ConfigError` when the welcome cannot be served here (a slot of another GPU
-        type or model, an unknown queue policy or parameter).
+        type or model, an unknown queue policy or parameter, or a disagreement with another
+        link's welcome, `ShardMap.check_agreement`).
         """
         cluster = self._cluster(settings.cluster, settings.slot)
         if not 0 <= settings.slot < len(cluster):
@@ -212,16 +245,35 @@ class WorkerState:
                 spec.kv_cache_tokens,
                 self.kv_cache_tokens,
             )
-        if self.clock is not None and self.clock != settings.clock:
+        shards = self.shards
+        shards.check_agreement(link, settings)
+        if self.clock is None:
+            self.clock = settings.clock
+        elif self.clock != settings.clock and not shards.others_welcomed(link):
+            # The only coordinator (so far) restarted with another epoch or time scale: the
+            # worker follows it. With other links, the local clock stays and this link's
+            # times are translated (`ShardMap.to_local`; the time scales agree).
             self._rebase(self.clock, settings.clock)
-        self.clock = settings.clock
-        self.engine.set_clock(settings.clock)
+            self.clock = settings.clock
+        shards.local_clock = self.clock
+        shards.settings[link] = settings
+        self.engine.set_clock(self.clock)
+        if self._queue_link is None:
+            self._queue_link = link
+        # Every link's slot is of this GPU type and model (checked above); the queue plans
+        # for the first welcomed link's.
+        queue_slot = (
+            settings.slot
+            if link == self._queue_link or self._queue_key is None
+            else self._queue_key[1]
+        )
         params_text = json.dumps(dict(settings.queue_params), sort_keys=True)
-        key = (settings.cluster, settings.slot, settings.queue_policy, params_text)
+        key = (settings.cluster, queue_slot, settings.queue_policy, params_text)
         if key != self._queue_key:
-            ctx = PolicyContext(cluster, Estimator(cluster), ClusterLoad(cluster), random.Random(0))
+            estimator = Estimator(cluster)
+            ctx = PolicyContext(cluster, estimator, ClusterLoad(cluster), random.Random(0))
             queue = QUEUES.create(
-                settings.queue_policy, ctx, settings.slot, params=dict(settings.queue_params)
+                settings.queue_policy, ctx, queue_slot, params=dict(settings.queue_params)
             )
             now = self.clock.now()
             waiting = [c.ticket for c in self._calls.values() if c.status.is_queued]
@@ -229,25 +281,31 @@ class WorkerState:
                 queue.push(ticket, now)
             self.scheduler = InstanceScheduler(queue, self.engine)
             self._queue_key = key
+            self._estimator = estimator
             log.info(
                 "local queue: %s %s on %s (slot %d)",
                 settings.queue_policy,
                 params_text,
                 settings.instance,
-                settings.slot,
+                queue_slot,
             )
         self.settings = settings
         for call_id in settings.drop_call_ids:
-            if self.cancel(call_id, reason="dropped by the coordinator"):
-                log.info("dropped call %s (the coordinator no longer wants it here)", call_id)
+            if self.cancel(call_id, link=link, reason="dropped by the coordinator"):
+                log.info(
+                    "dropped call %s (coordinator %s no longer wants it here)",
+                    call_id,
+                    shards.names[link],
+                )
         self.admit_ready()
 
     def _cluster(self, text: str, slot: int) -> Cluster:
         """The welcome's cluster; when it names a file this machine does not have, a
         stand-in whose instances are all this worker's own (the local queues read only
-        their own instance's latency model, so they order calls the same)."""
+        their own instance's latency model, so they order calls the same), grown to
+        `slot` when another coordinator's welcome names a higher one."""
         cluster = self._clusters.get(text)
-        if cluster is None:
+        if cluster is None or (text in self._stand_ins and slot >= len(cluster)):
             try:
                 cluster = parse_cluster(text, self.model, self.calibration)
             except UnknownNameError:
@@ -266,6 +324,7 @@ class WorkerState:
                 cluster = Cluster.build(
                     [entry] * (max(slot, 0) + 1), f"{text} (stand-in)", calibration=self.calibration
                 )
+                self._stand_ins.add(text)
             self._clusters[text] = cluster
         return cluster
 
@@ -281,8 +340,8 @@ class WorkerState:
             call.queued_s = translate_time(call.queued_s, old, new)
             if call.started_s is not None:
                 call.started_s = translate_time(call.started_s, old, new)
-        for call_id, done in self._outbox.items():
-            self._outbox[call_id] = dataclasses.replace(
+        for key, done in self._outbox.items():
+            self._outbox[key] = dataclasses.replace(
                 done,
                 started_s=translate_time(done.started_s, old, new),
                 finished_s=translate_time(done.finished_s, old, new),
@@ -295,21 +354,25 @@ class WorkerState:
         self,
         ticket: CallTicket,
         *,
+        link: int = 0,
         prompt: str = "",
         messages: Sequence[ChatMessage] = (),
         traceparent: str = "",
     ) -> DispatchOutcome:
-        """A call dispatched here: queue it (once) and admit what fits. `messages` are a
-        chat request's (`prompt` is then their plain rendering)."""
+        """A call link `link` dispatched here (`ticket` as that coordinator sent it): queue it
+        (once) and admit what fits. `messages` are a chat request's (`prompt` is then their
+        plain rendering)."""
         call_id = ticket.call_id
-        finished = self._outbox.get(call_id)
+        finished = self._outbox.get((link, call_id))
         if finished is not None:
             log.info("call %s dispatched again after it finished: resending its result", call_id)
             # The result answers the latest dispatch: the coordinator accepts only that one.
-            finished = self._outbox[call_id] = dataclasses.replace(finished, attempt=ticket.attempt)
-            self._send(finished)
+            finished = dataclasses.replace(finished, attempt=ticket.attempt)
+            self._outbox[(link, call_id)] = finished
+            self._send(link, self._for_link(link, finished))
             return DispatchOutcome.RESENT
-        held = self._calls.get(call_id)
+        engine_id = self.shards.engine_id(link, call_id)
+        held = self._calls.get(engine_id)
         if held is not None:
             log.info("call %s dispatched again while it is here: ignored", call_id)
             held.ticket.attempt = max(held.ticket.attempt, ticket.attempt)
@@ -323,65 +386,95 @@ class WorkerState:
                 call_id,
                 f"{tokens} tokens can never fit {self.kv_cache_tokens} KV tokens",
                 attempt=ticket.attempt,
+                link=link,
             )
             return DispatchOutcome.REJECTED
         if not self.accepting:
             log.info("call %s dispatched while stopping: not taken", call_id)
             return DispatchOutcome.REJECTED
+        attributes: dict[str, str | int] = {
+            "hexgen.call_id": call_id,
+            "hexgen.query_id": ticket.query_id,
+            "hexgen.step": ticket.call.step,
+            "hexgen.input_tokens": ticket.call.input_tokens,
+            "hexgen.output_tokens": ticket.call.output_tokens,
+            "hexgen.engine": self.engine.kind,
+        }
+        work_s = 0.0
+        if self.shards.links > 1:
+            attributes["hexgen.coordinator"] = self.shards.names[link]
+            ticket = self._local_ticket(link, ticket, engine_id)
+            if self._estimator is not None and self._queue_key is not None:
+                work_s = self._estimator.call_time(self._queue_key[1], ticket.call)
         span = self._tracer.start_span(
             f"worker call {ticket.call.step}",
             context=context_from_traceparent(traceparent),
-            attributes={
-                "hexgen.call_id": call_id,
-                "hexgen.query_id": ticket.query_id,
-                "hexgen.step": ticket.call.step,
-                "hexgen.input_tokens": ticket.call.input_tokens,
-                "hexgen.output_tokens": ticket.call.output_tokens,
-                "hexgen.engine": self.engine.kind,
-            },
+            attributes=attributes,
         )
-        self._calls[call_id] = _Call(ticket, now, span)
+        self._calls[engine_id] = _Call(ticket, link, call_id, now, span, work_s)
         if prompt:
-            self.engine.prompts[call_id] = prompt
+            self.engine.prompts[engine_id] = prompt
         if messages:
-            self.engine.messages[call_id] = tuple(messages)
+            self.engine.messages[engine_id] = tuple(messages)
         self.scheduler.queue.push(ticket, now)
         self.admit_ready()
         return DispatchOutcome.QUEUED
 
-    def fail(self, call_id: str, error: str, *, attempt: int = 0) -> None:
+    def _local_ticket(self, link: int, ticket: CallTicket, engine_id: str) -> CallTicket:
+        """A link's ticket as the shared queue and engine hold it: its engine id, its
+        release and query order made unique among the links', its times on the local
+        clock (`ShardMap`)."""
+        shards = self.shards
+        return CallTicket.detached(
+            seq=shards.order(link, ticket.seq),
+            call_id=engine_id,
+            query_id=ticket.query_id,
+            query_seq=shards.order(link, ticket.query_seq),
+            tenant=ticket.tenant,
+            stage=ticket.stage,
+            call=ticket.call,
+            released_s=shards.to_local(link, ticket.released_s),
+            deadline_s=shards.to_local(link, ticket.deadline_s),
+            query_deadline_s=shards.to_local(link, ticket.query_deadline_s),
+            remaining_after_s=ticket.remaining_after_s,
+            attempt=ticket.attempt,
+        )
+
+    def fail(self, call_id: str, error: str, *, attempt: int = 0, link: int = 0) -> None:
         """Report a call that cannot run here as failed (the coordinator retries it)."""
         log.warning("call %s failed here: %s", call_id, error)
         now = self.clock.now() if self.clock is not None else 0.0
         finished = CallFinished(call_id, 0, "", now, now, error, attempt)
-        self._outbox[call_id] = finished
-        self._send(finished)
+        self._outbox[(link, call_id)] = finished
+        self._send(link, self._for_link(link, finished))
 
-    def cancel(self, call_id: str, *, reason: str = "cancelled") -> bool:
-        """Forget a call: drop it from the queue or abort it in the engine (nothing is
-        reported for it). False when the call is not here."""
-        call = self._calls.pop(call_id, None)
+    def cancel(self, call_id: str, *, link: int = 0, reason: str = "cancelled") -> bool:
+        """Forget link `link`'s call: drop it from the queue or abort it in the engine
+        (nothing is reported for it). False when the call is not here."""
+        engine_id = self.shards.engine_id(link, call_id)
+        call = self._calls.pop(engine_id, None)
         if call is None:
-            return self._outbox.pop(call_id, None) is not None
+            return self._outbox.pop((link, call_id), None) is not None
         if call.status.is_queued:
             if self.scheduler is not None:
                 self.scheduler.queue.remove(call.ticket)
-            self.engine.prompts.pop(call_id, None)
-            self.engine.messages.pop(call_id, None)
+            self.engine.prompts.pop(engine_id, None)
+            self.engine.messages.pop(engine_id, None)
         else:
-            self.engine.cancel(call_id)
+            self.engine.cancel(engine_id)
         call.span.set_attribute("hexgen.cancelled", reason)
         call.span.end()
         self.admit_ready()
         return True
 
-    def update_deadline(self, call_id: str, deadline_s: float) -> bool:
-        """New stage deadline for a call; a queued call moves to its new place in the queue.
-        False when the call is not here."""
-        call = self._calls.get(call_id)
+    def update_deadline(self, call_id: str, deadline_s: float, *, link: int = 0) -> bool:
+        """New stage deadline (on link `link`'s clock) for its call; a queued call moves to
+        its new place in the queue. False when the call is not here."""
+        call = self._calls.get(self.shards.engine_id(link, call_id))
         if call is None:
             return False
         ticket = call.ticket
+        deadline_s = self.shards.to_local(link, deadline_s)
         log.info(
             "call %s: stage deadline %.3f -> %.3f (%s)",
             call_id,
@@ -399,10 +492,10 @@ class WorkerState:
             ticket.deadline_s = deadline_s  # running: nothing to reorder
         return True
 
-    def ack(self, call_ids: Iterable[str]) -> None:
-        """The coordinator recorded these completions: forget them."""
+    def ack(self, call_ids: Iterable[str], *, link: int = 0) -> None:
+        """Link `link`'s coordinator recorded these completions: forget them."""
         for call_id in call_ids:
-            self._outbox.pop(call_id, None)
+            self._outbox.pop((link, call_id), None)
 
     # ------------------------------------------------------------------ admission and engine
 
@@ -426,15 +519,20 @@ class WorkerState:
         call = self._calls.get(event.call_id)
         if call is None:
             return  # cancelled or dropped: nothing is reported for it
+        link = call.link
         if isinstance(event, CallStarted):
             call.started_s = event.started_s
-            self._send(event)
+            if event.call_id != call.call_id:
+                event = CallStarted(call.call_id, self.shards.to_link(link, event.started_s))
+            self._send(link, event)
         elif isinstance(event, CallTokens):
-            self._send(event)
+            if event.call_id != call.call_id:
+                event = CallTokens(call.call_id, event.text)
+            self._send(link, event)
         else:
             del self._calls[event.call_id]
-            event = dataclasses.replace(event, attempt=call.ticket.attempt)
-            self._outbox[event.call_id] = event
+            event = dataclasses.replace(event, call_id=call.call_id, attempt=call.ticket.attempt)
+            self._outbox[(link, call.call_id)] = event
             span = call.span
             queue_wait_s = event.started_s - call.queued_s
             execution_s = event.finished_s - event.started_s
@@ -448,8 +546,17 @@ class WorkerState:
             if event.error:
                 span.set_status(Status(StatusCode.ERROR, event.error))
             span.end()
-            self._send(event)
+            self._send(link, self._for_link(link, event))
             self.admit_ready()
+
+    def _for_link(self, link: int, finished: CallFinished) -> CallFinished:
+        """A result held on the local clock, as link `link` reads it."""
+        shards = self.shards
+        started_s = shards.to_link(link, finished.started_s)
+        if started_s == finished.started_s:
+            return finished  # one clock (always so with one coordinator)
+        finished_s = shards.to_link(link, finished.finished_s)
+        return dataclasses.replace(finished, started_s=started_s, finished_s=finished_s)
 
     async def run_engine_events(self) -> None:
         """Consume the engine's events for ever (run as a task; cancel to stop)."""

@@ -537,6 +537,7 @@ class InstanceStatus(_message.Message):
     KV_USED_TOKENS_FIELD_NUMBER: _builtins.int
     KV_CAPACITY_TOKENS_FIELD_NUMBER: _builtins.int
     OUTSTANDING_S_FIELD_NUMBER: _builtins.int
+    OTHERS_IN_FLIGHT_FIELD_NUMBER: _builtins.int
     index: _builtins.int
     name: _builtins.str
     gpu: _builtins.str
@@ -546,7 +547,9 @@ class InstanceStatus(_message.Message):
     connected: _builtins.bool
     engine: _builtins.str
     in_flight: _builtins.int
-    """Calls dispatched here and not finished."""
+    """Calls dispatched here and not finished: this coordinator's, and on a worker shared by
+    coordinator shards also the other shards' (`others_in_flight`).
+    """
     running: _builtins.int
     """From the worker's last heartbeat."""
     queued: _builtins.int
@@ -554,6 +557,10 @@ class InstanceStatus(_message.Message):
     kv_capacity_tokens: _builtins.int
     outstanding_s: _builtins.float
     """Estimated single-request seconds of the calls in flight."""
+    others_in_flight: _builtins.int
+    """Of `in_flight`, the calls other coordinator shards dispatched to this worker, as its
+    last heartbeat reported them (0 for a worker of this coordinator alone).
+    """
     def __init__(
         self,
         *,
@@ -570,10 +577,11 @@ class InstanceStatus(_message.Message):
         kv_used_tokens: _builtins.int = ...,
         kv_capacity_tokens: _builtins.int = ...,
         outstanding_s: _builtins.float = ...,
+        others_in_flight: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["connected", b"connected", "engine", b"engine", "gpu", b"gpu", "in_flight", b"in_flight", "index", b"index", "kv_capacity_tokens", b"kv_capacity_tokens", "kv_used_tokens", b"kv_used_tokens", "model", b"model", "name", b"name", "outstanding_s", b"outstanding_s", "queued", b"queued", "running", b"running", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["connected", b"connected", "engine", b"engine", "gpu", b"gpu", "in_flight", b"in_flight", "index", b"index", "kv_capacity_tokens", b"kv_capacity_tokens", "kv_used_tokens", b"kv_used_tokens", "model", b"model", "name", b"name", "others_in_flight", b"others_in_flight", "outstanding_s", b"outstanding_s", "queued", b"queued", "running", b"running", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -239,19 +239,38 @@ class WorkerHeartbeat(_message.Message):
     RUNNING_FIELD_NUMBER: _builtins.int
     QUEUED_FIELD_NUMBER: _builtins.int
     KV_USED_TOKENS_FIELD_NUMBER: _builtins.int
+    OTHERS_IN_FLIGHT_FIELD_NUMBER: _builtins.int
+    OTHERS_OUTSTANDING_S_FIELD_NUMBER: _builtins.int
+    OTHERS_TOKENS_FIELD_NUMBER: _builtins.int
     running: _builtins.int
+    """Calls in the engine and in the local queue, and the KV-cache tokens in use: the whole
+    worker, whichever coordinator dispatched the calls.
+    """
     queued: _builtins.int
     kv_used_tokens: _builtins.int
+    others_in_flight: _builtins.int
+    """A worker shared by several coordinator shards (`--coordinator` repeated) tells each of
+    them what the OTHER coordinators have on it, so that each shard dispatches with a view
+    of the whole instance. 0 (absent) for a worker linked to one coordinator.
+    Calls the other coordinators dispatched here, queued or running.
+    """
+    others_outstanding_s: _builtins.float
+    """Their estimated single-request seconds on this instance (cluster seconds)."""
+    others_tokens: _builtins.int
+    """Their input + output tokens."""
     def __init__(
         self,
         *,
         running: _builtins.int = ...,
         queued: _builtins.int = ...,
         kv_used_tokens: _builtins.int = ...,
+        others_in_flight: _builtins.int = ...,
+        others_outstanding_s: _builtins.float = ...,
+        others_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_used_tokens", b"kv_used_tokens", "queued", b"queued", "running", b"running"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_used_tokens", b"kv_used_tokens", "others_in_flight", b"others_in_flight", "others_outstanding_s", b"others_outstanding_s", "others_tokens", b"others_tokens", "queued", b"queued", "running", b"running"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -346,7 +346,10 @@ export interface InstanceStatus {
   workerId: string;
   connected: boolean;
   engine: string;
-  /** Calls dispatched here and not finished. */
+  /**
+   * Calls dispatched here and not finished: this coordinator's, and on a worker shared by
+   * coordinator shards also the other shards' (`others_in_flight`).
+   */
   inFlight: number;
   /** From the worker's last heartbeat. */
   running: number;
@@ -355,6 +358,11 @@ export interface InstanceStatus {
   kvCapacityTokens: number;
   /** Estimated single-request seconds of the calls in flight. */
   outstandingS: number;
+  /**
+   * Of `in_flight`, the calls other coordinator shards dispatched to this worker, as its
+   * last heartbeat reported them (0 for a worker of this coordinator alone).
+   */
+  othersInFlight: number;
 }
 
 export interface ClusterStatusResponse {
@@ -2221,6 +2229,7 @@ function createBaseInstanceStatus(): InstanceStatus {
     kvUsedTokens: 0,
     kvCapacityTokens: 0,
     outstandingS: 0,
+    othersInFlight: 0,
   };
 }
 
@@ -2264,6 +2273,9 @@ export const InstanceStatus: MessageFns<InstanceStatus> = {
     }
     if (message.outstandingS !== 0) {
       writer.uint32(105).double(message.outstandingS);
+    }
+    if (message.othersInFlight !== 0) {
+      writer.uint32(112).int32(message.othersInFlight);
     }
     return writer;
   },
@@ -2385,6 +2397,14 @@ export const InstanceStatus: MessageFns<InstanceStatus> = {
             message.outstandingS = reader.double();
             continue;
           }
+          case 14: {
+            if (tag !== 112) {
+              break;
+            }
+
+            message.othersInFlight = reader.int32();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -2432,6 +2452,11 @@ export const InstanceStatus: MessageFns<InstanceStatus> = {
         : isSet(object.outstanding_s)
         ? globalThis.Number(object.outstanding_s)
         : 0,
+      othersInFlight: isSet(object.othersInFlight)
+        ? globalThis.Number(object.othersInFlight)
+        : isSet(object.others_in_flight)
+        ? globalThis.Number(object.others_in_flight)
+        : 0,
     };
   },
 
@@ -2476,6 +2501,9 @@ export const InstanceStatus: MessageFns<InstanceStatus> = {
     if (message.outstandingS !== 0) {
       obj.outstandingS = floatToJson(message.outstandingS);
     }
+    if (message.othersInFlight !== 0) {
+      obj.othersInFlight = Math.round(message.othersInFlight);
+    }
     return obj;
   },
 
@@ -2497,6 +2525,7 @@ export const InstanceStatus: MessageFns<InstanceStatus> = {
     message.kvUsedTokens = object.kvUsedTokens ?? 0;
     message.kvCapacityTokens = object.kvCapacityTokens ?? 0;
     message.outstandingS = object.outstandingS ?? 0;
+    message.othersInFlight = object.othersInFlight ?? 0;
     return message;
   },
 };
