@@ -24,6 +24,7 @@ from hexgen_service.clock import ClusterClock
 from hexgen_worker import DispatchOutcome, WelcomeSettings, WorkerConfig, WorkerState
 from hexgen_worker.engines import SimulatedEngine
 from hexgen_worker.events import CallFinished, CallReport, CallStarted
+from worker_welcome import welcome_settings
 
 T = TypeVar("T")
 SCALE = 1000.0
@@ -49,17 +50,8 @@ def ticket(
 
 
 def welcome(clock: ClusterClock, **overrides: Any) -> WelcomeSettings:
-    fields: dict[str, Any] = {
-        "slot": 0,
-        "instance": "A100#0",
-        "clock": clock,
-        "cluster": "A100,A6000,A100",
-        "queue_policy": "urgency",
-        "queue_params": {"estimate": "call"},
-        "heartbeat_interval_s": 1.0,
-    }
-    fields.update(overrides)
-    return WelcomeSettings(**fields)
+    overrides.setdefault("cluster", "A100,A6000,A100")
+    return welcome_settings(clock, **overrides)
 
 
 class TwoShards:

@@ -24,6 +24,7 @@ from hexgen_worker import DispatchOutcome, WelcomeSettings, WorkerConfig, Worker
 from hexgen_worker.engines import SimulatedEngine
 from hexgen_worker.events import CallFinished, CallReport, CallStarted
 from hexgen_worker.state import CallStatus
+from worker_welcome import welcome_settings
 
 T = TypeVar("T")
 SCALE = 1000.0
@@ -48,17 +49,9 @@ def ticket(
 
 
 def settings(**overrides: Any) -> WelcomeSettings:
-    fields: dict[str, Any] = {
-        "slot": 0,
-        "instance": "A100#0",
-        "clock": ClusterClock(time.time(), SCALE),
-        "cluster": "A100,A6000",
-        "queue_policy": "urgency",
-        "queue_params": {"estimate": "call"},
-        "heartbeat_interval_s": 1.0,
-    }
-    fields.update(overrides)
-    return WelcomeSettings(**fields)
+    overrides.setdefault("clock", ClusterClock(time.time(), SCALE))
+    overrides.setdefault("cluster", "A100,A6000")
+    return welcome_settings(**overrides)
 
 
 class Harness:
