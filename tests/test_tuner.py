@@ -169,6 +169,29 @@ async def test_the_window_is_the_latest_admitted_queries_finished_or_not(
     assert (await read_window(redis_client, prefix, 200)).skipped == 1
 
 
+async def test_a_tuner_user_from_an_older_acl_still_reads_its_finished_queries(
+    redis_client: aioredis.Redis[bytes], prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The ACL `hexgen-flow auth init` wrote before the admitted stream: finished only.
+    user, password = f"tuner-old-{uuid.uuid4().hex[:6]}", uuid.uuid4().hex
+    await redis_client.execute_command(
+        "ACL", "SETUSER", user, "on", f">{password}", "resetkeys", f"%R~{prefix}finished",
+        "-@all", "+xrevrange", "+xrange", "+ping",
+    )  # fmt: skip
+    old: aioredis.Redis[bytes] = aioredis.Redis.from_url(
+        REDIS_URL, username=user, password=password
+    )
+    try:
+        await add_admitted(redis_client, prefix, TRACE[1], 10.0, 150.0)
+        await add_finished(redis_client, prefix, TRACE[0], 0.0, slo_s=150.0)
+        window = await read_window(old, prefix, 200)
+        assert [q.query_id for q in window.queries] == ["trace1-0"]
+        assert f"may not read '{prefix}admitted'" in caplog.text
+    finally:
+        await old.aclose()  # type: ignore[attr-defined]  # types-redis predates aclose
+        await redis_client.execute_command("ACL", "DELUSER", user)
+
+
 async def test_an_empty_stream_is_an_empty_window(
     redis_client: aioredis.Redis[bytes], prefix: str
 ) -> None:

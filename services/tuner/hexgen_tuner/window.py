@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import redis.asyncio as aioredis
+from redis.exceptions import NoPermissionError
 
 from hexgen_api.v1 import coordinator_pb2
 from hexgen_flow.errors import HexgenFlowError
@@ -156,6 +157,16 @@ async def read_window(client: aioredis.Redis[bytes], prefix: str, size: int) -> 
     """The last `size` queries by arrival of the last `size` entries of each stream,
     ``prefix + "admitted"`` and ``prefix + "finished"`` (a coordinator from before the
     ``admitted`` stream writes only the second: its window is its finished queries)."""
-    admitted = await client.xrevrange(admitted_key(prefix), count=size)
+    try:
+        admitted = await client.xrevrange(admitted_key(prefix), count=size)
+    except NoPermissionError:
+        # An ACL written before the `admitted` stream existed: keep tuning on finished
+        # queries (one latency late after a change) rather than not at all.
+        log.warning(
+            "the tuner's Redis user may not read %r (an ACL from before it): the window is "
+            "the finished queries only; `hexgen-flow auth init` writes the current ACL",
+            admitted_key(prefix),
+        )
+        admitted = []
     finished = await client.xrevrange(finished_key(prefix), count=size)
     return window_from_entries([*reversed(admitted), *reversed(finished)], size)
