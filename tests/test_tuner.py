@@ -174,10 +174,14 @@ async def test_a_tuner_user_from_an_older_acl_still_reads_its_finished_queries(
 ) -> None:
     # The ACL `hexgen-flow auth init` wrote before the admitted stream: finished only.
     user, password = f"tuner-old-{uuid.uuid4().hex[:6]}", uuid.uuid4().hex
-    await redis_client.execute_command(
-        "ACL", "SETUSER", user, "on", f">{password}", "resetkeys", f"%R~{prefix}finished",
-        "-@all", "+xrevrange", "+xrange", "+ping",
-    )  # fmt: skip
+    await redis_client.acl_setuser(
+        user,
+        enabled=True,
+        passwords=[f"+{password}"],
+        reset_keys=True,
+        keys=[f"%R~{prefix}finished"],
+        commands=["-@all", "+xrevrange", "+xrange", "+ping"],
+    )
     old: aioredis.Redis[bytes] = aioredis.Redis.from_url(
         REDIS_URL, username=user, password=password
     )
@@ -189,7 +193,7 @@ async def test_a_tuner_user_from_an_older_acl_still_reads_its_finished_queries(
         assert f"may not read '{prefix}admitted'" in caplog.text
     finally:
         await old.aclose()  # type: ignore[attr-defined]  # types-redis predates aclose
-        await redis_client.execute_command("ACL", "DELUSER", user)
+        await redis_client.acl_deluser(user)
 
 
 async def test_an_empty_stream_is_an_empty_window(
