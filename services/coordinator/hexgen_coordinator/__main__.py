@@ -6,8 +6,9 @@ import argparse
 import asyncio
 import gc
 import logging
+import os
 import sys
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 import grpc
@@ -16,6 +17,7 @@ from hexgen_coordinator.config import CoordinatorConfig
 from hexgen_coordinator.coordinator import Coordinator
 from hexgen_coordinator.edge import add_coordinator_services, add_worker_service
 from hexgen_coordinator.redis_retry import cluster_prefix, redis_client
+from hexgen_coordinator.shards import LeaseLostError, ShardLease, ShardMap
 from hexgen_flow.errors import ConfigError, HexgenFlowError
 from hexgen_service.auth import PUBLIC_METHODS, AuthInterceptor, KeyStore, Role, read_secret
 from hexgen_service.exposure import refuse_unprotected
@@ -77,6 +79,21 @@ def parse_args(argv: list[str] | None = None) -> tuple[CoordinatorConfig, str]:
         action="store_true",
         help="--redis-url is a node of a Redis Cluster (every key in the prefix's slot)",
     )
+    parser.add_argument(
+        "--shards",
+        metavar="P0,P1,...",
+        default="",
+        help="every coordinator shard's key prefix, the same list on each coordinator: this "
+        "one serves --redis-prefix if that shard is free, else the first free one, else waits "
+        "as a spare (docs/scaling.md)",
+    )
+    parser.add_argument(
+        "--advertise",
+        metavar="HOST:PORT",
+        default="",
+        help="with --shards: the address clients reach this coordinator at (default --listen)",
+    )
+    parser.add_argument("--lease-ttl-s", type=float, default=defaults.lease_ttl_s)
     parser.add_argument("--cluster", default=defaults.cluster)
     parser.add_argument("--model", default=defaults.model)
     parser.add_argument("--calibration", default=None, metavar="NAME|measured:FILE")
@@ -183,6 +200,17 @@ def parse_args(argv: list[str] | None = None) -> tuple[CoordinatorConfig, str]:
         redis_prefix = cluster_prefix(
             args.redis_prefix, defaults.redis_prefix, cluster=args.redis_cluster
         )
+        shards = ShardMap.parse(args.shards).prefixes if args.shards else ()
+        for prefix in shards:
+            cluster_prefix(prefix, defaults.redis_prefix, cluster=args.redis_cluster)
+        advertise = args.advertise or args.listen
+        if shards and (advertise.endswith(":0") or advertise.startswith(("0.0.0.0:", "[::]:"))):
+            raise ConfigError(
+                f"--advertise: with --shards, other coordinators redirect clients to this "
+                f"one's address; {advertise!r} is not one they can reach (give --advertise)"
+            )
+        if not args.lease_ttl_s > 0:
+            raise ConfigError("--lease-ttl-s must be > 0")
         redis_password = (
             read_secret(args.redis_password_file, "--redis-password-file")
             if args.redis_password_file
@@ -197,6 +225,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[CoordinatorConfig, str]:
         redis_password=redis_password,
         redis_prefix=redis_prefix,
         redis_cluster=args.redis_cluster,
+        shards=shards,
+        advertise=advertise if shards else args.advertise,
+        lease_ttl_s=args.lease_ttl_s,
         cluster=args.cluster,
         model=args.model,
         calibration=args.calibration,
@@ -272,7 +303,27 @@ async def serve(config: CoordinatorConfig) -> None:
         raise SystemExit(
             f"hexgen-coordinator: error: cannot reach Redis at {config.redis_url}: {exc}"
         ) from None
-    coordinator = Coordinator(config, redis)
+    lease: ShardLease | None = None
+    holding: asyncio.Task[None] | None = None
+    if config.shards:
+        shards = ShardMap(config.shards)
+        lease = await ShardLease.acquire(
+            redis,
+            shards,
+            config.advertise,
+            config.lease_ttl_s,
+            preferred=shards.index(config.redis_prefix),
+        )
+        holding = asyncio.create_task(_hold(lease))
+        config = replace(config, redis_prefix=lease.prefix)
+        logging.getLogger("hexgen_coordinator").info(
+            "serving shard %d of %d (%s) as %s",
+            lease.shard,
+            len(shards),
+            lease.prefix,
+            config.advertise,
+        )
+    coordinator = Coordinator(config, redis, lease)
     await coordinator.start()
     gc_pause = coordinator.ledger.metrics.gc_pause
     GcPauses(observe=lambda generation, s: gc_pause.labels(str(generation)).observe(s)).install()
@@ -339,6 +390,9 @@ async def serve(config: CoordinatorConfig) -> None:
         await coordinator.stop()
         if worker_server is not None:
             await worker_server.stop()
+        if lease is not None and holding is not None:
+            holding.cancel()
+            await lease.release()  # a spare takes the shard now, not a lease time later
 
     try:
         await server.serve_until_signalled(on_stop=stop)
@@ -346,6 +400,18 @@ async def serve(config: CoordinatorConfig) -> None:
         if metrics_server is not None:
             metrics_server.shutdown()
         await redis.aclose()  # type: ignore[attr-defined]  # types-redis predates aclose
+
+
+async def _hold(lease: ShardLease) -> None:
+    """Keep the shard's lease; stop the process the moment it is lost, before it can act
+    as the shard's coordinator beside the one that took it (nothing graceful: a graceful
+    stop would still write)."""
+    try:
+        await lease.keep()
+    except LeaseLostError as exc:
+        logging.getLogger("hexgen_coordinator").critical("%s: stopping now", exc)
+        logging.shutdown()
+        os._exit(3)
 
 
 def _worker_token(path: str | None, parser: argparse.ArgumentParser) -> str:

@@ -43,7 +43,16 @@ from hexgen_service.redis_sentinel import (
 
 __all__ = ["StateReport", "check_state", "main"]
 
-_FIXED = ("meta", "qseq", "active", "completions", "admitted", "finished", "alpha:history")
+_FIXED = (
+    "meta",
+    "qseq",
+    "active",
+    "completions",
+    "admitted",
+    "finished",
+    "alpha:history",
+    "lease",  # a coordinator shard's (hexgen_coordinator.shards)
+)
 _TUNER = ("tuner:runs", "tuner:alpha_history", "tuner:run_seq")
 """The tuner's keys under the same prefix (capped lists and a counter)."""
 

@@ -27,6 +27,17 @@ class CoordinatorConfig:
     it holds a hash tag (``hf:{0}:``), so that every key is in the tag's slot."""
     redis_cluster: bool = False
     """`redis_url` is a node of a Redis Cluster (``--redis-cluster``), not a single Redis."""
+    shards: tuple[str, ...] = ()
+    """Every shard's key prefix, in the same order on every coordinator (``--shards``);
+    empty: one coordinator owns every workflow. With shards, `redis_prefix` is the shard this
+    coordinator prefers (any free one when it names none of them); it serves the one whose
+    lease it gets (`hexgen_coordinator.shards`)."""
+    advertise: str = ""
+    """The address clients reach this coordinator at, published in its shard's lease for
+    the others' redirects; empty: `listen`."""
+    lease_ttl_s: float = 3.0
+    """A shard's lease lasts this long (wall seconds) unless renewed: a spare takes over a
+    dead coordinator's shard within about this time."""
     cluster: str = DEFAULT_CLUSTER
     """The instance slots, as `--cluster` writes them; workers take these slots."""
     model: str = DEFAULT_MODEL

@@ -38,6 +38,7 @@ from hexgen_coordinator.links import SlotTakenError, WorkerLink
 from hexgen_coordinator.recovery import Recovery
 from hexgen_coordinator.session_store import SessionStore
 from hexgen_coordinator.sessions import Sessions
+from hexgen_coordinator.shards import ShardLease
 from hexgen_coordinator.store import WorkflowStore
 from hexgen_coordinator.views import QueryViews, UnknownQueryError
 from hexgen_coordinator.workers import WorkerSlots
@@ -57,8 +58,16 @@ log = logging.getLogger(__name__)
 
 
 class Coordinator:
-    def __init__(self, config: CoordinatorConfig, redis: aioredis.Redis[bytes]) -> None:
+    def __init__(
+        self,
+        config: CoordinatorConfig,
+        redis: aioredis.Redis[bytes],
+        lease: ShardLease | None = None,
+    ) -> None:
         self.config = config
+        self.lease = lease
+        """The shard this coordinator holds (`hexgen_coordinator.shards`); None: not sharded,
+        every workflow is its own."""
         self.cluster = parse_cluster(config.cluster, config.model, config.calibration)
         preset = resolve_policy(config.policy)
         self.scheduler = GlobalScheduler(self.cluster, preset, seed=config.seed)

@@ -21,6 +21,7 @@ from hexgen_coordinator.coordinator import (
     WorkerLink,
 )
 from hexgen_coordinator.edge import statuses
+from hexgen_coordinator.shards import OWNER_METADATA
 from hexgen_flow.workload import DEFAULT_TENANT
 from hexgen_service.auth import Role, current_principal
 from hexgen_service.worker_token import TOKEN_METADATA, check_token
@@ -103,11 +104,37 @@ class CoordinatorServicer(cpb_grpc.CoordinatorServiceServicer):
                 grpc.StatusCode.ALREADY_EXISTS, f"query_id: {query_id!r} is taken; choose another"
             )
 
+    async def _owned(self, context: Context[object, object], query_id: str) -> None:
+        """With shards, a workflow of another shard is redirected: FAILED_PRECONDITION naming
+        the owner, its address in the trailing metadata `OWNER_METADATA` (clients follow
+        it); UNAVAILABLE while no coordinator holds that shard (a takeover under way)."""
+        lease = self.c.lease
+        if lease is None or not query_id:
+            return
+        shard = lease.shards.shard_of(query_id)
+        if shard == lease.shard:
+            return
+        prefix = lease.shards.prefixes[shard]
+        owner: str | None = None
+        async with statuses(context):
+            owner = await lease.owner(shard)
+        if owner is None:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, f"shard {shard} ({prefix}) has no coordinator now"
+            )
+        assert owner is not None  # abort raised
+        context.set_trailing_metadata(((OWNER_METADATA, owner),))
+        await context.abort(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"query {query_id!r} belongs to shard {shard} ({prefix}), served at {owner}",
+        )
+
     # ------------------------------------------------------------------ RPCs
 
     async def SubmitQuery(  # noqa: N802 - gRPC method name
         self, request: cpb.SubmitQueryRequest, context: Context[object, object]
     ) -> cpb.SubmitQueryResponse:
+        await self._owned(context, request.query_id)
         request.tenant = await self._tenant_for(context, "tenant", request.tenant)
         await self._id_free(context, request.query_id)
         async with statuses(context):
@@ -120,6 +147,7 @@ class CoordinatorServicer(cpb_grpc.CoordinatorServiceServicer):
     ) -> AsyncIterator[cpb.WatchQueryResponse]:
         if not request.query_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "query_id: must not be empty")
+        await self._owned(context, request.query_id)
         await self._visible(context, request.query_id)
         async with statuses(context):
             try:
@@ -131,6 +159,7 @@ class CoordinatorServicer(cpb_grpc.CoordinatorServiceServicer):
     async def RunQuery(  # noqa: N802
         self, request: cpb.RunQueryRequest, context: Context[object, object]
     ) -> AsyncIterator[cpb.RunQueryResponse]:
+        await self._owned(context, request.query.query_id)
         request.query.tenant = await self._tenant_for(context, "query.tenant", request.query.tenant)
         await self._id_free(context, request.query.query_id)
         async with statuses(context, "query."):
@@ -142,6 +171,7 @@ class CoordinatorServicer(cpb_grpc.CoordinatorServiceServicer):
     async def CancelQuery(  # noqa: N802
         self, request: cpb.CancelQueryRequest, context: Context[object, object]
     ) -> cpb.CancelQueryResponse:
+        await self._owned(context, request.query_id)
         await self._visible(context, request.query_id)
         async with statuses(context):
             try:
@@ -153,6 +183,7 @@ class CoordinatorServicer(cpb_grpc.CoordinatorServiceServicer):
     async def GetQuery(  # noqa: N802
         self, request: cpb.GetQueryRequest, context: Context[object, object]
     ) -> cpb.GetQueryResponse:
+        await self._owned(context, request.query_id)
         await self._visible(context, request.query_id)
         async with statuses(context):
             try:
@@ -183,6 +214,7 @@ class CoordinatorServicer(cpb_grpc.CoordinatorServiceServicer):
     async def OpenWorkflow(  # noqa: N802
         self, request: cpb.OpenWorkflowRequest, context: Context[object, object]
     ) -> cpb.OpenWorkflowResponse:
+        await self._owned(context, request.workflow_id)
         request.tenant = await self._tenant_for(context, "tenant", request.tenant)
         await self._id_free(context, request.workflow_id)
         async with statuses(context):
@@ -193,6 +225,7 @@ class CoordinatorServicer(cpb_grpc.CoordinatorServiceServicer):
     async def RunCall(  # noqa: N802
         self, request: cpb.RunCallRequest, context: Context[object, object]
     ) -> AsyncIterator[cpb.RunCallResponse]:
+        await self._owned(context, request.workflow_id)
         await self._visible(context, request.workflow_id)
         async with statuses(context):
             try:
@@ -204,6 +237,7 @@ class CoordinatorServicer(cpb_grpc.CoordinatorServiceServicer):
     async def CloseWorkflow(  # noqa: N802
         self, request: cpb.CloseWorkflowRequest, context: Context[object, object]
     ) -> cpb.CloseWorkflowResponse:
+        await self._owned(context, request.workflow_id)
         await self._visible(context, request.workflow_id)
         async with statuses(context):
             try:

@@ -1,0 +1,171 @@
+"""Coordinator shards with a spare, as real processes on one real Redis
+(`hexgen_client.sharded_mesh.LocalShardedMesh`: two shards, one spare, four simulated
+workers linked to all three).
+
+Each shard is held by the coordinator started for it (its lease in Redis), the spare waits
+with its doors closed, a workflow sent to the wrong shard is redirected to its owner
+(FAILED_PRECONDITION with the owner's address in ``hexgen-shard-owner``), and a shard whose
+coordinator is SIGKILLed is taken over by the spare, which resumes the shard's workflows
+from Redis and finishes them: every call completes exactly once and `check-state` is clean
+for both shards. The lease rules themselves (take, renew, lose, release) are
+tests/test_shard_lease.py's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+import redis
+
+from hexgen_api.v1 import coordinator_pb2, coordinator_pb2_grpc
+from hexgen_client.client import CoordinatorClient
+from hexgen_client.convert import submit_request
+from hexgen_client.errors import CoordinatorUnavailableError
+from hexgen_client.processes import RedisServer
+from hexgen_client.sharded_mesh import LocalShardedMesh, ShardedMeshConfig
+from hexgen_coordinator.shards import OWNER_METADATA, ShardMap
+from hexgen_flow.workload import Query
+from replay_on_redis import assert_each_call_completed_once, trace3_replay
+from up_runner import check_state
+
+TIME_SCALE = 20.0
+TAKEOVER_TIMEOUT_S = 30.0
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalShardedMesh]:
+    logs = tmp_path_factory.mktemp("coordinator-shards")
+    with RedisServer(appendfsync=None) as server:
+        config = ShardedMeshConfig(server.url, logs, time_scale=TIME_SCALE)
+        with LocalShardedMesh(config) as running:
+            yield running
+
+
+def _shard_map(mesh: LocalShardedMesh) -> ShardMap:
+    return ShardMap(mesh.config.prefixes)
+
+
+def _ids_of(mesh: LocalShardedMesh, queries: list[Query], shard: int) -> list[Query]:
+    return [q for q in queries if _shard_map(mesh).shard_of(q.query_id) == shard]
+
+
+async def _submit_at(address: str, query: Query) -> coordinator_pb2.SubmitQueryResponse:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+        response: coordinator_pb2.SubmitQueryResponse = await stub.SubmitQuery(
+            submit_request(query, None, None), timeout=10
+        )
+        return response
+
+
+async def _wait_done(address: str, query_ids: list[str], timeout_s: float) -> None:
+    """Until each query is SUCCEEDED at the coordinator at `address` (its shard's)."""
+    deadline = time.monotonic() + timeout_s
+    async with CoordinatorClient(address) as client:
+        await client.wait_ready(timeout_s)  # a spare opens its doors once it has resumed
+        for query_id in query_ids:
+            while True:
+                got = await client.get(query_id)
+                if got.query.state == coordinator_pb2.QUERY_STATE_SUCCEEDED:
+                    break
+                assert time.monotonic() < deadline, f"{query_id}: {got.query.state}"
+                await asyncio.sleep(0.2)
+
+
+def test_each_shard_is_held_by_its_coordinator_and_the_spare_waits(
+    mesh: LocalShardedMesh,
+) -> None:
+    shard_holders = [c.listen for c in mesh.coordinators[:2]]
+    assert mesh.holders() == shard_holders
+    spare = mesh.coordinators[2]
+    assert spare.process.running
+    deadline = time.monotonic() + mesh.config.start_timeout_s
+    while "waiting as a spare" not in spare.process.log_path.read_text():
+        assert spare.process.running, spare.process.log_tail()
+        assert time.monotonic() < deadline, spare.process.log_tail()
+        time.sleep(0.2)
+    with pytest.raises(CoordinatorUnavailableError, match="cannot reach the coordinator"):
+        asyncio.run(_status(spare.listen, timeout_s=1.0))  # its doors are closed
+
+
+async def _status(address: str, timeout_s: float) -> coordinator_pb2.ClusterStatusResponse:
+    async with CoordinatorClient(address, timeout_s=timeout_s) as client:
+        return await client.status()
+
+
+def test_a_workflow_of_another_shard_is_redirected_to_its_owner(mesh: LocalShardedMesh) -> None:
+    queries, _ = trace3_replay("redirect", 8)
+    theirs = _ids_of(mesh, queries, 1)[0]
+    s0, s1 = mesh.coordinators[0].listen, mesh.coordinators[1].listen
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        asyncio.run(_submit_at(s0, theirs))
+    error = caught.value
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert f"belongs to shard 1 (hf:{{s1}}:), served at {s1}" in (error.details() or "")
+    assert (OWNER_METADATA, s1) in tuple(error.trailing_metadata() or ())
+    # Its owner takes it, and keeps it under its own prefix only.
+    assert asyncio.run(_submit_at(s1, theirs)).created
+    client = redis.Redis.from_url(mesh.config.redis_url)
+    try:
+        assert client.exists(f"hf:{{s1}}:q:{theirs.query_id}")
+        assert not client.exists(f"hf:{{s0}}:q:{theirs.query_id}")
+    finally:
+        client.close()
+
+
+def test_a_killed_shard_is_taken_over_by_the_spare_and_loses_nothing(
+    mesh: LocalShardedMesh,
+) -> None:
+    queries, calls = trace3_replay("takeover", 24)
+    by_shard = [_ids_of(mesh, queries, k) for k in (0, 1)]
+    assert all(by_shard), "both shards get queries"
+    s0, s1, spare = mesh.coordinators
+    for shard, coordinator in ((0, s0), (1, s1)):
+        for query in by_shard[shard]:
+            assert asyncio.run(_submit_at(coordinator.listen, query)).created
+    time.sleep(1.0)  # calls are running on the shared workers
+    s0.process.kill()
+    # The spare takes shard 0 within about a lease time, then resumes it from Redis.
+    deadline = time.monotonic() + TAKEOVER_TIMEOUT_S
+    while mesh.holders()[0] != spare.listen:
+        assert time.monotonic() < deadline, f"no takeover: holders {mesh.holders()}"
+        time.sleep(0.2)
+    asyncio.run(_wait_done(spare.listen, [q.query_id for q in by_shard[0]], TAKEOVER_TIMEOUT_S))
+    asyncio.run(_wait_done(s1.listen, [q.query_id for q in by_shard[1]], TAKEOVER_TIMEOUT_S))
+    assert "took over shard 0" in spare.process.log_path.read_text()
+
+    client = redis.Redis.from_url(mesh.config.redis_url)
+    try:
+        for shard, prefix in enumerate(mesh.config.prefixes):
+            entries = client.xrange(prefix + "completions")
+            mine = {c for c in calls if _shard_map(mesh).shard_of(c.rsplit("/", 1)[0]) == shard}
+            ours = [(i, f) for i, f in entries if f[b"call_id"].decode() in calls]
+            assert_each_call_completed_once(ours, mine)
+    finally:
+        client.close()
+    for prefix in mesh.config.prefixes:
+        code, report = check_state(mesh.config.redis_url, "--prefix", prefix)
+        assert code == 0, report
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--listen", "127.0.0.1:0"], "--advertise: with --shards"),
+        (["--advertise", "0.0.0.0:50051"], "--advertise: with --shards"),
+        (["--shards", "hf:{s0}:,hf:{s0}:"], "--shards: a prefix appears twice"),
+        (["--redis-cluster", "--shards", "hf:{s0}:,hf:s1:"], "hash tag"),
+        (["--lease-ttl-s", "0"], "--lease-ttl-s must be > 0"),
+    ],
+)
+def test_bad_shard_flags_exit_2_naming_the_flag(flags: list[str], message: str) -> None:
+    argv = [sys.executable, "-m", "hexgen_coordinator", "--shards", "hf:{s0}:,hf:{s1}:", *flags]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2, done.stderr
+    assert message in done.stderr
