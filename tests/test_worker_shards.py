@@ -2,14 +2,15 @@
 both links in one queue ordered together by deadline, the same call id on both links kept
 apart, cancels, deadline updates and acks applied to their own link only, reports sent on
 the link that dispatched the call with times on its clock, each link told the other's load,
-and welcomes that disagree refused; and what a coordinator's load ledger makes of the other
-shards' load that a shared worker reports."""
+and welcomes that disagree refused; a lost link's calls handed over to the link whose welcome
+names its shard (`hexgen_worker.handover`); and what a coordinator's load ledger makes of
+the other shards' load that a shared worker reports."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import pytest
@@ -22,8 +23,10 @@ from hexgen_flow.runtime import CallTicket
 from hexgen_flow.workload import LLMCall
 from hexgen_service.clock import ClusterClock
 from hexgen_worker import DispatchOutcome, WelcomeSettings, WorkerConfig, WorkerState
+from hexgen_worker.convert import hello_request
 from hexgen_worker.engines import SimulatedEngine
 from hexgen_worker.events import CallFinished, CallReport, CallStarted
+from hexgen_worker.handover import hand_over_shard, lost_holders
 from worker_welcome import welcome_settings
 
 T = TypeVar("T")
@@ -57,8 +60,9 @@ def welcome(clock: ClusterClock, **overrides: Any) -> WelcomeSettings:
 class TwoShards:
     """A WorkerState with two links on a simulated engine, recording what each link sends."""
 
-    def __init__(self, **config: Any) -> None:
+    def __init__(self, coordinators: Sequence[str] = SHARDS, **config: Any) -> None:
         cfg = WorkerConfig(worker_id="w", gpu="A100", **config).resolved()
+        self.config = cfg
         self.engine = SimulatedEngine(cfg.instance_spec(), "vllm-v1")
         self.sent: list[tuple[int, CallReport]] = []
         self.state = WorkerState(
@@ -67,7 +71,7 @@ class TwoShards:
             model=cfg.model,
             kv_cache_tokens=cfg.kv_cache_tokens or 0,
             send=lambda link, report: self.sent.append((link, report)),
-            coordinators=SHARDS,
+            coordinators=coordinators,
         )
 
     def finished(self, link: int | None = None) -> list[CallFinished]:
@@ -288,3 +292,109 @@ def test_a_cluster_file_neither_shard_has_here_serves_both_slots() -> None:
     w.state.configure(welcome(clock, cluster=cluster, slot=0), 0)
     w.state.configure(welcome(clock, cluster=cluster, slot=3, instance="A100#3"), 1)
     assert w.state.shards.settings[1] is not None
+
+
+# ------------------------------------------------------- a dead shard's calls, handed over
+
+S0, S1 = "hf:{s0}:", "hf:{s1}:"
+Y, Z, X = "10.0.0.1:50052", "10.0.0.2:50052", "10.0.0.3:50052"
+"""Shard 0's first coordinator (dies), shard 1's, and the spare that takes shard 0 over."""
+
+
+def _hello_ids(w: TwoShards, link: int) -> tuple[list[str], list[str]]:
+    """What link `link`'s next hello lists (as `CoordinatorLink` builds it)."""
+    hello = hello_request(
+        w.config,
+        slot=0,
+        resident_call_ids=w.state.resident_call_ids(link),
+        unacked_call_ids=[f.call_id for f in w.state.unacked(link)],
+    ).hello
+    return list(hello.resident_call_ids), list(hello.unacked_call_ids)
+
+
+def test_a_lost_links_calls_are_handed_over_to_the_new_holder_of_its_shard() -> None:
+    w = TwoShards((Y, Z, X), max_batch=2)
+    clock = ClusterClock(time.time(), SCALE)
+    up = w.state.shards.up
+
+    async def body() -> None:
+        w.state.dispatch(ticket("a/0.0", 1, out=10), link=0)  # finishes: an unacked result
+        w.state.dispatch(ticket("a/0.1", 2, out=3_000), link=0)  # runs through the hand-over
+        w.state.dispatch(ticket("b/0.0", 1, out=3_000), link=1)  # shard 1's: fills the engine
+        w.state.dispatch(ticket("a/0.2", 3, deadline_s=300.0), link=0)  # waits in the queue
+        await w.until(lambda: len(w.finished(0)) == 1)
+        up[0] = False  # Y died; X took shard 0 over and welcomes us
+        w.state.configure(welcome(clock, shard=S0), 2)
+        assert lost_holders(w.state.shards, 2) == [0]
+        assert hand_over_shard(w.state, 2) == 3
+        assert _hello_ids(w, 2) == (["a/0.1", "a/0.2"], ["a/0.0"])
+        assert _hello_ids(w, 0) == ([], [])
+        assert w.state.resident_call_ids(1) == ["b/0.0"]  # shard 1's stay its own
+        # untouched in the engine: still running, not restarted
+        assert w.engine.load().running == 2 and w.state.queued() == 1
+        assert [c for _, c in w.started()] == ["a/0.0", "a/0.1", "b/0.0"]
+        # the new holder drives them by their own ids: a deadline, an ack
+        assert w.state.update_deadline("a/0.2", 50.0, link=2)
+        assert not w.state.update_deadline("a/0.2", 50.0, link=0)
+        w.state.ack(["a/0.0"], link=2)
+        assert w.state.unacked(2) == []
+        # a call of the same id on the old link later is another call, under another id
+        assert w.state.dispatch(ticket("a/0.2", 9, out=5), link=0) is DispatchOutcome.QUEUED
+        assert w.state.cancel("a/0.2", link=0)
+        assert w.state.ticket("a/0.2", 2) is not None
+        await w.until(lambda: len(w.finished(2)) == 2)
+
+    run(w, body, welcome(clock, shard=S0), welcome(clock, slot=2, instance="A100#2", shard=S1))
+    # each call ran once; the moved calls' results went to the new holder, by their ids
+    assert sorted(f.call_id for f in w.finished(2)) == ["a/0.1", "a/0.2"]
+    assert [f.call_id for f in w.finished(0)] == ["a/0.0"]
+    assert [c for _, c in w.started()].count("a/0.1") == 1
+    assert all(not f.error for f in w.finished())
+
+
+def test_nothing_is_handed_over_from_a_live_link_another_shard_or_unsharded_ones() -> None:
+    w = TwoShards((Y, Z, X))
+    clock = ClusterClock(time.time(), SCALE)
+
+    async def body() -> None:
+        w.state.dispatch(ticket("a/0.0", 1, out=3_000), link=0)
+        w.state.dispatch(ticket("b/0.0", 1, out=3_000), link=1)
+        w.state.shards.up[:2] = [True, False]
+        w.state.configure(welcome(clock, shard=S0), 2)
+        assert hand_over_shard(w.state, 2) == 0  # Y is up: it still holds shard 0
+        w.state.configure(welcome(clock, shard="hf:{s2}:"), 2)
+        assert hand_over_shard(w.state, 2) == 0  # shard 1's lost link serves another shard
+        w.state.shards.up[0] = False
+        w.state.configure(welcome(clock), 2)
+        assert lost_holders(w.state.shards, 2) == []  # an unsharded coordinator names none
+        assert w.state.resident_call_ids(0) == ["a/0.0"]
+        assert w.state.resident_call_ids(1) == ["b/0.0"]
+
+    run(w, body, welcome(clock, shard=S0), welcome(clock, slot=2, instance="A100#2", shard=S1))
+
+
+def test_a_call_the_new_holder_dispatched_again_stays_its_own_and_links_may_hand_back() -> None:
+    w = TwoShards((Y, X), max_batch=4)
+    clock = ClusterClock(time.time(), SCALE)
+
+    async def body() -> None:
+        w.state.dispatch(ticket("a/0.0", 1, out=3_000), link=0)
+        w.state.dispatch(ticket("a/0.1", 2, out=3_000), link=0)
+        w.state.configure(welcome(clock, shard=S0), 1)
+        # X resumed shard 0 and dispatched a/0.1 again before the hand-over: its attempt wins
+        w.state.dispatch(ticket("a/0.1", 2, out=3_000), link=1)
+        assert w.engine.load().running == 3
+        assert hand_over_shard(w.state, 1) == 1
+        assert sorted(w.state.resident_call_ids(1)) == ["a/0.0", "a/0.1"]
+        kept = w.state.ticket("a/0.1", 1)
+        assert kept is not None and kept.call_id == "1/a/0.1"  # X's own copy
+        assert w.engine.load().running == 2  # Y's copy of a/0.1 was aborted
+        # X dies in turn and a coordinator at Y's address takes shard 0: the calls go back
+        w.state.configure(welcome(clock, shard=S0), 0)
+        assert hand_over_shard(w.state, 0) == 2
+        assert sorted(w.state.resident_call_ids(0)) == ["a/0.0", "a/0.1"]
+        assert w.state.cancel("a/0.1", link=0) and w.state.cancel("a/0.0", link=0)
+        assert w.engine.load().running == 0
+
+    run(w, body, welcome(clock, shard=S0))
+    assert w.finished() == []

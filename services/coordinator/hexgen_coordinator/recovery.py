@@ -2,7 +2,10 @@
 
 A call Redis says was dispatched is adoptable: the worker that still holds it reclaims it
 when it reconnects (`hexgen_coordinator.workers`). What no worker reclaims within
-`resume_grace_s`, and what was never dispatched, goes out again.
+`resume_grace_s`, and what was never dispatched, goes out again. When the grace ends the
+log says how many were reclaimed (`reclaimed`), reported finished, and dispatched again: a
+takeover of a coordinator shard whose workers handed the shard's calls over
+(`hexgen_worker.handover`) reclaims them all instead of running them twice.
 """
 
 from __future__ import annotations
@@ -47,6 +50,10 @@ class Recovery:
         self.tracer = tracer
         self.ledger = ledger
         self.dispatch = dispatch
+        self.reclaimed = 0
+        """Calls a worker reclaimed after the resume (its hello listed them as resident)."""
+        self._waiting = 0
+        """Calls the resume found dispatched, waiting for their workers."""
 
     async def resume(self) -> asyncio.Task[None] | None:
         """Rebuild every running query from Redis; its calls wait for their workers to
@@ -62,6 +69,7 @@ class Recovery:
             logged = int(await self.redis.llen(self.store.evkey(query_id)))
             max_seq = max(max_seq, self._resume_query(stored, logged))
         self.scheduler.next_seq = max(self.scheduler.next_seq, max_seq + 1)
+        self._waiting = len(ledger.adoptable)
         if ledger.adoptable or any(t.instance < 0 for t in ledger.tickets.values()):
             log.info(
                 "resumed %d queries, %d calls wait for their workers",
@@ -160,15 +168,22 @@ class Recovery:
         await asyncio.sleep(self.config.resume_grace_s)
         unclaimed = list(self.ledger.adoptable)
         self.ledger.adoptable.clear()
-        if unclaimed:
-            log.info(
-                "%d calls were not reclaimed by their workers; dispatching again", len(unclaimed)
-            )
+        # What left the adoptable set otherwise: results a worker resent (or cancels).
+        reported = self._waiting - self.reclaimed - len(unclaimed)
+        log.info(
+            "resume grace over: %d of %d dispatched calls reclaimed by their workers, %d "
+            "reported finished, %d not reclaimed (dispatching again)",
+            self.reclaimed,
+            self._waiting,
+            max(reported, 0),
+            len(unclaimed),
+        )
         self.dispatch.dispatch_parked(self.ledger.clock.now())
 
     def adopt(self, ticket: CallTicket, slot: int) -> None:
         """A call a reconnecting worker still holds goes back on its ledger."""
         self.ledger.adoptable.pop(ticket.call_id, None)
+        self.reclaimed += 1
         ticket.instance = slot
         ticket.work_s = self.scheduler.estimator.call_time(slot, ticket.call)
         self.scheduler.load.on_dispatch(ticket)

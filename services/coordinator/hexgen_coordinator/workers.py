@@ -81,6 +81,9 @@ class WorkerSlots:
             queue_params_json=json.dumps(dict(self.scheduler.preset.queue.params)),
             heartbeat_interval_s=self.config.heartbeat_interval_s,
             drop_call_ids=drop,
+            # The shard held (the lease's prefix, `__main__.serve`): a worker shared by
+            # shards hands this shard's calls over to us when their coordinator died.
+            shard=self.config.redis_prefix if self.config.shards else "",
         )
         link.send(wpb.ConnectResponse(welcome=welcome))
         self.dispatch.send(resend)

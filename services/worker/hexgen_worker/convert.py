@@ -89,6 +89,7 @@ def welcome_from_proto(pb: worker_pb2.WorkerWelcome) -> WelcomeSettings:
         queue_params=params,
         heartbeat_interval_s=interval,
         drop_call_ids=tuple(pb.drop_call_ids),
+        shard=pb.shard,
     )
 
 

@@ -13,7 +13,9 @@ bidirectional ``WorkerService.Connect`` stream open to its coordinator:
 
 When the stream breaks the engine keeps running and the link reconnects with jittered
 exponential backoff (0.1 s doubling to 2 s by default) and a fresh hello; the other links
-are not disturbed. A hello the coordinator rejects with INVALID_ARGUMENT,
+are not disturbed. A welcome naming the coordinator shard that a lost link served moves that
+link's calls here (`hexgen_worker.handover`); the link then reopens its stream at once, so
+that its hello lists them. A hello the coordinator rejects with INVALID_ARGUMENT,
 FAILED_PRECONDITION or UNAUTHENTICATED, or a welcome the worker cannot serve (one that
 disagrees with another link's, `hexgen_worker.shards`), ends the link with exit code 2.
 """
@@ -44,6 +46,7 @@ from hexgen_worker.convert import (
     welcome_from_proto,
 )
 from hexgen_worker.events import CallReport
+from hexgen_worker.handover import hand_over_shard
 from hexgen_worker.state import WorkerState
 
 __all__ = ["EXIT_OK", "EXIT_REJECTED", "CoordinatorLink", "CoordinatorRejectedError"]
@@ -78,6 +81,10 @@ class CoordinatorRejectedError(Exception):
 
 class _LinkLostError(Exception):
     """The stream ended or no welcome came: reconnect."""
+
+
+class _HandedOverError(Exception):
+    """Calls were handed over to this link after its hello: say hello again, at once."""
 
 
 class CoordinatorLink:
@@ -122,6 +129,9 @@ class CoordinatorLink:
             try:
                 await self._session(state)
                 log.warning("coordinator %s closed the stream; reconnecting", self.address)
+            except _HandedOverError:
+                delay = config.backoff_initial_s
+                continue
             except CoordinatorRejectedError as exc:
                 log.error(
                     "coordinator %s rejected worker %s: %s", self.address, config.worker_id, exc
@@ -200,8 +210,12 @@ class CoordinatorLink:
             settings = welcome_from_proto(welcome)
             state.configure(settings, link)
             self.slot = settings.slot
+            if hand_over_shard(state, link):
+                # This coordinator welcomed a hello without them; nothing else was read.
+                raise _HandedOverError
             self.welcomes += 1
             self.welcomed.set()
+            state.shards.up[link] = True
             self._on_change()
             log.info(
                 "welcomed by %s as %s (slot %d), time scale %g, %s queue, %d resident, %d "
@@ -226,6 +240,7 @@ class CoordinatorLink:
                 task.result()  # raises the stream's error
         finally:
             self._outgoing = None
+            state.shards.up[link] = False
             if self.welcomed.is_set():
                 self.welcomed.clear()
                 self._on_change()

@@ -8,6 +8,9 @@ own, so `ShardMap` maps them onto the worker's one local queue and engine:
   and nothing stops two shards from holding a query of the same id: call ids can collide.
   The engine and the queue see ``LINK/CALL_ID`` (`engine_id`), which is unique whatever the
   ids (the link number has no ``/``); with one coordinator, the call id itself, as before.
+  A call handed over to another link (`hexgen_worker.handover`) keeps the engine id it was
+  dispatched under, recorded for its new (link, call id) (`hand_over`); a call its old link
+  is dispatched later under the same id gets ``LINK.N/CALL_ID``, which no plain id can be.
 - **Release order.** ``DispatchCall.sequence`` and ``query_sequence`` count per
   coordinator, and the local queues key their members by ``seq``: the queue sees
   ``sequence × links + link`` (`order`), unique, and in each shard's own order.
@@ -51,12 +54,54 @@ class ShardMap:
         """Each link's latest welcome (kept while the link is down: its calls stay here)."""
         self.local_clock: ClusterClock | None = None
         """The clock the queue and the engine run on."""
+        self.up = [False] * self.links
+        """Whether each link is welcomed and its stream up (each `CoordinatorLink` keeps its
+        own): a down link's calls may be handed over (`hexgen_worker.handover`)."""
+        self._moved: dict[tuple[int, str], str] = {}
+        """(link, call id) -> engine id, for calls held under another id than the plain one."""
+        self._owners: dict[str, tuple[int, str]] = {}
+        """The reverse of `_moved`."""
+        self._renamed = 0
 
     # ------------------------------------------------------------------ ids and order
 
-    def engine_id(self, link: int, call_id: str) -> str:
-        """The id the queue and the engine know a link's call by."""
-        return call_id if self.links == 1 else f"{link}/{call_id}"
+    def engine_id(self, link: int, call_id: str, *, new: bool = False) -> str:
+        """The id the queue and the engine know a link's call by; `new`: for a call being
+        dispatched (an id another's call holds is then replaced by a fresh one, kept)."""
+        if self.links == 1:
+            return call_id
+        plain = f"{link}/{call_id}"
+        if not self._moved:  # no call was ever handed over: always so but after a takeover
+            return plain
+        known = self._moved.get((link, call_id))
+        if known is not None:
+            return known
+        if plain not in self._owners:
+            return plain
+        # A call handed over to another link holds this link's plain id.
+        fresh = f"{link}.{self._renamed + 1}/{call_id}"
+        if new:
+            self._renamed += 1
+            self._record(link, call_id, fresh)
+        return fresh  # not new: an id no call holds, so a lookup finds nothing
+
+    def hand_over(self, source: int, target: int, call_id: str) -> None:
+        """Link `source`'s call `call_id` is now link `target`'s, under the same engine id
+        (the caller checked that `target` holds no call of that id)."""
+        engine_id = self.engine_id(source, call_id)
+        self.forget(source, call_id)
+        if engine_id != f"{target}/{call_id}":  # (handed back: its plain id again)
+            self._record(target, call_id, engine_id)
+
+    def forget(self, link: int, call_id: str) -> None:
+        """Link `link`'s call left the queue and the engine: its engine id is free again."""
+        engine_id = self._moved.pop((link, call_id), None)
+        if engine_id is not None:
+            del self._owners[engine_id]
+
+    def _record(self, link: int, call_id: str, engine_id: str) -> None:
+        self._moved[(link, call_id)] = engine_id
+        self._owners[engine_id] = (link, call_id)
 
     def order(self, link: int, sequence: int) -> int:
         """A link's release (or query) sequence number as the local queue orders it."""

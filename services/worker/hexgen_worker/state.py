@@ -371,7 +371,7 @@ class WorkerState:
             self._outbox[(link, call_id)] = finished
             self._send(link, self._for_link(link, finished))
             return DispatchOutcome.RESENT
-        engine_id = self.shards.engine_id(link, call_id)
+        engine_id = self.shards.engine_id(link, call_id, new=True)
         held = self._calls.get(engine_id)
         if held is not None:
             log.info("call %s dispatched again while it is here: ignored", call_id)
@@ -455,6 +455,7 @@ class WorkerState:
         call = self._calls.pop(engine_id, None)
         if call is None:
             return self._outbox.pop((link, call_id), None) is not None
+        self.shards.forget(link, call_id)
         if call.status.is_queued:
             if self.scheduler is not None:
                 self.scheduler.queue.remove(call.ticket)
@@ -497,6 +498,25 @@ class WorkerState:
         for call_id in call_ids:
             self._outbox.pop((link, call_id), None)
 
+    def move_calls(self, source: int, target: int) -> tuple[int, int]:
+        """Make link `source`'s calls (untouched in the queue and engine) and unacknowledged
+        results link `target`'s; `hexgen_worker.handover` says when and why. A call `target`
+        holds already stays, the other copy goes. Returns (calls, results) moved."""
+        calls = results = 0
+        for call in [c for c in self._calls.values() if c.link == source]:
+            held = self.status(call.call_id, target) is not None
+            if held or (target, call.call_id) in self._outbox:
+                self.cancel(call.call_id, link=source, reason="held by the new shard holder")
+                continue
+            self.shards.hand_over(source, target, call.call_id)
+            call.link, calls = target, calls + 1
+            call.span.set_attribute("hexgen.coordinator", self.shards.names[target])
+        for key in [k for k in self._outbox if k[0] == source]:
+            finished = self._outbox.pop(key)
+            if (target, key[1]) not in self._outbox and self.status(key[1], target) is None:
+                self._outbox[(target, key[1])], results = finished, results + 1
+        return calls, results
+
     # ------------------------------------------------------------------ admission and engine
 
     def admit_ready(self) -> list[CallTicket]:
@@ -531,6 +551,7 @@ class WorkerState:
             self._send(link, event)
         else:
             del self._calls[event.call_id]
+            self.shards.forget(link, call.call_id)
             event = dataclasses.replace(event, call_id=call.call_id, attempt=call.ticket.attempt)
             self._outbox[(link, call.call_id)] = event
             span = call.span

@@ -31,3 +31,6 @@ class WelcomeSettings:
     """Wall seconds between heartbeats."""
     drop_call_ids: tuple[str, ...] = ()
     """Resident calls the coordinator no longer wants here."""
+    shard: str = ""
+    """The coordinator shard the coordinator holds (its Redis key prefix; empty when not
+    sharded): what `hexgen_worker.handover` matches a lost link's calls by."""

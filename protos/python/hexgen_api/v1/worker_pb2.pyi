@@ -195,6 +195,7 @@ class WorkerWelcome(_message.Message):
     QUEUE_PARAMS_JSON_FIELD_NUMBER: _builtins.int
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _builtins.int
     DROP_CALL_IDS_FIELD_NUMBER: _builtins.int
+    SHARD_FIELD_NUMBER: _builtins.int
     slot: _builtins.int
     instance: _builtins.str
     """Instance name, e.g. "A100#0"."""
@@ -207,6 +208,11 @@ class WorkerWelcome(_message.Message):
     queue_params_json: _builtins.str
     """The local queue's parameters as a JSON object."""
     heartbeat_interval_s: _builtins.float
+    shard: _builtins.str
+    """The coordinator shard this coordinator holds (the shard's Redis key prefix, e.g.
+    "hf:{s0}:"); empty when the coordinator is not sharded. A worker shared by shards
+    whose coordinator died hands that shard's calls over to the link that now names it.
+    """
     @_builtins.property
     def drop_call_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Resident calls the coordinator no longer wants here: drop them."""
@@ -223,10 +229,11 @@ class WorkerWelcome(_message.Message):
         queue_params_json: _builtins.str = ...,
         heartbeat_interval_s: _builtins.float = ...,
         drop_call_ids: _abc.Iterable[_builtins.str] | None = ...,
+        shard: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster", b"cluster", "drop_call_ids", b"drop_call_ids", "epoch_unix_s", b"epoch_unix_s", "heartbeat_interval_s", b"heartbeat_interval_s", "instance", b"instance", "queue_params_json", b"queue_params_json", "queue_policy", b"queue_policy", "slot", b"slot", "time_scale", b"time_scale"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster", b"cluster", "drop_call_ids", b"drop_call_ids", "epoch_unix_s", b"epoch_unix_s", "heartbeat_interval_s", b"heartbeat_interval_s", "instance", b"instance", "queue_params_json", b"queue_params_json", "queue_policy", b"queue_policy", "shard", b"shard", "slot", b"slot", "time_scale", b"time_scale"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
