@@ -13,7 +13,10 @@ import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from hexgen_client.addresses import DEFAULT_COORDINATOR  # constants only: no grpc at import
+from hexgen_client.addresses import (  # no grpc at import
+    DEFAULT_COORDINATOR,
+    split_addresses,
+)
 from hexgen_flow.calibration import DEFAULT_CALIBRATION, calibration_names, resolve_calibration
 from hexgen_flow.errors import HexgenFlowError
 from hexgen_flow.metrics import json_safe
@@ -32,6 +35,7 @@ __all__ = [
     "add_engine_options",
     "address",
     "alpha_or_auto",
+    "coordinator_addresses",
     "coordinator_client",
     "engine_model",
     "info",
@@ -113,6 +117,15 @@ def address(text: str) -> str:
     return text
 
 
+def coordinator_addresses(text: str) -> str:
+    """``HOST:PORT``, or a sharded mesh's coordinators as a comma list, each checked."""
+    try:
+        addresses = split_addresses(text)
+    except HexgenFlowError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return ",".join(address(a) for a in addresses)
+
+
 def calibration(text: str) -> str:
     """A calibration name or ``measured:FILE``, checked (the file read) before anything runs."""
     try:
@@ -168,10 +181,11 @@ def add_coordinator_option(parser: argparse.ArgumentParser) -> None:
     """``--coordinator`` and the credentials to call it with (a secured mesh)."""
     parser.add_argument(
         "--coordinator",
-        type=address,
+        type=coordinator_addresses,
         default=DEFAULT_COORDINATOR,
-        metavar="HOST:PORT",
-        help=f"the coordinator's address (default {DEFAULT_COORDINATOR})",
+        metavar="HOST:PORT[,...]",
+        help=f"the coordinator's address (default {DEFAULT_COORDINATOR}); a sharded mesh's "
+        "coordinators as a comma list (each query goes to its shard's owner)",
     )
     parser.add_argument(
         "--api-key-file",

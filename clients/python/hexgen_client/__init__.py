@@ -1,7 +1,7 @@
 """Python client of the HexGen-Flow service mesh.
 
 - `CoordinatorClient`: asyncio wrapper over the coordinator's gRPC API (submit, watch, run,
-  cancel, get, status, set_alpha);
+  cancel, get, status, set_alpha), for one coordinator or a sharded mesh's (`routing`);
 - `replay`: drive a running cluster with a workload, the simulator's arrivals and metrics;
 - `LocalCluster`: a whole mesh (Redis, coordinator, tuner, simulated workers) as local
   processes, for ``hexgen-flow up``, tests and benchmarks.

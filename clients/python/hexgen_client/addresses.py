@@ -3,6 +3,9 @@ tuner and `LocalCluster`)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from hexgen_flow.errors import ConfigError
 from hexgen_service.redis_keys import CLUSTER_PREFIX as DEFAULT_CLUSTER_PREFIX
 
 __all__ = [
@@ -13,6 +16,7 @@ __all__ = [
     "DEFAULT_REDIS_PREFIX",
     "DEFAULT_REDIS_URL",
     "DEFAULT_TUNER",
+    "split_addresses",
 ]
 
 DEFAULT_COORDINATOR = "127.0.0.1:50051"
@@ -27,3 +31,14 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 """The Redis the services share unless told otherwise."""
 DEFAULT_REDIS_PREFIX = "hf:"
 """Prefix of every Redis key the mesh writes."""
+
+
+def split_addresses(addresses: str | Sequence[str]) -> tuple[str, ...]:
+    """The addresses of ``HOST:PORT``, of a comma list ``HOST:PORT,HOST:PORT`` (a sharded
+    mesh's coordinators), or of a sequence of either (a repeated flag's values): each once,
+    in the order given. `ConfigError` when that leaves none."""
+    pieces = [addresses] if isinstance(addresses, str) else list(addresses)
+    found = [a.strip() for piece in pieces for a in piece.split(",") if a.strip()]
+    if not found:
+        raise ConfigError(f"no coordinator address in {addresses!r}")
+    return tuple(dict.fromkeys(found))

@@ -8,20 +8,26 @@ It takes and returns the core's `Query` on the way in (converted by
     async with CoordinatorClient() as client:
         async for event in client.run(query):
             print(event.kind, event.time_s)
+
+A sharded mesh's coordinators are given together (``CoordinatorClient("a:1,b:2")`` or a
+list): every RPC about a query goes where `hexgen_client.routing` says (the owner learnt
+from an earlier redirect, else the default address), follows redirects and moves on past
+coordinators that do not answer.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from contextlib import aclosing
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
 import grpc
 
 from hexgen_api.v1 import coordinator_pb2, coordinator_pb2_grpc, workflow_pb2
-from hexgen_client.addresses import DEFAULT_COORDINATOR
+from hexgen_client.addresses import DEFAULT_COORDINATOR, split_addresses
 from hexgen_client.convert import is_terminal, submit_request
 from hexgen_client.credentials import open_channel
 from hexgen_client.errors import (
@@ -29,11 +35,19 @@ from hexgen_client.errors import (
     CoordinatorOverloadedError,
     CoordinatorUnavailableError,
 )
+from hexgen_client.routing import ShardRouter, owner_of
 from hexgen_flow.workload import Query
 from hexgen_service.convert import workflow_to_proto
 from hexgen_service.errors import RETRY_AFTER_KEY
 
 __all__ = ["RETRY_AFTER_KEY", "CoordinatorClient"]
+
+if TYPE_CHECKING:  # the async stub's class exists in the type stubs only
+    _Stub: TypeAlias = coordinator_pb2_grpc.CoordinatorServiceAsyncStub
+_Response = TypeVar("_Response")
+_EventResponse = TypeVar(
+    "_EventResponse", coordinator_pb2.WatchQueryResponse, coordinator_pb2.RunQueryResponse
+)
 
 _UNREACHABLE_STATES = (
     grpc.ChannelConnectivity.IDLE,
@@ -44,19 +58,24 @@ _UNREACHABLE_STATES = (
 
 
 class CoordinatorClient:
-    """One channel to the coordinator at `address`; use it as an async context manager (or
-    call `close`). The channel is opened on first use, inside the running event loop."""
+    """The coordinator at `address`, or a sharded mesh's coordinators: ``"HOST:PORT"``, a
+    comma list ``"A,B"`` or a sequence of addresses. One channel per address used, opened
+    on first use inside the running event loop; use it as an async context manager (or call
+    `close`)."""
 
     def __init__(
         self,
-        address: str = DEFAULT_COORDINATOR,
+        address: str | Sequence[str] = DEFAULT_COORDINATOR,
         *,
         timeout_s: float = 10.0,
         interceptors: Sequence[grpc.aio.ClientInterceptor] | None = None,
         api_key: str | None = None,
         tls_ca: str | Path | None = None,
     ) -> None:
-        self.address = address
+        self.addresses = split_addresses(address)
+        """The coordinators, in the order they are tried when one does not answer."""
+        self.address = ",".join(self.addresses)
+        """The addresses as one string (the one address, without shards)."""
         self.api_key = api_key
         """Sent as ``authorization: Bearer`` on every RPC; None: ``$HEXGEN_FLOW_API_KEY``."""
         self.tls_ca = tls_ca
@@ -64,29 +83,39 @@ class CoordinatorClient:
         plaintext."""
         self.timeout_s = timeout_s
         """Deadline of every unary RPC (streams have none: a query may run for minutes)."""
+        self.router = ShardRouter(self.addresses)
+        """Where each query's RPCs go (`hexgen_client.routing`)."""
         self._interceptors = list(interceptors) if interceptors else None
-        self._channel: grpc.aio.Channel | None = None
-        self._stub: coordinator_pb2_grpc.CoordinatorServiceAsyncStub | None = None
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[str, _Stub] = {}
 
     # ------------------------------------------------------------------------- lifecycle
 
     @property
-    def stub(self) -> coordinator_pb2_grpc.CoordinatorServiceAsyncStub:
-        if self._stub is None:
-            self._channel = open_channel(
-                self.address,
+    def stub(self) -> _Stub:
+        """The generated stub of the default coordinator (no routing: for callers of the
+        raw API, e.g. benchmarks)."""
+        return self._stub_at(self.router.default)
+
+    def _stub_at(self, address: str) -> _Stub:
+        stub = self._stubs.get(address)
+        if stub is None:
+            channel = open_channel(
+                address,
                 api_key=self.api_key,
                 tls_ca=self.tls_ca,
                 interceptors=self._interceptors or (),
             )
-            self._stub = coordinator_pb2_grpc.CoordinatorServiceStub(self._channel)
-        return self._stub
+            self._channels[address] = channel
+            stub = self._stubs[address] = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+        return stub
 
     async def close(self) -> None:
-        if self._channel is not None:
-            await self._channel.close()
-        self._channel = None
-        self._stub = None
+        channels = list(self._channels.values())
+        self._channels.clear()
+        self._stubs.clear()
+        for channel in channels:
+            await channel.close()
 
     async def __aenter__(self) -> CoordinatorClient:
         return self
@@ -126,75 +155,53 @@ class CoordinatorClient:
         calls' prompts, per stage (see `submit_request`). A refusal by admission control
         raises `CoordinatorOverloadedError` (with the coordinator's retry-after hint)."""
         request = submit_request(query, slo_scale, prompts)
-        try:
-            return await self.stub.SubmitQuery(request, timeout=self.timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            raise self._error(exc) from None
+        return await self._unary(
+            query.query_id, lambda stub: stub.SubmitQuery(request, timeout=self.timeout_s)
+        )
 
-    async def watch(self, query_id: str) -> AsyncIterator[coordinator_pb2.QueryEvent]:
+    def watch(self, query_id: str) -> AsyncGenerator[coordinator_pb2.QueryEvent, None]:
         """The query's events, past ones first, until it succeeds, fails or is cancelled."""
-        call = self.stub.WatchQuery(coordinator_pb2.WatchQueryRequest(query_id=query_id))
-        async for event in self._until_terminal(call):
-            yield event
+        request = coordinator_pb2.WatchQueryRequest(query_id=query_id)
+        return self._events(query_id, lambda stub: stub.WatchQuery(request))
 
-    async def run(
+    def run(
         self,
         query: Query,
         *,
         slo_scale: float | None = None,
         prompts: Sequence[Sequence[str]] | None = None,
-    ) -> AsyncIterator[coordinator_pb2.QueryEvent]:
+    ) -> AsyncGenerator[coordinator_pb2.QueryEvent, None]:
         """Submit `query` and stream its events until it ends (RunQuery); `prompts` as for
         `submit`."""
         request = coordinator_pb2.RunQueryRequest(query=submit_request(query, slo_scale, prompts))
-        async for event in self._until_terminal(self.stub.RunQuery(request)):
-            yield event
-
-    async def _until_terminal(
-        self,
-        call: grpc.aio.UnaryStreamCall[Any, Any],
-    ) -> AsyncIterator[coordinator_pb2.QueryEvent]:
-        """The events of a WatchQuery or RunQuery stream until the query ends."""
-        try:
-            async for response in call:
-                yield response.event
-                if is_terminal(response.event):
-                    return
-        except grpc.aio.AioRpcError as exc:
-            raise self._error(exc) from None
-        finally:
-            call.cancel()
+        return self._events(query.query_id, lambda stub: stub.RunQuery(request))
 
     async def cancel(self, query_id: str) -> coordinator_pb2.QueryInfo:
         request = coordinator_pb2.CancelQueryRequest(query_id=query_id)
-        try:
-            response = await self.stub.CancelQuery(request, timeout=self.timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            raise self._error(exc) from None
+        response = await self._unary(
+            query_id, lambda stub: stub.CancelQuery(request, timeout=self.timeout_s)
+        )
         return response.query
 
     async def get(self, query_id: str) -> coordinator_pb2.GetQueryResponse:
         """The query's state (`.query`) and its events so far (`.events`)."""
         request = coordinator_pb2.GetQueryRequest(query_id=query_id)
-        try:
-            return await self.stub.GetQuery(request, timeout=self.timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            raise self._error(exc) from None
+        return await self._unary(
+            query_id, lambda stub: stub.GetQuery(request, timeout=self.timeout_s)
+        )
 
     async def status(self) -> coordinator_pb2.ClusterStatusResponse:
-        try:
-            return await self.stub.ClusterStatus(
-                coordinator_pb2.ClusterStatusRequest(), timeout=self.timeout_s
-            )
-        except grpc.aio.AioRpcError as exc:
-            raise self._error(exc) from None
+        """ClusterStatus of the default coordinator (the next one when it does not answer:
+        with shards, every coordinator sees every instance)."""
+        request = coordinator_pb2.ClusterStatusRequest()
+        return await self._unary(
+            None, lambda stub: stub.ClusterStatus(request, timeout=self.timeout_s)
+        )
 
     async def set_alpha(self, alpha: float, reason: str = "") -> coordinator_pb2.SetAlphaResponse:
+        """SetAlpha at the default coordinator (the next one when it does not answer)."""
         request = coordinator_pb2.SetAlphaRequest(alpha=alpha, reason=reason)
-        try:
-            return await self.stub.SetAlpha(request, timeout=self.timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            raise self._error(exc) from None
+        return await self._unary(None, lambda stub: stub.SetAlpha(request, timeout=self.timeout_s))
 
     # ------------------------------------------------------------------ workflow sessions
 
@@ -225,10 +232,9 @@ class CoordinatorClient:
             request.expected.CopyFrom(workflow_to_proto(expected.workflow))
         elif expected is not None:
             request.expected.CopyFrom(expected)
-        try:
-            return await self.stub.OpenWorkflow(request, timeout=self.timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            raise self._error(exc) from None
+        return await self._unary(
+            workflow_id, lambda stub: stub.OpenWorkflow(request, timeout=self.timeout_s)
+        )
 
     async def run_call(
         self,
@@ -257,40 +263,102 @@ class CoordinatorClient:
                 messages=[workflow_pb2.ChatMessage(role=r, content=c) for r, c in messages],
             ),
         )
-        call = self.stub.RunCall(request)
-        try:
-            async for response in call:
+        async with aclosing(
+            self._stream(workflow_id, lambda stub: stub.RunCall(request))
+        ) as responses:
+            async for response in responses:
                 yield response
-        except grpc.aio.AioRpcError as exc:
-            raise self._error(exc) from None
-        finally:
-            call.cancel()
 
     async def close_workflow(self, workflow_id: str) -> coordinator_pb2.QueryInfo:
         """Close a session: the calls it expected and was not given are skipped; it ends
         when its last given call finishes."""
         request = coordinator_pb2.CloseWorkflowRequest(workflow_id=workflow_id)
-        try:
-            response = await self.stub.CloseWorkflow(request, timeout=self.timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            raise self._error(exc) from None
+        response = await self._unary(
+            workflow_id, lambda stub: stub.CloseWorkflow(request, timeout=self.timeout_s)
+        )
         return response.workflow
+
+    # --------------------------------------------------------------------------- routing
+
+    async def _unary(
+        self, query_id: str | None, rpc: Callable[[_Stub], Awaitable[_Response]]
+    ) -> _Response:
+        """`rpc` sent where the router says for `query_id` (None: the default coordinator),
+        again after each redirect or unanswered address, until one answers."""
+        route = self.router.route(query_id)
+        while True:
+            try:
+                return await rpc(self._stub_at(route.address))
+            except grpc.aio.AioRpcError as exc:
+                problem = route.reroute(self._error(exc, route.address), owner_of(exc))
+                if problem is not None:
+                    raise problem from None
+
+    async def _stream(
+        self,
+        query_id: str,
+        open_call: Callable[[_Stub], grpc.aio.UnaryStreamCall[Any, _Response]],
+    ) -> AsyncGenerator[_Response, None]:
+        """The responses of the stream `open_call` opens, routed as `_unary`: a redirect
+        (or an unanswered address) arrives as its error before any response. An error once
+        responses came surfaces as it is (resending would repeat them); when the coordinator
+        went away, the router stops preferring it, so that a re-watch finds the successor."""
+        route = self.router.route(query_id)
+        while True:
+            call = open_call(self._stub_at(route.address))
+            answered = False
+            try:
+                async for response in call:
+                    answered = True
+                    yield response
+                return
+            except grpc.aio.AioRpcError as exc:
+                error = self._error(exc, route.address)
+                if answered:
+                    if isinstance(error, CoordinatorUnavailableError):
+                        # It served this stream and broke it: it went away (or lost its
+                        # Redis), so a re-watch asks the others before it.
+                        self.router.went_away(route.address)
+                    raise error from None
+                problem = route.reroute(error, owner_of(exc))
+                if problem is not None:
+                    raise problem from None
+            finally:
+                call.cancel()
+
+    async def _events(
+        self,
+        query_id: str,
+        open_call: Callable[[_Stub], grpc.aio.UnaryStreamCall[Any, _EventResponse]],
+    ) -> AsyncGenerator[coordinator_pb2.QueryEvent, None]:
+        """The events of a WatchQuery or RunQuery stream until the query ends (the stream
+        closed then, not left to the garbage collector)."""
+        async with aclosing(self._stream(query_id, open_call)) as responses:
+            async for response in responses:
+                yield response.event
+                if is_terminal(response.event):
+                    return
 
     # ---------------------------------------------------------------------------- errors
 
-    def _error(self, exc: grpc.aio.AioRpcError) -> CoordinatorError:
+    def _error(self, exc: grpc.aio.AioRpcError, address: str) -> CoordinatorError:
         code = exc.code()
         details = exc.details() or ""
-        unreachable = code == grpc.StatusCode.UNAVAILABLE or (
-            code == grpc.StatusCode.DEADLINE_EXCEEDED
-            and self._channel is not None
-            and self._channel.get_state() in _UNREACHABLE_STATES
-        )
-        if unreachable:
-            return CoordinatorUnavailableError(self.address, details)
+        channel = self._channels.get(address)
+        connected = channel is not None and channel.get_state() not in _UNREACHABLE_STATES
+        if code == grpc.StatusCode.CANCELLED:
+            # Not this client's cancel (that raises asyncio.CancelledError): the coordinator
+            # cancelled its calls as it stopped (a restart, a shard handed over).
+            return CoordinatorUnavailableError(address, details)
+        if code == grpc.StatusCode.UNAVAILABLE or (
+            code == grpc.StatusCode.DEADLINE_EXCEEDED and not connected
+        ):
+            # Connected: the coordinator itself said UNAVAILABLE (it runs; its Redis or
+            # its shard's takeover), which routing tells from a coordinator gone away.
+            return CoordinatorUnavailableError(address, details, answered=connected)
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-            return CoordinatorOverloadedError(self.address, details, _retry_after(exc))
-        return CoordinatorError(self.address, code, details)
+            return CoordinatorOverloadedError(address, details, _retry_after(exc))
+        return CoordinatorError(address, code, details)
 
 
 def _retry_after(exc: grpc.aio.AioRpcError) -> float | None:

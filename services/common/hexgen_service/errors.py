@@ -6,6 +6,7 @@ import grpc
 
 __all__ = [
     "RETRY_AFTER_KEY",
+    "SHARD_OWNER_KEY",
     "AlreadyExistsError",
     "FailedPreconditionError",
     "InvalidFieldError",
@@ -27,6 +28,11 @@ class InvalidFieldError(ValueError):
 RETRY_AFTER_KEY = "retry-after-s"
 """Trailing metadata of a RESOURCE_EXHAUSTED answer: wall seconds until a retry may succeed
 (what `OverloadedError.retry_after_s` becomes on the wire)."""
+
+SHARD_OWNER_KEY = "hexgen-shard-owner"
+"""Trailing metadata of a sharded coordinator's redirect (FAILED_PRECONDITION: a workflow of
+another shard): the owning coordinator's client address, ``HOST:PORT``, which clients
+resend to (`hexgen_client.routing`)."""
 
 
 class AlreadyExistsError(ValueError):

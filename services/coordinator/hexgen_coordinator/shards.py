@@ -32,11 +32,13 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 
 from hexgen_flow.errors import ConfigError
+from hexgen_service.errors import SHARD_OWNER_KEY
 
 __all__ = ["OWNER_METADATA", "LeaseLostError", "ShardLease", "ShardMap", "lease_key"]
 
-OWNER_METADATA = "hexgen-shard-owner"
-"""Trailing metadata of a redirect: the owning coordinator's client address, HOST:PORT."""
+OWNER_METADATA = SHARD_OWNER_KEY
+"""Trailing metadata of a redirect: the owning coordinator's client address, HOST:PORT (the
+clients read the same key)."""
 
 log = logging.getLogger(__name__)
 

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
+from hexgen_client.addresses import split_addresses
 from hexgen_flow.errors import ConfigError, HexgenFlowError
 from hexgen_gateway.config import GatewayConfig
 from hexgen_service.auth import API_KEY_ENV, read_secret
@@ -44,7 +45,11 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[GatewayConfig, str]
     )
     parser.add_argument("--listen", default=d.listen, help=f"HOST:PORT (default {d.listen})")
     parser.add_argument(
-        "--coordinator", default=d.coordinator, help=f"HOST:PORT (default {d.coordinator})"
+        "--coordinator",
+        action="append",
+        metavar="HOST:PORT",
+        help=f"the coordinator (default {d.coordinator}); a sharded mesh's coordinators: "
+        "repeat it or give a comma list (each workflow goes to its shard's owner)",
     )
     parser.add_argument(
         "--default-stage",
@@ -80,15 +85,19 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[GatewayConfig, str]
     )
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     args = parser.parse_args(argv)
-    for name in ("listen", "coordinator"):
+    try:
+        coordinators = split_addresses(args.coordinator or d.coordinator)
+    except ConfigError as exc:
+        parser.error(f"--coordinator: {exc}")
+    for name, value in (("listen", args.listen), *(("coordinator", c) for c in coordinators)):
         try:
-            _address(getattr(args, name))
+            _address(value)
         except argparse.ArgumentTypeError as exc:
             parser.error(f"--{name}: {exc}")
     try:
         config = GatewayConfig(
             listen=args.listen,
-            coordinator=args.coordinator,
+            coordinator=",".join(coordinators),
             default_stage=args.default_stage,
             default_max_tokens=args.default_max_tokens,
             request_timeout_s=args.request_timeout_s,

@@ -19,7 +19,8 @@ class GatewayConfig:
     listen: str = DEFAULT_GATEWAY
     """HOST:PORT of the HTTP server (the OpenAI-compatible API)."""
     coordinator: str = DEFAULT_COORDINATOR
-    """The coordinator every request becomes a workflow of."""
+    """The coordinator every request becomes a workflow of; a comma list: a sharded mesh's
+    coordinators, each workflow sent to its shard's owner (`hexgen_client.routing`)."""
     default_stage: str = "chat"
     """The step of a request without an ``X-Hexgen-Stage`` header."""
     default_max_tokens: int = 256

@@ -9,7 +9,8 @@ with the matching HTTP status, and the coordinator's gRPC statuses mapped onto t
 | NOT_FOUND | 404 | invalid_request_error |
 | ALREADY_EXISTS | 409 | invalid_request_error |
 | RESOURCE_EXHAUSTED (``retry-after-s``) | 429 + Retry-After | rate_limit_error |
-| UNAVAILABLE, nothing answers | 503 | service_unavailable |
+| UNAVAILABLE, nothing answers (at any coordinator shard) | 503 | service_unavailable |
+| coordinator shards redirecting in a circle (`ShardRedirectLoopError`) | 502 | server_error |
 | DEADLINE_EXCEEDED | 504 | timeout |
 | anything else | 500 | server_error |
 
@@ -25,7 +26,11 @@ from typing import Any
 
 import grpc
 
-from hexgen_client.errors import CoordinatorError, CoordinatorOverloadedError
+from hexgen_client.errors import (
+    CoordinatorError,
+    CoordinatorOverloadedError,
+    ShardRedirectLoopError,
+)
 
 __all__ = ["OpenAIError", "bad_request", "from_coordinator"]
 
@@ -92,6 +97,8 @@ def from_coordinator(exc: CoordinatorError, param_of: Mapping[str, str]) -> Open
             code="rate_limit_exceeded",
             headers=retry_after_headers(exc.retry_after_s),
         )
+    if isinstance(exc, ShardRedirectLoopError):  # the coordinators disagree on its owner
+        return OpenAIError(502, str(exc), type="server_error", code="shard_redirect_loop")
     code = exc.code
     if code == grpc.StatusCode.UNAUTHENTICATED:
         return OpenAIError(
