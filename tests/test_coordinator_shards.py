@@ -25,6 +25,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 import redis
+import redis.asyncio as aioredis
 
 from hexgen_api.v1 import coordinator_pb2, coordinator_pb2_grpc
 from hexgen_client.client import CoordinatorClient
@@ -34,6 +35,8 @@ from hexgen_client.processes import RedisServer
 from hexgen_client.sharded_mesh import LocalShardedMesh, ShardedMeshConfig
 from hexgen_coordinator.shards import OWNER_METADATA, ShardMap
 from hexgen_flow.workload import Query
+from hexgen_tuner.config import TunerConfig
+from hexgen_tuner.tuner import AlphaTuner
 from replay_on_redis import assert_each_call_completed_once, trace3_replay
 from up_runner import check_state
 
@@ -123,6 +126,33 @@ def test_a_workflow_of_another_shard_is_redirected_to_its_owner(mesh: LocalShard
     try:
         assert client.exists(f"hf:{{s1}}:q:{theirs.query_id}")
         assert not client.exists(f"hf:{{s0}}:q:{theirs.query_id}")
+    finally:
+        client.close()
+
+
+def test_the_tuner_sets_alpha_on_every_shard_and_skips_the_spare(mesh: LocalShardedMesh) -> None:
+    config = TunerConfig(
+        coordinator=mesh.client_addresses,
+        redis_url=mesh.config.redis_url,
+        shards=mesh.config.prefixes,
+    )
+
+    async def push() -> list[float]:
+        store: aioredis.Redis[bytes] = aioredis.Redis.from_url(config.redis_url)
+        async with CoordinatorClient(config.coordinator) as client:
+            try:
+                await AlphaTuner(config, store, client).push_alpha(0.37, "test")
+            finally:
+                await store.aclose()  # type: ignore[attr-defined]  # types-redis predates aclose
+        return [(await _status(c.listen, 10.0)).alpha for c in mesh.coordinators[:2]]
+
+    assert asyncio.run(push()) == [0.37, 0.37]
+    client = redis.Redis.from_url(mesh.config.redis_url)
+    try:  # each shard keeps it: a spare that takes a shard over starts with it
+        assert [float(client.hget(p + "meta", "alpha") or "nan") for p in mesh.config.prefixes] == [
+            0.37,
+            0.37,
+        ]
     finally:
         client.close()
 

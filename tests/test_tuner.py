@@ -37,7 +37,13 @@ from hexgen_tuner.config import TunerConfig
 from hexgen_tuner.service import SERVICE_NAME, TunerServicer
 from hexgen_tuner.store import AlphaChange, TunerStore, TuningRunRecord
 from hexgen_tuner.tuner import OBSERVED, AlphaTuner, decide, tuning_grid
-from hexgen_tuner.window import admitted_key, finished_key, read_window, window_from_entries
+from hexgen_tuner.window import (
+    admitted_key,
+    finished_key,
+    read_sharded_window,
+    read_window,
+    window_from_entries,
+)
 
 REDIS_URL = os.environ.get("HEXGEN_TEST_REDIS", "redis://127.0.0.1:6379/0")
 TRACE = load_trace("trace1")
@@ -194,6 +200,33 @@ async def test_a_tuner_user_from_an_older_acl_still_reads_its_finished_queries(
     finally:
         await old.aclose()  # type: ignore[attr-defined]  # types-redis predates aclose
         await redis_client.acl_deluser(user)
+
+
+async def test_a_sharded_window_is_every_shards_traffic_on_one_clock(
+    redis_client: aioredis.Redis[bytes], prefix: str
+) -> None:
+    # Shard a's clock started at Unix 1000, shard b's at 1005 (time scale 10 both); shard c
+    # has never had a coordinator (no clock, no traffic).
+    a, b, c = (f"{prefix}{{{name}}}:" for name in "abc")
+    await redis_client.hset(f"{a}meta", mapping={"epoch_unix_s": "1000.0", "time_scale": "10"})
+    await redis_client.hset(f"{b}meta", mapping={"epoch_unix_s": "1005.0", "time_scale": "10"})
+    await add_admitted(redis_client, a, TRACE[0], 100.0, 150.0)  # Unix 1010
+    await add_admitted(redis_client, b, TRACE[1], 0.0, 151.0)  # Unix 1005: 50 on a's clock
+    await add_admitted(redis_client, b, TRACE[0], 70.0, 152.0)  # the same id, b's own query
+    await add_finished(redis_client, a, TRACE[0], 100.0, slo_s=150.0)
+
+    window = await read_sharded_window(redis_client, [a, b, c], 200)
+
+    assert [(q.query_id, q.arrival_s, q.slo_s) for q in window.queries] == [
+        ("trace1-1", 0.0, 151.0),
+        ("trace1-0", 50.0, 150.0),  # a's, at 100 on a's clock
+        ("trace1-0", 70.0, 152.0),  # b's, at 70 on b's clock = 120 on a's
+    ]
+    assert [q.query_id for q in (await read_sharded_window(redis_client, [a, b], 2)).queries] == [
+        "trace1-0",
+        "trace1-0",
+    ]
+    assert (await read_sharded_window(redis_client, [c], 200)).queries == ()
 
 
 async def test_an_empty_stream_is_an_empty_window(

@@ -89,6 +89,18 @@ class CoordinatorClient:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, _Stub] = {}
 
+    def one(self, address: str) -> CoordinatorClient:
+        """A client of the coordinator at `address` alone, with this client's key, CA,
+        interceptors and timeout: what talks to each shard's coordinator in turn (the
+        tuner's SetAlpha on every shard). Close it when done."""
+        return CoordinatorClient(
+            address,
+            timeout_s=self.timeout_s,
+            interceptors=self._interceptors,
+            api_key=self.api_key,
+            tls_ca=self.tls_ca,
+        )
+
     # ------------------------------------------------------------------------- lifecycle
 
     @property

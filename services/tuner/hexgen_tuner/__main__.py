@@ -38,7 +38,16 @@ def parse_config(argv: Sequence[str] | None = None) -> TunerConfig:
     )
     parser.add_argument("--listen", default=d.listen, help=f"HOST:PORT (default {d.listen})")
     parser.add_argument(
-        "--coordinator", default=d.coordinator, help=f"HOST:PORT (default {d.coordinator})"
+        "--coordinator",
+        default=d.coordinator,
+        help=f"HOST:PORT[,...] (default {d.coordinator}); with --shards every coordinator",
+    )
+    parser.add_argument(
+        "--shards",
+        metavar="P0,P1,...",
+        default="",
+        help="tune a sharded mesh: every shard's key prefix, as the coordinators are given "
+        "them; the window is all shards' traffic and the alpha goes to every coordinator",
     )
     parser.add_argument(
         "--redis-url", default=d.redis_url, help=f"{REDIS_URL_HELP} (default {d.redis_url})"
@@ -131,6 +140,11 @@ def parse_config(argv: Sequence[str] | None = None) -> TunerConfig:
             redis_url=args.redis_url,
             redis_prefix=cluster_prefix(args.redis_prefix, cluster=args.redis_cluster),
             redis_cluster=args.redis_cluster,
+            shards=tuple(
+                cluster_prefix(p.strip(), cluster=args.redis_cluster)
+                for p in args.shards.split(",")
+                if p.strip()
+            ),
             period_s=args.period_s,
             window=args.window,
             min_queries=args.min_queries,

@@ -27,7 +27,8 @@ class TunerConfig:
     listen: str = DEFAULT_TUNER
     """Address of the TunerService (plus health and reflection)."""
     coordinator: str = DEFAULT_COORDINATOR
-    """The coordinator whose α is tuned (ClusterStatus, SetAlpha)."""
+    """The coordinator whose α is tuned (ClusterStatus, SetAlpha); with shards, every
+    coordinator's address, comma-separated."""
     redis_url: str = DEFAULT_REDIS_URL
     """The Redis the coordinator writes its ``admitted`` and ``finished`` streams to."""
     redis_prefix: str = DEFAULT_REDIS_PREFIX
@@ -36,6 +37,11 @@ class TunerConfig:
     (`cluster_prefix`)."""
     redis_cluster: bool = False
     """`redis_url` is a node of a Redis Cluster (``--redis-cluster``)."""
+    shards: tuple[str, ...] = ()
+    """The coordinator shards' prefixes (``--shards``, as the coordinators are given them);
+    empty: one coordinator. With shards the window is every shard's traffic on one clock
+    (`read_sharded_window`), the tuned α is pushed to every coordinator in `coordinator`
+    that answers, and the tuner's own records stay under `redis_prefix`."""
     period_s: float = 30.0
     """Wall seconds between tuning runs (the first one a period after start)."""
     window: int = 200

@@ -29,6 +29,7 @@ from collections.abc import Callable
 import redis.asyncio as aioredis
 from opentelemetry import trace
 
+from hexgen_client.addresses import split_addresses
 from hexgen_client.client import CoordinatorClient
 from hexgen_client.convert import cluster_from_status
 from hexgen_client.errors import CoordinatorError, CoordinatorUnavailableError
@@ -47,7 +48,7 @@ from hexgen_flow.tuning import (
 from hexgen_tuner.config import TunerConfig
 from hexgen_tuner.metrics import TunerMetrics
 from hexgen_tuner.store import AlphaChange, TunerStore, TuningRunRecord
-from hexgen_tuner.window import TrafficWindow, read_window
+from hexgen_tuner.window import TrafficWindow, read_sharded_window, read_window
 
 __all__ = ["OBSERVED", "AlphaTuner", "Decision", "decide", "tuning_grid"]
 
@@ -133,7 +134,10 @@ class AlphaTuner:
         config = self.config
         run_id = await self.store.next_run_id()
         started = self.clock()
-        window = await read_window(self.redis, config.redis_prefix, config.window)
+        if config.shards:
+            window = await read_sharded_window(self.redis, config.shards, config.window)
+        else:
+            window = await read_window(self.redis, config.redis_prefix, config.window)
 
         async def finish(
             reason: str,
@@ -189,7 +193,7 @@ class AlphaTuner:
         if not decision.change:
             return await finish(decision.reason, previous, best=decision.alpha, result=result)
         try:
-            await self.coordinator.set_alpha(decision.alpha, reason=run_id)
+            await self.push_alpha(decision.alpha, run_id)
         except CoordinatorError as exc:
             return await finish(
                 f"{decision.reason}; SetAlpha failed: {exc}",
@@ -201,6 +205,33 @@ class AlphaTuner:
         return await finish(
             decision.reason, previous, best=decision.alpha, result=result, applied=True
         )
+
+    async def push_alpha(self, alpha: float, reason: str) -> None:
+        """SetAlpha at the coordinator; with shards at every coordinator given (each keeps
+        its shard's α in Redis, so a spare that takes a shard over starts with it). A
+        coordinator that does not answer (a spare, a dead one) is skipped; CoordinatorError
+        when none took it."""
+        if not self.config.shards:
+            await self.coordinator.set_alpha(alpha, reason=reason)
+            return
+        took: list[str] = []
+        failures: list[str] = []
+        for address in split_addresses(self.config.coordinator):
+            one = self.coordinator.one(address)
+            try:
+                await one.set_alpha(alpha, reason=reason)
+                took.append(address)
+            except CoordinatorUnavailableError as exc:
+                failures.append(f"{address}: {exc}")
+            finally:
+                await one.close()
+        if not took:
+            raise CoordinatorUnavailableError(
+                self.config.coordinator,
+                "; ".join(failures),
+                message="no coordinator answered SetAlpha: " + "; ".join(failures),
+            )
+        log.info("alpha %g set at %s", alpha, ", ".join(took))
 
     def retune_window(
         self, window: TrafficWindow, cluster: Cluster, preset: Preset, current: float

@@ -38,6 +38,7 @@ __all__ = [
     "admitted_key",
     "finished_key",
     "parse_entry",
+    "read_sharded_window",
     "read_window",
     "window_from_entries",
 ]
@@ -131,10 +132,9 @@ class TrafficWindow:
         return self.tuning.span_s
 
 
-def window_from_entries(entries: Sequence[StreamEntry], size: int | None = None) -> TrafficWindow:
-    """The window of `entries` (from either stream, each stream's oldest first): a query id
-    seen twice keeps its latest entry (so list the ``admitted`` entries before the
-    ``finished`` ones); `size`: only the last `size` queries by arrival."""
+def _latest(entries: Sequence[StreamEntry]) -> tuple[dict[str, RecentQuery], int]:
+    """Each query id's latest readable entry (in `entries`' order), and how many entries
+    could not be read (logged)."""
     latest: dict[str, RecentQuery] = {}
     skipped = 0
     for entry_id, fields in entries:
@@ -146,17 +146,29 @@ def window_from_entries(entries: Sequence[StreamEntry], size: int | None = None)
             continue
         latest.pop(record.query.query_id, None)
         latest[record.query.query_id] = record
-    records = sorted(latest.values(), key=lambda r: (r.arrival_s, r.query.query_id))
+    return latest, skipped
+
+
+def _window(records: Sequence[RecentQuery], size: int | None, skipped: int) -> TrafficWindow:
+    ordered = sorted(records, key=lambda r: (r.arrival_s, r.query.query_id))
     if size is not None:
-        records = records[-size:] if size > 0 else []
-    window = TuningWindow.of((r.query, r.arrival_s, r.slo_s) for r in records)
+        ordered = ordered[-size:] if size > 0 else []
+    window = TuningWindow.of((r.query, r.arrival_s, r.slo_s) for r in ordered)
     return TrafficWindow(window, skipped)
 
 
-async def read_window(client: aioredis.Redis[bytes], prefix: str, size: int) -> TrafficWindow:
-    """The last `size` queries by arrival of the last `size` entries of each stream,
-    ``prefix + "admitted"`` and ``prefix + "finished"`` (a coordinator from before the
-    ``admitted`` stream writes only the second: its window is its finished queries)."""
+def window_from_entries(entries: Sequence[StreamEntry], size: int | None = None) -> TrafficWindow:
+    """The window of `entries` (from either stream, each stream's oldest first): a query id
+    seen twice keeps its latest entry (so list the ``admitted`` entries before the
+    ``finished`` ones); `size`: only the last `size` queries by arrival."""
+    latest, skipped = _latest(entries)
+    return _window(list(latest.values()), size, skipped)
+
+
+async def _entries(client: aioredis.Redis[bytes], prefix: str, size: int) -> list[StreamEntry]:
+    """The last `size` entries of ``prefix + "admitted"`` then of ``prefix + "finished"``,
+    each oldest first (a coordinator from before the ``admitted`` stream writes only the
+    second)."""
     try:
         admitted = await client.xrevrange(admitted_key(prefix), count=size)
     except NoPermissionError:
@@ -169,4 +181,39 @@ async def read_window(client: aioredis.Redis[bytes], prefix: str, size: int) -> 
         )
         admitted = []
     finished = await client.xrevrange(finished_key(prefix), count=size)
-    return window_from_entries([*reversed(admitted), *reversed(finished)], size)
+    return [*reversed(admitted), *reversed(finished)]
+
+
+async def read_window(client: aioredis.Redis[bytes], prefix: str, size: int) -> TrafficWindow:
+    """The last `size` queries by arrival of the last `size` entries of each stream,
+    ``prefix + "admitted"`` and ``prefix + "finished"``."""
+    return window_from_entries(await _entries(client, prefix, size), size)
+
+
+async def read_sharded_window(
+    client: aioredis.Redis[bytes], prefixes: Sequence[str], size: int
+) -> TrafficWindow:
+    """The last `size` queries by arrival over every coordinator shard's streams (the
+    prefixes of ``--shards``), on one clock: each shard keeps its own (its ``meta`` hash's
+    ``epoch_unix_s`` and ``time_scale``, set by its first coordinator), so every arrival is
+    moved onto the first shard's clock. A shard no coordinator has started yet (no clock)
+    has no traffic and is skipped. The shards run the same workers, so the window is the
+    cluster's whole traffic, and the α tuned on it is every shard's."""
+    clocks: list[tuple[str, float, float]] = []
+    for prefix in prefixes:
+        raw_epoch, raw_scale = await client.hmget(prefix + "meta", ["epoch_unix_s", "time_scale"])
+        if raw_epoch is not None and raw_scale is not None:
+            clocks.append((prefix, float(raw_epoch), float(raw_scale)))
+    if not clocks:
+        return _window([], size, 0)
+    _, epoch0, scale0 = clocks[0]
+    records: list[RecentQuery] = []
+    skipped = 0
+    for prefix, shard_epoch, shard_scale in clocks:
+        latest, bad = _latest(await _entries(client, prefix, size))
+        skipped += bad
+        for r in latest.values():
+            # arrival on this shard's clock -> Unix time -> the first shard's clock
+            arrival = (shard_epoch + r.arrival_s / shard_scale - epoch0) * scale0
+            records.append(replace(r, arrival_s=arrival))
+    return _window(records, size, skipped)
