@@ -31,11 +31,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-
-import redis
 
 from hexgen_client.client import CoordinatorClient
 from hexgen_client.processes import RedisServer
@@ -67,13 +64,7 @@ def _check(mesh: LocalShardedMesh, queries: list[Query]) -> None:
         for k, stage in enumerate(q.workflow.stages)
         for i in range(len(stage.calls))
     }
-    client = redis.Redis.from_url(mesh.config.redis_url)
-    try:
-        done: Counter[str] = Counter()
-        for prefix in mesh.config.prefixes:
-            done.update(f[b"call_id"].decode() for _, f in client.xrange(prefix + "completions"))
-    finally:
-        client.close()
+    done = mesh.completed_calls()
     assert set(done) == expected, "calls lost or unknown calls completed"
     assert max(done.values()) == 1, "a call completed more than once"
     for prefix in mesh.config.prefixes:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -104,6 +105,20 @@ class LocalShardedMesh:
         finally:
             client.close()
         return [v.decode() if v is not None else None for v in values]
+
+    def completed_calls(self) -> Counter[str]:
+        """How often each call id is in its shard's ``completions`` stream, over every shard
+        (one entry per completion the shard applied: each call once, when none is lost and
+        none is applied twice)."""
+        client = redis.Redis.from_url(self.config.redis_url)
+        done: Counter[str] = Counter()
+        try:
+            for prefix in self.config.prefixes:
+                entries = client.xrange(prefix + "completions")
+                done.update(fields[b"call_id"].decode() for _, fields in entries)
+        finally:
+            client.close()
+        return done
 
     def coordinator_at(self, address: str) -> CoordinatorProcess:
         return next(c for c in self.coordinators if c.listen == address)

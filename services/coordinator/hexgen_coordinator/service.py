@@ -108,26 +108,24 @@ class CoordinatorServicer(cpb_grpc.CoordinatorServiceServicer):
         """With shards, a workflow of another shard is redirected: FAILED_PRECONDITION naming
         the owner, its address in the trailing metadata `OWNER_METADATA` (clients follow
         it); UNAVAILABLE while no coordinator holds that shard (a takeover under way)."""
-        lease = self.c.lease
-        if lease is None or not query_id:
-            return
-        shard = lease.shards.shard_of(query_id)
-        if shard == lease.shard:
-            return
-        prefix = lease.shards.prefixes[shard]
-        owner: str | None = None
         async with statuses(context):
+            lease = self.c.lease
+            if lease is None or not query_id:
+                return
+            shard = lease.shards.shard_of(query_id)
+            if shard == lease.shard:
+                return
+            prefix = lease.shards.prefixes[shard]
             owner = await lease.owner(shard)
-        if owner is None:
+            if owner is None:
+                await context.abort(
+                    grpc.StatusCode.UNAVAILABLE, f"shard {shard} ({prefix}) has no coordinator now"
+                )
             await context.abort(
-                grpc.StatusCode.UNAVAILABLE, f"shard {shard} ({prefix}) has no coordinator now"
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"query {query_id!r} belongs to shard {shard} ({prefix}), served at {owner}",
+                trailing_metadata=((OWNER_METADATA, str(owner)),),
             )
-        assert owner is not None  # abort raised
-        context.set_trailing_metadata(((OWNER_METADATA, owner),))
-        await context.abort(
-            grpc.StatusCode.FAILED_PRECONDITION,
-            f"query {query_id!r} belongs to shard {shard} ({prefix}), served at {owner}",
-        )
 
     # ------------------------------------------------------------------ RPCs
 
