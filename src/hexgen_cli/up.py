@@ -19,6 +19,7 @@ from hexgen_cli.options import (
     positive_int,
     print_rows,
 )
+from hexgen_cli.up_shards import cmd_up_sharded
 from hexgen_client.addresses import (  # constants only: no grpc at import time
     DEFAULT_CLUSTER_PREFIX,
     DEFAULT_COORDINATOR,
@@ -160,11 +161,30 @@ def register(commands: Any) -> None:
         metavar="DIR",
         help="where the services write their logs (default: a temporary folder, kept)",
     )
+    up.add_argument(
+        "--shards",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run N coordinator shards sharing the workers (docs/scaling.md); default: one "
+        "coordinator",
+    )
+    up.add_argument(
+        "--spares",
+        type=int,
+        default=1,
+        metavar="M",
+        help="with --shards: spare coordinators that take over a dead shard (default 1)",
+    )
     up.set_defaults(handler=_cmd_up)
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
     require_mesh("up")
+    if args.shards:
+        if args.shards < 1:
+            raise ConfigError(f"--shards must be >= 1, got {args.shards}")
+        return cmd_up_sharded(args)
     from hexgen_client.security import is_loopback  # noqa: PLC0415 - loads the mesh
 
     exposed = [

@@ -38,11 +38,19 @@ class ShardedMeshConfig:
     shards: int = 2
     spares: int = 1
     cluster: str = "A100,A100,A6000,L40S"
+    calibration: str | None = None
+    """The latency numbers' source, the coordinators' and the workers' (None: default)."""
     time_scale: float = 20.0
     lease_ttl_s: float = 2.0
     resume_grace_s: float = 1.0
     extra_coordinator_args: tuple[str, ...] = ("--admission", "off")
     start_timeout_s: float = 45.0
+    tuner: bool = False
+    """Run one α tuner for every shard (``--shards``: all shards' traffic, α to every
+    coordinator), its own records under ``hf:tuner:``."""
+    tuner_period_s: float = 30.0
+    gateway: bool = False
+    """Run the OpenAI-compatible gateway, given every coordinator's address."""
 
     def __post_init__(self) -> None:
         if self.shards < 1 or self.spares < 0:
@@ -67,6 +75,10 @@ class LocalShardedMesh:
     config: ShardedMeshConfig
     coordinators: list[CoordinatorProcess] = field(default_factory=list)
     workers: list[ManagedProcess] = field(default_factory=list)
+    services: list[ManagedProcess] = field(default_factory=list)
+    """The tuner and the gateway, when asked for."""
+    tuner_address: str = ""
+    gateway_address: str = ""
 
     @property
     def client_addresses(self) -> str:
@@ -91,11 +103,42 @@ class LocalShardedMesh:
                 "--slot", str(slot),
                 "--gpu", instance.gpu,
                 "--log-level", "WARNING",
+                *(["--calibration", cfg.calibration] if cfg.calibration else []),
             ]  # fmt: skip
             worker = ManagedProcess(f"worker {slot}", argv, cfg.logs / f"worker-{slot}.log")
             worker.start()
             self.workers.append(worker)
+        if cfg.tuner:
+            self.tuner_address = f"127.0.0.1:{free_port()}"
+            argv = [
+                sys.executable, "-m", "hexgen_tuner",
+                "--listen", self.tuner_address,
+                "--coordinator", self.client_addresses,
+                "--redis-url", cfg.redis_url,
+                "--shards", ",".join(prefixes),
+                "--redis-prefix", "hf:tuner:",
+                "--period-s", repr(cfg.tuner_period_s),
+            ]  # fmt: skip
+            self._service("tuner", argv)
+        if cfg.gateway:
+            self.gateway_address = f"127.0.0.1:{free_port()}"
+            argv = [
+                sys.executable, "-m", "hexgen_gateway",
+                "--listen", self.gateway_address,
+                "--coordinator", self.client_addresses,
+            ]  # fmt: skip
+            self._service("gateway", argv)
         return self
+
+    def _service(self, name: str, argv: list[str]) -> None:
+        process = ManagedProcess(name, argv, self.config.logs / f"{name}.log")
+        process.start()
+        self.services.append(process)
+
+    def exited(self) -> list[ManagedProcess]:
+        """The processes that are no longer running (a killed coordinator among them)."""
+        every = [*(c.process for c in self.coordinators), *self.workers, *self.services]
+        return [p for p in every if not p.running]
 
     def holders(self) -> list[str | None]:
         """Each shard's lease holder (its coordinator's client address), None if none."""
@@ -124,7 +167,9 @@ class LocalShardedMesh:
         return next(c for c in self.coordinators if c.listen == address)
 
     def stop(self) -> None:
-        stop_processes([*self.workers, *(c.process for c in self.coordinators)], grace_s=5.0)
+        stop_processes(
+            [*self.services, *self.workers, *(c.process for c in self.coordinators)], grace_s=5.0
+        )
 
     def __enter__(self) -> LocalShardedMesh:
         try:
