@@ -23,7 +23,6 @@ disagrees with another link's, `hexgen_worker.shards`), ends the link with exit 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 from collections.abc import Callable
@@ -151,6 +150,11 @@ class CoordinatorLink:
                 log.warning("link to coordinator %s lost: %s", self.address, exc)
             except Exception:
                 log.exception("link to coordinator %s failed; reconnecting", self.address)
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():
+                # The worker is stopping: a cancellation that reached us as the stream's
+                # error (gRPC reports a cancelled read as CANCELLED) must still end the link.
+                raise asyncio.CancelledError
             if self.welcomes > welcomes:
                 delay = config.backoff_initial_s  # that connection worked: start over
             wait = delay * (0.5 + 0.5 * self._rng.random())
@@ -246,9 +250,11 @@ class CoordinatorLink:
                 self._on_change()
             for task in tasks:
                 task.cancel()
-            for task in tasks:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+            # Their own ends (cancelled, or the stream's error) are returned, not raised; a
+            # cancellation of this link itself while it waits here still propagates (a
+            # suppress(CancelledError) around each await would swallow it, and a stopping
+            # worker would wait for this link for ever).
+            await asyncio.gather(*tasks, return_exceptions=True)
             if call is not None:
                 call.cancel()
             await channel.close(grace=None)
