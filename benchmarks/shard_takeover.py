@@ -84,13 +84,7 @@ def _run(
         gap: list[float] = []
 
         def kill() -> None:
-            victim = mesh.coordinators[0]
-            spare = mesh.coordinators[-1]
-            victim.process.kill()
-            killed = time.monotonic()
-            while mesh.holders()[0] != spare.listen:
-                time.sleep(0.05)
-            gap.append(time.monotonic() - killed)
+            gap.append(mesh.kill_shard(0))
 
         async def drive() -> RunMetrics:
             async with CoordinatorClient(mesh.client_addresses) as client:

@@ -163,6 +163,18 @@ class LocalShardedMesh:
             client.close()
         return done
 
+    def kill_shard(self, shard: int, timeout_s: float = 60.0) -> float:
+        """SIGKILL the coordinator holding `shard`; wall seconds until another holds it
+        (`TimeoutError` after `timeout_s`)."""
+        victim = self.coordinator_at(str(self.holders()[shard]))
+        victim.process.kill()
+        killed = time.monotonic()
+        while self.holders()[shard] in (None, victim.listen):
+            if time.monotonic() - killed > timeout_s:
+                raise TimeoutError(f"no coordinator took shard {shard} over in {timeout_s:g} s")
+            time.sleep(0.05)
+        return time.monotonic() - killed
+
     def coordinator_at(self, address: str) -> CoordinatorProcess:
         return next(c for c in self.coordinators if c.listen == address)
 

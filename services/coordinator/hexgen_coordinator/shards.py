@@ -60,6 +60,10 @@ return 0
 """
 
 
+def _ttl_ms(ttl_s: float) -> int:
+    return max(1, round(ttl_s * 1000))
+
+
 class LeaseLostError(RuntimeError):
     """This coordinator no longer holds its shard's lease: it must stop serving."""
 
@@ -109,7 +113,7 @@ class ShardLease:
         self.shards = shards
         self.shard = shard
         self.holder = holder
-        self.ttl_ms = max(1, round(ttl_s * 1000))
+        self.ttl_ms = _ttl_ms(ttl_s)
         self._renew = redis.register_script(_RENEW)
         self._release = redis.register_script(_RELEASE)
 
@@ -134,7 +138,7 @@ class ShardLease:
         if preferred is not None:
             order.remove(preferred)
             order.insert(0, preferred)
-        ttl_ms = max(1, round(ttl_s * 1000))
+        ttl_ms = _ttl_ms(ttl_s)
         pause = poll_s if poll_s is not None else ttl_s / 3
         waiting = False
         while True:
