@@ -1,21 +1,32 @@
 """Run the Go and TypeScript clients' live tests against a real local mesh (`make
 test-clients`).
 
-Starts two meshes at once, `hexgen-flow up` (simulated engines, a private Redis, ports
-picked free; plaintext) and a secured one, `hexgen-flow up --secure --auth-dir TMP/auth
---tenants a,b` (TLS with a certificate of TMP/auth/ca.pem, API keys of tenants a and b),
-reads the coordinators' addresses and the plaintext mesh's Redis URL from their banners,
-and starts a third, *limited* coordinator on that Redis (its own key prefix,
-``--max-running-queries 1``, no worker: the query it admits stays running, so the next
-submission is RESOURCE_EXHAUSTED with a ``retry-after-s`` trailer, and a watch of it never
-ends by itself). Then it runs each client's `test.sh` with ``HEXGEN_COORDINATOR``,
-``HEXGEN_COORDINATOR_LIMITED``, ``HEXGEN_COORDINATOR_SECURE`` and
-``HEXGEN_COORDINATOR_SECURE_AUTH_DIR`` set to them (the secured tests: a tenant's query
-runs and reads back; no key is UNAUTHENTICATED, another tenant's key NOT_FOUND, SetAlpha
-with a tenant's key PERMISSION_DENIED; ``HEXGEN_FLOW_API_KEY`` and ``HEXGEN_FLOW_TLS_CA``
-are removed from the clients' environment, so the plaintext tests stay plaintext), and
-after the Go client's `tests/test_client_traces.py` (one trace across the Go
-client, the coordinator and a worker; its own `up`), stops everything, and exits non-zero
+Starts three meshes at once, `hexgen-flow up` (simulated engines, a private Redis, ports
+picked free; plaintext), a secured one, `hexgen-flow up --secure --auth-dir TMP/auth
+--tenants a,b` (TLS with a certificate of TMP/auth/ca.pem, API keys of tenants a and b) and
+a sharded one, `hexgen-flow up --shards 2 --spares 0` (two coordinator shards sharing two
+simulated workers), and the redirecting servers of tests/shard_redirect_server.py (a circle
+of redirects, a chain too long to follow, a shard without a holder, two shards); reads the
+coordinators' addresses and the plaintext mesh's Redis URL from the banners, and starts a
+*limited* coordinator on that Redis (its own key prefix, ``--max-running-queries 1``, no
+worker: the query it admits stays running, so the next submission is RESOURCE_EXHAUSTED
+with a ``retry-after-s`` trailer, and a watch of it never ends by itself). Then it runs
+each client's `test.sh` with these set:
+
+- ``HEXGEN_COORDINATOR``, ``HEXGEN_COORDINATOR_LIMITED``: the plaintext mesh's and the
+  limited coordinator's addresses;
+- ``HEXGEN_COORDINATOR_SECURE``, ``HEXGEN_COORDINATOR_SECURE_AUTH_DIR``: the secured tests
+  (a tenant's query runs and reads back; no key is UNAUTHENTICATED, another tenant's key
+  NOT_FOUND, SetAlpha with a tenant's key PERMISSION_DENIED; ``HEXGEN_FLOW_API_KEY`` and
+  ``HEXGEN_FLOW_TLS_CA`` are removed from the clients' environment, so the plaintext tests
+  stay plaintext);
+- ``HEXGEN_COORDINATOR_SHARDED``: the sharded mesh's comma list, shard 0's coordinator
+  first (workflows of both shards, through one address and through the list, complete);
+- ``HEXGEN_SHARD_FIXTURES``: the redirecting servers' JSON line (a redirect loop is the
+  client's typed error naming the path; a shard without a holder falls over);
+
+and after the Go client's, `tests/test_client_traces.py` (one trace across the Go client,
+the coordinator and a worker; its own `up`); then it stops everything, and exits non-zero
 when anything failed. ``--install`` first installs the toolchains a client needs and lacks
 (Go, grpc-go and OpenTelemetry Go from Debian's packages with apt-get; Node's packages come
 with the client's own ``npm ci``), which is what CI does.
@@ -38,6 +49,7 @@ from hexgen_service.healthcheck import check
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACES_TEST = "tests/test_client_traces.py"
+SHARD_FIXTURES = ROOT / "tests" / "shard_redirect_server.py"
 LIMITED_PREFIX = "hf-limited:"
 SECURE_TENANTS = "a,b"
 CREDENTIAL_ENV = ("HEXGEN_FLOW_API_KEY", "HEXGEN_FLOW_TLS_CA")
@@ -86,6 +98,32 @@ def launch_mesh(log: Path, auth_dir: Path | None = None) -> subprocess.Popen[str
         argv += ["--secure", "--auth-dir", str(auth_dir), "--tenants", SECURE_TENANTS]
     with log.open("w") as stderr:
         return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=stderr, text=True)
+
+
+def launch_sharded_mesh(log: Path) -> subprocess.Popen[str]:
+    """`up --shards 2 --spares 0` on two simulated workers, started; read its banner with
+    `read_banner` (its ``coordinator`` row: both coordinators, shard 0's first)."""
+    argv = [
+        sys.executable, "-m", "hexgen_cli", "up", "--shards", "2", "--spares", "0",
+        "--no-tuner", "--no-gateway", "--cluster", "A100,A100", "--time-scale", "50",
+        "--admission", "off",
+    ]  # fmt: skip
+    with log.open("w") as stderr:
+        return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=stderr, text=True)
+
+
+def start_shard_fixtures(log: Path) -> tuple[subprocess.Popen[str], str]:
+    """tests/shard_redirect_server.py's servers, started; and the JSON line naming them."""
+    with log.open("w") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, str(SHARD_FIXTURES)], stdout=subprocess.PIPE, stderr=stderr, text=True
+        )
+    assert proc.stdout is not None
+    line = proc.stdout.readline().strip()
+    if not line.startswith("{"):
+        stop(proc)
+        sys.exit(f"test-clients: the redirecting servers did not start (see {log})")
+    return proc, line
 
 
 def read_banner(proc: subprocess.Popen[str], log: Path) -> dict[str, str]:
@@ -160,12 +198,17 @@ def main() -> int:
     scratch = Path(tempfile.mkdtemp(prefix="hexgen-test-clients-"))
     auth_dir = scratch / "auth"
     up_log, secure_log = results / "test-clients-up.log", results / "test-clients-up-secure.log"
+    sharded_log = results / "test-clients-up-sharded.log"
     proc = launch_mesh(up_log)
     secure_proc = launch_mesh(secure_log, auth_dir)
+    sharded_proc = launch_sharded_mesh(sharded_log)
+    fixtures_proc: subprocess.Popen[str] | None = None
     failed = []
     try:
+        fixtures_proc, fixtures = start_shard_fixtures(results / "test-clients-shard-fixtures.log")
         banner = read_banner(proc, up_log)
         secure = read_banner(secure_proc, secure_log)["coordinator"]
+        sharded = read_banner(sharded_proc, sharded_log)["coordinator"]
         coordinator = banner["coordinator"]
         redis_url = banner["redis"].split()[0]
         limited, limited_address = start_limited(redis_url, results / "test-clients-limited.log")
@@ -176,12 +219,15 @@ def main() -> int:
                 "HEXGEN_COORDINATOR_LIMITED": limited_address,
                 "HEXGEN_COORDINATOR_SECURE": secure,
                 "HEXGEN_COORDINATOR_SECURE_AUTH_DIR": str(auth_dir),
+                "HEXGEN_COORDINATOR_SHARDED": sharded,
+                "HEXGEN_SHARD_FIXTURES": fixtures,
             }
             print(
                 f"test-clients: meshes up in {time.monotonic() - started:.1f} s: coordinator "
                 f"{coordinator}, limited coordinator {limited_address} (redis {redis_url}, "
                 f"keys {LIMITED_PREFIX}*), secured coordinator {secure} (TLS, API keys of "
-                f"tenants {SECURE_TENANTS} in {auth_dir})",
+                f"tenants {SECURE_TENANTS} in {auth_dir}), sharded coordinators {sharded}, "
+                f"redirecting servers {fixtures}",
                 flush=True,
             )
             for name in names:
@@ -208,6 +254,9 @@ def main() -> int:
     finally:
         stop(proc)
         stop(secure_proc)
+        stop(sharded_proc)
+        if fixtures_proc is not None:
+            stop(fixtures_proc)
         shutil.rmtree(scratch, ignore_errors=True)
     if failed:
         print(f"test-clients: FAILED: {', '.join(failed)}", file=sys.stderr)

@@ -23,14 +23,22 @@ SUBMITTED event; a session's call answers at once. Every RPC a server receives i
 It is the client's side of sharding that this tests (tests/test_client_shards.py): the
 coordinators' own redirects, leases and takeovers are tests/test_coordinator_shards.py's,
 with real coordinator processes.
+
+Run as a program (``python tests/shard_redirect_server.py``), it serves the fixtures of the
+Go and TypeScript clients' redirect tests (`serve_fixtures`: a circle of redirects, a chain
+longer than a client follows, a shard without a holder, two shards that redirect to each
+other), prints their addresses as one JSON line and serves until SIGTERM;
+scripts/test_clients.py starts it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import signal
 import zlib
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,9 +46,10 @@ import grpc
 
 from hexgen_api.v1 import coordinator_pb2 as cpb
 from hexgen_api.v1 import coordinator_pb2_grpc
+from hexgen_client.routing import MAX_REDIRECTS
 from hexgen_service.errors import SHARD_OWNER_KEY
 
-__all__ = ["ShardServer", "ShardTable", "shard_of"]
+__all__ = ["ShardServer", "ShardTable", "serve_fixtures", "shard_of"]
 
 Context = grpc.aio.ServicerContext[Any, Any]
 
@@ -295,3 +304,66 @@ class ShardServer:
         """Die: no grace, its streams broken, its port closed. Its shards keep naming it
         (a dead holder's lease outlives it) until the test hands them on."""
         await self._server.stop(None)
+
+
+# ------------------------------------------------------------------- as a program
+
+
+async def serve_fixtures(ready: Callable[[dict[str, str]], None]) -> None:
+    """Start the servers of the other clients' redirect tests, report them to `ready` and
+    serve until SIGTERM or SIGINT (`python tests/shard_redirect_server.py`;
+    scripts/test_clients.py starts it for the Go and TypeScript clients' tests). Two shards
+    everywhere, shard 0 held by the first server of each set; `query` is an id of shard 1:
+
+    - ``loop``: two coordinators that disagree on who holds shard 1, each naming the other
+      (a circle: ``A -> B -> A``);
+    - ``chain``: ``MAX_REDIRECTS + 2`` coordinators, each naming the next as shard 1's
+      holder (no circle, but further than a client follows);
+    - ``takeover``: one coordinator, shard 1 without a holder (UNAVAILABLE, as while a spare
+      takes a dead coordinator's shard over);
+    - ``shards``: ``S0,S1``, each holding its shard of one table (redirects that end).
+    """
+    first, second = ShardTable(2), ShardTable(2)
+    circle = [await ShardServer(first).take(0).start(), await ShardServer(second).take(0).start()]
+    first.holders[1], second.holders[1] = circle[1].address, circle[0].address
+    tables = [ShardTable(2) for _ in range(MAX_REDIRECTS + 2)]
+    chain = [await ShardServer(t).take(0).start() for t in tables]
+    for here, there in zip(tables, chain[1:], strict=False):
+        here.holders[1] = there.address
+    takeover = [await ShardServer(ShardTable(2)).take(0).start()]
+    shared = ShardTable(2)
+    shards = [await ShardServer(shared).take(0).start(), await ShardServer(shared).take(1).start()]
+    servers = [*circle, *chain, *takeover, *shards]
+    stop = asyncio.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(signum, stop.set)
+    try:
+        ready(
+            {
+                name: ",".join(s.address for s in group)
+                for name, group in (
+                    ("loop", circle),
+                    ("chain", chain),
+                    ("takeover", takeover),
+                    ("shards", shards),
+                )
+            }
+            | {"query": first.ids_of(1, 1, "redirected")[0]}
+        )
+        await stop.wait()
+    finally:
+        for server in servers:
+            await server.stop()
+
+
+def main() -> None:
+    """Print the fixtures' addresses as one JSON line, then serve until SIGTERM."""
+
+    def ready(fixtures: dict[str, str]) -> None:
+        print(json.dumps(fixtures), flush=True)
+
+    asyncio.run(serve_fixtures(ready))
+
+
+if __name__ == "__main__":
+    main()

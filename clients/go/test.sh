@@ -6,6 +6,12 @@
 #   HEXGEN_COORDINATOR=127.0.0.1:50051 clients/go/test.sh  # and the live tests of a mesh
 #   HEXGEN_COORDINATOR_LIMITED=127.0.0.1:50061 ...          # and those of a coordinator with
 #                                                          # --max-running-queries 1, no worker
+#   HEXGEN_COORDINATOR_SHARDED=127.0.0.1:P0,127.0.0.1:P1 ...  # and those of a sharded mesh
+#                                                          # (`up --shards 2 --spares 0`)
+#   HEXGEN_SHARD_FIXTURES='{"loop": ...}' ...               # and the redirect-loop tests: the
+#                                                          # line .venv/bin/python
+#                                                          # tests/shard_redirect_server.py prints
+#                                                          # (it serves until SIGTERM)
 #
 # Exits non-zero when anything fails. GO_TEST_FLAGS adds flags to `go test` (e.g. -run X).
 #
@@ -43,5 +49,8 @@ if [ -n "${HEXGEN_COORDINATOR:-}" ]; then
 else
   echo "== go test ./... (HEXGEN_COORDINATOR unset: the live tests skip; the unit tests run)"
 fi
+fixtures="unset, their tests skip"
+[ -n "${HEXGEN_SHARD_FIXTURES:-}" ] && fixtures="set"
+echo "== shards: sharded mesh ${HEXGEN_COORDINATOR_SHARDED:-unset, its test skips}; redirecting servers (HEXGEN_SHARD_FIXTURES) $fixtures"
 # shellcheck disable=SC2086
 go test -count=1 -v ${GO_TEST_FLAGS:-} ./...

@@ -3,6 +3,7 @@
 //
 //	go run ./example -addr 127.0.0.1:50051
 //	go run ./example -addr 127.0.0.1:50051 -tls-ca AUTH_DIR/ca.pem -api-key-file AUTH_DIR/tenants/a.key
+//	go run ./example -addr 127.0.0.1:P0,127.0.0.1:P1   # a sharded mesh's coordinators
 //
 // (offline, from a GOPATH as clients/go/README.md sets up; -addr defaults to
 // $HEXGEN_COORDINATOR, then 127.0.0.1:50051; without -tls-ca and -api-key-file the client
@@ -25,7 +26,7 @@ import (
 )
 
 func main() {
-	addr := flag.String("addr", envOr("HEXGEN_COORDINATOR", hexgenflow.DefaultAddress), "coordinator host:port")
+	addr := flag.String("addr", envOr("HEXGEN_COORDINATOR", hexgenflow.DefaultAddress), "coordinator host:port, or a sharded mesh's comma list host:port,host:port")
 	timeout := flag.Duration("timeout", 2*time.Minute, "give up after this long")
 	apiKeyFile := flag.String("api-key-file", "", "file holding the API key of a secured coordinator (default: $"+hexgenflow.APIKeyEnv+")")
 	tlsCA := flag.String("tls-ca", "", "CA file (PEM) to verify a secured coordinator's certificate with: TLS (default: $"+hexgenflow.TLSCAEnv+"; neither: plaintext)")

@@ -31,9 +31,14 @@ type Error struct {
 	// RetryAfter is the coordinator's hint for a RESOURCE_EXHAUSTED answer (its
 	// retry-after-s trailer); 0 when it sent none.
 	RetryAfter time.Duration
+	// Address is the coordinator that answered (or did not): with several, the one the
+	// call ended at, or every address tried, comma-separated, when none could serve.
+	Address string
 
-	status *status.Status
-	cause  error
+	status   *status.Status
+	cause    error
+	owner    string // a redirect's owner (its ShardOwnerTrailer)
+	answered bool   // UNAVAILABLE said by the coordinator itself (it runs), not a connection that failed
 }
 
 // Error renders the code as the API names it: "hexgenflow: NOT_FOUND: query_id: no query 'x'".
@@ -61,6 +66,13 @@ func (e *Error) Field() string {
 // (Redis or the coordinator away) and RESOURCE_EXHAUSTED (after RetryAfter).
 func (e *Error) Retryable() bool {
 	return e.Code == codes.Unavailable || e.Code == codes.ResourceExhausted
+}
+
+// unavailable reports whether the coordinator could not serve the call: UNAVAILABLE, or
+// CANCELLED that the caller did not cause (the coordinator cancelled its calls as it
+// stopped: a restart, a shard handed over). Routing moves on to another address then.
+func (e *Error) unavailable() bool {
+	return e.Code == codes.Unavailable || (e.Code == codes.Canceled && e.cause == nil)
 }
 
 // GRPCStatus lets status.FromError and status.Code see the original status.
@@ -113,7 +125,39 @@ var (
 	// ErrPermissionDenied: the API key's role may not do this (SetAlpha needs an operator
 	// or admin key).
 	ErrPermissionDenied error = &sentinel{codes.PermissionDenied}
+	// ErrShardRedirectLoop: coordinators redirected a query's call in a circle, or further
+	// than MaxRedirects (a *ShardRedirectLoopError).
+	ErrShardRedirectLoop = errors.New("hexgenflow: the coordinators keep redirecting the query")
 )
+
+// ShardRedirectLoopError is what a call returns when coordinators redirected its query in
+// a circle, or further than MaxRedirects: they disagree on who owns its shard (not the same
+// --shards, or a stale lease). errors.Is(err, ErrShardRedirectLoop) holds; it unwraps to
+// the last redirect's *Error (FAILED_PRECONDITION), so Code(err) and errors.As(err, &e)
+// with e an *Error work as for any other error.
+type ShardRedirectLoopError struct {
+	// QueryID is the query the call was about.
+	QueryID string
+	// Hops are the addresses the call was sent to, in order, then the owner the last one
+	// named.
+	Hops []string
+	// Last is the last redirect's answer.
+	Last *Error
+}
+
+// Error names the hops: "hexgenflow: query 'q-1': the coordinators keep redirecting it
+// (A -> B -> A); do they all run with the same --shards? Last answer: ...".
+func (e *ShardRedirectLoopError) Error() string {
+	return fmt.Sprintf("hexgenflow: query '%s': the coordinators keep redirecting it (%s); "+
+		"do they all run with the same --shards? Last answer: %s",
+		e.QueryID, strings.Join(e.Hops, " -> "), e.Last.Message)
+}
+
+// Unwrap is the last redirect's *Error.
+func (e *ShardRedirectLoopError) Unwrap() error { return e.Last }
+
+// Is matches ErrShardRedirectLoop.
+func (e *ShardRedirectLoopError) Is(target error) bool { return target == ErrShardRedirectLoop }
 
 // Code is the gRPC code of err: its *Error's, codes.OK for nil, codes.Unknown otherwise.
 func Code(err error) codes.Code {
@@ -185,6 +229,7 @@ func wrap(ctx context.Context, err error, trailer metadata.MD) error {
 	if e.Code == codes.ResourceExhausted {
 		e.RetryAfter = parseRetryAfter(trailer)
 	}
+	e.owner = ownerIn(e.Code, trailer)
 	return e
 }
 

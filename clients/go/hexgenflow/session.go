@@ -32,12 +32,16 @@ type Session struct {
 // OpenWorkflow opens a workflow session (OpenWorkflow). Opening a known id with the same
 // content returns it (Created false); with other content is ALREADY_EXISTS.
 func (c *Client) OpenWorkflow(ctx context.Context, s Session) (*pb.OpenWorkflowResponse, error) {
-	var trailer metadata.MD
-	resp, err := c.rpc.OpenWorkflow(ctx, &pb.OpenWorkflowRequest{
+	request := &pb.OpenWorkflowRequest{
 		WorkflowId: s.ID, Tenant: s.Tenant, SloS: s.SLOSeconds, SloScale: s.SLOScale,
 		Template: s.Template, Expected: s.Expected, IdleTimeoutS: s.IdleTimeout.Seconds(),
-	}, grpc.Trailer(&trailer))
-	return resp, wrap(ctx, err, trailer)
+	}
+	var resp *pb.OpenWorkflowResponse
+	err := c.unary(ctx, s.ID, func(rpc pb.CoordinatorServiceClient, opts ...grpc.CallOption) (err error) {
+		resp, err = rpc.OpenWorkflow(ctx, request, opts...)
+		return err
+	})
+	return resp, err
 }
 
 // Call is one LLM call of a workflow session.
@@ -78,26 +82,28 @@ func (c *CallEvents) Text() string {
 // not expect adds a stage at its end. Refusals (NOT_FOUND for an unknown workflow,
 // FAILED_PRECONDITION for a closed or ended one, INVALID_ARGUMENT) are RunCall's error.
 func (c *Client) RunCall(parent context.Context, workflowID, stage string, call Call) (*CallEvents, error) {
-	ctx, cancel := context.WithCancel(parent)
-	stream, err := c.rpc.RunCall(ctx, &pb.RunCallRequest{
+	request := &pb.RunCallRequest{
 		WorkflowId: workflowID,
 		Stage:      stage,
 		Call: &pb.LLMCall{
 			Step: call.Step, InputTokens: call.InputTokens, OutputTokens: call.MaxTokens,
 			Prompt: call.Prompt, Messages: call.Messages,
 		},
-	})
-	if err != nil {
-		cancel()
-		return nil, wrap(parent, err, nil)
 	}
 	out := &CallEvents{}
-	recv := func() (*pb.QueryEvent, error) {
-		r, err := stream.Recv()
-		if err == nil && r.GetCallId() != "" && out.CallID == "" {
-			out.CallID, out.DeadlineS = r.GetCallId(), r.GetDeadlineS()
+	open := func(ctx context.Context, rpc pb.CoordinatorServiceClient) (func() (*pb.QueryEvent, error), func() metadata.MD, error) {
+		stream, err := rpc.RunCall(ctx, request)
+		if err != nil {
+			return nil, nil, err
 		}
-		return r.GetEvent(), err
+		recv := func() (*pb.QueryEvent, error) {
+			r, err := stream.Recv()
+			if err == nil && r.GetCallId() != "" && out.CallID == "" {
+				out.CallID, out.DeadlineS = r.GetCallId(), r.GetDeadlineS()
+			}
+			return r.GetEvent(), err
+		}
+		return recv, stream.Trailer, nil
 	}
 	isEnd := func(ev *pb.QueryEvent) bool {
 		if ev.GetKind() == pb.QueryEventKind_QUERY_EVENT_KIND_CALL_FINISHED {
@@ -105,7 +111,7 @@ func (c *Client) RunCall(parent context.Context, workflowID, stage string, call 
 		}
 		return isQueryEnd(ev)
 	}
-	events, err := newEvents(parent, ctx, cancel, recv, stream.Trailer, isEnd)
+	events, err := c.events(parent, workflowID, open, isEnd)
 	if err != nil {
 		return nil, err
 	}
@@ -116,9 +122,13 @@ func (c *Client) RunCall(parent context.Context, workflowID, stage string, call 
 // CloseWorkflow closes a session (CloseWorkflow): the calls it expected and was not given
 // are skipped, and it succeeds when its last given call finishes.
 func (c *Client) CloseWorkflow(ctx context.Context, workflowID string) (*pb.QueryInfo, error) {
-	resp, err := c.rpc.CloseWorkflow(ctx, &pb.CloseWorkflowRequest{WorkflowId: workflowID})
+	var resp *pb.CloseWorkflowResponse
+	err := c.unary(ctx, workflowID, func(rpc pb.CoordinatorServiceClient, opts ...grpc.CallOption) (err error) {
+		resp, err = rpc.CloseWorkflow(ctx, &pb.CloseWorkflowRequest{WorkflowId: workflowID}, opts...)
+		return err
+	})
 	if err != nil {
-		return nil, wrap(ctx, err, nil)
+		return nil, err
 	}
 	return resp.GetWorkflow(), nil
 }

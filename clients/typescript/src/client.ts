@@ -3,6 +3,7 @@
 import { readFileSync } from "node:fs";
 
 import {
+  connectivityState,
   credentials as grpcCredentials,
   InterceptingCall,
   Metadata,
@@ -42,7 +43,8 @@ import {
   WatchQueryRequest,
 } from "./gen/hexgen_flow/v1/coordinator.js";
 import type { LLMCall } from "./gen/hexgen_flow/v1/workflow.js";
-import { CoordinatorUnavailableError, toCoordinatorError } from "./errors.js";
+import { CoordinatorError, CoordinatorUnavailableError, toCoordinatorError } from "./errors.js";
+import { ownerOf, type Route, ShardRouter, splitAddresses } from "./routing.js";
 
 /** Where `hexgen-flow up` (and the Python client) put the coordinator by default. */
 export const DEFAULT_COORDINATOR = "127.0.0.1:50051";
@@ -139,28 +141,56 @@ export type CallInput = string | DeepPartial<LLMCall>;
  * for await (const event of client.run({ queryId: "q-1", workflow })) console.log(event);
  * client.close();
  * ```
+ *
+ * A sharded mesh's coordinators are given together, `"HOST:PORT,HOST:PORT"` or an array:
+ * every call about a query goes where `router` says (the owner learnt from an earlier
+ * redirect, else the default address), follows redirects (FAILED_PRECONDITION naming the
+ * owner in the `hexgen-shard-owner` trailer; a circle is `ShardRedirectLoopError`) and moves
+ * on past coordinators that do not answer (src/routing.ts). One channel per address used,
+ * opened on first use.
  */
 export class CoordinatorClient {
+  /** The addresses as one string (the one address, without shards). */
   readonly address: string;
-  /** The generated grpc-js stub, for what this API does not wrap. */
-  readonly stub: CoordinatorServiceClient;
+  /** The coordinators, in the order they are tried when one does not answer. */
+  readonly addresses: readonly string[];
+  /** Where each query's calls go: the owners learnt from redirects, the default address. */
+  readonly router: ShardRouter;
   private readonly timeoutMs: number;
   private readonly metadata: Record<string, string>;
+  private readonly credentials: ChannelCredentials;
+  private readonly channelOptions: Partial<ClientOptions>;
+  private readonly stubs = new Map<string, CoordinatorServiceClient>();
 
-  constructor(address: string = DEFAULT_COORDINATOR, options: CoordinatorClientOptions = {}) {
-    this.address = address;
+  constructor(address: string | readonly string[] = DEFAULT_COORDINATOR, options: CoordinatorClientOptions = {}) {
+    this.addresses = splitAddresses(address);
+    this.address = this.addresses.join(",");
+    this.router = new ShardRouter(this.addresses);
     this.timeoutMs = options.timeoutMs ?? 30_000;
     this.metadata = { ...options.metadata };
     const apiKey = options.apiKey ?? process.env[API_KEY_ENV]?.trim() ?? "";
     const tlsCa = options.tlsCa ?? process.env[TLS_CA_ENV] ?? "";
-    const channelOptions: Partial<ClientOptions> = { ...options.channelOptions };
-    if (apiKey) channelOptions.interceptors = [...(channelOptions.interceptors ?? []), apiKeyInterceptor(apiKey)];
-    this.stub = new CoordinatorServiceClient(
-      address,
+    this.channelOptions = { ...options.channelOptions };
+    if (apiKey)
+      this.channelOptions.interceptors = [...(this.channelOptions.interceptors ?? []), apiKeyInterceptor(apiKey)];
+    this.credentials =
       options.credentials ??
-        (tlsCa ? grpcCredentials.createSsl(readFileSync(tlsCa)) : grpcCredentials.createInsecure()),
-      channelOptions,
-    );
+      (tlsCa ? grpcCredentials.createSsl(readFileSync(tlsCa)) : grpcCredentials.createInsecure());
+  }
+
+  /** The generated grpc-js stub of the default coordinator, for what this API does not wrap
+   * (its calls are not routed: `ownerOf(error)` reads a redirect's owner). */
+  get stub(): CoordinatorServiceClient {
+    return this.stubAt(this.router.default);
+  }
+
+  private stubAt(address: string): CoordinatorServiceClient {
+    let stub = this.stubs.get(address);
+    if (stub === undefined) {
+      stub = new CoordinatorServiceClient(address, this.credentials, this.channelOptions);
+      this.stubs.set(address, stub);
+    }
+    return stub;
   }
 
   // ------------------------------------------------------------------------ queries
@@ -168,38 +198,41 @@ export class CoordinatorClient {
   /** Admit a query (idempotent on `queryId`: `created` is false when it was known). */
   submit(request: DeepPartial<SubmitQueryRequest>, options?: CallOptions): Promise<SubmitQueryResponse> {
     const message = SubmitQueryRequest.fromPartial(request);
-    return this.unary(options, (md, opts, cb) => this.stub.submitQuery(message, md, opts, cb));
+    return this.unary(message.queryId, options, (stub, md, opts, cb) => stub.submitQuery(message, md, opts, cb));
   }
 
   /** Cancel a query: its waiting calls are dropped, running ones aborted. */
   cancel(queryId: string, options?: CallOptions): Promise<CancelQueryResponse> {
     const message = CancelQueryRequest.fromPartial({ queryId });
-    return this.unary(options, (md, opts, cb) => this.stub.cancelQuery(message, md, opts, cb));
+    return this.unary(queryId, options, (stub, md, opts, cb) => stub.cancelQuery(message, md, opts, cb));
   }
 
   /** A query's state, its events and its stages. */
   get(queryId: string, options?: CallOptions): Promise<GetQueryResponse> {
     const message = GetQueryRequest.fromPartial({ queryId });
-    return this.unary(options, (md, opts, cb) => this.stub.getQuery(message, md, opts, cb));
+    return this.unary(queryId, options, (stub, md, opts, cb) => stub.getQuery(message, md, opts, cb));
   }
 
-  /** The cluster: instances and their load, the policy, alpha, the clock. */
+  /** The cluster: instances and their load, the policy, alpha, the clock. With shards, of the
+   * default coordinator (the next one when it does not answer: every coordinator sees every
+   * instance). */
   status(options?: CallOptions): Promise<ClusterStatusResponse> {
     const message = ClusterStatusRequest.fromPartial({});
-    return this.unary(options, (md, opts, cb) => this.stub.clusterStatus(message, md, opts, cb));
+    return this.unary(undefined, options, (stub, md, opts, cb) => stub.clusterStatus(message, md, opts, cb));
   }
 
-  /** Set the dispatcher's alpha (what the tuner does); `reason` is kept in its history. */
+  /** Set the dispatcher's alpha (what the tuner does); `reason` is kept in its history. With
+   * shards, at the default coordinator (the next one when it does not answer). */
   setAlpha(alpha: number, reason = "", options?: CallOptions): Promise<SetAlphaResponse> {
     const message = SetAlphaRequest.fromPartial({ alpha, reason });
-    return this.unary(options, (md, opts, cb) => this.stub.setAlpha(message, md, opts, cb));
+    return this.unary(undefined, options, (stub, md, opts, cb) => stub.setAlpha(message, md, opts, cb));
   }
 
   /** A query's events, past ones first, until its terminal one (SUCCEEDED, CANCELLED,
    * FAILED), which is the last yielded. */
   async *watch(queryId: string, options?: CallOptions): AsyncGenerator<QueryEvent, void, undefined> {
     const message = WatchQueryRequest.fromPartial({ queryId });
-    const stream = this.stream(options, (md, opts) => this.stub.watchQuery(message, md, opts));
+    const stream = this.stream(queryId, options, (stub, md, opts) => stub.watchQuery(message, md, opts));
     for await (const response of stream) {
       if (response.event === undefined) continue;
       yield response.event;
@@ -213,7 +246,7 @@ export class CoordinatorClient {
     options?: CallOptions,
   ): AsyncGenerator<QueryEvent, void, undefined> {
     const message = RunQueryRequest.fromPartial({ query: request });
-    const stream = this.stream(options, (md, opts) => this.stub.runQuery(message, md, opts));
+    const stream = this.stream(message.query?.queryId ?? "", options, (stub, md, opts) => stub.runQuery(message, md, opts));
     for await (const response of stream) {
       if (response.event === undefined) continue;
       yield response.event;
@@ -229,7 +262,7 @@ export class CoordinatorClient {
     options?: CallOptions,
   ): Promise<OpenWorkflowResponse> {
     const message = OpenWorkflowRequest.fromPartial(request);
-    return this.unary(options, (md, opts, cb) => this.stub.openWorkflow(message, md, opts, cb));
+    return this.unary(message.workflowId, options, (stub, md, opts, cb) => stub.openWorkflow(message, md, opts, cb));
   }
 
   /**
@@ -248,7 +281,7 @@ export class CoordinatorClient {
       stage,
       call: typeof call === "string" ? { prompt: call } : call,
     });
-    const stream = this.stream(options, (md, opts) => this.stub.runCall(message, md, opts));
+    const stream = this.stream(workflowId, options, (stub, md, opts) => stub.runCall(message, md, opts));
     let callId = "";
     for await (const response of stream) {
       if (response.callId) callId = response.callId;
@@ -266,33 +299,39 @@ export class CoordinatorClient {
    * its last given call finishes. */
   closeWorkflow(workflowId: string, options?: CallOptions): Promise<CloseWorkflowResponse> {
     const message = CloseWorkflowRequest.fromPartial({ workflowId });
-    return this.unary(options, (md, opts, cb) => this.stub.closeWorkflow(message, md, opts, cb));
+    return this.unary(workflowId, options, (stub, md, opts, cb) => stub.closeWorkflow(message, md, opts, cb));
   }
 
   // ------------------------------------------------------------------------ channel
 
-  /** Resolve once the channel is connected; reject (UNAVAILABLE) after `timeoutMs`. */
-  waitForReady(timeoutMs = 10_000): Promise<void> {
-    return new Promise((resolve, reject) => {
-      this.stub.waitForReady(Date.now() + timeoutMs, (error) => {
-        if (error === undefined || error === null) resolve();
-        else
-          reject(
-            new CoordinatorUnavailableError(
-              this.address,
-              status.UNAVAILABLE,
-              error.message,
-              new Metadata(),
-              `cannot reach the coordinator at ${this.address} (is \`hexgen-flow up\` running?): ${error.message}`,
-            ),
-          );
-      });
-    });
+  /** Resolve once the channel is connected (with several coordinators: one of them); reject
+   * (UNAVAILABLE) after `timeoutMs`. */
+  async waitForReady(timeoutMs = 10_000): Promise<void> {
+    const deadline = Date.now() + timeoutMs;
+    const one = (address: string) =>
+      new Promise<void>((resolve, reject) =>
+        this.stubAt(address).waitForReady(deadline, (error) => (error ? reject(error) : resolve())),
+      );
+    try {
+      await Promise.any(this.router.candidates().map(one));
+    } catch (failure) {
+      const error = failure instanceof AggregateError ? failure.errors[0] : failure;
+      const message = error instanceof Error ? error.message : String(error);
+      const who = this.addresses.length === 1 ? "the coordinator" : "any coordinator";
+      throw new CoordinatorUnavailableError(
+        this.address,
+        status.UNAVAILABLE,
+        message,
+        new Metadata(),
+        `cannot reach ${who} at ${this.address} (is \`hexgen-flow up\` running?): ${message}`,
+      );
+    }
   }
 
-  /** Close the channel; calls in flight are cancelled. */
+  /** Close the channels; calls in flight are cancelled. */
   close(): void {
-    this.stub.close();
+    for (const stub of this.stubs.values()) stub.close();
+    this.stubs.clear();
   }
 
   // ------------------------------------------------------------------------ plumbing
@@ -312,9 +351,60 @@ export class CoordinatorClient {
     return timeoutMs > 0 ? { deadline: Date.now() + timeoutMs } : {};
   }
 
-  private unary<T>(
+  /** The error of a call to `address`: a CoordinatorError (UNAVAILABLE `answered` when the
+   * channel is connected: the coordinator itself said so); a CANCELLED that the caller did
+   * not cause (the coordinator cancelled its calls as it stopped: a restart, a shard handed
+   * over) is a CoordinatorUnavailableError, which routing moves on from. */
+  private failure(error: unknown, address: string, signal: AbortSignal | undefined): unknown {
+    const state = this.stubs.get(address)?.getChannel().getConnectivityState(false);
+    const failure = toCoordinatorError(error, address, state === connectivityState.READY);
+    if (
+      failure instanceof CoordinatorError &&
+      !(failure instanceof CoordinatorUnavailableError) &&
+      failure.code === status.CANCELLED &&
+      !signal?.aborted
+    ) {
+      return new CoordinatorUnavailableError(address, failure.code, failure.details, failure.metadata);
+    }
+    return failure;
+  }
+
+  /** The error to throw after `error` at `route.address`; undefined when the call is to be
+   * sent again, to the route's next address (a redirect, or an address that could not serve). */
+  private rerouted(route: Route, error: unknown, signal: AbortSignal | undefined): unknown {
+    const failure = this.failure(error, route.address, signal);
+    if (!(failure instanceof CoordinatorError) || signal?.aborted) return failure;
+    return route.reroute(failure, ownerOf(failure));
+  }
+
+  /** `start` sent where the router says for `queryId` (undefined: the default coordinator),
+   * again after each redirect or unanswered address, until one answers. */
+  private async unary<T>(
+    queryId: string | undefined,
     options: CallOptions | undefined,
     start: (
+      stub: CoordinatorServiceClient,
+      metadata: Metadata,
+      callOptions: Partial<GrpcCallOptions>,
+      callback: (error: ServiceError | null, response: T) => void,
+    ) => ClientUnaryCall,
+  ): Promise<T> {
+    const route = this.router.route(queryId);
+    for (;;) {
+      try {
+        return await this.unaryAt(route.address, options, start);
+      } catch (error) {
+        const problem = this.rerouted(route, error, options?.signal);
+        if (problem !== undefined) throw problem;
+      }
+    }
+  }
+
+  private unaryAt<T>(
+    address: string,
+    options: CallOptions | undefined,
+    start: (
+      stub: CoordinatorServiceClient,
       metadata: Metadata,
       callOptions: Partial<GrpcCallOptions>,
       callback: (error: ServiceError | null, response: T) => void,
@@ -324,9 +414,10 @@ export class CoordinatorClient {
       const signal = options?.signal;
       let call: ClientUnaryCall | undefined;
       const onAbort = () => call?.cancel();
-      call = start(this.callMetadata(options), this.callOptions(options, true), (error, response) => {
+      const stub = this.stubAt(address);
+      call = start(stub, this.callMetadata(options), this.callOptions(options, true), (error, response) => {
         signal?.removeEventListener("abort", onAbort);
-        if (error) reject(toCoordinatorError(error, this.address));
+        if (error) reject(error);
         else resolve(response);
       });
       if (signal?.aborted) call.cancel();
@@ -334,24 +425,59 @@ export class CoordinatorClient {
     });
   }
 
+  /**
+   * The responses of the stream `start` opens, routed as `unary`: a redirect (or an
+   * unanswered address) arrives as its error before any response, and the stream is opened
+   * again where the route goes next. An error once responses came is thrown as it is
+   * (opening it again would repeat them); when the coordinator went away, the router stops
+   * preferring it, so that a re-watch finds the shard's successor.
+   */
   private async *stream<T>(
+    queryId: string,
     options: CallOptions | undefined,
-    start: (metadata: Metadata, callOptions: Partial<GrpcCallOptions>) => ClientReadableStream<T>,
+    start: (
+      stub: CoordinatorServiceClient,
+      metadata: Metadata,
+      callOptions: Partial<GrpcCallOptions>,
+    ) => ClientReadableStream<T>,
   ): AsyncGenerator<T, void, undefined> {
-    const call = start(this.callMetadata(options), this.callOptions(options, false));
-    // Cancelling a call makes it emit a CANCELLED error; nobody may be listening by then.
-    call.on("error", () => {});
+    const route = this.router.route(queryId);
     const signal = options?.signal;
-    const onAbort = () => call.cancel();
-    if (signal?.aborted) call.cancel();
-    else signal?.addEventListener("abort", onAbort, { once: true });
-    try {
-      for await (const response of call) yield response as T;
-    } catch (error) {
-      throw toCoordinatorError(error, this.address);
-    } finally {
-      signal?.removeEventListener("abort", onAbort);
-      call.cancel(); // a no-op once the call has ended; stops the stream when left early
+    for (;;) {
+      const address = route.address;
+      const call = start(this.stubAt(address), this.callMetadata(options), this.callOptions(options, false));
+      // Cancelling a call makes it emit a CANCELLED error; nobody may be listening by then.
+      call.on("error", () => {});
+      const onAbort = () => call.cancel();
+      if (signal?.aborted) call.cancel();
+      else signal?.addEventListener("abort", onAbort, { once: true });
+      const responses = call[Symbol.asyncIterator]() as AsyncIterator<T>;
+      let answered = false;
+      try {
+        for (;;) {
+          let next: IteratorResult<T>;
+          try {
+            next = await responses.next();
+          } catch (error) {
+            if (!answered) {
+              const problem = this.rerouted(route, error, signal);
+              if (problem !== undefined) throw problem;
+              break; // sent again, to the route's next address
+            }
+            const failure = this.failure(error, address, signal);
+            // It served this stream and broke it: it went away (or lost its Redis), so a
+            // re-watch asks the others before it.
+            if (failure instanceof CoordinatorUnavailableError) this.router.wentAway(address);
+            throw failure;
+          }
+          if (next.done) return;
+          answered = true;
+          yield next.value;
+        }
+      } finally {
+        signal?.removeEventListener("abort", onAbort);
+        call.cancel(); // a no-op once the call has ended; stops the stream when left early
+      }
     }
   }
 }

@@ -56,8 +56,48 @@ export class CoordinatorError extends Error {
 }
 
 /** Nothing answers at the address, or the coordinator answered UNAVAILABLE (its Redis is
- * away): worth retrying. */
-export class CoordinatorUnavailableError extends CoordinatorError {}
+ * away, or, sharded, the query's shard has no coordinator during a takeover): worth retrying.
+ * With several coordinators and none that could serve, `address` lists those tried. */
+export class CoordinatorUnavailableError extends CoordinatorError {
+  /** Whether the coordinator itself answered UNAVAILABLE (it runs, but cannot serve this
+   * now), rather than nothing answering at its address. */
+  readonly answered: boolean;
+
+  constructor(
+    address: string,
+    code: status,
+    details: string,
+    metadata: Metadata = new Metadata(),
+    message?: string,
+    answered = false,
+  ) {
+    super(address, code, details, metadata, message);
+    this.answered = answered || details.startsWith("redis unavailable");
+  }
+}
+
+/** Coordinators redirected a query's RPC in a circle, or further than a client follows
+ * (`MAX_REDIRECTS`): they disagree on who owns its shard (not the same `--shards`, or a stale
+ * lease). FAILED_PRECONDITION; `hops` names the path. */
+export class ShardRedirectLoopError extends CoordinatorError {
+  /** The query the RPC was about. */
+  readonly queryId: string;
+  /** The addresses it was sent to, in order, then the owner the last one named. */
+  readonly hops: readonly string[];
+
+  constructor(queryId: string, hops: readonly string[], details: string, metadata: Metadata = new Metadata()) {
+    super(
+      hops.at(-1) ?? "",
+      status.FAILED_PRECONDITION,
+      details,
+      metadata,
+      `query '${queryId}': the coordinators keep redirecting it (${hops.join(" -> ")}); ` +
+        `do they all run with the same --shards? Last answer: ${details}`,
+    );
+    this.queryId = queryId;
+    this.hops = [...hops];
+  }
+}
 
 /** The coordinator refused a submission (RESOURCE_EXHAUSTED: admission control, or a limit
  * on running queries); `retryAfterS` is its hint. */
@@ -78,8 +118,9 @@ function isServiceError(error: unknown): error is ServiceError {
   );
 }
 
-/** The CoordinatorError for what a grpc-js call failed with (other errors pass through). */
-export function toCoordinatorError(error: unknown, address: string): unknown {
+/** The CoordinatorError for what a grpc-js call failed with (other errors pass through).
+ * `answered`: an UNAVAILABLE came through a connected channel, from the coordinator itself. */
+export function toCoordinatorError(error: unknown, address: string, answered = false): unknown {
   if (error instanceof CoordinatorError || !isServiceError(error)) return error;
   const metadata = error.metadata ?? new Metadata();
   const details = error.details ?? "";
@@ -90,9 +131,10 @@ export function toCoordinatorError(error: unknown, address: string): unknown {
         error.code,
         details,
         metadata,
-        details.startsWith("redis unavailable")
+        answered || details.startsWith("redis unavailable")
           ? `coordinator at ${address}: UNAVAILABLE: ${details}`
           : `cannot reach the coordinator at ${address} (is \`hexgen-flow up\` running?): ${details}`,
+        answered,
       );
     case status.RESOURCE_EXHAUSTED:
       return new CoordinatorOverloadedError(address, error.code, details, metadata);

@@ -18,9 +18,19 @@ export {
   CoordinatorOverloadedError,
   CoordinatorUnavailableError,
   RETRY_AFTER_KEY,
+  ShardRedirectLoopError,
   StatusCode,
   statusName,
 } from "./errors.js";
+export {
+  MAX_REDIRECTS,
+  OWNERS_KEPT,
+  Route,
+  SHARD_OWNER_KEY,
+  ShardRouter,
+  ownerOf,
+  splitAddresses,
+} from "./routing.js";
 
 // The API's messages (interfaces, with encode/decode/fromPartial/toJSON companions), enums,
 // and the generated grpc-js stub and service definition: everything coordinator.proto

@@ -1,6 +1,6 @@
 // Unit tests that need no coordinator: the metadata a call sends, how a grpc-js error
-// becomes a CoordinatorError (field, retry-after-s, subclasses), and an address where
-// nothing listens. What the coordinator answers is tested live (live.test.ts).
+// becomes a CoordinatorError (field, retry-after-s, subclasses), an address where nothing
+// listens, and the shard routing's rules (the router's memory, redirects, loops). What the coordinator answers is tested live (live.test.ts).
 import assert from "node:assert/strict";
 import { createServer } from "node:net";
 import { test } from "node:test";
@@ -15,8 +15,14 @@ import {
   CoordinatorError,
   CoordinatorOverloadedError,
   CoordinatorUnavailableError,
+  MAX_REDIRECTS,
+  SHARD_OWNER_KEY,
+  ShardRedirectLoopError,
+  ShardRouter,
   StatusCode,
   TLS_CA_ENV,
+  ownerOf,
+  splitAddresses,
   type CallOptions,
   type ClusterStatusRequest,
 } from "../src/index.js";
@@ -177,4 +183,106 @@ test("the API key goes with every call as authorization: Bearer, over plaintext 
 
 test("a CA file that cannot be read fails the constructor", () => {
   assert.throws(() => new CoordinatorClient("127.0.0.1:1", { tlsCa: "/nonexistent/ca.pem" }), /ENOENT/);
+});
+
+// ------------------------------------------------------------------ shard routing
+// The same cases as tests/test_client_shards.py's for the Python client; against real
+// servers: shards.test.ts.
+
+/** A coordinator's redirect: FAILED_PRECONDITION naming the owner in its trailer. */
+function redirect(queryId: string, owner: string): CoordinatorError {
+  const error = toCoordinatorError(
+    serviceError(status.FAILED_PRECONDITION, `query '${queryId}' belongs to shard 1 (hf:{s1}:), served at ${owner}`, {
+      [SHARD_OWNER_KEY]: owner,
+    }),
+    "x",
+  );
+  assert.ok(error instanceof CoordinatorError);
+  return error;
+}
+
+test("addresses are one, a comma list or an array", () => {
+  assert.deepEqual(splitAddresses("a:1, b:2,,"), ["a:1", "b:2"]);
+  assert.deepEqual(splitAddresses(["a:1,b:2", "c:3", "a:1"]), ["a:1", "b:2", "c:3"]);
+  assert.throws(() => splitAddresses(" , "), /no coordinator address/);
+  const client = new CoordinatorClient(["a:1,b:2", "c:3"]);
+  try {
+    assert.deepEqual(client.addresses, ["a:1", "b:2", "c:3"]);
+    assert.equal(client.address, "a:1,b:2,c:3");
+    assert.equal(client.router.default, "a:1");
+  } finally {
+    client.close();
+  }
+  const one = new CoordinatorClient("a:1");
+  assert.equal(one.address, "a:1");
+  one.close();
+});
+
+test("the router keeps a bounded memory of owners", () => {
+  const router = new ShardRouter(["a:1", "b:2"], { ownersKept: 2 });
+  router.learn("q1", "b:2");
+  router.learn("q2", "b:2");
+  router.learn("q3", "a:1");
+  assert.deepEqual([router.owner("q1"), router.owner("q2"), router.owner("q3")], [undefined, "b:2", "a:1"]);
+  router.wentAway("b:2");
+  assert.equal(router.owner("q2"), undefined);
+  assert.equal(router.default, "a:1");
+  router.wentAway("a:1");
+  assert.equal(router.default, "b:2");
+  assert.deepEqual(router.candidates(), ["b:2", "a:1"]);
+});
+
+test("a coordinator that answers UNAVAILABLE stays the default", () => {
+  const router = new ShardRouter(["a:1", "b:2", "c:3"]);
+  const route = router.route("q");
+  const takeover = "shard 1 (hf:{s1}:) has no coordinator now";
+  const answered = toCoordinatorError(serviceError(status.UNAVAILABLE, takeover), "a:1", true);
+  assert.ok(answered instanceof CoordinatorUnavailableError && answered.answered);
+  assert.equal(answered.message, `coordinator at a:1: UNAVAILABLE: ${takeover}`);
+  assert.equal(route.reroute(answered, undefined), undefined);
+  assert.deepEqual([route.address, router.default], ["b:2", "a:1"]); // it runs: ask it first still
+  router.learn("q", "b:2");
+  const refused = toCoordinatorError(serviceError(status.UNAVAILABLE, "connection refused"), "b:2");
+  assert.ok(refused instanceof CoordinatorUnavailableError && !refused.answered);
+  assert.equal(route.reroute(refused, undefined), undefined);
+  assert.deepEqual([route.address, router.owner("q")], ["c:3", undefined]); // gone: forgotten as owner
+  const none = route.reroute(refused, undefined);
+  assert.ok(none instanceof CoordinatorUnavailableError);
+  assert.equal(none.address, "a:1,b:2,c:3");
+  assert.ok(
+    none.message.startsWith(`no coordinator can serve query 'q' now (a:1: ${takeover}; b:2: no answer; c:3: no answer)`),
+    none.message,
+  );
+  // One address: its own error, unchanged.
+  assert.equal(new ShardRouter(["a:1"]).route("q").reroute(refused, undefined), refused);
+});
+
+test("a redirect is followed and remembered, and a circle is ShardRedirectLoopError", () => {
+  const router = new ShardRouter(["a:1", "b:2"]);
+  const route = router.route("q");
+  const first = redirect("q", "b:2");
+  assert.equal(ownerOf(first), "b:2");
+  assert.equal(ownerOf(new Error("x")), undefined);
+  assert.equal(route.reroute(first, ownerOf(first)), undefined);
+  assert.deepEqual([route.address, router.owner("q"), router.route("q").address], ["b:2", "b:2", "b:2"]);
+  const loop = route.reroute(redirect("q", "a:1"), "a:1");
+  assert.ok(loop instanceof ShardRedirectLoopError, String(loop));
+  assert.deepEqual(loop.hops, ["a:1", "b:2", "a:1"]);
+  assert.equal(loop.code, StatusCode.FAILED_PRECONDITION);
+  assert.ok(
+    loop.message.startsWith(
+      "query 'q': the coordinators keep redirecting it (a:1 -> b:2 -> a:1); do they all run with the same --shards? " +
+        "Last answer: query 'q' belongs to shard 1",
+    ),
+    loop.message,
+  );
+  // A call not about a query follows no redirect.
+  const unrouted = redirect("q", "b:2");
+  assert.equal(router.route(undefined).reroute(unrouted, "b:2"), unrouted);
+  // A chain, no circle: it stops after MAX_REDIRECTS hops.
+  const chain = new ShardRouter(["s0"]).route("q");
+  let problem: CoordinatorError | undefined;
+  for (let k = 1; problem === undefined; k++) problem = chain.reroute(redirect("q", `s${k}`), `s${k}`);
+  assert.ok(problem instanceof ShardRedirectLoopError);
+  assert.equal(problem.hops.length, MAX_REDIRECTS + 2);
 });
