@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import stat
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -134,3 +136,38 @@ def test_an_auth_dir_is_completed_never_overwritten(tmp_path: Path) -> None:
     assert store.authenticate(auth.tuner_key.read_text().strip()).role == Role.OPERATOR
     with pytest.raises(ConfigError, match=r"--tenants: .\.\./x. is not a usable tenant name"):
         auth.init(["../x"])
+
+
+def test_init_again_with_shards_keeps_the_passwords_and_gives_the_users_every_shard(
+    tmp_path: Path,
+) -> None:
+    auth = AuthDir(tmp_path / "auth")
+    auth.init()
+    passwords = {u: auth.redis_password(u).read_text() for u in ("coordinator", "tuner")}
+    assert " ~hf:* " in auth.redis_acl.read_text()
+    written = auth.init(shards=("hf:{s0}:", "hf:{s1}:"))
+    assert written == [auth.redis_acl]  # the ACL alone, redone
+    assert {u: auth.redis_password(u).read_text() for u in passwords} == passwords
+    coordinator, tuner = auth.redis_acl.read_text().splitlines()[:2]
+    assert " ~hf:{s0}:* ~hf:{s1}:* resetchannels " in coordinator
+    assert " %R~hf:{s1}:finished ~hf:tuner:* resetchannels " in tuner
+    assert tuner.endswith(" (%R~hf:{s0}:meta %R~hf:{s1}:meta +hmget)")
+
+
+@pytest.mark.parametrize(
+    ("shards", "error"),
+    [
+        ("hf:{s0}:,hf:{s0}:", "--shards: a prefix appears twice in ['hf:{s0}:', 'hf:{s0}:']"),
+        (",", "argument --shards: expected P0[,P1...]"),
+    ],
+)
+def test_auth_init_refuses_bad_shards_naming_the_flag_and_writes_nothing(
+    shards: str, error: str, tmp_path: Path
+) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "hexgen_cli", "auth", "init", str(tmp_path / "auth"),
+         "--shards", shards],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2 and error in done.stderr, done.stderr
+    assert not (tmp_path / "auth").exists()

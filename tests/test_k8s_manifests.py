@@ -13,39 +13,43 @@ k8s-tools``; another with ``HEXGEN_K8S_VENV``); without them these tests skip::
 
 The overlays' Secrets come from the directory ``hexgen-flow auth init`` writes into each
 overlay's ``auth/`` (git-ignored): the tests render a copy of deploy/k8s with credentials made
-for it in a temporary directory, never the tree's own.
+for it in a temporary directory, never the tree's own. The coordinator shards' wiring is
+tests/test_k8s_shards.py's.
 """
 
 from __future__ import annotations
 
-import base64
 import copy
 import json
-import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import yaml
 from cryptography import x509
 
-from hexgen_service.auth_dir import AuthDir
 from hexgen_worker.cli import build_parser, config_from_args
 from k8s_render import (
     CHECKOV,
     K8S,
-    KUSTOMIZE,
     ROOT,
     VALIDATE,
     Doc,
+    coordinator_hosts,
+    make_credentials,
+    mount_secrets,
     needs_checkov,
     needs_kustomize,
     needs_validate,
+    render,
 )
 from k8s_render import command as _command
 from k8s_render import containers as _containers
+from k8s_render import load as _docs
 from k8s_render import named as _named
+from k8s_render import pod_labels as _pod_labels
 from k8s_render import run_tool as _run
+from k8s_render import selects as _selects
 from k8s_render import with_env as _with_env
 
 OVERLAYS = ("local", "production")
@@ -69,25 +73,9 @@ ALLOWED_SKIPS = {
 
 
 @pytest.fixture(scope="module")
-def rendered(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
+def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Each overlay rendered to a file, from a copy of deploy/k8s with fresh credentials."""
-    assert KUSTOMIZE is not None
-    tree = tmp_path_factory.mktemp("k8s") / "k8s"
-    shutil.copytree(K8S, tree, ignore=shutil.ignore_patterns("auth"))
-    out: dict[str, Path] = {}
-    for overlay in OVERLAYS:
-        AuthDir(tree / "overlays" / overlay / "auth").init(
-            ("demo", "health"), server_names=("coordinator-workers",)
-        )
-        built = _run([*KUSTOMIZE, str(tree / "overlays" / overlay)])
-        assert built.returncode == 0, f"kustomize {overlay}: {built.stderr}"
-        out[overlay] = tree.parent / f"{overlay}.yaml"
-        out[overlay].write_text(built.stdout)
-    yield out
-
-
-def _docs(path: Path) -> list[Doc]:
-    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+    return render(tmp_path_factory.mktemp("k8s"), OVERLAYS)
 
 
 @pytest.fixture(scope="module")
@@ -100,18 +88,6 @@ def docs(rendered: dict[str, Path]) -> dict[str, list[Doc]]:
 
 def _workloads(docs: list[Doc]) -> list[Doc]:
     return [d for d in docs if d["kind"] in WORKLOADS]
-
-
-def _pod_labels(workload: Doc) -> dict[str, str]:
-    labels: dict[str, str] = workload["spec"]["template"]["metadata"]["labels"]
-    return labels
-
-
-def _selects(selector: Doc, labels: dict[str, str]) -> bool:
-    """A label selector (matchLabels only: the manifests use no expressions) matches."""
-    assert "matchExpressions" not in selector, "extend _selects for matchExpressions"
-    wanted: dict[str, str] = selector.get("matchLabels", {})
-    return all(labels.get(k) == v for k, v in wanted.items())
 
 
 def _is_worker(workload: Doc) -> bool:
@@ -259,14 +235,15 @@ def test_overlays_ignore_their_credentials() -> None:
     assert "/*/auth/" in ignored
 
 
-def test_auth_init_names_the_workers_door(tmp_path: Path) -> None:
-    """Workers dial coordinator-workers:50052 and check the server certificate's names:
-    docs/kubernetes.md's `auth init --hosts coordinator-workers` puts the name there."""
-    auth = AuthDir(tmp_path / "auth")
-    auth.init(("health",), server_names=("coordinator-workers",))
+def test_auth_init_names_every_coordinator_pod(tmp_path: Path) -> None:
+    """Workers, the gateway and the tuner dial each coordinator pod by its name and check
+    the server certificate's names: docs/kubernetes.md's `auth init --hosts
+    coordinator-0.coordinator-workers,...` puts them there (not a wildcard: TLS name checks
+    refuse or flag ``*.coordinator-workers``, a wildcard over a single label)."""
+    auth = make_credentials(tmp_path / "auth")
     cert = x509.load_pem_x509_certificate(auth.server_cert.read_bytes())
     names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    assert {"coordinator-workers", "coordinator", "gateway"} <= set(
+    assert {*coordinator_hosts(), "coordinator", "gateway"} <= set(
         names.get_values_for_type(x509.DNSName)
     )
 
@@ -278,8 +255,7 @@ def test_overlay_holds_what_issue_12_asks(docs: dict[str, list[Doc]], overlay: s
     kinds = {d["kind"] for d in docs[overlay]}
     assert {"StatefulSet", "Deployment", "PodDisruptionBudget", "NetworkPolicy"} <= kinds
     coordinator = _named(docs[overlay], "StatefulSet", "coordinator")
-    assert coordinator["spec"]["replicas"] == 1  # one shard until issue 12's sharding
-    assert coordinator["spec"]["serviceName"] == "coordinator-workers"
+    assert coordinator["spec"]["serviceName"] == "coordinator-workers"  # the pods' names
     assert _named(docs[overlay], "Service", "coordinator-workers")["spec"]["clusterIP"] == "None"
 
 
@@ -317,9 +293,17 @@ def test_worker_pools_fill_the_coordinators_cluster(
         command = _command(container)
         assert "--gpu=$(HEXGEN_GPU)" in command and "--slot=-1" in command
         assert "--worker-id=$(POD_NAME)" in command
-        assert "--coordinator=coordinator-workers:50052" in command
         slots += [env["HEXGEN_GPU"]] * w["spec"]["replicas"]
     assert sorted(slots) == sorted(cluster.split(","))
+
+
+SHARDING_FLAGS = {
+    "coordinator": ("--shards", "--redis-prefix", "--advertise"),
+    "tuner": ("--shards", "--coordinator"),
+    "gateway": ("--coordinator",),
+}
+"""What the sharded mesh gives each service beyond (or instead of) compose's flags for one
+coordinator; tests/test_k8s_shards.py checks these."""
 
 
 @needs_kustomize
@@ -327,34 +311,28 @@ def test_worker_pools_fill_the_coordinators_cluster(
 def test_services_run_as_compose_runs_them(docs: dict[str, list[Doc]], overlay: str) -> None:
     """The coordinator's, the tuner's and the gateway's command lines are docker-compose.yml's
     (their secrets under the same /run/secrets names), but for the time scale of compose's
-    simulated engines; their readiness probes are compose's health checks."""
+    simulated engines and the shards' flags; their readiness probes are compose's health
+    checks (the coordinator's passes a closed door too: tests/test_k8s_shards.py)."""
     services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
     workloads = {"coordinator": "StatefulSet", "tuner": "Deployment", "gateway": "Deployment"}
     for name, kind in workloads.items():
         (container,) = _containers(_named(docs[overlay], kind, name))
+        skip = (*SHARDING_FLAGS[name], "--time-scale")
         # Redis's URL comes from the ConfigMap hexgen-redis (in-cluster by default).
         ours = [
             _with_env(a, container, docs[overlay])
             for a in _command(container)
-            if a != "--redis-prefix=hf:"  # compose's default, spelled out for the shards
+            if a.partition("=")[0] not in skip
         ]
-        theirs = [a for a in services[name]["command"] if not a.startswith("--time-scale=")]
+        theirs = [a for a in services[name]["command"] if a.partition("=")[0] not in skip]
         assert ours == theirs, name
         probe = container["readinessProbe"]["exec"]["command"]
-        assert probe == services[name]["healthcheck"]["test"][1:], name
-
-
-def _mount_secrets(docs: list[Doc], workload: Doc, at: Path) -> None:
-    """Write the workload's /run/secrets projected volume, from the render's Secrets, at `at`."""
-    secrets = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Secret"}
-    (volume,) = (
-        v for v in workload["spec"]["template"]["spec"]["volumes"] if v["name"] == "secrets"
-    )
-    at.mkdir(parents=True)
-    for source in volume["projected"]["sources"]:
-        data = secrets[source["secret"]["name"]]["data"]
-        for item in source["secret"]["items"]:
-            (at / item["path"]).write_bytes(base64.b64decode(data[item["key"]]))
+        check = services[name]["healthcheck"]["test"][1:]
+        if name == "coordinator":  # [python, -c, SCRIPT] that runs compose's check
+            assert f"from {check[2]} import main" in probe[2], probe
+            assert f"main({json.dumps(check[3:])})" in probe[2], probe
+        else:
+            assert probe == check, name
 
 
 @needs_kustomize
@@ -367,7 +345,7 @@ def test_workers_command_lines_configure_a_worker(
     for w in (w for w in _workloads(docs[overlay]) if _is_worker(w)):
         (container,) = _containers(w)
         secrets = tmp_path / w["metadata"]["name"]
-        _mount_secrets(docs[overlay], w, secrets)
+        mount_secrets(docs[overlay], w, secrets)
         env = {e["name"]: e.get("value", "") for e in container["env"]}
         env["POD_NAME"] = f"{w['metadata']['name']}-5d9c7b8f6-x2k4q"
         argv = []

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import yaml
 
-from hexgen_service.auth_dir import AuthDir
 from hexgen_service.redis_sentinel import SentinelUrl, check_redis_url, parse_sentinel_url
 from k8s_render import (
     K8S,
     KUSTOMIZE,
     command,
     containers,
+    make_credentials,
     named,
     needs_kustomize,
     run_tool,
@@ -32,9 +32,7 @@ def test_an_overlay_points_the_mesh_at_redis_behind_sentinel(tmp_path: Path) -> 
     assert KUSTOMIZE is not None
     tree = tmp_path / "k8s"
     shutil.copytree(K8S, tree, ignore=shutil.ignore_patterns("auth"))
-    AuthDir(tree / "overlays" / "local" / "auth").init(
-        ("demo", "health"), server_names=("coordinator-workers",)
-    )
+    make_credentials(tree / "overlays" / "local" / "auth")
     sentinel = tree / "overlays" / "sentinel"
     sentinel.mkdir()
     (sentinel / "kustomization.yaml").write_text(

@@ -1,6 +1,7 @@
 """``auth``: make and manage a secured mesh's credentials (CA, certificates, API keys).
 
-hexgen-flow auth init DIR [--tenants a,b] [--hosts NAME,...]
+hexgen-flow auth init DIR [--tenants a,b] [--hosts NAME,...] [--redis-prefix P]
+                         [--shards P0,P1,...]
 hexgen-flow auth add-key DIR --tenant T [--role tenant|operator|admin] [--expires-in-days N]
 hexgen-flow auth revoke DIR KEY_ID
 hexgen-flow auth list DIR [--json]
@@ -15,7 +16,7 @@ from typing import Any
 
 from hexgen_cli.options import PROG, info, positive_float, print_json, print_rows
 
-__all__ = ["name_list", "register"]
+__all__ = ["name_list", "register", "shard_list"]
 
 
 def name_list(text: str) -> tuple[str, ...]:
@@ -24,6 +25,15 @@ def name_list(text: str) -> tuple[str, ...]:
     if not names:
         raise argparse.ArgumentTypeError("expected NAME[,NAME...]")
     return names
+
+
+def shard_list(text: str) -> tuple[str, ...]:
+    """``--shards P0,P1,...``, split as the coordinators split theirs (empty items dropped);
+    `AuthDir.init` checks the prefixes (`hexgen_service.auth_dir.shard_prefixes`)."""
+    prefixes = tuple(p.strip() for p in text.split(",") if p.strip())
+    if not prefixes:
+        raise argparse.ArgumentTypeError("expected P0[,P1...]: every shard's key prefix")
+    return prefixes
 
 
 def register(commands: Any) -> None:
@@ -53,7 +63,17 @@ def register(commands: Any) -> None:
         help="more names or addresses the server certificate is valid for (it always is "
         "for localhost, 127.0.0.1, ::1, coordinator, tuner and gateway)",
     )  # fmt: skip
-    init.add_argument("--redis-prefix", default="hf:", help="the Redis key prefix (default hf:)")
+    init.add_argument(
+        "--redis-prefix", default="hf:", metavar="PREFIX",
+        help="the Redis key prefix (default hf:); with --shards, the tuner's own (its "
+        "--redis-prefix: its runs and alpha history under PREFIXtuner:*)",
+    )  # fmt: skip
+    init.add_argument(
+        "--shards", type=shard_list, default=(), metavar="P0,P1,...",
+        help="a sharded mesh's Redis ACL: every shard's key prefix, as the coordinators' "
+        "--shards lists them; the coordinator user gets every shard's keys (a spare takes "
+        "over any shard), the tuner reads every shard's admitted, finished and meta keys",
+    )  # fmt: skip
     init.set_defaults(handler=_cmd_init)
 
     add = sub.add_parser("add-key", help="mint an API key", description="Mint an API key "
@@ -106,7 +126,12 @@ def _auth_dir(path: Path) -> Any:
 
 def _cmd_init(args: argparse.Namespace) -> int:
     auth = _auth_dir(args.dir)
-    written = auth.init(args.tenants, server_names=args.hosts, redis_prefix=args.redis_prefix)
+    written = auth.init(
+        args.tenants,
+        server_names=args.hosts,
+        redis_prefix=args.redis_prefix,
+        shards=args.shards,
+    )
     info(f"{PROG}: {len(written)} files written in {args.dir}")
     print_rows(usage_rows(auth, args.tenants))
     return 0

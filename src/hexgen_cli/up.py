@@ -181,35 +181,11 @@ def register(commands: Any) -> None:
 
 def _cmd_up(args: argparse.Namespace) -> int:
     require_mesh("up")
+    auth_dir = _check_options(args)
     if args.shards:
         if args.shards < 1:
             raise ConfigError(f"--shards must be >= 1, got {args.shards}")
-        return cmd_up_sharded(args)
-    from hexgen_client.security import is_loopback  # noqa: PLC0415 - loads the mesh
-
-    exposed = [
-        f"{flag} {value}"
-        for flag, value in (
-            ("--listen", args.listen),
-            ("--tuner-listen", args.tuner_listen),
-            ("--gateway-listen", args.gateway_listen),
-        )
-        if not is_loopback(value)
-    ]
-    if exposed and not args.secure:
-        raise ConfigError(
-            f"{', '.join(exposed)}: a mesh reachable beyond this machine must run with "
-            "--secure (API keys, TLS, mutual TLS for workers)"
-        )
-    if args.redis_cluster and args.redis_url is None:
-        raise ConfigError("--redis-cluster: give --redis-url, a node of the Redis Cluster")
-    if (args.auth_dir is not None or args.tenants) and not args.secure:
-        raise ConfigError("--auth-dir and --tenants go with --secure")
-    auth_dir = args.auth_dir
-    if args.secure and auth_dir is None:
-        if args.log_dir is None:
-            raise ConfigError("--secure: give --auth-dir DIR (where the credentials go)")
-        auth_dir = args.log_dir / "auth"
+        return cmd_up_sharded(args, auth_dir)
     from hexgen_client.cluster import LocalCluster, LocalClusterConfig  # noqa: PLC0415 - loads grpc
     from hexgen_client.processes import port_after  # noqa: PLC0415
 
@@ -238,7 +214,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
             worker_metrics_listen=port_after(args.metrics_listen, 2),
             log_dir=args.log_dir,
             keep_logs=True,
-            auth_dir=auth_dir if args.secure else None,
+            auth_dir=auth_dir,
             tenants=args.tenants,
         )
     )
@@ -265,6 +241,38 @@ def _cmd_up(args: argparse.Namespace) -> int:
     finally:
         cluster.stop()
         signal.signal(signal.SIGTERM, previous)
+
+
+def _check_options(args: argparse.Namespace) -> Path | None:
+    """What both meshes check of `up`'s options before anything starts, and where a secured
+    mesh's credentials go (None: not secured): --auth-dir, else LOG_DIR/auth."""
+    from hexgen_client.security import is_loopback  # noqa: PLC0415 - loads the mesh
+
+    exposed = [
+        f"{flag} {value}"
+        for flag, value in (
+            ("--listen", args.listen),
+            ("--tuner-listen", args.tuner_listen),
+            ("--gateway-listen", args.gateway_listen),
+        )
+        if not is_loopback(value)
+    ]
+    if exposed and not args.secure:
+        raise ConfigError(
+            f"{', '.join(exposed)}: a mesh reachable beyond this machine must run with "
+            "--secure (API keys, TLS, mutual TLS for workers)"
+        )
+    if args.redis_cluster and args.redis_url is None:
+        raise ConfigError("--redis-cluster: give --redis-url, a node of the Redis Cluster")
+    if (args.auth_dir is not None or args.tenants) and not args.secure:
+        raise ConfigError("--auth-dir and --tenants go with --secure")
+    if not args.secure:
+        return None
+    if args.auth_dir is not None:
+        return Path(args.auth_dir)
+    if args.log_dir is None:
+        raise ConfigError("--secure: give --auth-dir DIR (where the credentials go)")
+    return Path(args.log_dir) / "auth"
 
 
 SUPERVISE_PERIOD_S = 0.2

@@ -1,13 +1,14 @@
 """``hexgen-flow up --shards N``: a local sharded mesh (`hexgen_client.sharded_mesh`).
 
 N coordinator shards and ``--spares`` spare coordinators on one Redis (a private one unless
-``--redis-url``), one simulated worker per instance linked to every coordinator, one tuner
-for every shard and the gateway given every coordinator. The banner's ``coordinator`` row is
-every coordinator's address, comma-separated: what ``replay``, ``run`` and the clients take
-(each redirects what is not its shard's). A coordinator that dies is not restarted: a spare
-takes its shard over (docs/scaling.md, "Shards, leases and takeover"); `up` reports what
-exited. Plaintext on loopback only, for now: ``--secure`` and ``--redis-cluster`` are
-refused with ``--shards``.
+``--redis-url``; with ``--redis-cluster`` that URL is a node of a Redis Cluster, each shard's
+hash tag in its prefix), one simulated worker per instance linked to every coordinator, one
+tuner for every shard and the gateway given every coordinator. The banner's ``coordinator``
+row is every coordinator's address, comma-separated: what ``replay``, ``run`` and the
+clients take (each redirects what is not its shard's). A coordinator that dies is not
+restarted: a spare takes its shard over (docs/scaling.md, "Shards, leases and takeover");
+`up` reports what exited. ``--secure`` runs it as ``up --secure`` runs one coordinator (the
+same credentials, `up`'s `_check_options` says where), with a Redis ACL for every shard.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from hexgen_cli.auth import usage_rows
 from hexgen_cli.options import PROG, info, print_rows
 from hexgen_flow.errors import ConfigError
 
@@ -41,55 +43,43 @@ def _coordinator_args(args: argparse.Namespace) -> tuple[str, ...]:
     return tuple(out)
 
 
-def cmd_up_sharded(args: argparse.Namespace) -> int:
-    refused = [
-        flag
-        for flag, given in (
-            ("--secure", args.secure),
-            ("--redis-cluster", args.redis_cluster),
-            ("--auth-dir", args.auth_dir is not None),
-            ("--tenants", bool(args.tenants)),
-        )
-        if given
-    ]
-    if refused:
-        raise ConfigError(f"--shards: not yet with {', '.join(refused)} (docs/scaling.md)")
+def cmd_up_sharded(args: argparse.Namespace, auth_dir: Path | None) -> int:
+    """`up --shards`, with `up`'s options checked (`auth_dir`: secured, its credentials)."""
     if args.spares < 0:
         raise ConfigError(f"--spares must be >= 0, got {args.spares}")
-    from hexgen_client.processes import RedisServer  # noqa: PLC0415 - loads the mesh
-    from hexgen_client.sharded_mesh import (  # noqa: PLC0415
+    from hexgen_client.sharded_mesh import (  # noqa: PLC0415 - loads the mesh
         LocalShardedMesh,
         ShardedMeshConfig,
     )
 
     logs = args.log_dir or Path(tempfile.mkdtemp(prefix="hexgen-flow-logs-"))
-    redis = RedisServer(appendfsync="always") if args.redis_url is None else None
+    mesh = LocalShardedMesh(
+        ShardedMeshConfig(
+            args.redis_url or "",  # none given: a private one
+            logs,
+            shards=args.shards,
+            spares=args.spares,
+            cluster=args.cluster,
+            calibration=args.calibration,
+            time_scale=args.time_scale,
+            extra_coordinator_args=_coordinator_args(args),
+            tuner=args.tuner,
+            tuner_period_s=args.tuner_period_s,
+            gateway=args.gateway,
+            redis_cluster=args.redis_cluster,
+            auth_dir=auth_dir,
+            tenants=args.tenants,
+        )
+    )
 
     def interrupt(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, interrupt)
-    mesh = None
     try:
-        redis_url = args.redis_url if redis is None else redis.start()
-        mesh = LocalShardedMesh(
-            ShardedMeshConfig(
-                redis_url,
-                logs,
-                shards=args.shards,
-                spares=args.spares,
-                cluster=args.cluster,
-                calibration=args.calibration,
-                time_scale=args.time_scale,
-                extra_coordinator_args=_coordinator_args(args),
-                tuner=args.tuner,
-                tuner_period_s=args.tuner_period_s,
-                gateway=args.gateway,
-            )
-        )
         info(f"{PROG}: starting {args.shards} shard(s) and {args.spares} spare(s) ...")
         mesh.start()
-        _print(mesh, args, redis_url, logs)
+        _print(mesh, args, logs)
         reported: set[str] = set()
         while True:
             for proc in mesh.exited():
@@ -103,14 +93,11 @@ def cmd_up_sharded(args: argparse.Namespace) -> int:
         info(f"{PROG}: stopping ...")
         return 0
     finally:
-        if mesh is not None:
-            mesh.stop()
-        if redis is not None:
-            redis.stop()
+        mesh.stop()  # the private Redis too
         signal.signal(signal.SIGTERM, previous)
 
 
-def _print(mesh: object, args: argparse.Namespace, redis_url: str, logs: Path) -> None:
+def _print(mesh: object, args: argparse.Namespace, logs: Path) -> None:
     from hexgen_client.sharded_mesh import LocalShardedMesh  # noqa: PLC0415
 
     assert isinstance(mesh, LocalShardedMesh)
@@ -120,22 +107,39 @@ def _print(mesh: object, args: argparse.Namespace, redis_url: str, logs: Path) -
         held = [k for k, h in enumerate(holders) if h == c.listen]
         role = f"shard {held[0]} ({mesh.config.prefixes[held[0]]})" if held else "spare"
         roles.append(f"{c.listen} {role}, workers' door {c.worker_door}")
+    secure = mesh.auth is not None
+    redis_keys = f"keys hf:{{sK}}:*; the tuner's {mesh.config.tuner_prefix}tuner:*"
+    if mesh.redis_server is not None:
+        redis_note = "private, append-only file fsynced always, removed on exit"
+        if secure:
+            redis_note += ", one ACL user per service with every shard's keys"
+    else:
+        redis_note = "a node of a Redis Cluster" if args.redis_cluster else "given"
     rows = [
         ("coordinator", mesh.client_addresses),
         ("shards", "; ".join(roles)),
         ("tuner", f"{mesh.tuner_address} (every shard)" if mesh.tuner_address else "off"),
         (
             "gateway",
-            f"http://{mesh.gateway_address}/v1 (OpenAI-compatible)"
+            f"{'https' if secure else 'http'}://{mesh.gateway_address}/v1 (OpenAI-compatible)"
             if mesh.gateway_address
             else "off",
         ),
-        ("redis", f"{redis_url} (keys hf:{{sK}}:*; the tuner's hf:tuner:*)"),
-        ("instances", f"{args.cluster}: simulated engines, each linked to every coordinator"),
+        ("redis", f"{mesh.redis_url} ({redis_note}; {redis_keys})"),
+        (
+            "instances",
+            f"{args.cluster}: simulated engines, each linked to every coordinator"
+            + (" with a client certificate and the workers' token" if secure else ""),
+        ),
         ("time scale", f"{args.time_scale:g} cluster seconds per wall second"),
         ("supervision", "none: a spare takes over a dead coordinator's shard"),
         ("logs", str(logs)),
     ]
+    if mesh.auth is not None:
+        rows[-1:-1] = [
+            ("security", "TLS on every link, API keys (tenants, roles), Redis ACL users"),
+            *usage_rows(mesh.auth, args.tenants),
+        ]
     print(f"{PROG} up: the sharded mesh is running")
     print_rows(rows, indent="  ")
     print("Ctrl-C stops it.", flush=True)

@@ -1,14 +1,20 @@
 """`LocalShardedMesh`: coordinator shards, spares and shared simulated workers on one machine.
 
-What a sharded deployment runs, as local processes on one Redis: `shards` coordinators, each
-given the same ``--shards hf:{s0}:,hf:{s1}:,...`` list and its own shard as
-``--redis-prefix``, `spares` more that wait to take over a shard whose coordinator dies
-(``hexgen_coordinator.shards``), and one simulated worker per slot of `cluster` linked to
-every coordinator's workers' door (a spare's door opens once it holds a shard). Clients
-reach any coordinator: each redirects what is not its own (`CoordinatorClient` with every
-address in `client_addresses` follows the redirects). Plaintext on loopback, no keys: the
-mesh of the tests and benchmarks of sharding (tests/test_coordinator_shards.py,
-benchmarks/shard_takeover.py).
+What a sharded deployment runs, as local processes on one Redis (a private one unless
+given, or a node of a Redis Cluster): `shards` coordinators, each given the same
+``--shards hf:{s0}:,hf:{s1}:,...`` list and its own shard as ``--redis-prefix``, `spares`
+more that wait to take over a shard whose coordinator dies (``hexgen_coordinator.shards``),
+and one simulated worker per slot of `cluster` linked to every coordinator's workers' door
+(a spare's door opens once it holds a shard). Clients reach any coordinator: each redirects
+what is not its own (`CoordinatorClient` with every address in `client_addresses` follows
+the redirects). The mesh of ``hexgen-flow up --shards`` and of the tests and benchmarks of
+sharding (tests/test_coordinator_shards.py, benchmarks/shard_takeover.py).
+
+Open on loopback by default; given an auth directory (`ShardedMeshConfig.auth_dir`) it runs
+secured as `LocalCluster` does, with the same options (`secure_argv`, `redis_login`): API
+keys and TLS on every coordinator, the tuner and the gateway, workers with a client
+certificate and the workers' token, and a private Redis whose ACL users (one per service)
+are given every shard's keys, since a spare may take any shard over.
 """
 
 from __future__ import annotations
@@ -22,17 +28,27 @@ from types import TracebackType
 
 import redis
 
-from hexgen_client.processes import ManagedProcess, free_port, stop_processes
+from hexgen_client.addresses import DEFAULT_CLUSTER_PREFIX, DEFAULT_REDIS_PREFIX
+from hexgen_client.cluster_config import redis_login, secure_argv
+from hexgen_client.processes import ManagedProcess, RedisServer, free_port, stop_processes
 from hexgen_flow.cluster import parse_cluster
 from hexgen_flow.errors import ConfigError
+from hexgen_service.auth import read_secret
+from hexgen_service.auth_dir import AuthDir
 
-__all__ = ["CoordinatorProcess", "LocalShardedMesh", "ShardedMeshConfig"]
+__all__ = ["SPARE_PREFIX", "CoordinatorProcess", "LocalShardedMesh", "ShardedMeshConfig"]
+
+SPARE_PREFIX = "hf:{spare}:"
+"""A spare's ``--redis-prefix``: no shard's, so that it takes whichever lease expires first.
+It writes no key under it (it serves a shard's prefix once it holds one); the hash tag is
+there because on a Redis Cluster every coordinator's prefix must carry one."""
 
 
 @dataclass(frozen=True, slots=True)
 class ShardedMeshConfig:
     redis_url: str
-    """The Redis every coordinator keeps its shard in."""
+    """The Redis every coordinator keeps its shard in; empty: a private ``redis-server``
+    (append-only file fsynced always), started and stopped with the mesh."""
     logs: Path
     """Where each process writes its log."""
     shards: int = 2
@@ -47,18 +63,38 @@ class ShardedMeshConfig:
     start_timeout_s: float = 45.0
     tuner: bool = False
     """Run one α tuner for every shard (``--shards``: all shards' traffic, α to every
-    coordinator), its own records under ``hf:tuner:``."""
+    coordinator), its own records under `tuner_prefix`."""
     tuner_period_s: float = 30.0
     gateway: bool = False
     """Run the OpenAI-compatible gateway, given every coordinator's address."""
+    redis_cluster: bool = False
+    """`redis_url` is a node of a Redis Cluster (the coordinators' and the tuner's
+    ``--redis-cluster``): each shard's prefix carries its own hash tag, so each shard's keys
+    are in one slot and the shards spread over the masters."""
+    auth_dir: Path | None = None
+    """Run secured with the credentials of this folder, made or completed at `start` with a
+    Redis ACL for every shard (`AuthDir.init` with ``shards``); the services log in to the
+    private Redis as their ACL users. None: open, on loopback."""
+    tenants: tuple[str, ...] = ()
+    """With `auth_dir`: the tenants to make keys for (``DIR/tenants/NAME.key``)."""
 
     def __post_init__(self) -> None:
         if self.shards < 1 or self.spares < 0:
             raise ConfigError("a sharded mesh needs shards >= 1 and spares >= 0")
+        if self.redis_cluster and not self.redis_url:
+            raise ConfigError("--redis-cluster: give --redis-url, a node of the Redis Cluster")
+        if self.tenants and self.auth_dir is None:
+            raise ConfigError("--tenants goes with --secure (an auth directory)")
 
     @property
     def prefixes(self) -> tuple[str, ...]:
         return tuple(f"hf:{{s{k}}}:" for k in range(self.shards))
+
+    @property
+    def tuner_prefix(self) -> str:
+        """The tuner's ``--redis-prefix``, its records under ``P tuner:*``: the tuner's own
+        default (on a Redis Cluster the one with a hash tag), outside every shard."""
+        return DEFAULT_CLUSTER_PREFIX if self.redis_cluster else DEFAULT_REDIS_PREFIX
 
 
 @dataclass
@@ -79,6 +115,16 @@ class LocalShardedMesh:
     """The tuner and the gateway, when asked for."""
     tuner_address: str = ""
     gateway_address: str = ""
+    redis_url: str = field(init=False, default="")
+    """The Redis the mesh runs on, once started (the private one's, or the given one)."""
+    redis_server: RedisServer | None = field(init=False, default=None)
+    """The private Redis, while the mesh runs one."""
+    auth: AuthDir | None = field(init=False, default=None)
+    """The credentials of a secured mesh (`ShardedMeshConfig.auth_dir`); None: open."""
+
+    def __post_init__(self) -> None:
+        if self.config.auth_dir is not None:
+            self.auth = AuthDir(self.config.auth_dir)
 
     @property
     def client_addresses(self) -> str:
@@ -89,6 +135,14 @@ class LocalShardedMesh:
         cfg = self.config
         cfg.logs.mkdir(parents=True, exist_ok=True)
         prefixes = cfg.prefixes
+        if self.auth is not None:  # before Redis starts: it loads the ACL file
+            self.auth.init(cfg.tenants, redis_prefix=cfg.tuner_prefix, shards=prefixes)
+        if not cfg.redis_url:
+            acl = self.auth.redis_acl if self.auth is not None else None
+            self.redis_server = RedisServer(appendfsync="always", aclfile=acl)
+            self.redis_url = self.redis_server.start()
+        else:
+            self.redis_url = cfg.redis_url
         # Shards first, so that each takes its own prefix before a spare could.
         for k in range(cfg.shards + cfg.spares):
             self.coordinators.append(self._coordinator(k, prefixes))
@@ -104,20 +158,25 @@ class LocalShardedMesh:
                 "--gpu", instance.gpu,
                 "--log-level", "WARNING",
                 *(["--calibration", cfg.calibration] if cfg.calibration else []),
+                *self._token(),
+                *self._secure("worker"),
             ]  # fmt: skip
             worker = ManagedProcess(f"worker {slot}", argv, cfg.logs / f"worker-{slot}.log")
             worker.start()
             self.workers.append(worker)
         if cfg.tuner:
             self.tuner_address = f"127.0.0.1:{free_port()}"
+            redis_url, login = self._redis_login("tuner")
             argv = [
                 sys.executable, "-m", "hexgen_tuner",
                 "--listen", self.tuner_address,
                 "--coordinator", self.client_addresses,
-                "--redis-url", cfg.redis_url,
+                "--redis-url", redis_url, *login,
                 "--shards", ",".join(prefixes),
-                "--redis-prefix", "hf:tuner:",
+                "--redis-prefix", cfg.tuner_prefix,
+                *self._cluster(),
                 "--period-s", repr(cfg.tuner_period_s),
+                *self._secure("tuner"),
             ]  # fmt: skip
             self._service("tuner", argv)
         if cfg.gateway:
@@ -126,9 +185,53 @@ class LocalShardedMesh:
                 sys.executable, "-m", "hexgen_gateway",
                 "--listen", self.gateway_address,
                 "--coordinator", self.client_addresses,
+                *self._secure("gateway"),
             ]  # fmt: skip
             self._service("gateway", argv)
         return self
+
+    # ------------------------------------------------- what a secured mesh adds
+
+    def _secure(self, service: str) -> list[str]:
+        return secure_argv(self.auth, service) if self.auth is not None else []
+
+    def _token(self) -> list[str]:
+        """The workers' token, on the coordinators and the workers of a secured mesh."""
+        if self.auth is None:
+            return []
+        return ["--worker-token-file", str(self.auth.worker_token)]
+
+    def _cluster(self) -> list[str]:
+        return ["--redis-cluster"] if self.config.redis_cluster else []
+
+    @property
+    def _login(self) -> AuthDir | None:
+        """The credentials the services log in to Redis with, as ACL users: a secured
+        mesh's, on its private Redis (a given Redis's URL says how to reach it, login
+        included, as `LocalCluster`'s does); None: no login."""
+        return self.auth if self.redis_server is not None else None
+
+    def _redis_login(self, user: str) -> tuple[str, list[str]]:
+        """The Redis URL `user` (coordinator, tuner) logs in with and its password option."""
+        auth = self._login
+        if auth is None:
+            return self.redis_url, []
+        return redis_login(self.redis_url, auth, user)
+
+    def _redis(self) -> redis.Redis[bytes] | redis.RedisCluster[bytes]:
+        """A client of the mesh's Redis, logged in as the coordinators are (their user
+        reads every shard's lease and streams)."""
+        url, _ = self._redis_login("coordinator")
+        auth = self._login
+        password = (
+            read_secret(auth.redis_password("coordinator"), "redis password")
+            if auth is not None
+            else None
+        )
+        if self.config.redis_cluster:
+            # one key per command: a cluster client sends each to its slot's master
+            return redis.RedisCluster.from_url(url, password=password)
+        return redis.Redis.from_url(url, password=password)
 
     def _service(self, name: str, argv: list[str]) -> None:
         process = ManagedProcess(name, argv, self.config.logs / f"{name}.log")
@@ -142,7 +245,7 @@ class LocalShardedMesh:
 
     def holders(self) -> list[str | None]:
         """Each shard's lease holder (its coordinator's client address), None if none."""
-        client = redis.Redis.from_url(self.config.redis_url)
+        client = self._redis()
         try:
             values = [client.get(p + "lease") for p in self.config.prefixes]
         finally:
@@ -153,7 +256,7 @@ class LocalShardedMesh:
         """How often each call id is in its shard's ``completions`` stream, over every shard
         (one entry per completion the shard applied: each call once, when none is lost and
         none is applied twice)."""
-        client = redis.Redis.from_url(self.config.redis_url)
+        client = self._redis()
         done: Counter[str] = Counter()
         try:
             for prefix in self.config.prefixes:
@@ -182,6 +285,9 @@ class LocalShardedMesh:
         stop_processes(
             [*self.services, *self.workers, *(c.process for c in self.coordinators)], grace_s=5.0
         )
+        if self.redis_server is not None:
+            self.redis_server.stop()
+            self.redis_server = None
 
     def __enter__(self) -> LocalShardedMesh:
         try:
@@ -202,21 +308,24 @@ class LocalShardedMesh:
         cfg = self.config
         name = f"s{k}" if k < cfg.shards else f"spare{k - cfg.shards}"
         listen, door = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
-        # A spare names no shard of its own: it takes whichever lease expires first.
-        prefix = prefixes[k] if k < cfg.shards else "hf:spare:"
+        prefix = prefixes[k] if k < cfg.shards else SPARE_PREFIX
+        redis_url, login = self._redis_login("coordinator")
         argv = [
             sys.executable, "-m", "hexgen_coordinator",
             "--listen", listen,
             "--worker-listen", door,
-            "--redis-url", cfg.redis_url,
+            "--redis-url", redis_url, *login,
             "--shards", ",".join(prefixes),
             "--redis-prefix", prefix,
+            *self._cluster(),
             "--lease-ttl-s", repr(cfg.lease_ttl_s),
             "--resume-grace-s", repr(cfg.resume_grace_s),
             "--cluster", cfg.cluster,
             "--time-scale", repr(cfg.time_scale),
             "--log-level", "INFO",
             *cfg.extra_coordinator_args,
+            *self._token(),
+            *self._secure("coordinator"),
         ]  # fmt: skip
         process = ManagedProcess(f"coordinator {name}", argv, cfg.logs / f"coordinator-{name}.log")
         process.start()

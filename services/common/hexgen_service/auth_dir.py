@@ -14,7 +14,9 @@
     DIR/redis/NAME.password       each service's Redis password
 
 Private files are mode 0600 and DIR itself 0700. An existing DIR is completed, never
-overwritten: files that exist are kept, so running init again adds missing tenants.
+overwritten: files that exist are kept, so running init again adds missing tenants. The
+ACL file alone is written anew each time, from the passwords kept, so that init with other
+``--shards`` (or ``--redis-prefix``) changes the users' keys and nothing else.
 """
 
 from __future__ import annotations
@@ -31,7 +33,16 @@ from hexgen_service.auth import KeyStore, Role
 from hexgen_service.certs import DEFAULT_SERVER_NAMES, CertificateAuthority, write_private
 from hexgen_service.worker_token import write_token
 
-__all__ = ["REDIS_COMMANDS", "REDIS_USERS", "AuthDir", "redis_acl_line", "redis_keys"]
+__all__ = [
+    "REDIS_COMMANDS",
+    "REDIS_SHARD_COMMANDS",
+    "REDIS_USERS",
+    "AuthDir",
+    "redis_acl_line",
+    "redis_commands",
+    "redis_keys",
+    "shard_prefixes",
+]
 
 REDIS_USERS = ("coordinator", "tuner", "health")
 """Who logs in to Redis, each as its own ACL user: the coordinator, the tuner, and the
@@ -74,44 +85,104 @@ REDIS_COMMANDS: dict[str, tuple[str, ...]] = {
 CONFIG, DEBUG, KEYS, EVAL, Pub/Sub, ...) is refused (NOPERM). docs/security-deploy.md says
 why each is there."""
 
+REDIS_SHARD_COMMANDS: dict[str, tuple[str, ...]] = {
+    # the shard lease (`hexgen_coordinator.shards`): SET NX PX takes a shard, GET names its
+    # holder (a redirect's target); the lease's scripts renew it (GET, PEXPIRE) and give it
+    # up at a clean stop (GET, DEL), so that a spare takes the shard at once
+    "coordinator": ("set", "get", "del"),
+    # each shard's clock, its `meta` hash's epoch and time scale (`read_sharded_window`)
+    "tuner": ("hmget",),
+    "health": (),
+}
+"""What each user runs besides `REDIS_COMMANDS` in a sharded mesh (``--shards``) only, and
+on one key of each shard only (`_SHARD_COMMAND_KEYS`): a mesh of one coordinator takes no
+lease and has one clock, so its users are not given them."""
+
+_SHARD_COMMAND_KEYS = {"coordinator": "~{}lease", "tuner": "%R~{}meta"}
+"""The one key of each shard (its prefix in the braces) that a user's `REDIS_SHARD_COMMANDS`
+may touch, in a Redis 7 selector of its own: the coordinator's SET, GET and DEL reach the
+leases (`hexgen_coordinator.shards.lease_key`), never a query's state, nor can code a thief
+loads with SCRIPT LOAD use them on it; the tuner's HMGET reads the clocks."""
+
 
 def _key_pattern(text: str) -> str:
     """`text` as a literal Redis glob pattern (its ``*?[]\\`` escaped)."""
     return "".join("\\" + c if c in "*?[]\\" else c for c in text)
 
 
-def redis_keys(user: str, prefix: str = "hf:") -> tuple[str, ...]:
-    """The key patterns of `user`: ``~P*`` the coordinator (every key of the mesh); the
-    tuner ``%R~P admitted`` and ``%R~P finished`` (read only) and ``~P tuner:*`` (its own
-    keys); the health
-    probe none."""
+def shard_prefixes(shards: Sequence[str]) -> tuple[str, ...]:
+    """The shards' key prefixes, checked as the coordinator's ``--shards`` checks them
+    (`hexgen_coordinator.shards.ShardMap`): each non-empty, without spaces, none twice;
+    empty: no shards. ConfigError naming --shards otherwise."""
+    prefixes = tuple(shards)
+    for prefix in prefixes:
+        if not prefix or any(c.isspace() for c in prefix):
+            raise ConfigError(f"--shards: {prefix!r} is not a key prefix")
+    if len(set(prefixes)) != len(prefixes):
+        raise ConfigError(f"--shards: a prefix appears twice in {list(prefixes)}")
+    return prefixes
+
+
+def redis_commands(user: str, *, sharded: bool = False) -> tuple[str, ...]:
+    """Every command `user` may run: `REDIS_COMMANDS`, and `sharded` the shard lease's and
+    clocks' too (`REDIS_SHARD_COMMANDS`, on one key of each shard only)."""
+    if user not in REDIS_COMMANDS:
+        raise ConfigError(f"redis user: no ACL for {user!r} (known: {', '.join(REDIS_USERS)})")
+    return REDIS_COMMANDS[user] + (REDIS_SHARD_COMMANDS[user] if sharded else ())
+
+
+def redis_keys(user: str, prefix: str = "hf:", *, shards: Sequence[str] = ()) -> tuple[str, ...]:
+    """The key patterns of `user`. One coordinator (no `shards`): ``~P*`` the coordinator
+    (every key of the mesh); the tuner ``%R~P admitted`` and ``%R~P finished`` (read only)
+    and ``~P tuner:*`` (its own keys). With `shards` the coordinator gets ``~S*`` of every
+    shard S, since a spare takes over whichever shard's lease expires, and no key outside
+    them; the tuner reads every shard's ``admitted`` and ``finished`` (and, by its selector,
+    `_SHARD_COMMAND_KEYS`, the ``meta`` clock) and keeps its own keys under `prefix` (its
+    ``--redis-prefix``: ``P tuner:*``, outside the shards unless P is one). The health probe
+    gets no key."""
     if not prefix or any(c.isspace() for c in prefix):
-        raise ConfigError(f"redis prefix: {prefix!r} must be non-empty, without spaces")
-    p = _key_pattern(prefix)
+        raise ConfigError(f"--redis-prefix: {prefix!r} must be non-empty, without spaces")
+    # the prefixes of the mesh's state: every shard's, or the one coordinator's
+    state = [_key_pattern(s) for s in shard_prefixes(shards) or (prefix,)]
     if user == "coordinator":
-        return (f"~{p}*",)
+        return tuple(f"~{s}*" for s in state)
     if user == "tuner":
-        return (f"%R~{p}admitted", f"%R~{p}finished", f"~{p}tuner:*")
+        window = [f"%R~{s}{key}" for s in state for key in _WINDOW]
+        return (*window, f"~{_key_pattern(prefix)}tuner:*")
     if user == "health":
         return ()
     raise ConfigError(f"redis user: no ACL for {user!r} (known: {', '.join(REDIS_USERS)})")
 
 
-def redis_acl_line(user: str, password: str, prefix: str = "hf:") -> str:
+_WINDOW = ("admitted", "finished")
+"""The streams the tuner reads its window from, of the mesh or of each shard
+(`hexgen_tuner.window`)."""
+
+
+def redis_acl_line(
+    user: str, password: str, prefix: str = "hf:", *, shards: Sequence[str] = ()
+) -> str:
     """One line of a Redis ACL file: `user`, its password as a SHA-256 (Redis stores no
-    plain password), its keys under `prefix` only, no Pub/Sub channel, and only the
-    commands of `REDIS_COMMANDS` (everything else, administration included, is refused).
+    plain password), its keys (`redis_keys`: under `prefix`, or the `shards`' prefixes),
+    no Pub/Sub channel, and only its commands (`redis_commands`; everything else,
+    administration included, is refused).
 
     The coordinator runs the mesh's Lua scripts and reads and writes every key of the mesh.
-    The tuner reads the `finished` stream and keeps its own runs and alpha history: it can
-    neither run the coordinator's scripts nor change or delete a query's state."""
-    keys = redis_keys(user, prefix)
+    The tuner reads the `admitted` and `finished` streams and keeps its own runs and alpha
+    history: it can neither run the coordinator's scripts nor change or delete a query's
+    state. With `shards` each user's `REDIS_SHARD_COMMANDS` come last, in a selector
+    (``(KEYS +CMD...)``) that confines them to one key of each shard."""
+    keys = redis_keys(user, prefix, shards=shards)
     if not password:
         raise ConfigError(f"redis user {user}: empty password")
     digest = hashlib.sha256(password.encode()).hexdigest()
-    commands = " ".join(f"+{c}" for c in REDIS_COMMANDS[user])
     words = ["user", user, "on", "resetpass", f"#{digest}", "resetkeys", *keys]
-    return " ".join([*words, "resetchannels", "-@all", commands])
+    words += ["resetchannels", "-@all", *(f"+{c}" for c in REDIS_COMMANDS[user])]
+    confined = REDIS_SHARD_COMMANDS[user] if shards else ()
+    if confined:
+        where = [_SHARD_COMMAND_KEYS[user].format(_key_pattern(s)) for s in shards]
+        words.append("(" + " ".join([*where, *(f"+{c}" for c in confined)]) + ")")
+    return " ".join(words)
 
 
 @dataclass(frozen=True)
@@ -177,8 +248,13 @@ class AuthDir:
         *,
         server_names: Sequence[str] = (),
         redis_prefix: str = "hf:",
+        shards: Sequence[str] = (),
     ) -> list[Path]:
-        """Create what is missing; return the files written (existing ones are kept)."""
+        """Create what is missing; return the files written (existing ones are kept).
+        The Redis ACL is for the mesh of one coordinator with keys under `redis_prefix`, or,
+        given `shards` (every shard's prefix, as the coordinators' ``--shards``), for a
+        sharded one: `redis_keys` says who gets which keys."""
+        redis_keys("tuner", redis_prefix, shards=shards)  # bad prefixes: nothing written
         for tenant in tenants:
             if not tenant or "/" in tenant or tenant.startswith(".") or len(tenant) > 64:
                 raise ConfigError(f"--tenants: {tenant!r} is not a usable tenant name")
@@ -220,7 +296,7 @@ class AuthDir:
                 write_private(password_file, (secrets.token_urlsafe(24) + "\n").encode())
                 written.append(password_file)
             password = password_file.read_text().strip()
-            acl_lines.append(redis_acl_line(user, password, redis_prefix))
+            acl_lines.append(redis_acl_line(user, password, redis_prefix, shards=shards))
         acl_lines.append("user default off")
         write_private(self.redis_acl, ("\n".join(acl_lines) + "\n").encode())
         written.append(self.redis_acl)
