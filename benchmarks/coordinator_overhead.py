@@ -51,6 +51,7 @@ from hexgen_flow.traces import load_trace, take_queries
 from hexgen_service.auth import read_secret
 from hexgen_service.auth_dir import AuthDir
 from hexgen_service.convert import submit_from_query
+from hexgen_service.event_loop import run as run_loop
 from hexgen_service.worker_token import TOKEN_METADATA
 
 TIME_SCALE = 2000.0
@@ -246,7 +247,7 @@ def wire_run(
             coordinator_argv(port, worker_port, redis_url, (*secure, *coordinator_args))
         )
         try:
-            return asyncio.run(
+            return run_loop(
                 drive_wire(
                     f"127.0.0.1:{port}", f"127.0.0.1:{worker_port}", cluster, rate, seconds, auth
                 )
@@ -310,7 +311,7 @@ def main() -> None:
                     auth_dir=mode_auth.path if mode_auth is not None else None,
                 )
                 with LocalCluster(config) as mesh:
-                    achieved, overhead = asyncio.run(
+                    achieved, overhead = run_loop(
                         drive(mesh.coordinator_address, rate, args.seconds, mode_auth)
                     )
                 c = overhead.completion_to_dispatch_ms

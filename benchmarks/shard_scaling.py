@@ -51,6 +51,7 @@ from coordinator_overhead import CLUSTER, coordinator_argv, drive_wire
 from hexgen_api.v1 import coordinator_pb2
 from hexgen_client.processes import RedisServer, free_port
 from hexgen_flow.metrics import percentile
+from hexgen_service.event_loop import run as run_loop
 
 _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 
@@ -103,7 +104,7 @@ def _drive_shard(
         await asyncio.to_thread(barrier.wait, 120)
         began[0] = time.process_time()
 
-    achieved, wire, overhead = asyncio.run(
+    achieved, wire, overhead = run_loop(
         drive_wire(
             f"127.0.0.1:{port}", f"127.0.0.1:{worker_port}", CLUSTER, rate, seconds, None, ready
         )

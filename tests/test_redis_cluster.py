@@ -27,6 +27,7 @@ from hexgen_api.v1 import coordinator_pb2, coordinator_pb2_grpc, tuner_pb2, tune
 from hexgen_client.client import CoordinatorClient
 from hexgen_client.cluster import LocalCluster
 from hexgen_client.replay import replay
+from hexgen_coordinator.group_commit import GroupCommit
 from hexgen_coordinator.redis_retry import CLUSTER_PREFIX, cluster_prefix, redis_client
 from hexgen_coordinator.session_store import SessionStore
 from hexgen_coordinator.store import Placement, WorkflowStore
@@ -108,6 +109,28 @@ async def test_a_burst_waits_for_connections_as_on_a_single_redis(
         await asyncio.gather(*(client.incr(key) for _ in range(100)))
         assert int(await client.get(key) or 0) == 100
         await client.delete(key)
+    finally:
+        await client.aclose()  # type: ignore[attr-defined]  # types-redis predates aclose
+
+
+async def test_a_group_commit_batch_runs_in_its_prefix_slot(
+    redis_cluster: RedisClusterHere,
+) -> None:
+    """Completions batched by `GroupCommit` span workflows; their keys share the prefix's
+    hash tag, so the batch is one slot's script on a cluster too."""
+    client = redis_client(redis_cluster.url, max_connections=4, cluster=True)
+    script = """
+local function apply(KEYS, ARGV)
+  return redis.call('INCRBY', KEYS[1], ARGV[1])
+end
+"""
+    commit = GroupCommit(client, script)
+    keys = [f"{CLUSTER_PREFIX}q:{i}" for i in range(8)]
+    try:
+        await asyncio.gather(*(commit(keys=[key], args=[i + 1]) for i, key in enumerate(keys)))
+        assert commit.round_trips == 2  # one alone, seven in one batch
+        assert [int(await client.get(key) or 0) for key in keys] == list(range(1, 9))
+        await client.delete(*keys)
     finally:
         await client.aclose()  # type: ignore[attr-defined]  # types-redis predates aclose
 

@@ -21,7 +21,12 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from hexgen_api.v1 import coordinator_pb2
 from hexgen_client.client import CoordinatorClient
 from hexgen_flow.workload import LLMCall, Query, Workflow
-from hexgen_service.telemetry import context_from_traceparent, setup_tracing, traceparent_of
+from hexgen_service.telemetry import (
+    context_from_traceparent,
+    setup_tracing,
+    traceparent_of,
+    tracer_provider,
+)
 from in_process_mesh import in_process_mesh
 
 
@@ -35,8 +40,7 @@ def spans() -> InMemorySpanExporter:
     return exporter
 
 
-def test_a_traceparent_carries_the_span_across() -> None:
-    setup_tracing("hexgen-test")
+def test_a_traceparent_carries_the_span_across(spans: InMemorySpanExporter) -> None:
     tracer = trace.get_tracer("test")
     parent = tracer.start_span("parent")
     context = context_from_traceparent(traceparent_of(parent))
@@ -45,6 +49,23 @@ def test_a_traceparent_carries_the_span_across() -> None:
     assert isinstance(child, ReadableSpan) and child.parent is not None
     assert child.parent.span_id == parent.get_span_context().span_id
     assert context_from_traceparent("") is None
+
+
+def test_spans_are_recorded_only_once_something_exports_them() -> None:
+    """Without a span processor nothing is recorded, yet ids stay valid (log lines and the
+    traceparent carry them); once one is added, the configured sampler decides."""
+    provider = tracer_provider("hexgen-test")  # what setup_tracing installs
+    tracer = provider.get_tracer("test")
+    dropped = tracer.start_span("before")
+    assert not dropped.is_recording()
+    assert dropped.get_span_context().is_valid
+    assert traceparent_of(dropped).startswith("00-")
+    exporter = InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    kept = tracer.start_span("after")
+    assert kept.is_recording()
+    kept.end()
+    assert [s.name for s in exporter.get_finished_spans()] == ["after"]
 
 
 @pytest.fixture

@@ -20,6 +20,7 @@ from hexgen_coordinator.redis_retry import cluster_prefix, redis_client
 from hexgen_coordinator.shards import LeaseLostError, ShardLease, ShardMap
 from hexgen_flow.errors import ConfigError, HexgenFlowError
 from hexgen_service.auth import PUBLIC_METHODS, AuthInterceptor, KeyStore, Role, read_secret
+from hexgen_service.event_loop import EVENT_LOOPS, resolve_event_loop, run
 from hexgen_service.exposure import refuse_unprotected
 from hexgen_service.gc_tuning import GcPauses, freeze_startup
 from hexgen_service.metrics_server import serve_metrics
@@ -160,6 +161,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[CoordinatorConfig, str]:
         help="freeze the start-up objects and collect young objects less often, so that a "
         "full garbage collection does not stall the completion path (default: on)",
     )
+    parser.add_argument(
+        "--event-loop",
+        choices=EVENT_LOOPS,
+        default=defaults.event_loop,
+        help="the asyncio event loop: uvloop where installed (auto), or asyncio's own "
+        "(default %(default)s)",
+    )
     parser.add_argument("--log-level", default="INFO")
     del docs
     args = parser.parse_args(argv)
@@ -211,6 +219,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[CoordinatorConfig, str]:
             )
         if not args.lease_ttl_s > 0:
             raise ConfigError("--lease-ttl-s must be > 0")
+        resolve_event_loop(args.event_loop)
         redis_password = (
             read_secret(args.redis_password_file, "--redis-password-file")
             if args.redis_password_file
@@ -260,6 +269,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[CoordinatorConfig, str]:
         tls_ca=args.tls_ca or "",
         insecure=args.insecure,
         gc_tuning=args.gc_tuning,
+        event_loop=args.event_loop,
     )
     return config, args.log_level
 
@@ -427,7 +437,7 @@ def main(argv: list[str] | None = None) -> None:
     config, level = parse_args(argv)
     setup_logging(level)
     try:
-        asyncio.run(serve(config))
+        run(serve(config), config.event_loop)
     except HexgenFlowError as exc:
         sys.stderr.write(f"hexgen-coordinator: error: {exc}\n")
         sys.exit(2)

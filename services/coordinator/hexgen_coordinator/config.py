@@ -84,6 +84,8 @@ class CoordinatorConfig:
     gc_tuning: bool = True
     """Freeze the objects alive after start-up and raise the young generation's threshold
     (`hexgen_service.gc_tuning`), so full collections stay short."""
+    event_loop: str = "auto"
+    """The asyncio event loop (`hexgen_service.event_loop`): uvloop where installed."""
     # ---------------------------------------------------------------- faults and retention
     max_call_attempts: int = 3
     """Dispatches a call gets when its engine reports an error; after the last one fails its

@@ -55,6 +55,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from hexgen_coordinator.group_commit import GroupCommit
+
 __all__ = [
     "COMPLETE_APPLIED",
     "COMPLETE_DUPLICATE",
@@ -149,42 +151,44 @@ _COMPLETE = (
 --       dependents..., then the completion record as field/value pairs
 -- returns {status, calls_left, released stages...}: status 1 applied, 0 already done,
 -- -1 unknown or not running, -2 not from the slot and attempt the call was placed on
-if redis.call('HGET', KEYS[1], 'state') ~= 'running' then return {-1, -1} end
-local ckey = 'c:' .. ARGV[2]
-local was = redis.call('HGET', KEYS[1], ckey)
-if was == 'done' or was == 'skipped' then return {0, -1} end
-local placed = redis.call('HGET', KEYS[1], 'p:' .. ARGV[2])
-if not matches(placed, ARGV[5], ARGV[6]) then return {-2, -1} end
-redis.call('HSET', KEYS[1], ckey, 'done')
-local k = ARGV[3]
-local now = ARGV[4]
-local ndep = tonumber(ARGV[9])
-local released = {}
-if redis.call('HINCRBY', KEYS[1], 's' .. k .. ':left', -1) == 0 then
-  redis.call('HSET', KEYS[1], 's' .. k .. ':fin', now)
-  redis.call('HINCRBY', KEYS[1], 'stages_done', 1)
-  for i = 1, ndep do
-    local j = ARGV[9 + i]
-    if redis.call('HINCRBY', KEYS[1], 's' .. j .. ':deps', -1) == 0 then
-      redis.call('HSET', KEYS[1], 's' .. j .. ':rel', now)
-      table.insert(released, tonumber(j))
+local function apply(KEYS, ARGV)
+  if redis.call('HGET', KEYS[1], 'state') ~= 'running' then return {-1, -1} end
+  local ckey = 'c:' .. ARGV[2]
+  local was = redis.call('HGET', KEYS[1], ckey)
+  if was == 'done' or was == 'skipped' then return {0, -1} end
+  local placed = redis.call('HGET', KEYS[1], 'p:' .. ARGV[2])
+  if not matches(placed, ARGV[5], ARGV[6]) then return {-2, -1} end
+  redis.call('HSET', KEYS[1], ckey, 'done')
+  local k = ARGV[3]
+  local now = ARGV[4]
+  local ndep = tonumber(ARGV[9])
+  local released = {}
+  if redis.call('HINCRBY', KEYS[1], 's' .. k .. ':left', -1) == 0 then
+    redis.call('HSET', KEYS[1], 's' .. k .. ':fin', now)
+    redis.call('HINCRBY', KEYS[1], 'stages_done', 1)
+    for i = 1, ndep do
+      local j = ARGV[9 + i]
+      if redis.call('HINCRBY', KEYS[1], 's' .. j .. ':deps', -1) == 0 then
+        redis.call('HSET', KEYS[1], 's' .. j .. ':rel', now)
+        table.insert(released, tonumber(j))
+      end
     end
   end
+  local record = {}
+  for i = 10 + ndep, #ARGV do table.insert(record, ARGV[i]) end
+  if #record > 0 then  -- a session's skipped call has no record: nothing ran
+    redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[8], '*', unpack(record))
+  else
+    redis.call('HSET', KEYS[1], ckey, 'skipped')
+  end
+  local left = redis.call('HINCRBY', KEYS[1], 'calls_left', -1)
+  if left == 0 then
+    succeed(KEYS[1], KEYS[2], KEYS[4], KEYS[5], ARGV[1], now, ARGV[7], ARGV[8])
+  end
+  local out = {1, left}
+  for _, j in ipairs(released) do table.insert(out, j) end
+  return out
 end
-local record = {}
-for i = 10 + ndep, #ARGV do table.insert(record, ARGV[i]) end
-if #record > 0 then  -- a session's skipped call has no record: nothing ran
-  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[8], '*', unpack(record))
-else
-  redis.call('HSET', KEYS[1], ckey, 'skipped')
-end
-local left = redis.call('HINCRBY', KEYS[1], 'calls_left', -1)
-if left == 0 then
-  succeed(KEYS[1], KEYS[2], KEYS[4], KEYS[5], ARGV[1], now, ARGV[7], ARGV[8])
-end
-local out = {1, left}
-for _, j in ipairs(released) do table.insert(out, j) end
-return out
 """
 )
 
@@ -320,7 +324,8 @@ class WorkflowStore:
         """How long a finished query's keys stay (wall milliseconds)."""
         self.stream_maxlen = stream_maxlen
         self._submit = redis.register_script(_SUBMIT)
-        self._complete = redis.register_script(_COMPLETE)
+        self._complete = GroupCommit(redis, _COMPLETE)
+        """Completions go to Redis in batches under load (`hexgen_coordinator.group_commit`)."""
         self._fail_call = redis.register_script(_FAIL_CALL)
         self._cancel = redis.register_script(_CANCEL)
 
