@@ -37,8 +37,13 @@ KILL_AT_S = 5.0
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalShardedMesh]:
     logs = tmp_path_factory.mktemp("shard-takeover-replay")
     with RedisServer(appendfsync=None) as server:
+        # The lease must outlast the longest stall of a coordinator's loop: a spare that
+        # has just taken a shard over resumes it and freezes its start-up objects while
+        # three coordinators, four workers and this driver share two cores, and a 1 s lease
+        # expired under it once in CI (the spare then stops, as a holder that lost its
+        # lease must, and the shard stays without a coordinator).
         config = ShardedMeshConfig(
-            server.url, logs, time_scale=TIME_SCALE, lease_ttl_s=1.0, resume_grace_s=2.0
+            server.url, logs, time_scale=TIME_SCALE, lease_ttl_s=2.0, resume_grace_s=2.0
         )
         with LocalShardedMesh(config) as running:
             time.sleep(1.0)  # every worker linked to every coordinator
