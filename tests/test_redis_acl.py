@@ -1,151 +1,55 @@
 """The Redis ACL an auth directory writes (`hexgen_service.auth_dir.redis_acl_line`), on a
 real ``redis-server --aclfile``: the coordinator's user runs everything the coordinator
 does and nothing more, the tuner's user reads the ``admitted`` and ``finished`` streams
-and keeps its own keys, and the default user is off. For a sharded mesh (``auth init
---shards``, on a server of its own) the coordinator's user reads and writes every shard's
-keys, leases included, and none outside them; the tuner's reads every shard's window and
-clock and writes none of them.
+and keeps its own keys, and the default user is off. A sharded mesh's ACL is
+test_redis_acl_shards.py's.
 
-Each server loads the file `AuthDir.init` writes plus one line for the test itself (an
-admin user, to read ``ACL LOG`` and reset the database between tests); nothing else.
+The server loads the file `AuthDir.init` writes plus one line for the test itself (an
+admin user, to read ``ACL LOG`` and reset the database between tests); nothing else
+(acl_redis_here.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
 import redis
-import redis.asyncio as aioredis
 
+from acl_redis_here import (
+    ADMIN,
+    PREFIX,
+    AclRedis,
+    acl_server,
+    check_every_command,
+    emptied,
+    text,
+)
 from hexgen_api.v1 import coordinator_pb2, tuner_pb2, tuner_pb2_grpc
 from hexgen_client.client import CoordinatorClient
 from hexgen_client.processes import ManagedProcess, free_port, stop_processes
 from hexgen_coordinator.check_state import check_state
 from hexgen_coordinator.session_store import GIVE_APPLIED, SessionStore
-from hexgen_coordinator.shards import ShardLease, ShardMap
 from hexgen_coordinator.store import _SUBMIT, Placement, WorkflowStore
 from hexgen_flow.errors import ConfigError
 from hexgen_flow.traces import load_trace, take_queries
 from hexgen_service.auth_dir import (
-    REDIS_COMMANDS,
-    REDIS_SHARD_COMMANDS,
     AuthDir,
     redis_acl_line,
-    redis_commands,
 )
 from hexgen_tuner.store import AlphaChange, TunerStore, TuningRunRecord
-from hexgen_tuner.window import read_sharded_window, read_window
+from hexgen_tuner.window import read_window
 
 pytestmark = pytest.mark.skipif(
     shutil.which("redis-server") is None, reason="redis-server is not installed"
 )
-
-PREFIX = "hf:"
-SHARDS = ("hf:{s0}:", "hf:{s1}:")
-"""The shards of the sharded ACL, as `hexgen-flow up --shards 2` names them."""
-ADMIN, ADMIN_PASSWORD = "hf-test-admin", "test-admin-password"
-
-
-@dataclass
-class AclRedis:
-    port: int
-    auth: AuthDir
-    admin: redis.Redis[bytes]
-
-    def password(self, user: str) -> str:
-        return self.auth.redis_password(user).read_text().strip()
-
-    def client(self, user: str, password: str | None = None) -> redis.Redis[bytes]:
-        return redis.Redis(
-            host="127.0.0.1",
-            port=self.port,
-            username=user,
-            password=password if password is not None else self.password(user),
-            socket_timeout=5,
-        )
-
-    def aclient(self, user: str) -> aioredis.Redis[bytes]:
-        return aioredis.Redis(
-            host="127.0.0.1",
-            port=self.port,
-            username=user,
-            password=self.password(user),
-            socket_timeout=5,
-        )
-
-    def denials(self) -> list[str]:
-        """What ACL LOG recorded as refused, as "user: command or key" (CLIENT SETINFO
-        aside: redis-py sends it on connecting, ignores a refusal, and Redis before 7.2 has
-        no such command to allow)."""
-        entries: list[dict[str, Any]] = self.admin.acl_log()
-        seen = [
-            f"{_text(e['username'])}: {_text(e['object'])}"
-            for e in entries
-            if _text(e["object"]) != "client|setinfo"
-        ]
-        return seen
-
-
-def _text(value: object) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
-@contextmanager
-def _acl_server(root: Path, auth: AuthDir) -> Iterator[AclRedis]:
-    """A redis-server loading `auth`'s ACL file and the test's admin user, until the end."""
-    aclfile = root / "users.acl"
-    aclfile.write_text(
-        auth.redis_acl.read_text() + f"user {ADMIN} on >{ADMIN_PASSWORD} ~* &* +@all\n"
-    )
-    port = free_port()
-    argv = [
-        "redis-server",
-        "--port", str(port),
-        "--bind", "127.0.0.1",
-        "--save", "",
-        "--appendonly", "no",
-        "--dir", str(root),
-        "--aclfile", str(aclfile),
-        "--enable-debug-command", "yes",  # so that only the ACL refuses DEBUG
-    ]  # fmt: skip
-    process = ManagedProcess("redis-server", argv, root / "redis.log")
-    process.start()
-    admin: redis.Redis[bytes] = redis.Redis(
-        host="127.0.0.1", port=port, username=ADMIN, password=ADMIN_PASSWORD, socket_timeout=2
-    )
-    try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                admin.ping()
-                break
-            except redis.ConnectionError:
-                if time.monotonic() > deadline or not process.running:
-                    raise process.failure("redis-server did not start") from None
-                time.sleep(0.05)
-        yield AclRedis(port, auth, admin)
-    finally:
-        admin.close()
-        stop_processes([process], 5.0)
-
-
-def _emptied(server: AclRedis) -> AclRedis:
-    """`server`, its data, scripts and ACL log cleared."""
-    server.admin.flushall()
-    server.admin.script_flush()  # so that every script is loaded again (SCRIPT LOAD)
-    server.admin.acl_log_reset()
-    return server
 
 
 @pytest.fixture(scope="module")
@@ -153,36 +57,14 @@ def acl_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AclRedis]:
     root = tmp_path_factory.mktemp("acl")
     auth = AuthDir(root / "auth")
     auth.init(["demo"])
-    with _acl_server(root, auth) as server:
+    with acl_server(root, auth) as server:
         yield server
-
-
-@pytest.fixture(scope="module")
-def shard_acl_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AclRedis]:
-    """The ACL of a sharded mesh, as ``hexgen-flow auth init DIR --shards hf:{s0}:,hf:{s1}:``
-    writes it (the command itself, as a user runs it)."""
-    root = tmp_path_factory.mktemp("shard-acl")
-    auth = AuthDir(root / "auth")
-    done = subprocess.run(
-        [sys.executable, "-m", "hexgen_cli", "auth", "init", str(auth.path),
-         "--shards", ",".join(SHARDS)],
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    with _acl_server(root, auth) as server:
-        yield server
-
-
-@pytest.fixture
-def shard_acl(shard_acl_redis: AclRedis) -> AclRedis:
-    """The sharded ACL Redis, empty, its ACL log cleared."""
-    return _emptied(shard_acl_redis)
 
 
 @pytest.fixture
 def acl(acl_redis: AclRedis) -> AclRedis:
     """The ACL Redis, empty, its ACL log cleared."""
-    return _emptied(acl_redis)
+    return emptied(acl_redis)
 
 
 # ------------------------------------------------------------------------------ the file
@@ -195,7 +77,7 @@ def test_the_file_has_one_line_per_service_and_the_default_user_off(acl: AclRedi
     for line in lines[:-1]:
         assert " -@all " in line and "resetchannels" in line
         assert acl.password(line.split()[1]) not in line  # only its SHA-256
-    listed = {_text(line).split()[1]: _text(line) for line in acl.admin.acl_list()}
+    listed = {text(line).split()[1]: text(line) for line in acl.admin.acl_list()}
     assert set(listed) == {"coordinator", "tuner", "health", "default", ADMIN}
     assert listed["default"].startswith("user default off ")  # no password, cannot log in
     assert "nopass" not in listed["default"]
@@ -419,38 +301,8 @@ def test_the_tuner_user_cannot_run_the_coordinators_scripts(acl: AclRedis) -> No
     assert not acl.admin.exists("hf:q:x")
 
 
-@pytest.mark.parametrize("sharded", [False, True], ids=["one coordinator", "sharded"])
-def test_every_allowed_command_is_allowed_to_its_user_only(
-    sharded: bool, request: pytest.FixtureRequest
-) -> None:
-    # A command the server did not know would have failed the whole file at start.
-    server: AclRedis = request.getfixturevalue("shard_acl" if sharded else "acl")
-    mesh_key = f"{SHARDS[1] if sharded else PREFIX}x"
-    keys = {"coordinator": mesh_key, "tuner": "hf:tuner:x", "health": mesh_key}
-    # a shard-only command is tried on the one key of a shard it is confined to
-    shard_keys = {"coordinator": f"{SHARDS[1]}lease", "tuner": f"{SHARDS[1]}meta"}
-    allowed = {user: redis_commands(user, sharded=sharded) for user in REDIS_COMMANDS}
-    every = {command for user in REDIS_COMMANDS for command in redis_commands(user, sharded=True)}
-    for command in sorted(every):
-        for user, commands in allowed.items():
-            key = shard_keys[user] if command in REDIS_SHARD_COMMANDS[user] else keys[user]
-            verdict = _dry_run(server, user, command, key)
-            assert (verdict == "OK") == (command in commands), (user, command, verdict)
-
-
-def _dry_run(acl: AclRedis, user: str, command: str, key: str) -> str:
-    """ACL DRYRUN of `command` as `user`, with as many `key` arguments as its arity needs."""
-    for n in range(6):
-        try:
-            reply = acl.admin.execute_command(
-                "ACL", "DRYRUN", user, *command.split("|"), *[key] * n
-            )
-        except redis.ResponseError as exc:
-            if "wrong number of arguments" in str(exc) or "numkeys" in str(exc):
-                continue
-            raise
-        return _text(reply)
-    raise AssertionError(f"no arity fits {command}")
+def test_every_allowed_command_is_allowed_to_its_user_only(acl: AclRedis) -> None:
+    check_every_command(acl, sharded=False)
 
 
 # ----------------------------------------------------- the real services, logged in
@@ -543,168 +395,3 @@ def test_the_real_coordinator_and_tuner_work_as_their_redis_users(
     assert acl.admin.xlen(f"{PREFIX}finished") == 1
     assert acl.admin.llen(f"{PREFIX}tuner:runs") == 1
     assert acl.denials() == [], coordinator.log_tail() + tuner.log_tail()
-
-
-# ------------------------------------------------------------------- a sharded mesh
-
-
-def test_the_sharded_lines_are_exact() -> None:
-    tuner = redis_acl_line("tuner", "secret", shards=SHARDS)
-    assert tuner == (
-        "user tuner on resetpass "
-        "#2bb80d537b1da3e38bd30361aa855686bde0eacd7162fef6a25fe97bf527a25b "
-        "resetkeys %R~hf:{s0}:admitted %R~hf:{s0}:finished %R~hf:{s1}:admitted "
-        "%R~hf:{s1}:finished ~hf:tuner:* resetchannels -@all +ping +multi +exec +discard "
-        "+xrevrange +xrange +xlen +incr +lpush +rpush +ltrim +lrange +lindex +cluster|slots "
-        "+command +asking "
-        # a selector: HMGET on the shards' clocks only
-        "(%R~hf:{s0}:meta %R~hf:{s1}:meta +hmget)"
-    )
-    coordinator = redis_acl_line("coordinator", "secret", shards=SHARDS)
-    assert " resetkeys ~hf:{s0}:* ~hf:{s1}:* resetchannels " in coordinator
-    # SET, GET and DEL on the leases alone
-    assert coordinator.endswith(" +asking (~hf:{s0}:lease ~hf:{s1}:lease +set +get +del)")
-    # the tuner's own keys follow its --redis-prefix (on a Redis Cluster, hf:{0}:)
-    assert " ~hf:{0}:tuner:* " in redis_acl_line("tuner", "x", "hf:{0}:", shards=SHARDS)
-    for shards, problem in (
-        (("hf:{s0}:", "hf:{s0}:"), "appears twice"),
-        (("hf:{s0}:", ""), "is not a key prefix"),
-        (("hf:{s0}:", "a b:"), "is not a key prefix"),
-    ):
-        with pytest.raises(ConfigError, match=f"^--shards: .*{problem}"):
-            redis_acl_line("coordinator", "x", shards=shards)
-    with pytest.raises(ConfigError, match=r"^--redis-prefix: '' must be non-empty"):
-        redis_acl_line("tuner", "x", "", shards=SHARDS)
-
-
-async def test_the_sharded_tuner_reads_every_shards_window_and_clock(shard_acl: AclRedis) -> None:
-    for k, prefix in enumerate(SHARDS):  # what each shard's coordinator writes
-        shard_acl.admin.hset(
-            f"{prefix}meta", mapping={"epoch_unix_s": f"{1000 + k}", "time_scale": "10"}
-        )
-        shard_acl.admin.xadd(f"{prefix}admitted", {"query_id": f"a{k}", "tenant": "demo"})
-        shard_acl.admin.xadd(f"{prefix}finished", {"query_id": f"q{k}", "tenant": "demo"})
-    client = shard_acl.aclient("tuner")
-    try:
-        window = await read_sharded_window(client, SHARDS, 100)
-        assert window.skipped == 4  # both shards' streams read (and found unreadable: no shape)
-        clock = await client.hmget(f"{SHARDS[1]}meta", ["epoch_unix_s", "time_scale"])
-        assert clock == [b"1001", b"10"]
-        assert [f[b"query_id"] for _, f in await client.xrange(f"{SHARDS[1]}admitted")] == [b"a1"]
-        assert await client.xlen(f"{SHARDS[1]}finished") == 1
-        store = TunerStore(client, PREFIX, runs_kept=2, history_kept=2)  # its own keys
-        assert await store.next_run_id() == "tune-000001"
-        await store.record_alpha(AlphaChange(1.0, 0.3, "test"))
-        assert [c.alpha for c in await store.alpha_history()] == [0.3]
-    finally:
-        await client.aclose()  # type: ignore[attr-defined]  # types-redis predates aclose
-    assert shard_acl.denials() == []
-
-
-DENIED_TO_SHARD_TUNER = [
-    ("XADD", "hf:{s1}:admitted", "*", "query_id", "forged"),
-    ("XADD", "hf:{s1}:finished", "*", "query_id", "forged"),
-    ("XTRIM", "hf:{s1}:finished", "MAXLEN", "0"),
-    ("XDEL", "hf:{s1}:admitted", "0-1"),
-    ("HSET", "hf:{s1}:meta", "epoch_unix_s", "0"),
-    ("HSET", "hf:{s1}:meta", "alpha", "0.9"),
-    ("DEL", "hf:{s1}:meta"),
-    ("HMGET", "hf:{s1}:q:q1", "state"),  # HMGET reads the clocks, nothing else
-    ("HMGET", "hf:tuner:runs", "x"),
-    ("SET", "hf:{s1}:lease", "tuner:1"),
-    ("LPUSH", "hf:{s1}:tuner:runs", "x"),  # its own keys are under its prefix, in no shard
-    ("XADD", "hf:{s0}:admitted", "*", "query_id", "forged"),
-    ("HMGET", "hf:meta", "epoch_unix_s"),  # no shard's
-    ("FLUSHALL",),
-]
-
-
-@pytest.mark.parametrize("command", DENIED_TO_SHARD_TUNER, ids=" ".join)
-def test_the_sharded_tuner_cannot_write_a_shard(
-    shard_acl: AclRedis, command: tuple[str, ...]
-) -> None:
-    shard_acl.admin.xadd("hf:{s1}:admitted", {"query_id": "a"}, id="0-1")
-    shard_acl.admin.hset("hf:{s1}:meta", "epoch_unix_s", "1000")
-    before = _dump(shard_acl)
-    client = shard_acl.client("tuner")
-    with pytest.raises(redis.exceptions.NoPermissionError):
-        client.execute_command(*command)
-    client.close()
-    assert _dump(shard_acl) == before
-
-
-def _dump(server: AclRedis) -> dict[bytes, bytes | None]:
-    """Every key and its serialized value (DUMP), as the admin reads them."""
-    return {key: server.admin.dump(key) for key in server.admin.scan_iter()}
-
-
-async def test_the_sharded_coordinator_serves_and_leases_every_shard(shard_acl: AclRedis) -> None:
-    """Any coordinator may come to serve any shard (a spare takes over whichever expires):
-    its user runs a query to its end on each, and takes, names, renews, gives up and takes
-    over leases."""
-    client = shard_acl.aclient("coordinator")
-    shards = ShardMap(SHARDS)
-    try:
-        for k, prefix in enumerate(SHARDS):
-            store = WorkflowStore(client, prefix, retention_s=60)
-            await store.epoch(time.time(), 1.0)
-            assert await store.submit(f"q{k}", b"sub", "demo", 0.0, 10.0, [1], [0]) == (True, 0)
-            done = await store.complete(f"q{k}", f"q{k}/0/0", 0, [], 1.0, {"call_id": "c"})
-            assert done.applied and done.calls_left == 0
-        a = await ShardLease.acquire(client, shards, "a:1", 5.0, preferred=0)
-        b = await ShardLease.acquire(client, shards, "b:1", 5.0)
-        assert (a.shard, b.shard, await a.owner(1)) == (0, 1, "b:1")  # a redirect's target
-        await a.renew()
-        await a.release()  # a clean stop
-        spare = await ShardLease.acquire(client, shards, "spare:1", 5.0)
-        assert (spare.shard, await spare.owner(0)) == (0, "spare:1")
-    finally:
-        await client.aclose()  # type: ignore[attr-defined]  # types-redis predates aclose
-    assert [shard_acl.admin.xlen(f"{p}finished") for p in SHARDS] == [1, 1]
-    assert shard_acl.denials() == []
-
-
-DENIED_TO_SHARD_COORDINATOR = [
-    # SET, GET and DEL reach the leases, not a query's state
-    ("GET", "hf:{s0}:qseq"),
-    ("SET", "hf:{s0}:qseq", "0"),
-    ("DEL", "hf:{s0}:active"),
-    ("DEL", "hf:{s1}:q:q1"),
-    ("HSET", "hf:q:q1", "state", "succeeded"),  # the prefix of one coordinator: no shard's
-    ("SET", "hf:lease", "a:1", "NX", "PX", "1000"),
-    ("SET", "hf:{s2}:lease", "a:1", "NX", "PX", "1000"),  # a shard it was not given
-    ("GET", "hf:{s2}:lease"),
-    ("XADD", "hf:{spare}:finished", "*", "query_id", "x"),  # a spare's own prefix
-    ("DEL", "hf:tuner:runs"),  # the tuner's keys
-    ("GET", "other:key"),
-    ("EVAL", "return redis.call('DEL', KEYS[1])", "1", "hf:{s0}:lease"),
-    ("FLUSHALL",),
-    ("KEYS", "*"),
-    ("CONFIG", "GET", "dir"),
-    ("ACL", "LIST"),
-]
-
-
-@pytest.mark.parametrize("command", DENIED_TO_SHARD_COORDINATOR, ids=" ".join)
-def test_the_sharded_coordinator_cannot_leave_the_shards(
-    shard_acl: AclRedis, command: tuple[str, ...]
-) -> None:
-    client = shard_acl.client("coordinator")
-    with pytest.raises(redis.exceptions.NoPermissionError):
-        client.execute_command(*command)
-    client.close()
-    assert list(shard_acl.admin.scan_iter()) == []
-
-
-def test_the_sharded_coordinators_scripts_cannot_leave_the_shards(shard_acl: AclRedis) -> None:
-    shard_acl.admin.sadd("hf:{s0}:active", "q1")
-    client = shard_acl.client("coordinator")
-    sha = client.execute_command("SCRIPT", "LOAD", _SUBMIT)
-    with pytest.raises(redis.exceptions.NoPermissionError):
-        client.execute_command("EVALSHA", sha, 3, "hf:q:1", "hf:qseq", "hf:active")
-    # code of a thief's own, loaded as the coordinator: the leases' DEL is not for it
-    wipe = client.execute_command("SCRIPT", "LOAD", "return redis.call('DEL', KEYS[1])")
-    with pytest.raises(redis.ResponseError, match="can't access at least one of the keys"):
-        client.execute_command("EVALSHA", wipe, 1, "hf:{s0}:active")  # refused inside it
-    client.close()
-    assert [k.decode() for k in shard_acl.admin.scan_iter()] == ["hf:{s0}:active"]

@@ -5,7 +5,10 @@
 collector), and records nothing otherwise: while no span processor is installed, spans
 are sampled out (`_WhileExported`). They keep valid ids (log lines carry their trace id,
 ``traceparent`` still travels), but nobody pays for attributes and events that no one
-would read; on the coordinator that was a few per cent of its CPU per completion.
+would read; on the coordinator that was a few per cent of its CPU per completion. (So give
+every service the endpoint, as docker-compose does and `hexgen-flow up` passes it on from
+its environment: a worker that exports under a coordinator that does not sees unsampled
+parents, and the default parent-based sampler records nothing under them.)
 
 The gRPC interceptors trace every RPC; the coordinator adds a span per workflow, stage and
 call, and passes the call's context to the worker as a W3C ``traceparent`` string inside
