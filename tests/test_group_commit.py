@@ -20,10 +20,11 @@ pytestmark = needs_redis
 
 # Adds ARGV[1] to KEYS[1]; returns the new value and this call's tag (ARGV[2]), so that a
 # caller can see that the result it got is its own call's. ARGV[1] = 'refuse' returns an
-# error reply; 'boom' raises (INCRBY of a non-number).
+# error reply; 'boom' raises (INCRBY of a non-number); 'nothing' returns nil (a bug).
 ADD = """
 local function apply(KEYS, ARGV)
   if ARGV[1] == 'refuse' then return redis.error_reply('refused') end
+  if ARGV[1] == 'nothing' then return nil end
   return {redis.call('INCRBY', KEYS[1], ARGV[1]), ARGV[2]}
 end
 """
@@ -117,6 +118,23 @@ async def test_a_script_error_fails_every_caller_of_its_batch(
     assert int(await redis.get(key) or 0) == 2
     value, _ = await commit(keys=[key], args=[5, "after"])  # and the commit goes on
     assert int(value) == 7
+    await redis.delete(key)
+
+
+async def test_a_batch_cut_short_by_a_nil_fails_its_callers_instead_of_hanging(
+    redis: aioredis.Redis[bytes],
+) -> None:
+    commit = GroupCommit(redis, ADD)
+    key = _key()
+    outcomes = await asyncio.wait_for(
+        _batch_behind_one(commit, key, [[1, "a"], ["nothing", "b"], [1, "c"]]), timeout=10
+    )
+    assert all(
+        isinstance(o, ResponseError) and "answered 1 results for 3 calls" in str(o)
+        for o in outcomes
+    ), outcomes
+    value, _ = await commit(keys=[key], args=[1, "after"])  # and the commit goes on
+    assert int(value) == 4  # first, a, c and this one: the batch itself ran
     await redis.delete(key)
 
 

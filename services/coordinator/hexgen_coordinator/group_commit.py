@@ -21,7 +21,8 @@ sharded or cluster prefix must have one), so a batch touches one Redis Cluster s
 every script does.
 
 A script for `GroupCommit` is Lua that defines ``local function apply(KEYS, ARGV)``,
-returning that call's result; `GroupCommit` adds the entry points.
+returning that call's result, never nil (a nil would cut the batch's reply short, and
+every caller of that batch would get an error); `GroupCommit` adds the entry points.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
 
 __all__ = ["GroupCommit"]
 
@@ -112,6 +114,12 @@ class GroupCommit:
                 results = [await self._one(keys=batch[0].keys, args=batch[0].args)]
             else:
                 results = await self._many(keys=_keys(batch), args=_args(batch))
+            if not isinstance(results, list) or len(results) != len(batch):
+                # a call that returned nothing (Lua nil) ends the reply's array early
+                raise ResponseError(
+                    f"the batched script answered {_count(results)} results for "
+                    f"{len(batch)} calls (does every apply return a value?)"
+                )
         except asyncio.CancelledError:
             for q in batch:
                 q.future.cancel()
@@ -130,6 +138,10 @@ class GroupCommit:
                     q.future.set_result(result)
         finally:
             self._next()
+
+
+def _count(results: object) -> int:
+    return len(results) if isinstance(results, list) else 1
 
 
 def _keys(batch: Sequence[_Queued]) -> list[str]:
