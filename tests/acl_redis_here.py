@@ -14,6 +14,8 @@ from typing import Any
 
 import redis
 import redis.asyncio as aioredis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from hexgen_client.processes import ManagedProcess, free_port, stop_processes
 from hexgen_service.auth_dir import (
@@ -25,6 +27,7 @@ from hexgen_service.auth_dir import (
 
 __all__ = [
     "ADMIN",
+    "NO_RETRY",
     "PREFIX",
     "SHARDS",
     "AclRedis",
@@ -39,6 +42,8 @@ PREFIX = "hf:"
 SHARDS = ("hf:{s0}:", "hf:{s1}:")
 """The shards of the sharded ACL, as `hexgen-flow up --shards 2` names them."""
 ADMIN, ADMIN_PASSWORD = "hf-test-admin", "test-admin-password"
+NO_RETRY = Retry(NoBackoff(), 0)
+"""For clients whose errors the tests expect: raised at once."""
 
 
 @dataclass
@@ -57,6 +62,9 @@ class AclRedis:
             username=user,
             password=password if password is not None else self.password(user),
             socket_timeout=5,
+            # a refused login is an AuthenticationError, a ConnectionError to redis-py,
+            # which it would retry with back-off (seconds per refusal) before raising it
+            retry=NO_RETRY,
         )
 
     def aclient(self, user: str) -> aioredis.Redis[bytes]:

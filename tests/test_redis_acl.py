@@ -25,6 +25,7 @@ import redis
 
 from acl_redis_here import (
     ADMIN,
+    NO_RETRY,
     PREFIX,
     AclRedis,
     acl_server,
@@ -101,7 +102,7 @@ def test_the_line_is_exact() -> None:
 
 
 def test_without_a_password_nobody_gets_in(acl: AclRedis) -> None:
-    anonymous: redis.Redis[bytes] = redis.Redis(host="127.0.0.1", port=acl.port)
+    anonymous: redis.Redis[bytes] = redis.Redis(host="127.0.0.1", port=acl.port, retry=NO_RETRY)
     with pytest.raises(redis.AuthenticationError, match=r"NOAUTH|authenticated"):
         anonymous.ping()
     anonymous.close()
