@@ -9,7 +9,6 @@ import { after, before, describe, test as nodeTest } from "node:test";
 
 import {
   CoordinatorClient,
-  CoordinatorError,
   CoordinatorOverloadedError,
   QueryEventKind,
   QueryState,
@@ -21,6 +20,7 @@ import {
   type SubmitQueryRequest,
   type DeepPartial,
 } from "../src/index.js";
+import { collect, rejection } from "./helpers.js";
 
 const address = process.env["HEXGEN_COORDINATOR"];
 const skip = address ? false : "HEXGEN_COORDINATOR is not set (HOST:PORT of a running coordinator)";
@@ -50,22 +50,6 @@ function smallWorkflow(outputTokens = 24): DeepPartial<SubmitQueryRequest>["work
       { id: "pick", step: "evaluate", after: ["draft"], calls: [{ inputTokens: 400, outputTokens: 8 }] },
     ],
   };
-}
-
-async function collect<T>(iterable: AsyncIterable<T>): Promise<T[]> {
-  const items: T[] = [];
-  for await (const item of iterable) items.push(item);
-  return items;
-}
-
-async function rejection(promise: Promise<unknown>): Promise<CoordinatorError> {
-  try {
-    await promise;
-  } catch (error) {
-    assert.ok(error instanceof CoordinatorError, `expected a CoordinatorError, got ${String(error)}`);
-    return error;
-  }
-  assert.fail("expected the call to fail");
 }
 
 const kinds = (events: QueryEvent[]) => events.map((event) => eventKindName(event.kind));

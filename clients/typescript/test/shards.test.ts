@@ -19,7 +19,6 @@ import { describe, test } from "node:test";
 
 import {
   CoordinatorClient,
-  CoordinatorError,
   CoordinatorUnavailableError,
   MAX_REDIRECTS,
   QueryEventKind,
@@ -30,6 +29,7 @@ import {
   type QueryEvent,
   type SubmitQueryRequest,
 } from "../src/index.js";
+import { collect, rejection } from "./helpers.js";
 
 const TIMEOUT_MS = 90_000;
 const sharded = process.env["HEXGEN_COORDINATOR_SHARDED"];
@@ -86,22 +86,6 @@ function smallWorkflow(): DeepPartial<SubmitQueryRequest>["workflow"] {
       { id: "pick", step: "evaluate", after: ["plan"], calls: [{ inputTokens: 400, outputTokens: 8 }] },
     ],
   };
-}
-
-async function collect<T>(iterable: AsyncIterable<T>): Promise<T[]> {
-  const items: T[] = [];
-  for await (const item of iterable) items.push(item);
-  return items;
-}
-
-async function rejection(promise: Promise<unknown>): Promise<CoordinatorError> {
-  try {
-    await promise;
-  } catch (error) {
-    assert.ok(error instanceof CoordinatorError, `expected a CoordinatorError, got ${String(error)}`);
-    return error;
-  }
-  assert.fail("expected the call to fail");
 }
 
 /** Run every query at once through `client`, half by submit then watch, half by run; each
