@@ -288,8 +288,21 @@ def main() -> None:
         help="run the wire-to-wire coordinators with Python's default garbage collector "
         "(hexgen_service.gc_tuning off), to see what the tuning buys",
     )
+    parser.add_argument(
+        "--no-pipelined-redis",
+        action="store_true",
+        help="run the wire-to-wire coordinators with redis-py's pooled client on the "
+        "completion path (hexgen_coordinator.pipelined_redis off), to see what it buys",
+    )
     args = parser.parse_args()
-    coordinator_args = ("--no-gc-tuning",) if args.no_gc_tuning else ()
+    coordinator_args = tuple(
+        flag
+        for flag, wanted in (
+            ("--no-gc-tuning", args.no_gc_tuning),
+            ("--no-pipelined-redis", args.no_pipelined_redis),
+        )
+        if wanted
+    )
     appendfsync = None if args.appendfsync == "none" else args.appendfsync
     print(f"redis appendfsync: {args.appendfsync}")
     with tempfile.TemporaryDirectory(prefix="hexgen-bench-auth-") as folder:

@@ -1,7 +1,9 @@
 """Group commit (`hexgen_coordinator.group_commit`) on a real Redis: calls that queue while
 one is in flight go as one script call, each caller gets its own call's result, and an
-error reaches every caller of the batch. The completion script itself runs through it in
-every mesh test; `test_redis_cluster.py` runs a batch on a Redis Cluster."""
+error reaches every caller of the batch. Each test runs through both clients a coordinator
+gives it: redis-py's (a Redis Cluster, Sentinel, ``--no-pipelined-redis``) and
+`PipelinedRedis` (a single Redis, the default). The completion script itself runs through it
+in every mesh test; `test_redis_cluster.py` runs a batch on a Redis Cluster."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from hexgen_coordinator.group_commit import GroupCommit
+from hexgen_coordinator.pipelined_redis import PipelinedRedis
 from redis_here import REDIS_URL, needs_redis
 
 pytestmark = needs_redis
@@ -37,14 +40,28 @@ async def redis() -> AsyncIterator[aioredis.Redis[bytes]]:
     await client.aclose()  # type: ignore[attr-defined]  # types-redis predates aclose
 
 
+@pytest.fixture(params=["redis-py", "pipelined"])
+async def scripts(
+    request: pytest.FixtureRequest, redis: aioredis.Redis[bytes]
+) -> AsyncIterator[aioredis.Redis[bytes] | PipelinedRedis]:
+    """The client the group commit sends its scripts through."""
+    if request.param == "redis-py":
+        yield redis
+        return
+    client = PipelinedRedis(REDIS_URL)
+    yield client
+    await client.aclose()
+
+
 def _key() -> str:
     return f"test:group-commit:{uuid.uuid4().hex}"
 
 
 async def test_calls_made_while_one_is_in_flight_go_as_one_batch(
     redis: aioredis.Redis[bytes],
+    scripts: aioredis.Redis[bytes] | PipelinedRedis,
 ) -> None:
-    commit = GroupCommit(redis, ADD)
+    commit = GroupCommit(scripts, ADD)
     keys = [_key() for _ in range(3)]
     calls = [(keys[i % 3], i + 1, f"call-{i}") for i in range(20)]
     results = await asyncio.gather(*(commit(keys=[key], args=[n, tag]) for key, n, tag in calls))
@@ -63,8 +80,10 @@ async def test_calls_made_while_one_is_in_flight_go_as_one_batch(
     await redis.delete(*keys)
 
 
-async def test_a_batch_is_cut_at_max_batch(redis: aioredis.Redis[bytes]) -> None:
-    commit = GroupCommit(redis, ADD, max_batch=4)
+async def test_a_batch_is_cut_at_max_batch(
+    redis: aioredis.Redis[bytes], scripts: aioredis.Redis[bytes] | PipelinedRedis
+) -> None:
+    commit = GroupCommit(scripts, ADD, max_batch=4)
     key = _key()
     await asyncio.gather(*(commit(keys=[key], args=[1, str(i)]) for i in range(10)))
     assert int(await redis.get(key) or 0) == 10
@@ -74,8 +93,9 @@ async def test_a_batch_is_cut_at_max_batch(redis: aioredis.Redis[bytes]) -> None
 
 async def test_one_call_at_a_time_is_never_delayed_into_a_batch(
     redis: aioredis.Redis[bytes],
+    scripts: aioredis.Redis[bytes] | PipelinedRedis,
 ) -> None:
-    commit = GroupCommit(redis, ADD)
+    commit = GroupCommit(scripts, ADD)
     key = _key()
     for i in range(5):
         value, _ = await commit(keys=[key], args=[2, str(i)])
@@ -97,8 +117,10 @@ async def _batch_behind_one(
     return outcomes
 
 
-async def test_an_error_reply_fails_its_own_caller_only(redis: aioredis.Redis[bytes]) -> None:
-    commit = GroupCommit(redis, ADD)
+async def test_an_error_reply_fails_its_own_caller_only(
+    redis: aioredis.Redis[bytes], scripts: aioredis.Redis[bytes] | PipelinedRedis
+) -> None:
+    commit = GroupCommit(scripts, ADD)
     key = _key()
     refused, after = await _batch_behind_one(commit, key, [["refuse", "a"], [1, "b"]])
     assert isinstance(refused, ResponseError) and "refused" in str(refused)
@@ -109,8 +131,9 @@ async def test_an_error_reply_fails_its_own_caller_only(redis: aioredis.Redis[by
 
 async def test_a_script_error_fails_every_caller_of_its_batch(
     redis: aioredis.Redis[bytes],
+    scripts: aioredis.Redis[bytes] | PipelinedRedis,
 ) -> None:
-    commit = GroupCommit(redis, ADD)
+    commit = GroupCommit(scripts, ADD)
     key = _key()
     outcomes = await _batch_behind_one(commit, key, [[1, "a"], ["boom", "b"], [1, "c"]])
     assert all(isinstance(o, ResponseError) for o in outcomes), outcomes
@@ -123,8 +146,9 @@ async def test_a_script_error_fails_every_caller_of_its_batch(
 
 async def test_a_batch_cut_short_by_a_nil_fails_its_callers_instead_of_hanging(
     redis: aioredis.Redis[bytes],
+    scripts: aioredis.Redis[bytes] | PipelinedRedis,
 ) -> None:
-    commit = GroupCommit(redis, ADD)
+    commit = GroupCommit(scripts, ADD)
     key = _key()
     outcomes = await asyncio.wait_for(
         _batch_behind_one(commit, key, [[1, "a"], ["nothing", "b"], [1, "c"]]), timeout=10
@@ -138,8 +162,10 @@ async def test_a_batch_cut_short_by_a_nil_fails_its_callers_instead_of_hanging(
     await redis.delete(key)
 
 
-async def test_a_call_cancelled_while_queued_is_not_sent(redis: aioredis.Redis[bytes]) -> None:
-    commit = GroupCommit(redis, ADD)
+async def test_a_call_cancelled_while_queued_is_not_sent(
+    redis: aioredis.Redis[bytes], scripts: aioredis.Redis[bytes] | PipelinedRedis
+) -> None:
+    commit = GroupCommit(scripts, ADD)
     key = _key()
     first = asyncio.ensure_future(commit(keys=[key], args=[1, "first"]))
     await asyncio.sleep(0)

@@ -17,6 +17,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from hexgen_api.v1 import coordinator_pb2
 from hexgen_client.client import CoordinatorClient
@@ -49,6 +50,23 @@ def test_a_traceparent_carries_the_span_across(spans: InMemorySpanExporter) -> N
     assert isinstance(child, ReadableSpan) and child.parent is not None
     assert child.parent.span_id == parent.get_span_context().span_id
     assert context_from_traceparent("") is None
+
+
+def test_the_traceparent_is_the_one_the_w3c_propagator_writes(
+    spans: InMemorySpanExporter,
+) -> None:
+    """`traceparent_of` formats the header itself (it runs on every dispatch): the same
+    string as OpenTelemetry's propagator, for a recorded span, a dropped one (not sampled)
+    and an invalid one (none)."""
+    propagator = TraceContextTextMapPropagator()
+    dropped = tracer_provider("hexgen-test").get_tracer("test").start_span("dropped")
+    recorded = trace.get_tracer("test").start_span("recorded")
+    for span in (recorded, dropped, trace.INVALID_SPAN):
+        carrier: dict[str, str] = {}
+        propagator.inject(carrier, context=trace.set_span_in_context(span))
+        assert traceparent_of(span) == carrier.get("traceparent", "")
+    sampled = [int(traceparent_of(span)[-2:], 16) & 0x01 for span in (recorded, dropped)]
+    assert sampled == [1, 0]
 
 
 def test_spans_are_recorded_only_once_something_exports_them() -> None:

@@ -16,7 +16,7 @@ import grpc
 from hexgen_coordinator.config import CoordinatorConfig
 from hexgen_coordinator.coordinator import Coordinator
 from hexgen_coordinator.edge import add_coordinator_services, add_worker_service
-from hexgen_coordinator.redis_retry import cluster_prefix, redis_client
+from hexgen_coordinator.redis_retry import cluster_prefix, pipelined_client, redis_client
 from hexgen_coordinator.shards import LeaseLostError, ShardLease, ShardMap
 from hexgen_flow.errors import ConfigError, HexgenFlowError
 from hexgen_service.auth import PUBLIC_METHODS, AuthInterceptor, KeyStore, Role, read_secret
@@ -162,6 +162,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[CoordinatorConfig, str]:
         "full garbage collection does not stall the completion path (default: on)",
     )
     parser.add_argument(
+        "--pipelined-redis",
+        action=argparse.BooleanOptionalAction,
+        default=defaults.pipelined_redis,
+        help="send the completion path's Redis traffic over one pipelined connection "
+        "rather than redis-py's pool (a single Redis; default: on)",
+    )
+    parser.add_argument(
         "--event-loop",
         choices=EVENT_LOOPS,
         default=defaults.event_loop,
@@ -270,6 +277,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[CoordinatorConfig, str]:
         insecure=args.insecure,
         gc_tuning=args.gc_tuning,
         event_loop=args.event_loop,
+        pipelined_redis=args.pipelined_redis,
     )
     return config, args.log_level
 
@@ -333,7 +341,16 @@ async def serve(config: CoordinatorConfig) -> None:
             lease.prefix,
             config.advertise,
         )
-    coordinator = Coordinator(config, redis, lease)
+    pipelined = (
+        pipelined_client(
+            config.redis_url,
+            password=config.redis_password or None,
+            cluster=config.redis_cluster,
+        )
+        if config.pipelined_redis
+        else None
+    )
+    coordinator = Coordinator(config, redis, lease, pipelined=pipelined)
     await coordinator.start()
     gc_pause = coordinator.ledger.metrics.gc_pause
     GcPauses(observe=lambda generation, s: gc_pause.labels(str(generation)).observe(s)).install()
@@ -409,6 +426,8 @@ async def serve(config: CoordinatorConfig) -> None:
     finally:
         if metrics_server is not None:
             metrics_server.shutdown()
+        if pipelined is not None:
+            await pipelined.aclose()
         await redis.aclose()  # type: ignore[attr-defined]  # types-redis predates aclose
 
 

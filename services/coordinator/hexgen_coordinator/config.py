@@ -86,6 +86,10 @@ class CoordinatorConfig:
     (`hexgen_service.gc_tuning`), so full collections stay short."""
     event_loop: str = "auto"
     """The asyncio event loop (`hexgen_service.event_loop`): uvloop where installed."""
+    pipelined_redis: bool = True
+    """Send the completion script and the write-behind over one pipelined connection
+    (`hexgen_coordinator.pipelined_redis`) rather than redis-py's pool; a single Redis
+    only (a Redis Cluster or Sentinel keeps redis-py's client)."""
     # ---------------------------------------------------------------- faults and retention
     max_call_attempts: int = 3
     """Dispatches a call gets when its engine reports an error; after the last one fails its

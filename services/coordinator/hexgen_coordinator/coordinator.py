@@ -35,6 +35,7 @@ from hexgen_coordinator.config import CoordinatorConfig
 from hexgen_coordinator.dispatch import Dispatch
 from hexgen_coordinator.ledger import ActiveQuery, Ledger
 from hexgen_coordinator.links import SlotTakenError, WorkerLink
+from hexgen_coordinator.pipelined_redis import PipelinedRedis
 from hexgen_coordinator.recovery import Recovery
 from hexgen_coordinator.session_store import SessionStore
 from hexgen_coordinator.sessions import Sessions
@@ -63,7 +64,11 @@ class Coordinator:
         config: CoordinatorConfig,
         redis: aioredis.Redis[bytes],
         lease: ShardLease | None = None,
+        *,
+        pipelined: PipelinedRedis | None = None,
     ) -> None:
+        """`pipelined`: the completion path's own Redis connection (`redis_retry.pipelined_client`);
+        None: everything goes through `redis`."""
         self.config = config
         self.lease = lease
         """The shard this coordinator holds (`hexgen_coordinator.shards`); None: not sharded,
@@ -76,6 +81,7 @@ class Coordinator:
             config.redis_prefix,
             retention_s=config.retention_s,
             stream_maxlen=config.stream_maxlen,
+            pipelined=pipelined,
         )
         self.redis = redis
         self.slo_base_s = self.scheduler.slo_base_s
@@ -87,7 +93,7 @@ class Coordinator:
         self.links: list[WorkerLink | None] = self.ledger.links
         self._tasks: list[asyncio.Task[None]] = []
         ledger, cluster, scheduler, store = self.ledger, self.cluster, self.scheduler, self.store
-        self._writes = WriteBehind(redis, store, ledger.active)
+        self._writes = WriteBehind(store, ledger.active)
         self._views = QueryViews(cluster, scheduler, store, ledger)
         self._dispatch = Dispatch(cluster, scheduler, self.tracer, ledger, self._writes)
         self.keys = KeyStore(Path(config.api_keys_file)) if config.api_keys_file else None

@@ -35,6 +35,7 @@ from redis.backoff import ExponentialBackoff
 from redis.exceptions import BusyLoadingError, ClusterDownError, ConnectionError, TimeoutError
 from redis.retry import Retry
 
+from hexgen_coordinator.pipelined_redis import PipelinedRedis
 from hexgen_service.redis_keys import CLUSTER_PREFIX, cluster_prefix
 from hexgen_service.redis_sentinel import async_master, parse_sentinel_url
 
@@ -42,6 +43,7 @@ __all__ = [
     "CLUSTER_PREFIX",
     "REDIS_UNAVAILABLE",
     "cluster_prefix",
+    "pipelined_client",
     "redis_client",
     "until_stored",
 ]
@@ -92,6 +94,17 @@ def redis_client(
         )
     )
     return aioredis.Redis(connection_pool=pool)
+
+
+def pipelined_client(
+    url: str, *, password: str | None = None, cluster: bool = False
+) -> PipelinedRedis | None:
+    """The completion path's pipelined connection (`hexgen_coordinator.pipelined_redis`) to
+    the single Redis `url` names; None for a Redis Cluster or Sentinel, whose redis-py
+    clients follow slots and failovers, which the pipelined one does not."""
+    if cluster or parse_sentinel_url(url) is not None:
+        return None
+    return PipelinedRedis(url, password=password)
 
 
 if TYPE_CHECKING:  # generic in types-redis, not at run time

@@ -56,6 +56,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from hexgen_coordinator.group_commit import GroupCommit
+from hexgen_coordinator.pipelined_redis import Command, PipelinedRedis
 
 __all__ = [
     "COMPLETE_APPLIED",
@@ -317,17 +318,23 @@ class WorkflowStore:
         *,
         retention_s: float = 3600.0,
         stream_maxlen: int = 10_000,
+        pipelined: PipelinedRedis | None = None,
     ) -> None:
         self.redis = redis
+        self.pipelined = pipelined
+        """The completion path's own connection (`hexgen_coordinator.pipelined_redis`): the
+        scripts (submit, complete, fail, cancel) and the write-behind go through it; None:
+        through `redis`, which serves everything else (reads, recovery, sessions)."""
         self.prefix = prefix
         self.retention_ms = max(1, int(retention_s * 1000))
         """How long a finished query's keys stay (wall milliseconds)."""
         self.stream_maxlen = stream_maxlen
-        self._submit = redis.register_script(_SUBMIT)
-        self._complete = GroupCommit(redis, _COMPLETE)
+        scripts = pipelined or redis
+        self._submit = scripts.register_script(_SUBMIT)
+        self._complete = GroupCommit(scripts, _COMPLETE)
         """Completions go to Redis in batches under load (`hexgen_coordinator.group_commit`)."""
-        self._fail_call = redis.register_script(_FAIL_CALL)
-        self._cancel = redis.register_script(_CANCEL)
+        self._fail_call = scripts.register_script(_FAIL_CALL)
+        self._cancel = scripts.register_script(_CANCEL)
 
     # ------------------------------------------------------------------ keys
 
@@ -430,19 +437,51 @@ class WorkflowStore:
         *,
         ended: bool = False,
     ) -> None:
-        """Queue on `pipe` where calls went, stage deadlines and new events of a query;
-        `ended`: the query has ended, so its keys get the retention window again (a write
-        that lands after the end never leaves a key that does not expire)."""
+        """Queue `place_commands` on a redis-py pipeline."""
+        for command in self.place_commands(
+            query_id, placements, stage_deadlines, events, ended=ended
+        ):
+            pipe.execute_command(*command)
+
+    def place_commands(
+        self,
+        query_id: str,
+        placements: Mapping[str, Placement],
+        stage_deadlines: Mapping[int, float],
+        events: Sequence[bytes] = (),
+        *,
+        ended: bool = False,
+    ) -> list[Command]:
+        """The commands that record where calls went, stage deadlines and new events of a
+        query; `ended`: the query has ended, so its keys get the retention window again (a
+        write that lands after the end never leaves a key that does not expire)."""
         qkey, evkey = self.qkey(query_id), self.evkey(query_id)
-        fields: dict[str, str] = {f"p:{c}": p.encode() for c, p in placements.items()}
-        fields.update({f"s{k}:dl": repr(d) for k, d in stage_deadlines.items()})
+        commands: list[Command] = []
+        fields: list[str] = []
+        for call_id, p in placements.items():
+            fields += [f"p:{call_id}", p.encode()]
+        for k, d in stage_deadlines.items():
+            fields += [f"s{k}:dl", repr(d)]
         if fields:
-            pipe.hset(qkey, mapping=fields)  # type: ignore[arg-type]  # str values are fine
+            commands.append(("HSET", qkey, *fields))
         if events:
-            pipe.rpush(evkey, *events)
+            commands.append(("RPUSH", evkey, *events))
         if ended:
-            pipe.pexpire(qkey, self.retention_ms)
-            pipe.pexpire(evkey, self.retention_ms)
+            commands.append(("PEXPIRE", qkey, self.retention_ms))
+            commands.append(("PEXPIRE", evkey, self.retention_ms))
+        return commands
+
+    async def write(self, commands: Sequence[Command]) -> None:
+        """Send `commands` (`place_commands`) as one pipeline, not a transaction."""
+        if not commands:
+            return
+        if self.pipelined is not None:
+            await self.pipelined.execute_many(commands)
+            return
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for command in commands:
+                pipe.execute_command(*command)
+            await pipe.execute()
 
     async def complete(
         self,

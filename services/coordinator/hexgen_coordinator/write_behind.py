@@ -14,8 +14,6 @@ import asyncio
 import logging
 from collections.abc import Iterable, Mapping
 
-import redis.asyncio as aioredis
-
 from hexgen_coordinator.ledger import ActiveQuery
 from hexgen_coordinator.redis_retry import REDIS_UNAVAILABLE
 from hexgen_coordinator.store import Placement, WorkflowStore
@@ -27,13 +25,7 @@ log = logging.getLogger("hexgen_coordinator.coordinator")  # the coordinator's o
 
 
 class WriteBehind:
-    def __init__(
-        self,
-        redis: aioredis.Redis[bytes],
-        store: WorkflowStore,
-        active: Mapping[str, ActiveQuery],
-    ) -> None:
-        self.redis = redis
+    def __init__(self, store: WorkflowStore, active: Mapping[str, ActiveQuery]) -> None:
         self.store = store
         self.active = active
         """The running queries (the ledger's): a query not in it has ended."""
@@ -68,15 +60,15 @@ class WriteBehind:
                     deadlines[ticket.stage] = ticket.deadline_s
             saved = {query_id: entry.saved for query_id, (entry, _, _) in merged.items()}
             try:
-                async with self.redis.pipeline(transaction=False) as pipe:
-                    for query_id, (entry, placements, deadlines) in merged.items():
-                        unsaved = [e.SerializeToString() for e in entry.events[entry.saved :]]
-                        entry.saved = len(entry.events)
-                        ended = self.active.get(query_id) is not entry
-                        self.store.place(
-                            pipe, query_id, placements, deadlines, unsaved, ended=ended
-                        )
-                    await pipe.execute()
+                commands = []
+                for query_id, (entry, placements, deadlines) in merged.items():
+                    unsaved = [e.SerializeToString() for e in entry.events[entry.saved :]]
+                    entry.saved = len(entry.events)
+                    ended = self.active.get(query_id) is not entry
+                    commands += self.store.place_commands(
+                        query_id, placements, deadlines, unsaved, ended=ended
+                    )
+                await self.store.write(commands)
             except REDIS_UNAVAILABLE as exc:
                 # Redis is away: keep the batch (ahead of what came since) and try again.
                 for query_id, (entry, _, _) in merged.items():
