@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import subprocess
 import sys
 import tempfile
@@ -56,6 +57,15 @@ from hexgen_service.worker_token import TOKEN_METADATA
 
 TIME_SCALE = 2000.0
 CLUSTER = "A100,A100,A6000,L40S"
+TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, all threads) that process `pid` has used so far (Linux:
+    /proc/PID/stat)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    fields = stat[stat.rindex(")") + 2 :].split()  # fields[0] is field 3 (state)
+    return (int(fields[11]) + int(fields[12])) * TICK_S
 
 
 async def drive(
@@ -230,9 +240,11 @@ def wire_run(
     appendfsync: str | None,
     auth: AuthDir | None = None,
     coordinator_args: tuple[str, ...] = (),
-) -> tuple[float, list[float], coordinator_pb2.CoordinatorOverhead]:
+) -> tuple[float, list[float], coordinator_pb2.CoordinatorOverhead, float]:
     """One wire-to-wire run: a private redis-server, the coordinator (with its workers'
-    door apart), instant workers; `auth`: secured."""
+    door apart), instant workers; `auth`: secured. Returns the achieved completions/s, the
+    wire times (ms), the coordinator's own figures, and its CPU seconds over the drive (from
+    its workers connected to its last query finished; NaN where /proc is not there)."""
     cluster = CLUSTER
     acl = auth.redis_acl if auth is not None else None
     with RedisServer(appendfsync=appendfsync, aclfile=acl) as redis_server:
@@ -246,15 +258,34 @@ def wire_run(
         coordinator = subprocess.Popen(
             coordinator_argv(port, worker_port, redis_url, (*secure, *coordinator_args))
         )
+        began: list[float] = []
+
+        async def ready() -> None:
+            began.append(_cpu_or_nan(coordinator.pid))
+
         try:
-            return run_loop(
+            achieved, wire, overhead = run_loop(
                 drive_wire(
-                    f"127.0.0.1:{port}", f"127.0.0.1:{worker_port}", cluster, rate, seconds, auth
+                    f"127.0.0.1:{port}",
+                    f"127.0.0.1:{worker_port}",
+                    cluster,
+                    rate,
+                    seconds,
+                    auth,
+                    ready,
                 )
             )
+            return achieved, wire, overhead, _cpu_or_nan(coordinator.pid) - began[0]
         finally:
             coordinator.terminate()
             coordinator.wait(timeout=30)
+
+
+def _cpu_or_nan(pid: int) -> float:
+    try:
+        return cpu_s(pid)
+    except OSError:  # no /proc (not Linux)
+        return float("nan")
 
 
 def main() -> None:
@@ -337,19 +368,21 @@ def main() -> None:
         print()
         print(
             f"{'mode':>6} {'target/s':>9} {'achieved/s':>10} | wire to wire ms p50 / p99 / "
-            f"max (n) > 5 ms | in-handler ms p50 / p99"
+            f"max (n) > 5 ms | in-handler ms p50 / p99 | coordinator CPU ms per completion "
+            f"(completions per core-second)"
         )
         for mode, mode_auth in modes.items():
             for rate in args.rates:
-                achieved, wire, overhead = wire_run(
+                achieved, wire, overhead, cpu = wire_run(
                     rate, args.seconds, appendfsync, mode_auth, coordinator_args
                 )
+                cpu_ms = cpu * 1e3 / max(1, overhead.completions)
                 c = overhead.completion_to_dispatch_ms
                 slow = sum(1 for ms in wire if ms > 5.0)
                 print(
                     f"{mode:>6} {rate:9.0f} {achieved:10.0f} | {percentile(wire, 50):8.2f} / "
                     f"{percentile(wire, 99):6.2f} / {max(wire):6.1f} ({len(wire)}) {slow:5d} "
-                    f"| {c.p50:8.2f} / {c.p99:6.2f}",
+                    f"| {c.p50:8.2f} / {c.p99:6.2f} | {cpu_ms:6.3f} ({1e3 / cpu_ms:5.0f})",
                     flush=True,
                 )
 

@@ -47,20 +47,11 @@ from typing import Any
 
 import redis
 
-from coordinator_overhead import CLUSTER, coordinator_argv, drive_wire
+from coordinator_overhead import CLUSTER, TICK_S, coordinator_argv, cpu_s, drive_wire
 from hexgen_api.v1 import coordinator_pb2
 from hexgen_client.processes import RedisServer, free_port
 from hexgen_flow.metrics import percentile
 from hexgen_service.event_loop import run as run_loop
-
-_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
-
-
-def cpu_s(pid: int) -> float:
-    """CPU seconds (user + system, all threads) that process `pid` has used so far."""
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    fields = stat[stat.rindex(")") + 2 :].split()  # fields[0] is field 3 (state)
-    return (int(fields[11]) + int(fields[12])) * _TICK_S
 
 
 def pin_process(pid: int, core: int) -> None:
@@ -72,7 +63,7 @@ def pin_process(pid: int, core: int) -> None:
 def machine_busy_s() -> float:
     """CPU seconds every core of this machine has spent busy (not idle or waiting on I/O)."""
     fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:8]]
-    return (sum(fields) - fields[3] - fields[4]) * _TICK_S
+    return (sum(fields) - fields[3] - fields[4]) * TICK_S
 
 
 @dataclass
