@@ -4,12 +4,11 @@ workers) until Ctrl-C, supervised; print where everything listens."""
 from __future__ import annotations
 
 import argparse
-import signal
-import time
 from pathlib import Path
 from typing import Any
 
 from hexgen_cli.auth import name_list, usage_rows
+from hexgen_cli.foreground import run_in_foreground
 from hexgen_cli.mesh import add_cluster_options, require_mesh
 from hexgen_cli.options import (
     PROG,
@@ -219,28 +218,22 @@ def _cmd_up(args: argparse.Namespace) -> int:
         )
     )
 
-    def interrupt(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
+    def begin() -> None:
         info(f"{PROG}: starting {len(cluster.gpus)} simulated workers ({args.cluster}) ...")
         cluster.start()
         _print_up(cluster, args)
-        while True:  # supervision: a service that dies is restarted, with backoff
-            for line in cluster.supervise():
-                info(f"{PROG}: {line}")
-            time.sleep(SUPERVISE_PERIOD_S)
-    except KeyboardInterrupt:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the stop
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        info(f"{PROG}: stopping ...")
-        cluster.stop()
-        info(f"{PROG}: stopped ({_restart_summary(cluster.restarts)})")
-        return 0
-    finally:
-        cluster.stop()
-        signal.signal(signal.SIGTERM, previous)
+
+    def supervise() -> None:  # a service that dies is restarted, with backoff
+        for line in cluster.supervise():
+            info(f"{PROG}: {line}")
+
+    return run_in_foreground(
+        start=begin,
+        poll=supervise,
+        period_s=SUPERVISE_PERIOD_S,
+        stop=cluster.stop,
+        stopped=lambda: f"stopped ({_restart_summary(cluster.restarts)})",
+    )
 
 
 def _check_options(args: argparse.Namespace) -> Path | None:

@@ -14,12 +14,11 @@ same credentials, `up`'s `_check_options` says where), with a Redis ACL for ever
 from __future__ import annotations
 
 import argparse
-import signal
 import tempfile
-import time
 from pathlib import Path
 
 from hexgen_cli.auth import usage_rows
+from hexgen_cli.foreground import run_in_foreground
 from hexgen_cli.options import PROG, info, print_rows
 from hexgen_flow.errors import ConfigError
 
@@ -72,29 +71,21 @@ def cmd_up_sharded(args: argparse.Namespace, auth_dir: Path | None) -> int:
         )
     )
 
-    def interrupt(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
+    reported: set[str] = set()
 
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
+    def begin() -> None:
         info(f"{PROG}: starting {args.shards} shard(s) and {args.spares} spare(s) ...")
         mesh.start()
         _print(mesh, args, logs)
-        reported: set[str] = set()
-        while True:
-            for proc in mesh.exited():
-                if proc.name not in reported:
-                    reported.add(proc.name)
-                    info(f"{PROG}: {proc.name} exited (code {proc.returncode}); not restarted")
-            time.sleep(_POLL_S)
-    except KeyboardInterrupt:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        info(f"{PROG}: stopping ...")
-        return 0
-    finally:
-        mesh.stop()  # the private Redis too
-        signal.signal(signal.SIGTERM, previous)
+
+    def report_exits() -> None:
+        for proc in mesh.exited():
+            if proc.name not in reported:
+                reported.add(proc.name)
+                info(f"{PROG}: {proc.name} exited (code {proc.returncode}); not restarted")
+
+    # the private Redis stops with the mesh
+    return run_in_foreground(start=begin, poll=report_exits, period_s=_POLL_S, stop=mesh.stop)
 
 
 def _print(mesh: object, args: argparse.Namespace, logs: Path) -> None:
