@@ -17,6 +17,7 @@ import pytest
 from redis.exceptions import (
     AuthenticationError,
     ConnectionError,
+    DataError,
     NoScriptError,
     ResponseError,
     TimeoutError,
@@ -81,6 +82,21 @@ async def test_an_error_reply_raises_redis_pys_exception(client: PipelinedRedis)
     with pytest.raises(NoScriptError):
         await client.execute("EVALSHA", "0" * 40, 0)
     await client.execute("DEL", key, other)
+
+
+async def test_an_argument_redis_cannot_take_raises_and_leaves_the_connection_in_step(
+    client: PipelinedRedis,
+) -> None:
+    key = _key()
+    with pytest.raises(DataError, match="must be str, int, float or bytes"):
+        await client.execute("SET", key, None)  # type: ignore[arg-type]  # what is refused
+    with pytest.raises(DataError):
+        await client.execute_many([("SET", key, 1), ("SET", key, object())])  # type: ignore[list-item]
+    # nothing of either went out, and the next reply is the next command's own
+    assert await client.execute("EXISTS", key) == 0
+    assert await client.execute("SET", key, 0.1 + 0.2) == b"OK"
+    assert await client.execute("GET", key) == repr(0.1 + 0.2).encode()  # as redis-py writes it
+    await client.execute("DEL", key)
 
 
 async def test_a_script_redis_lost_is_loaded_again(client: PipelinedRedis) -> None:

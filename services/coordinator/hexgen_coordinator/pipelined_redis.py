@@ -36,7 +36,14 @@ from typing import Any, cast
 import hiredis
 from redis._parsers.base import BaseParser
 from redis.asyncio.connection import parse_url
-from redis.exceptions import ConnectionError, NoScriptError, RedisError, ResponseError, TimeoutError
+from redis.exceptions import (
+    ConnectionError,
+    DataError,
+    NoScriptError,
+    RedisError,
+    ResponseError,
+    TimeoutError,
+)
 
 __all__ = ["PipelinedRedis", "PipelinedScript"]
 
@@ -97,11 +104,16 @@ class _Connection(asyncio.Protocol):
         """Write `count` commands at once; the future gets their `count` replies."""
         if self.closed or self.transport is None:
             raise ConnectionError(f"connection to Redis at {self.where} is closed")
+        # Packed before the waiter is queued: an argument hiredis refuses (None, say)
+        # raises here, as redis-py's DataError, and leaves the connection in step.
+        try:
+            # hiredis's stub types a command as a 1-tuple; any tuple of arguments is packed
+            packed = b"".join([hiredis.pack_command(tuple(c)) for c in commands])  # type: ignore[arg-type]
+        except TypeError as exc:
+            raise DataError(f"a command for Redis at {self.where}: {exc}") from exc
         future: asyncio.Future[list[Any]] = self._loop.create_future()
         self._waiters.append(_Waiter(future, count, self._loop.time()))
-        # hiredis's stub types a command as a 1-tuple; any tuple of arguments is packed
-        packed = [hiredis.pack_command(tuple(c)) for c in commands]  # type: ignore[arg-type]
-        self.transport.write(b"".join(packed))
+        self.transport.write(packed)
         return future
 
     def _check_overdue(self) -> None:
