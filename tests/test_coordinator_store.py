@@ -67,9 +67,9 @@ async def _place(
     ended: bool = False,
 ) -> None:
     """The write-behind's writes of one query, as one pipeline."""
-    async with store.redis.pipeline(transaction=False) as pipe:
-        store.place(pipe, query_id, placements, deadlines, events or [], ended=ended)
-        await pipe.execute()
+    await store.write(
+        store.place_commands(query_id, placements, deadlines, events or [], ended=ended)
+    )
 
 
 def _record(call_id: str) -> dict[str, str | int | float]:

@@ -133,17 +133,16 @@ async def test_the_coordinator_user_runs_all_the_coordinator_does(acl: AclRedis)
         assert await store.alpha() == 0.4
         # a query of two stages that succeeds
         assert await store.submit("q1", b"sub", "demo", 0.0, 10.0, [1, 1], [0, 1]) == (True, 0)
-        async with client.pipeline(transaction=False) as pipe:
-            store.place(pipe, "q1", {"q1/0/0": Placement(0, 1, 1)}, {0: 5.0}, [b"e1", b"e2"])
-            await pipe.execute()
+        await store.write(
+            store.place_commands("q1", {"q1/0/0": Placement(0, 1, 1)}, {0: 5.0}, [b"e1", b"e2"])
+        )
         first = await store.complete("q1", "q1/0/0", 0, [1], 1.0, {"call_id": "q1/0/0"}, slot=0)
         assert first.applied and first.released == (1,)
         assert (await store.complete("q1", "q1/0/0", 0, [1], 1.0, {"call_id": "x"})).status == 0
         last = await store.complete("q1", "q1/1/0", 1, [], 2.0, {"call_id": "q1/1/0"})
         assert last.applied and last.calls_left == 0
-        async with client.pipeline(transaction=False) as pipe:  # a write after the end
-            store.place(pipe, "q1", {}, {}, [b"e3"], ended=True)
-            await pipe.execute()
+        # a write after the end
+        await store.write(store.place_commands("q1", {}, {}, [b"e3"], ended=True))
         # a query whose call fails, then is cancelled
         await store.submit("q2", b"sub", "demo", 0.0, 10.0, [1], [0])
         failed = await store.fail_call(

@@ -235,9 +235,9 @@ async def test_the_acl_users_do_their_work_on_a_cluster(redis_cluster: RedisClus
         await store.epoch(time.time(), 1.0)
         await store.set_alpha(0.5, 0.0, "test")  # a MULTI/EXEC transaction
         assert await store.submit("q", b"spec", "t", 0.0, 10.0, [1, 1], [0, 1]) == (True, 0)
-        async with coordinator.pipeline(transaction=False) as pipe:
-            store.place(pipe, "q", {"q/0.0": Placement(0, 1, 1)}, {0: 5.0}, [b"e"])
-            await pipe.execute()
+        await store.write(
+            store.place_commands("q", {"q/0.0": Placement(0, 1, 1)}, {0: 5.0}, [b"e"])
+        )
         await store.complete("q", "q/0.0", 0, [1], 1.0, {"call_id": "q/0.0"}, slot=0, attempt=1)
         await store.complete("q", "q/1.0", 1, [], 2.0, {"call_id": "q/1.0"})
         assert (await store.load("q")) is not None and await store.events("q") == [b"e"]

@@ -32,9 +32,10 @@ changes, so it applies exactly once whatever order or number of times it arrives
 
 - `submit` creates a query only if its id is new (and, for a workflow declared whole,
   appends it to the ``admitted`` stream);
-- `place` (plain commands, written behind) records where calls went in fields of their own
-  (``p:``), which no completion reads as done; a write after the query ended sets the
-  retention window on its keys again, so nothing it writes outlives the query;
+- `place_commands` (plain commands, written behind by `write`) records where calls went
+  in fields of their own (``p:``), which no completion reads as done; a write after the
+  query ended sets the retention window on its keys again, so nothing it writes outlives
+  the query;
 - `complete` accepts a completion only for a call not yet done, from the slot and attempt
   it was last placed on; it closes the stage, releases every stage whose dependencies are
   done, counts the query down and finishes it;
@@ -426,22 +427,6 @@ class WorkflowStore:
         keys = [self.qkey(query_id), f"{self.prefix}qseq", self.active_key, self.admitted_key]
         created, index = await self._submit(keys=keys, args=args)
         return bool(created), int(index)
-
-    def place(
-        self,
-        pipe: aioredis.client.Pipeline[bytes],
-        query_id: str,
-        placements: Mapping[str, Placement],
-        stage_deadlines: Mapping[int, float],
-        events: Sequence[bytes] = (),
-        *,
-        ended: bool = False,
-    ) -> None:
-        """Queue `place_commands` on a redis-py pipeline."""
-        for command in self.place_commands(
-            query_id, placements, stage_deadlines, events, ended=ended
-        ):
-            pipe.execute_command(*command)
 
     def place_commands(
         self,

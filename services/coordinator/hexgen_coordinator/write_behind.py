@@ -3,8 +3,8 @@
 The writes that decide what runs next (submission, completion, failure, cancel) go to Redis
 through `WorkflowStore` before the coordinator acts on them; this module only records what
 can be rebuilt: which slot and attempt a call went to, a stage's budget and the event log.
-Placements have fields of their own (`WorkflowStore.place`), which no completion reads as
-done, so a write that lands late cannot undo a completion; a write for a query that has
+Placements have fields of their own (`WorkflowStore.place_commands`), which no completion
+reads as done, so a write that lands late cannot undo a completion; a write for a query that has
 ended renews its keys' retention window, so none of it outlives the query.
 """
 
