@@ -30,18 +30,37 @@ class Driver:
         self.ctx = ctx
         self.seq = 0
 
-    def ticket(self, call: LLMCall, query: str | None = None) -> CallTicket:
-        """A released ticket for `call`, of its own query unless `query` names one."""
+    def ticket(
+        self,
+        call: LLMCall,
+        query: str | None = None,
+        *,
+        arrival_s: float = 0.0,
+        slo_s: float = 100.0,
+        remaining_after_s: float = 0.0,
+    ) -> CallTicket:
+        """A released ticket for `call`, of its own query unless `query` names one (which
+        arrived at `arrival_s` with an SLO of `slo_s`)."""
         name = query if query is not None else f"q{self.seq}"
-        run = QueryRun(Query(name, Workflow.chain([(call,)])), self.seq, 0.0, 100.0)
-        t = CallTicket(self.seq, run, 0, call, 0.0, 100.0)
+        run = QueryRun(Query(name, Workflow.chain([(call,)])), self.seq, arrival_s, slo_s)
+        t = CallTicket(self.seq, run, 0, call, 0.0, 100.0, remaining_after_s)
         self.seq += 1
         return t
 
-    def place(self, instance: int, call: LLMCall, query: str | None = None) -> CallTicket:
-        """Put a call in flight on `instance` (work_s as the simulator sets it)."""
-        t = self.ticket(call, query)
-        self.commit(t, instance)
+    def place(
+        self,
+        instance: int,
+        call: LLMCall,
+        query: str | None = None,
+        *,
+        weigh: Any = None,
+        now: float = 0.0,
+        **run: float,
+    ) -> CallTicket:
+        """Put a call in flight on `instance` (work_s as the simulator sets it; the weight
+        `weigh`'s `Dispatcher.weight` gives it at `now`, 1 without one)."""
+        t = self.ticket(call, query, **run)
+        self.commit(t, instance, weigh, now)
         return t
 
     def dispatch(self, policy: Any, calls: Sequence[LLMCall]) -> list[int]:
@@ -51,12 +70,15 @@ class Driver:
             t = self.ticket(call)
             i = policy.select(t, 0.0)
             assert isinstance(i, int)
-            out.append(self.commit(t, i))
+            out.append(self.commit(t, i, policy))
         return out
 
-    def commit(self, t: CallTicket, i: int) -> int:
-        """Record the dispatcher's choice `i` for `t` in the load ledger."""
+    def commit(self, t: CallTicket, i: int, weigh: Any = None, now: float = 0.0) -> int:
+        """Record the dispatcher's choice `i` for `t` in the load ledger (`Scheduler.charge`'s
+        bookkeeping)."""
         t.instance = i
         t.work_s = self.ctx.estimator.call_time(i, t.call)
+        if weigh is not None:
+            t.weight = weigh.weight(t, now)
         self.ctx.load.on_dispatch(t)
         return i

@@ -165,6 +165,7 @@ class CallTicket:
         "seq",
         "stage",
         "tenant",
+        "weight",
         "work_s",
     )
 
@@ -204,6 +205,9 @@ class CallTicket:
         """Instance chosen by the dispatcher."""
         self.work_s = 0.0
         """Estimated single-request time on the chosen instance (outstanding-work ledger)."""
+        self.weight = 1.0
+        """What a second of delay to this call costs, as its dispatcher weighs it
+        (`Dispatcher.weight`, set with `instance`): the weighted ledger sums it."""
         self.key: Any = None
         """Owned by the local queue holding the ticket (its ordering key)."""
         self.admitted_s: float | None = None
@@ -245,6 +249,7 @@ class CallTicket:
         ticket.deadline_s = deadline_s
         ticket.instance = -1
         ticket.work_s = 0.0
+        ticket.weight = 1.0
         ticket.key = None
         ticket.admitted_s = None
         ticket.finished_s = None
@@ -260,6 +265,8 @@ class ClusterLoad:
 
     `in_flight` counts calls dispatched to an instance and not yet finished (queued or
     running); `outstanding_s` is their estimated single-request time on that instance;
+    `weight_in_flight` and `weighted_outstanding_s` the same two sums with each call
+    weighted by `CallTicket.weight` (this driver's calls only: other drivers report none);
     `tokens_in_flight` their prompt and output tokens (the KV blocks they hold or will);
     `prefix_homes` where each query's calls of each step type last went (prefix-aware
     dispatch reads it through `prefix_home`). The driver calls `on_dispatch` and
@@ -287,6 +294,8 @@ class ClusterLoad:
         "prefix_caching",
         "prefix_homes",
         "tokens_in_flight",
+        "weight_in_flight",
+        "weighted_outstanding_s",
     )
 
     def __init__(self, cluster: Cluster) -> None:
@@ -297,6 +306,10 @@ class ClusterLoad:
         self.outstanding_kv_s = [0.0] * n
         """KV-token-seconds in flight: sum of (input + output tokens) x work_s."""
         self.tokens_in_flight = [0] * n
+        self.weight_in_flight = [0.0] * n
+        """Sum of `CallTicket.weight` over this driver's calls in flight."""
+        self.weighted_outstanding_s = [0.0] * n
+        """Sum of weight x work_s over this driver's calls in flight."""
         self.prefix_homes = PrefixHomes()
         self.prefix_caching = True
         """Whether the engines cache prompt prefixes (vLLM V1's default); the driver sets it
@@ -321,6 +334,8 @@ class ClusterLoad:
         tokens = call.input_tokens + call.output_tokens
         self.outstanding_kv_s[i] += tokens * ticket.work_s
         self.tokens_in_flight[i] += tokens
+        self.weight_in_flight[i] += ticket.weight
+        self.weighted_outstanding_s[i] += ticket.weight * ticket.work_s
         self.prefix_homes.put(ticket.query_id, call.step, i)
 
     def on_complete(self, ticket: CallTicket) -> None:
@@ -331,10 +346,14 @@ class ClusterLoad:
         tokens = call.input_tokens + call.output_tokens
         self.outstanding_kv_s[i] -= tokens * ticket.work_s
         self.tokens_in_flight[i] -= tokens
+        self.weight_in_flight[i] -= ticket.weight
+        self.weighted_outstanding_s[i] -= ticket.weight * ticket.work_s
         if self.in_flight[i] == self.others_in_flight[i]:
             # none of ours left: no float drift on an instance idle for us
             self.outstanding_s[i] = self.others_outstanding_s[i]
             self.outstanding_kv_s[i] = 0.0
+            self.weight_in_flight[i] = 0.0
+            self.weighted_outstanding_s[i] = 0.0
 
     def report_others(
         self, instance: int, in_flight: int, outstanding_s: float, tokens: int

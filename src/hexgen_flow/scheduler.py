@@ -120,10 +120,16 @@ class GlobalScheduler:
     def dispatch(self, ticket: CallTicket, now: float) -> int:
         """Choose the ticket's instance and charge it to the load ledger."""
         i = self.dispatcher.select(ticket, now)
-        ticket.instance = i
-        ticket.work_s = self.estimator.call_time(i, ticket.call)
-        self.load.on_dispatch(ticket)
+        self.charge(ticket, i, now)
         return i
+
+    def charge(self, ticket: CallTicket, instance: int, now: float) -> None:
+        """Put a ticket on `instance`'s ledger: its single-request time there and the weight
+        its dispatcher gives it (a driver adopting a call it did not choose calls this too)."""
+        ticket.instance = instance
+        ticket.work_s = self.estimator.call_time(instance, ticket.call)
+        ticket.weight = self.dispatcher.weight(ticket, now)
+        self.load.on_dispatch(ticket)
 
     def rebudget(self, waiting: list[CallTicket], now: float) -> list[CallTicket]:
         """A stage finished: give the calls still waiting (released, not started) the
@@ -171,7 +177,8 @@ class GlobalScheduler:
         return best
 
     def move(self, ticket: CallTicket, instance: int) -> None:
-        """Take a dispatched ticket off its instance and charge it to `instance`."""
+        """Take a dispatched ticket off its instance and charge it to `instance` (with the
+        weight it has: a move changes where the call runs, not what its delay costs)."""
         self.withdraw(ticket)
         ticket.instance = instance
         ticket.work_s = self.estimator.call_time(instance, ticket.call)

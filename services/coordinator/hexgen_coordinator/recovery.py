@@ -184,6 +184,4 @@ class Recovery:
         """A call a reconnecting worker still holds goes back on its ledger."""
         self.ledger.adoptable.pop(ticket.call_id, None)
         self.reclaimed += 1
-        ticket.instance = slot
-        ticket.work_s = self.scheduler.estimator.call_time(slot, ticket.call)
-        self.scheduler.load.on_dispatch(ticket)
+        self.scheduler.charge(ticket, slot, self.ledger.clock.now())

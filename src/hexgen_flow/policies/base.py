@@ -33,6 +33,12 @@ class Dispatcher(ABC):
     def select(self, ticket: CallTicket, now: float) -> int:
         """Index of an instance that can serve `ticket.call` (see `ClusterLoad.can_serve`)."""
 
+    def weight(self, ticket: CallTicket, now: float) -> float:
+        """What a second of delay to `ticket` costs, once it is placed on `ticket.instance`
+        (`ClusterLoad.weight_in_flight` sums it). Every call weighs 1 unless the
+        dispatcher weighs delays by how late a query runs (`MarginalLatencyDispatcher`)."""
+        return 1.0
+
     def candidates(self, ticket: CallTicket) -> range | list[int]:
         """The filter step: instances whose KV cache can hold the call at all."""
         load = self.ctx.load

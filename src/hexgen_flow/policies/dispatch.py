@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Literal
 
@@ -12,6 +13,7 @@ from hexgen_flow.prefix import DEFAULT_PREFIX_SHARE, checked_prefix_share
 from hexgen_flow.runtime import CallTicket, PolicyContext
 
 __all__ = [
+    "MAX_TAIL_POWER",
     "LeastRequestsDispatcher",
     "LeastWorkDispatcher",
     "MarginalLatencyDispatcher",
@@ -19,6 +21,10 @@ __all__ = [
     "RoundRobinDispatcher",
     "WorkloadBalancedDispatcher",
 ]
+
+
+MAX_TAIL_POWER = 8.0
+"""Largest tail weight exponent accepted: beyond it one late query outweighs everything."""
 
 
 class RoundRobinDispatcher(Dispatcher):
@@ -193,6 +199,22 @@ class MarginalLatencyDispatcher(Dispatcher):
     W_i is the outstanding work on i (`ClusterLoad.outstanding_s`); `share` is the part of
     it still ahead when the call arrives (half, for calls uniformly far along).
 
+    Tail weight (`tail_power` p > 0): a second of delay does not cost the same to every
+    query. What decides a P95 (and an SLO) is the queries already running late, so each
+    call's seconds are weighted by how late its query is heading::
+
+        w = ((now - arrival + own + remaining) / slo) ** p
+
+    (the query's projected latency if this call takes `own` and the rest of its DAG its
+    single-request estimate, as a fraction of its SLO). The score becomes
+    alpha * w_self,i * own_i + (1 - alpha) * delay_i with B and W_i in delay_i replaced by
+    the weighted sums of the calls in flight (`ClusterLoad.weight_in_flight`,
+    `weighted_outstanding_s`; each call keeps the weight it had when dispatched,
+    `Dispatcher.weight`). Scoring the sum of w * latency is the marginal change of
+    sum(latency ** (p + 1)), a norm that leans towards the slowest queries as p grows, so
+    a late query's call goes where it finishes soonest, and calls with time to spare keep
+    off the instances that serve late ones. p = 0 is the unweighted score above.
+
     Prefix affinity: on the instance where the query's last call of the same step type went
     (`ClusterLoad.prefix_home`; none when the engines cache no prefixes), the engine
     probably still caches the prompt prefix they share, so p_i there is only the uncached
@@ -206,6 +228,7 @@ class MarginalLatencyDispatcher(Dispatcher):
         share: fraction of the outstanding work assumed still to run.
         prefix_share: fraction of a call's prompt assumed cached where its query's last call
             of the same step type went (`hexgen_flow.prefix`); 0 ignores prefix caches.
+        tail_power: p of the tail weight; 0 weighs every call's seconds alike.
     """
 
     def __init__(
@@ -215,21 +238,27 @@ class MarginalLatencyDispatcher(Dispatcher):
         alpha: float = 0.5,
         share: float = 0.5,
         prefix_share: float = DEFAULT_PREFIX_SHARE,
+        tail_power: float = 0.0,
     ) -> None:
         super().__init__(ctx)
         if not 0.0 <= alpha <= 1.0:
             raise ConfigError(f"alpha must be in [0, 1], got {alpha}")
         if not 0.0 <= share <= 1.0:
             raise ConfigError(f"share must be in [0, 1], got {share}")
+        if not 0.0 <= tail_power <= MAX_TAIL_POWER:
+            raise ConfigError(f"tail_power must be in [0, {MAX_TAIL_POWER:g}], got {tail_power}")
         self.alpha = alpha
         self._share = share
         self._uncached = 1.0 - checked_prefix_share(prefix_share)
+        self._power = float(tail_power)
         instances = ctx.cluster.instances
         self._split = [inst.latency.split for inst in instances]
         # One extra entry: B + 1 may exceed max_batch while calls queue.
         self._slowdown = [inst.latency.slowdown_table(inst.max_batch + 1) for inst in instances]
 
     def select(self, ticket: CallTicket, now: float) -> int:
+        if self._power:
+            return self._select_weighted(ticket, now)
         call = ticket.call
         load = self.ctx.load
         in_flight, outstanding = load.in_flight, load.outstanding_s
@@ -249,3 +278,58 @@ class MarginalLatencyDispatcher(Dispatcher):
             if score < best_score:
                 best, best_score = i, score
         return best
+
+    def _select_weighted(self, ticket: CallTicket, now: float) -> int:
+        call = ticket.call
+        load = self.ctx.load
+        in_flight = load.in_flight
+        alpha, share = self.alpha, self._share
+        home = load.prefix_home(ticket)
+        weights, weighted_work = load.weight_in_flight, load.weighted_outstanding_s
+        others, others_work = load.others_in_flight, load.others_outstanding_s
+        # Calls another driver placed carry no weight here: they count as this driver's
+        # average call does.
+        own_calls = sum(in_flight) - sum(others)
+        mean = sum(weights) / own_calls if own_calls > 0 else 1.0
+        best, best_score = -1, float("inf")
+        for i in self.candidates(ticket):
+            prefill, decode = self._split[i](call.input_tokens, call.output_tokens)
+            if i == home:
+                prefill *= self._uncached
+            table = self._slowdown[i]
+            n = in_flight[i]
+            b = min(n, len(table) - 2)
+            after = table[b + 1]
+            own = prefill + decode * after
+            score = alpha * self._tail_weight(ticket, own, now) * own
+            if b:
+                # B and W_i, weighted (B capped like the unweighted score's).
+                batch = (weights[i] + mean * others[i]) * b / n
+                work = weighted_work[i] + mean * others_work[i]
+                score += (1.0 - alpha) * ((after - table[b]) * share * work + prefill * batch)
+            if score < best_score:
+                best, best_score = i, score
+        return best
+
+    def _tail_weight(self, ticket: CallTicket, own: float, now: float) -> float:
+        run = ticket.run
+        if run is None:
+            return 1.0
+        slo = run.deadline_s - run.arrival_s
+        if not 0.0 < slo < math.inf:
+            return 1.0
+        late = (now - run.arrival_s + own + ticket.remaining_after_s) / slo
+        return math.pow(max(late, 0.0), self._power)
+
+    def weight(self, ticket: CallTicket, now: float) -> float:
+        if not self._power:
+            return 1.0
+        i = ticket.instance
+        call = ticket.call
+        load = self.ctx.load
+        prefill, decode = self._split[i](call.input_tokens, call.output_tokens)
+        if i == load.prefix_home(ticket):  # still the previous call's home: not yet charged
+            prefill *= self._uncached
+        table = self._slowdown[i]
+        own = prefill + decode * table[min(load.in_flight[i], len(table) - 2) + 1]
+        return self._tail_weight(ticket, own, now)
