@@ -13,7 +13,10 @@ redis-server) serves instant workers that this script runs over the real WorkerS
 protocol, each answering a dispatched call with its CallFinished at once; a call's wire
 time is from the moment its releasing completion was written to the worker stream to the
 moment the released call's DispatchCall arrived, so it includes both gRPC hops, protobuf
-and this script's own event loop on the same two cores.
+and this script's own event loop on the same two cores. Beside it: the coordinator's own
+in-handler figures, its CPU per completion (/proc), and its garbage collections over the run
+(scraped from its `hexgen_flow_gc_pause_seconds` histogram), so that a slow call can be told
+from a collection that stalled the loop.
 
     .venv/bin/python benchmarks/coordinator_overhead.py [--rates 500 1000] [--seconds 15]
         [--appendfsync always|everysec|none] [--modes open secure]
@@ -36,10 +39,13 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from hexgen_api.v1 import coordinator_pb2, worker_pb2, worker_pb2_grpc
 from hexgen_client.client import CoordinatorClient
@@ -58,6 +64,55 @@ from hexgen_service.worker_token import TOKEN_METADATA
 TIME_SCALE = 2000.0
 CLUSTER = "A100,A100,A6000,L40S"
 TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+
+
+STALL_S = 0.005
+"""A wire-to-wire call or a garbage collection longer than this counts as a stall."""
+
+
+class GcCount(NamedTuple):
+    """The coordinator's garbage collections over a run, from its metrics."""
+
+    collections: int
+    full: int
+    """Generation-2 collections (the ones that walk every surviving object)."""
+    stalls: int
+    """Collections longer than `STALL_S`."""
+
+
+def gc_count(metrics_text: str) -> GcCount:
+    """Collections, full ones and those over `STALL_S`, from a Prometheus text exposition
+    holding `hexgen_flow_gc_pause_seconds` (buckets include `STALL_S`)."""
+    collections = full = within = 0
+    for family in text_string_to_metric_families(metrics_text):
+        if family.name != "hexgen_flow_gc_pause_seconds":
+            continue
+        for sample in family.samples:
+            n = int(sample.value)
+            if sample.name.endswith("_count"):
+                collections += n
+                full += n if sample.labels.get("generation") == "2" else 0
+            elif sample.name.endswith("_bucket") and float(sample.labels["le"]) == STALL_S:
+                within += n
+    return GcCount(collections, full, collections - within)
+
+
+def _gc_now(metrics_url: str) -> GcCount:
+    with urllib.request.urlopen(metrics_url, timeout=10) as response:
+        return gc_count(response.read().decode())
+
+
+class WireRun(NamedTuple):
+    """One wire-to-wire run (`wire_run`)."""
+
+    achieved: float
+    """Completions per second."""
+    wire_ms: list[float]
+    overhead: coordinator_pb2.CoordinatorOverhead
+    cpu_s: float
+    """The coordinator's CPU seconds over the drive (NaN where /proc is not there)."""
+    gc: GcCount
+    """The coordinator's collections over the drive."""
 
 
 def cpu_s(pid: int) -> float:
@@ -240,15 +295,15 @@ def wire_run(
     appendfsync: str | None,
     auth: AuthDir | None = None,
     coordinator_args: tuple[str, ...] = (),
-) -> tuple[float, list[float], coordinator_pb2.CoordinatorOverhead, float]:
+) -> WireRun:
     """One wire-to-wire run: a private redis-server, the coordinator (with its workers'
-    door apart), instant workers; `auth`: secured. Returns the achieved completions/s, the
-    wire times (ms), the coordinator's own figures, and its CPU seconds over the drive (from
-    its workers connected to its last query finished; NaN where /proc is not there)."""
+    door apart, and its metrics served), instant workers; `auth`: secured. The CPU seconds
+    and the collections count from its workers connected to its last query finished."""
     cluster = CLUSTER
     acl = auth.redis_acl if auth is not None else None
     with RedisServer(appendfsync=appendfsync, aclfile=acl) as redis_server:
-        port, worker_port = free_port(), free_port()
+        port, worker_port, metrics_port = free_port(), free_port(), free_port()
+        coordinator_args = (*coordinator_args, "--metrics-listen", f"127.0.0.1:{metrics_port}")
         secure: list[str] = []
         redis_url = redis_server.url
         if auth is not None:
@@ -258,10 +313,13 @@ def wire_run(
         coordinator = subprocess.Popen(
             coordinator_argv(port, worker_port, redis_url, (*secure, *coordinator_args))
         )
+        url = f"http://127.0.0.1:{metrics_port}/metrics"
         began: list[float] = []
+        gc_before: list[GcCount] = []
 
         async def ready() -> None:
             began.append(_cpu_or_nan(coordinator.pid))
+            gc_before.append(await asyncio.to_thread(_gc_now, url))
 
         try:
             achieved, wire, overhead = run_loop(
@@ -275,7 +333,9 @@ def wire_run(
                     ready,
                 )
             )
-            return achieved, wire, overhead, _cpu_or_nan(coordinator.pid) - began[0]
+            cpu = _cpu_or_nan(coordinator.pid) - began[0]
+            gc = GcCount(*(a - b for a, b in zip(_gc_now(url), gc_before[0], strict=True)))
+            return WireRun(achieved, wire, overhead, cpu, gc)
         finally:
             coordinator.terminate()
             coordinator.wait(timeout=30)
@@ -368,21 +428,22 @@ def main() -> None:
         print()
         print(
             f"{'mode':>6} {'target/s':>9} {'achieved/s':>10} | wire to wire ms p50 / p99 / "
-            f"max (n) > 5 ms | in-handler ms p50 / p99 | coordinator CPU ms per completion "
-            f"(completions per core-second)"
+            f"max (n) > 5 ms | in-handler ms p50 / p99 / max | coordinator CPU ms per "
+            f"completion (completions per core-second) | GC collections (full) > 5 ms"
         )
         for mode, mode_auth in modes.items():
             for rate in args.rates:
-                achieved, wire, overhead, cpu = wire_run(
-                    rate, args.seconds, appendfsync, mode_auth, coordinator_args
-                )
-                cpu_ms = cpu * 1e3 / max(1, overhead.completions)
-                c = overhead.completion_to_dispatch_ms
-                slow = sum(1 for ms in wire if ms > 5.0)
+                run = wire_run(rate, args.seconds, appendfsync, mode_auth, coordinator_args)
+                wire, gc = run.wire_ms, run.gc
+                cpu_ms = run.cpu_s * 1e3 / max(1, run.overhead.completions)
+                c = run.overhead.completion_to_dispatch_ms
+                slow = sum(1 for ms in wire if ms > STALL_S * 1e3)
                 print(
-                    f"{mode:>6} {rate:9.0f} {achieved:10.0f} | {percentile(wire, 50):8.2f} / "
-                    f"{percentile(wire, 99):6.2f} / {max(wire):6.1f} ({len(wire)}) {slow:5d} "
-                    f"| {c.p50:8.2f} / {c.p99:6.2f} | {cpu_ms:6.3f} ({1e3 / cpu_ms:5.0f})",
+                    f"{mode:>6} {rate:9.0f} {run.achieved:10.0f} | "
+                    f"{percentile(wire, 50):8.2f} / {percentile(wire, 99):6.2f} / "
+                    f"{max(wire):6.1f} ({len(wire)}) {slow:5d} | {c.p50:8.2f} / {c.p99:6.2f} / "
+                    f"{c.max:6.1f} | {cpu_ms:6.3f} ({1e3 / cpu_ms:5.0f}) | "
+                    f"{gc.collections:6d} ({gc.full}) {gc.stalls:4d}",
                     flush=True,
                 )
 

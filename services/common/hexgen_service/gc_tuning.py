@@ -20,8 +20,8 @@ query's objects (as the estimator's plan cache and the admission model once did 
 admission off) would still fill the old generation.
 
 `GcPauses` times every collection through `gc.callbacks`, so the effect is measured, not
-assumed: the coordinator exports it as ``hexgen_flow_gc_pause_seconds{generation}`` and
-its overhead report shows the longest pause.
+assumed: the coordinator exports it as ``hexgen_flow_gc_pause_seconds{generation}``, and
+`benchmarks/coordinator_overhead.py` prints from it the collections of each drive.
 """
 
 from __future__ import annotations
