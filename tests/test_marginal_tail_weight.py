@@ -64,19 +64,24 @@ def test_a_call_with_time_to_spare_keeps_off_the_instance_serving_a_late_query()
     """One call of a query 90 s into its 100 s SLO runs on instance 0, two calls of fresh
     queries on instance 1. Unweighted, a fresh call joins the shorter batch (0); weighted,
     the delay it would add to the late query outweighs a batch of two, so it goes to 1."""
-    cluster = parse_cluster("A100,A100")
-    ctx = context(cluster)
-    driver = Driver(ctx)
-    weighted = MarginalLatencyDispatcher(ctx, tail_power=2.0)
     now = 90.0
-    driver.place(0, REVISE, weigh=weighted, now=now, arrival_s=0.0)
-    for _ in range(2):
-        driver.place(1, REVISE, weigh=weighted, now=now, arrival_s=now)
-    fresh = driver.ticket(REVISE, arrival_s=now)
-    assert MarginalLatencyDispatcher(ctx, tail_power=0.0).select(fresh, now) == 0
-    assert weighted.select(fresh, now) == 1
-    scores = _scores(cluster, ctx.load, fresh, now, 0.5, 2.0, others_weight=1.0)
-    assert scores[1] < scores[0]
+
+    def choice(power: float) -> int:
+        cluster = parse_cluster("A100,A100")
+        ctx = context(cluster)
+        driver = Driver(ctx)
+        ml = MarginalLatencyDispatcher(ctx, tail_power=power)
+        driver.place(0, REVISE, weigh=ml, now=now, arrival_s=0.0)
+        for _ in range(2):
+            driver.place(1, REVISE, weigh=ml, now=now, arrival_s=now)
+        fresh = driver.ticket(REVISE, arrival_s=now)
+        scores = _scores(cluster, ctx.load, fresh, now, 0.5, power, others_weight=1.0)
+        chosen = ml.select(fresh, now)
+        assert chosen == scores.index(min(scores))
+        return chosen
+
+    assert choice(0.0) == 0
+    assert choice(2.0) == 1
 
 
 def test_weights_in_the_ledger_are_the_formula_at_dispatch() -> None:

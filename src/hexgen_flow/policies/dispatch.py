@@ -11,6 +11,7 @@ from hexgen_flow.estimate import EstimateMode
 from hexgen_flow.policies.base import Dispatcher
 from hexgen_flow.prefix import DEFAULT_PREFIX_SHARE, checked_prefix_share
 from hexgen_flow.runtime import CallTicket, PolicyContext
+from hexgen_flow.workload import LLMCall
 
 __all__ = [
     "MAX_TAIL_POWER",
@@ -257,29 +258,6 @@ class MarginalLatencyDispatcher(Dispatcher):
         self._slowdown = [inst.latency.slowdown_table(inst.max_batch + 1) for inst in instances]
 
     def select(self, ticket: CallTicket, now: float) -> int:
-        if self._power:
-            return self._select_weighted(ticket, now)
-        call = ticket.call
-        load = self.ctx.load
-        in_flight, outstanding = load.in_flight, load.outstanding_s
-        alpha, share = self.alpha, self._share
-        home = load.prefix_home(ticket)
-        best, best_score = -1, float("inf")
-        for i in self.candidates(ticket):
-            prefill, decode = self._split[i](call.input_tokens, call.output_tokens)
-            if i == home:
-                prefill *= self._uncached
-            table = self._slowdown[i]
-            b = min(in_flight[i], len(table) - 2)
-            after = table[b + 1]
-            own = prefill + decode * after
-            delay = ((after - table[b]) * share * outstanding[i] + prefill * b) if b else 0.0
-            score = alpha * own + (1.0 - alpha) * delay
-            if score < best_score:
-                best, best_score = i, score
-        return best
-
-    def _select_weighted(self, ticket: CallTicket, now: float) -> int:
         call = ticket.call
         load = self.ctx.load
         in_flight = load.in_flight
@@ -288,32 +266,38 @@ class MarginalLatencyDispatcher(Dispatcher):
         weights, weighted_work = load.weight_in_flight, load.weighted_outstanding_s
         others, others_work = load.others_in_flight, load.others_outstanding_s
         # Calls another driver placed carry no weight here: they count as this driver's
-        # average call does.
+        # average call does (unweighted, every call weighs 1 and the sums are B and W_i).
         own_calls = sum(in_flight) - sum(others)
         mean = sum(weights) / own_calls if own_calls > 0 else 1.0
         best, best_score = -1, float("inf")
         for i in self.candidates(ticket):
-            prefill, decode = self._split[i](call.input_tokens, call.output_tokens)
-            if i == home:
-                prefill *= self._uncached
-            table = self._slowdown[i]
             n = in_flight[i]
-            b = min(n, len(table) - 2)
-            after = table[b + 1]
-            own = prefill + decode * after
+            prefill, own, b, stretch = self._own(i, call, home, n)
             score = alpha * self._tail_weight(ticket, own, now) * own
             if b:
-                # B and W_i, weighted (B capped like the unweighted score's).
-                batch = (weights[i] + mean * others[i]) * b / n
-                work = weighted_work[i] + mean * others_work[i]
-                score += (1.0 - alpha) * ((after - table[b]) * share * work + prefill * batch)
+                batch = (weights[i] + mean * others[i]) * b / n  # B, weighted, capped
+                work = weighted_work[i] + mean * others_work[i]  # W_i, weighted
+                score += (1.0 - alpha) * (stretch * share * work + prefill * batch)
             if score < best_score:
                 best, best_score = i, score
         return best
 
+    def _own(
+        self, i: int, call: LLMCall, home: int | None, n: int
+    ) -> tuple[float, float, int, float]:
+        """(p_i, own_i, B, f_i(B + 1) - f_i(B)) of `call` on instance i with n calls in
+        flight there: B is n capped at the slowdown table, p_i the uncached part at home."""
+        prefill, decode = self._split[i](call.input_tokens, call.output_tokens)
+        if i == home:
+            prefill *= self._uncached
+        table = self._slowdown[i]
+        b = min(n, len(table) - 2)
+        after = table[b + 1]
+        return prefill, prefill + decode * after, b, after - table[b]
+
     def _tail_weight(self, ticket: CallTicket, own: float, now: float) -> float:
         run = ticket.run
-        if run is None:
+        if not self._power or run is None:
             return 1.0
         slo = run.deadline_s - run.arrival_s
         if not 0.0 < slo < math.inf:
@@ -325,11 +309,7 @@ class MarginalLatencyDispatcher(Dispatcher):
         if not self._power:
             return 1.0
         i = ticket.instance
-        call = ticket.call
         load = self.ctx.load
-        prefill, decode = self._split[i](call.input_tokens, call.output_tokens)
-        if i == load.prefix_home(ticket):  # still the previous call's home: not yet charged
-            prefill *= self._uncached
-        table = self._slowdown[i]
-        own = prefill + decode * table[min(load.in_flight[i], len(table) - 2) + 1]
+        # prefix_home is still the previous call's home: this one is not charged yet
+        _, own, _, _ = self._own(i, ticket.call, load.prefix_home(ticket), load.in_flight[i])
         return self._tail_weight(ticket, own, now)
