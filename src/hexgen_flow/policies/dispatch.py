@@ -267,8 +267,11 @@ class MarginalLatencyDispatcher(Dispatcher):
         others, others_work = load.others_in_flight, load.others_outstanding_s
         # Calls another driver placed carry no weight here: they count as this driver's
         # average call does (unweighted, every call weighs 1 and the sums are B and W_i).
-        own_calls = sum(in_flight) - sum(others)
-        mean = sum(weights) / own_calls if own_calls > 0 else 1.0
+        mean = 1.0
+        if self._power:
+            own_calls = sum(in_flight) - sum(others)
+            if own_calls > 0:
+                mean = sum(weights) / own_calls
         best, best_score = -1, float("inf")
         for i in self.candidates(ticket):
             n = in_flight[i]
