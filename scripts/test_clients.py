@@ -38,13 +38,13 @@ import argparse
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from hexgen_client.processes import free_port
 from hexgen_service.healthcheck import check
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -142,13 +142,6 @@ def read_banner(proc: subprocess.Popen[str], log: Path) -> dict[str, str]:
             break
     proc.kill()
     sys.exit(f"test-clients: the mesh did not come up (see {log})")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def start_limited(redis_url: str, log: Path) -> tuple[subprocess.Popen[bytes], str]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -59,12 +60,43 @@ POLL_S = 0.1
 """How often waits poll a process or a port (s)."""
 
 
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_LOWEST_PICK = 10_000
+"""Free ports are picked from here up to the ephemeral range: above the usual fixed service
+ports (Redis 6379, PostgreSQL 5432, this project's 8000 and 9464-9469)."""
+_PICKS = random.SystemRandom()
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands to outgoing connections (Linux's default 32768)."""
+    try:
+        return int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32_768
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on right now (the OS's pick)."""
+    """A TCP port nobody listens on right now, for a service started next to bind.
+
+    Picked at random *below* the kernel's ephemeral range, not by binding port 0: the OS
+    picks port 0 from the range that every outgoing connection takes its local port from,
+    so between this pick and the service's own bind any process's connect (a Redis client,
+    a gRPC channel) could take it, and the service then fails with EADDRINUSE (seen when
+    CI starts three meshes at once). Below the range only another listener can take it.
+    Falls back to the OS's pick when no such range is free."""
+    low = _ephemeral_low()
+    for _ in range(64 if low > _LOWEST_PICK + 1_000 else 0):
+        port = _PICKS.randrange(_LOWEST_PICK, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
+        picked: int = sock.getsockname()[1]
+        return picked
 
 
 def split_address(address: str) -> tuple[str, int]:

@@ -5,15 +5,17 @@ Scenarios (`shift_scenarios`), each a `PhaseSchedule` on the paper's cluster und
 `hexgen-flow`, each run under
 
 - **static**: α tuned offline on the first phase (`tune_alpha` on a fresh arrival sample of
-  that phase, seed + 1, as ``--alpha auto`` does) and kept;
+  that phase, as ``--alpha auto`` does) and kept;
 - **online**: the same start, then the mesh tuner's loop inside the simulation
   (`hexgen_flow.tuning.OnlineTuner`: every period, `retune` on the last admitted queries);
 - **fixed α**: every α of the tuner's grid for the whole run; the **best fixed α in
   hindsight** is the one with the lowest P95 (then higher attainment).
 
-A static α is one draw: tuned on another sample of the first phase it may land elsewhere on
-a flat curve. `static_draws` shows the α that five samples give (quick: three) and what
-each would have done over the whole run.
+A static α is one draw: the first phase's curve is flat, and tuned on another sample of it
+the static α lands elsewhere. So static and online are each run from `STATIC_DRAWS`
+first-phase samples (seeds seed + 1 ..., quick: three), and compared on their means over
+those draws: whether re-tuning online beats tuning once is a question about the tuning
+sample as much as about the run, and one lucky draw answers neither.
 
 **High load** (`HighLoad`): 30 queries/s of the paper's trace mix on a cluster of
 Qwen3-30B-A3B instances sized for it; `hexgen-flow` (α tuned on another arrival sample, as
@@ -59,8 +61,7 @@ PRESET = "hexgen-flow"
 PAPER_CLUSTER = "A100,A100,A6000,L40S"
 MIX = ("trace1", "trace2", "trace3")
 STATIC_DRAWS = 5
-"""First-phase samples the static α is tuned on (the first is the static α itself), to show
-how much it depends on the one sample (quick: 3)."""
+"""First-phase samples a static α is tuned on, and online tuning started from (quick: 3)."""
 WITHIN = 0.05
 """The goal: online P95 within this fraction of the best fixed α's."""
 PLOT_FILE = "shifting_load.png"
@@ -72,6 +73,12 @@ cluster seconds at time scales 1 to 20); docs/design.md, "Shifting load and onli
 explains them."""
 QUICK_ONLINE = OnlineSettings(period_s=200.0, window=100, min_queries=20, tolerance=0.05)
 """The quick plan's: fewer, smaller replays (a smoke run, not a measurement)."""
+
+
+HIGH_PHASE_QPS = 0.26
+"""The load scenario's high phase: the rate at which the paper's cluster, with prefix caching
+and the tail weight, misses the SLO for some queries (attainment 93-96 % over the run),
+as 0.14 q/s did before either (docs/design.md, "Shifting load and online tuning")."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,11 +99,11 @@ def shift_scenarios(quick: bool = False) -> tuple[ShiftScenario, ...]:
     return (
         ShiftScenario(
             "load",
-            "load: λ 0.04 -> 0.14 -> 0.04 q/s (trace1-3 interleaved)",
+            "load: λ 0.04 -> 0.26 -> 0.04 q/s (trace1-3 interleaved)",
             PAPER_CLUSTER,
             (
                 Phase(0.04, MIX, duration_s=d, label="low"),
-                Phase(0.14, MIX, duration_s=d, label="high"),
+                Phase(HIGH_PHASE_QPS, MIX, duration_s=d, label="high"),
                 Phase(0.04, MIX, duration_s=d, label="low again"),
             ),
             tuning,
@@ -212,18 +219,37 @@ def _static(
     return result.alpha, result.curve
 
 
+def _mean_record(recs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """P95 and attainment, whole run and per phase, averaged over `recs` (the draws)."""
+
+    def mean(values: Sequence[float]) -> float:
+        return sum(values) / len(values)
+
+    return {
+        "p95_s": mean([r["p95_s"] for r in recs]),
+        "slo_attainment": mean([r["slo_attainment"] for r in recs]),
+        "phases": [
+            {
+                "p95_s": mean([r["phases"][k]["p95_s"] for r in recs]),
+                "slo_attainment": mean([r["phases"][k]["slo_attainment"] for r in recs]),
+            }
+            for k in range(len(recs[0]["phases"]))
+        ],
+    }
+
+
 def run_scenario(
     sc: ShiftScenario,
     *,
     seed: int = 0,
     draws: int = STATIC_DRAWS,
-    from_worst: bool = True,
     calibration: str | None = None,
     prefix_caching: bool | None = None,
     progress: bool = False,
 ) -> dict[str, Any]:
-    """One scenario: static, online and every fixed α of the grid (module docstring);
-    `from_worst`: also the online tuner started from the worst of the `draws` static α;
+    """One scenario: every fixed α of the grid, and for each of `draws` first-phase samples
+    (seeds seed + 1 ...) the static α tuned on it and the online tuner started from it
+    (module docstring); static and online are compared on their means over the draws.
     `prefix_caching`: the engine model's (None: its default, on)."""
     started = time.perf_counter()
     cluster = parse_cluster(sc.cluster, calibration=calibration)
@@ -231,6 +257,7 @@ def run_scenario(
     config = SimConfig(qps=run.mean_qps, seed=seed, prefix_caching=prefix_caching)
     preset = PRESETS[sc.preset]
     runs: dict[float, dict[str, Any]] = {}
+    online_runs: dict[float, tuple[dict[str, Any], tuple[AlphaStep, ...]]] = {}
 
     def fixed(alpha: float) -> dict[str, Any]:
         if alpha not in runs:
@@ -238,53 +265,44 @@ def run_scenario(
             runs[alpha] = {"alpha": alpha, **_record(metrics, run)}
         return runs[alpha]
 
+    def online_from(alpha: float) -> tuple[dict[str, Any], tuple[AlphaStep, ...]]:
+        if alpha not in online_runs:
+            metrics, steps = run_online(
+                run.queries, cluster, preset.with_alpha(alpha), config, sc.tuning
+            )
+            rec = {"alpha": alpha, **_record(metrics, run)}
+            online_runs[alpha] = (rec, steps)
+            _log(progress, f"{sc.key}: online from alpha {alpha:g}: P95 {rec['p95_s']:.1f} s")
+        return online_runs[alpha]
+
     for alpha in ALPHA_GRID:
         rec = fixed(alpha)
         _log(progress, f"{sc.key}: fixed alpha {alpha:g}: P95 {rec['p95_s']:.1f} s")
     grid = [runs[a] for a in ALPHA_GRID]
     best = min(grid, key=_rank)
 
-    static_alpha, static_curve = _static(sc, cluster, seed + 1, config.prefix_caching)
-    static = fixed(static_alpha)
-    static_draws = []
+    static_curve: tuple[AlphaPoint, ...] = ()
+    per_draw: list[dict[str, Any]] = []
+    online_started = time.perf_counter()
     for k in range(1, draws + 1):
-        alpha = static_alpha if k == 1 else _static(sc, cluster, seed + k, config.prefix_caching)[0]
-        rec = fixed(alpha)
-        static_draws.append(
+        alpha, curve = _static(sc, cluster, seed + k, config.prefix_caching)
+        static_curve = static_curve or curve
+        _log(progress, f"{sc.key}: static alpha {alpha:g} (first-phase sample {seed + k})")
+        on, steps = online_from(alpha)
+        per_draw.append(
             {
                 "seed": seed + k,
                 "alpha": alpha,
-                "p95_s": rec["p95_s"],
-                "slo_attainment": rec["slo_attainment"],
+                "static": fixed(alpha),
+                "online": on,
+                "alpha_changes": sum(s.changed for s in steps),
+                "trajectory": _trajectory(steps),
+                "alpha_by_phase": _alpha_by_phase(alpha, steps, run.bounds_s),
             }
         )
-    _log(
-        progress,
-        f"{sc.key}: static alpha {static_alpha:g} (draws {[d['alpha'] for d in static_draws]})",
-    )
-
-    def online_from(start: float) -> tuple[dict[str, Any], tuple[AlphaStep, ...]]:
-        metrics, steps = run_online(
-            run.queries, cluster, preset.with_alpha(start), config, sc.tuning
-        )
-        return {"alpha": start, **_record(metrics, run)}, steps
-
-    online_started = time.perf_counter()
-    online, steps = online_from(static_alpha)
     online_wall = time.perf_counter() - online_started
-    _log(progress, f"{sc.key}: online P95 {online['p95_s']:.1f} s")
-    # The static α is one draw; started from the worst draw instead, does the tuner recover?
-    worst_alpha = max(static_draws, key=lambda d: _rank(fixed(d["alpha"])))["alpha"]
-    worst: dict[str, Any] | None = None
-    if from_worst and worst_alpha != static_alpha:
-        worst, worst_steps = online_from(worst_alpha)
-        worst["static_p95_s"] = fixed(worst_alpha)["p95_s"]
-        worst["static_slo_attainment"] = fixed(worst_alpha)["slo_attainment"]
-        worst["alpha_changes"] = sum(s.changed for s in worst_steps)
-        worst["trajectory"] = _trajectory(worst_steps)
-        worst["alpha_by_phase"] = _alpha_by_phase(worst_alpha, worst_steps, run.bounds_s)
-        _log(progress, f"{sc.key}: online from alpha {worst_alpha:g}: P95 {worst['p95_s']:.1f} s")
-    draws_p95 = sum(d["p95_s"] for d in static_draws) / len(static_draws)
+    static_mean = _mean_record([d["static"] for d in per_draw])
+    online_mean = _mean_record([d["online"] for d in per_draw])
 
     return {
         "key": sc.key,
@@ -311,29 +329,25 @@ def run_scenario(
             "min_queries": sc.tuning.min_queries,
             "tolerance": sc.tuning.tolerance,
         },
-        "static": static,
         "static_curve": [
             {"alpha": p.alpha, "p95_s": p.p95_s, "slo_attainment": p.slo_attainment}
             for p in static_curve
         ],
-        "static_draws": static_draws,
-        "static_draws_mean_p95_s": draws_p95,
-        "online": online,
-        "online_from_worst_draw": worst,
+        "draws": per_draw,
+        "static": static_mean,
+        "online": online_mean,
         "best_fixed": best,
         "fixed": grid,
-        "trajectory": _trajectory(steps),
-        "alpha_changes": sum(s.changed for s in steps),
-        "alpha_by_phase": _alpha_by_phase(static_alpha, steps, run.bounds_s),
         "checks": {
-            "online_p95_over_best": online["p95_s"] / best["p95_s"],
-            "online_within_5pct_of_best": online["p95_s"] <= (1 + WITHIN) * best["p95_s"],
-            "online_p95_below_static": online["p95_s"] < static["p95_s"],
+            "online_p95_over_best": online_mean["p95_s"] / best["p95_s"],
+            "online_within_5pct_of_best": online_mean["p95_s"] <= (1 + WITHIN) * best["p95_s"],
+            "worst_online_p95_over_best": max(d["online"]["p95_s"] for d in per_draw)
+            / best["p95_s"],
+            "online_p95_over_static": online_mean["p95_s"] / static_mean["p95_s"],
+            "online_p95_below_static": online_mean["p95_s"] < static_mean["p95_s"],
             "online_attainment_at_least_static": (
-                online["slo_attainment"] >= static["slo_attainment"]
+                online_mean["slo_attainment"] >= static_mean["slo_attainment"]
             ),
-            "online_p95_over_static_draws_mean": online["p95_s"] / draws_p95,
-            "from_worst_p95_over_best": None if worst is None else worst["p95_s"] / best["p95_s"],
         },
         "online_wall_s": online_wall,
         "wall_s": time.perf_counter() - started,
@@ -424,14 +438,13 @@ def run_shifting_load(
 ) -> dict[str, Any]:
     """Every scenario and the high-load run; one JSON-able document (non-finite floats as
     None). `quick` (a smoke run, not a measurement): phases a third as long, smaller replays,
-    three static samples and no run from the worst, 400 queries at high load. `calibration`:
+    three first-phase samples, 400 queries at high load. `calibration`:
     the latency numbers' source (None: the default calibration)."""
     started = time.perf_counter()
     scenarios = [
         run_scenario(
             sc,
             draws=3 if quick else STATIC_DRAWS,
-            from_worst=not quick,
             calibration=calibration,
             progress=progress,
         )
@@ -444,7 +457,8 @@ def run_shifting_load(
         "quick": quick,
         "policy": PRESET,
         "goal": f"online P95 within {100 * WITHIN:g} % of the best fixed alpha, and below "
-        "the static first-phase alpha's with at least its attainment",
+        "the static first-phase alpha's with at least its attainment (means over the "
+        "first-phase samples)",
         "scenarios": scenarios,
         "high_load": high,
         "wall_s": time.perf_counter() - started,

@@ -29,6 +29,8 @@ def _alpha(value: float | None) -> str:
 
 def _scenario_lines(sc: dict[str, Any]) -> list[str]:
     phases = sc["phases"]
+    draws = sc["draws"]
+    starts = ", ".join(_alpha(d["alpha"]) for d in draws)
     lines = [
         f"### {sc['title']}",
         "",
@@ -40,73 +42,61 @@ def _scenario_lines(sc: dict[str, Any]) -> list[str]:
         )
         + f". Online tuner: every {sc['tuning']['period_s']:g} s, the last "
         f"{sc['tuning']['window']} admitted queries, tolerance "
-        f"{100 * sc['tuning']['tolerance']:g} %.",
+        f"{100 * sc['tuning']['tolerance']:g} %. Static and online: means over "
+        f"{len(draws)} samples of the first phase the static α was tuned on (α {starts}).",
         "",
     ]
-    worst = sc["online_from_worst_draw"]
     variants = [
-        (f"static (tuned on {phases[0]['label']})", sc["static"], _alpha(sc["static"]["alpha"])),
+        (f"static (tuned on {phases[0]['label']})", sc["static"], starts),
         (
             "online re-tuning",
             sc["online"],
-            f"{_alpha(sc['online']['alpha'])}, {sc['alpha_changes']} changes",
+            f"from each; {sum(d['alpha_changes'] for d in draws)} changes in all",
         ),
         ("best fixed in hindsight", sc["best_fixed"], _alpha(sc["best_fixed"]["alpha"])),
     ]
-    if worst is not None:
-        variants.append(
-            (
-                "online from the worst static draw",
-                worst,
-                f"{_alpha(worst['alpha'])}, {worst['alpha_changes']} changes",
-            )
-        )
     rows = [
         [name, alpha, f"{fmt(rec['p95_s'])} s", _pct(rec["slo_attainment"])]
         + [_cell(p) for p in rec["phases"]]
         for name, rec, alpha in variants
     ]
-    header = [
-        "variant",
-        "α (start)",
-        "P95",
-        "attainment",
-        *(f"{p['label']}: P95 (att.)" for p in phases),
-    ]
+    header = ["variant", "α", "P95", "attainment", *(f"{p['label']}: P95 (att.)" for p in phases)]
     lines += md_table(header, rows, left=2)
-    checks = sc["checks"]
-    by_phase = ", ".join(
-        f"{p['label']} {a['mean']:.2f} ({a['min']:g}-{a['max']:g})"
-        for p, a in zip(phases, sc["alpha_by_phase"], strict=True)
-    )
     lines += [
         "",
-        f"Online α by phase, time-weighted mean (range): {by_phase}.",
+        "Each sample: the static α, and the online tuner started from it (whole run):",
+        "",
+    ]
+    rows = [
+        [
+            str(d["seed"]),
+            _alpha(d["alpha"]),
+            _cell(d["static"]),
+            _cell(d["online"]),
+            str(d["alpha_changes"]),
+            ", ".join(f"{a['mean']:.2f} ({a['min']:g}-{a['max']:g})" for a in d["alpha_by_phase"]),
+        ]
+        for d in draws
+    ]
+    lines += md_table(
+        ["sample", "static α", "static P95 (att.)", "online P95 (att.)", "changes",
+         "online α by phase: mean (range)"],
+        rows,
+        left=1,
+    )  # fmt: skip
+    checks = sc["checks"]
+    lines += [
         "",
         "Every fixed α, whole run: "
         + ", ".join(f"{_alpha(r['alpha'])}: {_cell(r)}" for r in sc["fixed"])
         + ".",
         "",
-        "The static α tuned on other first-phase samples, and its whole-run P95: "
-        + ", ".join(
-            f"seed {d['seed']}: α {_alpha(d['alpha'])}, {fmt(d['p95_s'])} s"
-            for d in sc["static_draws"]
-        )
-        + f"; mean {fmt(sc['static_draws_mean_p95_s'])} s (online: "
-        f"{fmt(checks['online_p95_over_static_draws_mean'], '.3f')} of it).",
-        "",
         f"Goal: online P95 / best fixed = {fmt(checks['online_p95_over_best'], '.3f')} "
-        f"({'within' if checks['online_within_5pct_of_best'] else 'NOT within'} 5 %); "
-        f"P95 {'below' if checks['online_p95_below_static'] else 'NOT below'} static, "
-        f"attainment {'at least' if checks['online_attainment_at_least_static'] else 'BELOW'} "
-        f"static's."
-        + (
-            ""
-            if worst is None
-            else f" Started from the worst draw (α {_alpha(worst['alpha'])}, static P95 "
-            f"{fmt(worst['static_p95_s'])} s), online ends at "
-            f"{fmt(checks['from_worst_p95_over_best'], '.3f')} of the best fixed α."
-        ),
+        f"({'within' if checks['online_within_5pct_of_best'] else 'NOT within'} 5 %; the "
+        f"worst sample {fmt(checks['worst_online_p95_over_best'], '.3f')}); online P95 / "
+        f"static = {fmt(checks['online_p95_over_static'], '.3f')} "
+        f"({'below' if checks['online_p95_below_static'] else 'NOT below'}), attainment "
+        f"{'at least' if checks['online_attainment_at_least_static'] else 'BELOW'} static's.",
         "",
     ]
     return lines
@@ -152,8 +142,9 @@ def render_markdown(result: dict[str, Any]) -> str:
 
 
 def plot_shifting(result: dict[str, Any], out: Path) -> tuple[str, ...]:
-    """`PLOT_FILE` in `out`: per scenario, the online α over time beside the static and the
-    best fixed α (phases shaded), and P95 per phase of the three; returns the file names."""
+    """`PLOT_FILE` in `out`: per scenario, the online α over time from each static α (dots)
+    beside the best fixed α (phases shaded), and P95 per phase of static and online (means
+    over the samples) and the best fixed α; returns the file names."""
     import matplotlib  # noqa: PLC0415 - heavy; imported only when plotting
 
     matplotlib.use("Agg")
@@ -168,27 +159,31 @@ def plot_shifting(result: dict[str, Any], out: Path) -> tuple[str, ...]:
         gridspec_kw={"width_ratios": [2.2, 1]},
     )
     colors = {"static": "tab:orange", "online": "tab:blue", "best_fixed": "tab:green"}
-    labels = {"static": "static", "online": "online", "best_fixed": "best fixed"}
+    labels = {"static": "static (mean)", "online": "online (mean)", "best_fixed": "best fixed"}
     for row, sc in zip(axes, scenarios, strict=True):
         ax, bars = row
         # The tuner runs on while queries are in flight, past the last phase's end.
-        end = max([sc["phases"][-1]["end_s"], *(s["time_s"] for s in sc["trajectory"])])
+        end = max(
+            [
+                sc["phases"][-1]["end_s"],
+                *(s["time_s"] for d in sc["draws"] for s in d["trajectory"]),
+            ]
+        )
         for k, p in enumerate(sc["phases"]):
             ax.axvspan(p["start_s"], p["end_s"], color="0.9" if k % 2 else "0.97", zorder=0)
             ax.text((p["start_s"] + p["end_s"]) / 2, 1.04, p["label"], ha="center", fontsize=8)
-        runs: list[tuple[float, list[dict[str, Any]], str, str]] = [
-            (sc["static"]["alpha"], sc["trajectory"], "tab:blue", "online α")
-        ]
-        worst = sc["online_from_worst_draw"]
-        if worst is not None:
-            runs.append(
-                (worst["alpha"], worst["trajectory"], "tab:purple", "online α, worst start")
+        for k, d in enumerate(sc["draws"]):
+            times = [0.0] + [s["time_s"] for s in d["trajectory"]] + [end]
+            alphas = [d["alpha"]] + [s["alpha"] for s in d["trajectory"]]
+            ax.step(
+                times,
+                [*alphas, alphas[-1]],
+                where="post",
+                color=colors["online"],
+                alpha=0.35 + 0.65 / (k + 1),
+                label="online α, from each static α" if k == 0 else None,
             )
-        for start, steps, color, label in runs:
-            times = [0.0] + [s["time_s"] for s in steps] + [end]
-            alphas = [start] + [s["alpha"] for s in steps]
-            ax.step(times, [*alphas, alphas[-1]], where="post", color=color, label=label)
-        ax.axhline(sc["static"]["alpha"], color=colors["static"], ls="--", label="static α")
+            ax.plot([0.0], [d["alpha"]], "o", color=colors["static"], ms=4)
         ax.axhline(
             sc["best_fixed"]["alpha"], color=colors["best_fixed"], ls=":", label="best fixed α"
         )
