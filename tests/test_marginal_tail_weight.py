@@ -42,7 +42,8 @@ def _scores(
     power: float,
     others_weight: float,
 ) -> list[float]:
-    """score_i = alpha * w_self * own_i + (1 - alpha) * weighted delay_i, by the docstring."""
+    """score_i = alpha * w_self * own_i + (1 - alpha) * weighted delay_i, by the docstring;
+    another driver's calls weigh what was reported of them, else `others_weight` each."""
     call = ticket.call
     out = []
     for inst in cluster.instances:
@@ -52,8 +53,13 @@ def _scores(
         own = _own(cluster, i, call, b)
         score = alpha * _weight(ticket, own, now, power) * own
         if b:
-            batch = load.weight_in_flight[i] + others_weight * load.others_in_flight[i]
-            work = load.weighted_outstanding_s[i] + others_weight * load.others_outstanding_s[i]
+            if power > 0 and load.others_weight[i] > 0:
+                batch_o, work_o = load.others_weight[i], load.others_weighted_outstanding_s[i]
+            else:
+                batch_o = others_weight * load.others_in_flight[i]
+                work_o = others_weight * load.others_outstanding_s[i]
+            batch = load.weight_in_flight[i] + batch_o
+            work = load.weighted_outstanding_s[i] + work_o
             stretch = lat.slowdown(b + 1) - lat.slowdown(b)
             score += (1 - alpha) * (stretch * 0.5 * work + prefill * batch)
         out.append(score)
@@ -126,6 +132,48 @@ def test_the_choice_is_the_weighted_formula(alpha: float, power: float) -> None:
         assert ml.select(ticket, now) == scores.index(min(scores)), arrival
 
 
+def test_another_shards_calls_weigh_what_their_worker_reports() -> None:
+    """Two A100s, one call of this driver's on each, and two calls another coordinator shard
+    placed on each, alike in number, work and tokens. The shared workers report their
+    weights: instance 0's belong to a query near its deadline, instance 1's to fresh ones,
+    so a new call keeps off instance 0. Unreported (a worker older than the report), they
+    weigh this driver's mean call each: the instances tie, and the first wins."""
+    cluster = parse_cluster("A100,A100")
+    tokens = 2 * (REVISE.input_tokens + REVISE.output_tokens)
+
+    def choice(weights: tuple[float, float]) -> int:
+        ctx = context(cluster)
+        driver = Driver(ctx)
+        ml = MarginalLatencyDispatcher(ctx, tail_power=3.0)
+        for instance in (0, 1):
+            driver.place(instance, REVISE, weigh=ml, now=60.0, arrival_s=50.0)
+            w = weights[instance]
+            ctx.load.report_others(instance, 2, 20.0, tokens, 2 * w, 2 * w * 10.0)
+        assert ctx.load.others_weight == [2 * w for w in weights]
+        fresh = driver.ticket(REVISE, arrival_s=60.0)
+        mean = sum(ctx.load.weight_in_flight) / 2
+        scores = _scores(cluster, ctx.load, fresh, 60.0, 0.5, 3.0, others_weight=mean)
+        chosen = ml.select(fresh, 60.0)
+        assert chosen == scores.index(min(scores))
+        return chosen
+
+    assert choice((1.5, 0.01)) == 1
+    assert choice((0.01, 1.5)) == 0
+    assert choice((0.0, 0.0)) == 0  # not reported: the mean for both, a tie
+
+
+def test_a_report_replaces_the_last_and_an_empty_or_bad_one_weighs_nothing() -> None:
+    load = context(parse_cluster("A100")).load
+    load.report_others(0, 2, 20.0, 100, 3.0, 30.0)
+    load.report_others(0, 1, 10.0, 50, 0.5, 5.0)
+    assert (load.others_weight, load.others_weighted_outstanding_s) == ([0.5], [5.0])
+    load.report_others(0, 0, 0.0, 0, 0.5, 5.0)  # no calls: no weight, whatever was sent
+    assert (load.others_weight, load.others_weighted_outstanding_s) == ([0.0], [0.0])
+    load.report_others(0, 1, 10.0, 50, math.nan, -1.0)
+    assert (load.others_weight, load.others_weighted_outstanding_s) == ([0.0], [0.0])
+    assert (load.in_flight, load.outstanding_s) == ([1], [10.0])
+
+
 def test_power_zero_is_the_unweighted_score_and_weighs_every_call_one() -> None:
     cluster = parse_cluster("A100,A100,A6000")
     ctx = context(cluster)
@@ -134,6 +182,8 @@ def test_power_zero_is_the_unweighted_score_and_weighs_every_call_one() -> None:
     for instance, arrival in [(0, 0.0), (0, 50.0), (1, 10.0), (2, 59.0)]:
         t = driver.place(instance, REVISE, weigh=unweighted, now=60.0, arrival_s=arrival)
         assert t.weight == 1.0
+    # another shard's calls count one each, whatever weights were reported for them
+    ctx.load.report_others(1, 2, 15.0, 2 * (REVISE.input_tokens + REVISE.output_tokens), 9.0, 90.0)
     ticket = driver.ticket(REVISE, arrival_s=0.0)
     scores = _scores(cluster, ctx.load, ticket, 60.0, 0.4, 0.0, others_weight=1.0)
     assert unweighted.select(ticket, 60.0) == scores.index(min(scores))

@@ -252,6 +252,9 @@ def test_a_shard_sees_the_calls_the_other_shard_put_on_a_shared_worker(
     assert s1_running == 0
     assert inst.in_flight == inst.others_in_flight > 0
     assert inst.outstanding_s > 0.0
+    # with the weights s0 charged them (hexgen-flow's tail weight: how late each query is
+    # heading, > 0), which the worker reported with them
+    assert inst.others_weight > 0.0
     assert inst.worker_id.startswith("shared-")
 
 

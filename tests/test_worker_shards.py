@@ -22,8 +22,9 @@ from hexgen_flow.policies.dispatch import LeastRequestsDispatcher, LeastWorkDisp
 from hexgen_flow.runtime import CallTicket
 from hexgen_flow.workload import LLMCall
 from hexgen_service.clock import ClusterClock
+from hexgen_service.convert import dispatch_to_ticket, ticket_to_dispatch
 from hexgen_worker import DispatchOutcome, WelcomeSettings, WorkerConfig, WorkerState
-from hexgen_worker.convert import hello_request
+from hexgen_worker.convert import heartbeat_request, hello_request
 from hexgen_worker.engines import SimulatedEngine
 from hexgen_worker.events import CallFinished, CallReport, CallStarted
 from hexgen_worker.handover import hand_over_shard, lost_holders
@@ -197,20 +198,43 @@ def test_each_shards_times_are_on_its_own_clock() -> None:
 
 
 def test_each_shard_hears_the_load_of_the_others() -> None:
+    """Three alike calls, one from shard a and two from shard b, each with the tail weight
+    its coordinator charged, sent as the coordinator sends it (a DispatchCall); each shard
+    hears the others' number, work, tokens and weights, and the wire carries them."""
     w = TwoShards()
 
+    def wired(t: CallTicket, weight: float) -> CallTicket:
+        t.weight = weight
+        return dispatch_to_ticket(ticket_to_dispatch(t))
+
     async def body() -> None:
-        w.state.dispatch(ticket("a/0.0", 1, out=5_000), link=0)
-        w.state.dispatch(ticket("b/0.0", 1, out=5_000), link=1)
-        w.state.dispatch(ticket("b/0.1", 2, out=5_000), link=1)
+        w.state.dispatch(wired(ticket("a/0.0", 1, out=5_000), 0.25), link=0)
+        w.state.dispatch(wired(ticket("b/0.0", 1, out=5_000), 2.0), link=1)
+        w.state.dispatch(wired(ticket("b/0.1", 2, out=5_000), 3.0), link=1)
         to_a, to_b = w.state.heartbeat(0), w.state.heartbeat(1)
         assert to_a.running == to_b.running == 3  # the whole engine, to both
         assert (to_a.others_in_flight, to_b.others_in_flight) == (2, 1)
         assert (to_a.others_tokens, to_b.others_tokens) == (12_000, 6_000)
         assert to_a.others_outstanding_s == pytest.approx(2 * to_b.others_outstanding_s)
-        assert to_b.others_outstanding_s > 0
+        work = to_b.others_outstanding_s  # one call's
+        assert work > 0
+        assert (to_a.others_weight, to_b.others_weight) == (5.0, 0.25)
+        assert to_a.others_weighted_outstanding_s == pytest.approx(5.0 * work)
+        assert to_b.others_weighted_outstanding_s == pytest.approx(0.25 * work)
+        sent = heartbeat_request(to_a).heartbeat
+        assert (sent.others_weight, sent.others_weighted_outstanding_s) == (
+            to_a.others_weight,
+            to_a.others_weighted_outstanding_s,
+        )
 
     run(w, body, *same_clock())
+
+
+def test_a_dispatch_without_a_weight_weighs_one() -> None:
+    """A coordinator older than `DispatchCall.weight` sends none (0): the call weighs 1."""
+    sent = ticket_to_dispatch(ticket("a/0.0", 1))
+    sent.ClearField("weight")
+    assert dispatch_to_ticket(sent).weight == 1.0
 
 
 @pytest.mark.parametrize(

@@ -231,6 +231,7 @@ class CallTicket:
         query_deadline_s: float,
         remaining_after_s: float,
         attempt: int = 0,
+        weight: float = 1.0,
     ) -> CallTicket:
         """A ticket without its query's runtime state: what a worker's queue holds."""
         ticket = cls.__new__(cls)
@@ -249,7 +250,7 @@ class CallTicket:
         ticket.deadline_s = deadline_s
         ticket.instance = -1
         ticket.work_s = 0.0
-        ticket.weight = 1.0
+        ticket.weight = weight
         ticket.key = None
         ticket.admitted_s = None
         ticket.finished_s = None
@@ -260,13 +261,19 @@ class CallTicket:
         return f"CallTicket(seq={self.seq}, q={self.query_id}, step={self.call.step})"
 
 
+def _non_negative(value: float) -> float:
+    """`value`, or 0 when it is negative or not finite (a report from another process)."""
+    return value if math.isfinite(value) and value > 0.0 else 0.0
+
+
 class ClusterLoad:
     """Per-instance load ledger that the dispatchers read.
 
     `in_flight` counts calls dispatched to an instance and not yet finished (queued or
     running); `outstanding_s` is their estimated single-request time on that instance;
     `weight_in_flight` and `weighted_outstanding_s` the same two sums with each call
-    weighted by `CallTicket.weight` (this driver's calls only: other drivers report none);
+    weighted by `CallTicket.weight` (this driver's calls only; other drivers' are
+    `others_weight` and `others_weighted_outstanding_s`, as reported);
     `tokens_in_flight` their prompt and output tokens (the KV blocks they hold or will);
     `prefix_homes` where each query's calls of each step type last went (prefix-aware
     dispatch reads it through `prefix_home`). The driver calls `on_dispatch` and
@@ -276,7 +283,9 @@ class ClusterLoad:
     Other drivers: coordinator shards share their workers, so an instance also runs calls
     that another shard dispatched. `report_others` adds what the instance last reported of
     those to `in_flight`, `outstanding_s` and `tokens_in_flight`, so that every policy
-    reading them sees the whole instance; the simulator has one driver and never calls it.
+    reading them sees the whole instance, and keeps their weighted sums apart (a weighing
+    dispatcher reads them; 0 when not reported); the simulator has one driver and never
+    calls it.
     """
 
     __slots__ = (
@@ -289,6 +298,8 @@ class ClusterLoad:
         "others_in_flight",
         "others_outstanding_s",
         "others_tokens",
+        "others_weight",
+        "others_weighted_outstanding_s",
         "outstanding_kv_s",
         "outstanding_s",
         "prefix_caching",
@@ -325,6 +336,10 @@ class ClusterLoad:
         """Of `outstanding_s`: those calls' estimated single-request seconds."""
         self.others_tokens = [0] * n
         """Of `tokens_in_flight`: those calls' input + output tokens."""
+        self.others_weight = [0.0] * n
+        """Those calls' weights summed (0: not reported, e.g. by an older worker)."""
+        self.others_weighted_outstanding_s = [0.0] * n
+        """Those calls' weight x estimated seconds summed (0: not reported)."""
 
     def on_dispatch(self, ticket: CallTicket) -> None:
         i = ticket.instance
@@ -356,21 +371,31 @@ class ClusterLoad:
             self.weighted_outstanding_s[i] = 0.0
 
     def report_others(
-        self, instance: int, in_flight: int, outstanding_s: float, tokens: int
+        self,
+        instance: int,
+        in_flight: int,
+        outstanding_s: float,
+        tokens: int,
+        weight: float = 0.0,
+        weighted_outstanding_s: float = 0.0,
     ) -> None:
         """What other drivers have in flight on `instance` now (its latest report): replaces
-        the previous report in `in_flight`, `outstanding_s` and `tokens_in_flight`. Their
+        the previous report in `in_flight`, `outstanding_s` and `tokens_in_flight`, and in
+        `others_weight` and `others_weighted_outstanding_s` (0: not reported). Their
         KV-token-seconds are not reported: `outstanding_kv_s` stays this driver's own."""
         i = instance
         in_flight, tokens = max(in_flight, 0), max(tokens, 0)
-        if not (math.isfinite(outstanding_s) and outstanding_s > 0.0):
-            outstanding_s = 0.0
+        outstanding_s = _non_negative(outstanding_s)
         self.in_flight[i] += in_flight - self.others_in_flight[i]
         self.outstanding_s[i] += outstanding_s - self.others_outstanding_s[i]
         self.tokens_in_flight[i] += tokens - self.others_tokens[i]
         self.others_in_flight[i] = in_flight
         self.others_outstanding_s[i] = outstanding_s
         self.others_tokens[i] = tokens
+        self.others_weight[i] = _non_negative(weight) if in_flight else 0.0
+        self.others_weighted_outstanding_s[i] = (
+            _non_negative(weighted_outstanding_s) if in_flight else 0.0
+        )
 
     def prefix_home(self, ticket: CallTicket) -> int | None:
         """The instance that probably caches `ticket`'s shared prompt prefix: where its

@@ -332,6 +332,7 @@ def ticket_to_dispatch(
         remaining_after_s=ticket.remaining_after_s,
         traceparent=traceparent,
         attempt=ticket.attempt,
+        weight=ticket.weight,
     )
 
 
@@ -350,4 +351,6 @@ def dispatch_to_ticket(pb: worker_pb2.DispatchCall) -> CallTicket:
         query_deadline_s=pb.query_deadline_s,
         remaining_after_s=pb.remaining_after_s,
         attempt=pb.attempt,
+        # 0 (absent) from a coordinator older than the field; a weight is positive
+        weight=pb.weight if math.isfinite(pb.weight) and pb.weight > 0 else 1.0,
     )

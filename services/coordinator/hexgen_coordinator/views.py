@@ -199,6 +199,7 @@ class QueryViews:
                     kv_capacity_tokens=inst.kv_cache_tokens,
                     outstanding_s=load.outstanding_s[inst.index],
                     others_in_flight=load.others_in_flight[inst.index],
+                    others_weight=load.others_weight[inst.index],
                 )
             )
         return cpb.ClusterStatusResponse(

@@ -100,9 +100,15 @@ class WorkerSlots:
             # fields). The dispatcher then counts those calls as in flight there.
             # Approximate: they are as of this heartbeat (the calls other shards dispatched
             # since are unseen until the next), and their seconds are the worker's estimate
-            # with its own latency model, not this coordinator's.
+            # with its own latency model, not this coordinator's. Their weights are the ones
+            # their coordinators charged (0 from a worker older than the field).
             self.scheduler.load.report_others(
-                link.slot, msg.others_in_flight, msg.others_outstanding_s, msg.others_tokens
+                link.slot,
+                msg.others_in_flight,
+                msg.others_outstanding_s,
+                msg.others_tokens,
+                msg.others_weight,
+                msg.others_weighted_outstanding_s,
             )
 
     def disconnect(self, link: WorkerLink, reason: str) -> None:

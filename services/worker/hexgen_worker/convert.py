@@ -130,5 +130,7 @@ def heartbeat_request(heartbeat: Heartbeat) -> worker_pb2.ConnectRequest:
             others_in_flight=heartbeat.others_in_flight,
             others_outstanding_s=heartbeat.others_outstanding_s,
             others_tokens=heartbeat.others_tokens,
+            others_weight=heartbeat.others_weight,
+            others_weighted_outstanding_s=heartbeat.others_weighted_outstanding_s,
         )
     )

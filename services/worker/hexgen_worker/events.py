@@ -89,3 +89,7 @@ class Heartbeat:
     """Their estimated single-request seconds on this instance (cluster seconds)."""
     others_tokens: int = 0
     """Their input + output tokens."""
+    others_weight: float = 0.0
+    """Their tail weights (as their coordinators charged them), summed."""
+    others_weighted_outstanding_s: float = 0.0
+    """Their weight x estimated seconds, summed."""

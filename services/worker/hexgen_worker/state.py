@@ -213,6 +213,8 @@ class WorkerState:
             others_tokens=sum(
                 c.ticket.call.input_tokens + c.ticket.call.output_tokens for c in others
             ),
+            others_weight=sum(c.ticket.weight for c in others),
+            others_weighted_outstanding_s=sum(c.ticket.weight * c.work_s for c in others),
         )
 
     # ------------------------------------------------------------------ the welcome
@@ -438,6 +440,7 @@ class WorkerState:
             query_deadline_s=shards.to_local(link, ticket.query_deadline_s),
             remaining_after_s=ticket.remaining_after_s,
             attempt=ticket.attempt,
+            weight=ticket.weight,
         )
 
     def fail(self, call_id: str, error: str, *, attempt: int = 0, link: int = 0) -> None:

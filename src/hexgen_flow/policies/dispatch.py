@@ -211,7 +211,8 @@ class MarginalLatencyDispatcher(Dispatcher):
     alpha * w_self,i * own_i + (1 - alpha) * delay_i with B and W_i in delay_i replaced by
     the weighted sums of the calls in flight (`ClusterLoad.weight_in_flight`,
     `weighted_outstanding_s`; each call keeps the weight it had when dispatched,
-    `Dispatcher.weight`). Scoring the sum of w * latency is the marginal change of
+    `Dispatcher.weight`; another coordinator shard's calls weigh what their shared worker
+    reports, `others_weight`). Scoring the sum of w * latency is the marginal change of
     sum(latency ** (p + 1)), a norm that leans towards the slowest queries as p grows, so
     a late query's call goes where it finishes soonest, and calls with time to spare keep
     off the instances that serve late ones. p = 0 is the unweighted score above.
@@ -265,8 +266,12 @@ class MarginalLatencyDispatcher(Dispatcher):
         home = load.prefix_home(ticket)
         weights, weighted_work = load.weight_in_flight, load.weighted_outstanding_s
         others, others_work = load.others_in_flight, load.others_outstanding_s
-        # Calls another driver placed carry no weight here: they count as this driver's
-        # average call does (unweighted, every call weighs 1 and the sums are B and W_i).
+        # Calls another driver placed weigh what their worker reports, the weights their
+        # coordinators charged; where it reports none (a worker older than the report),
+        # each counts as this driver's average call. Unweighted, every call weighs 1 and
+        # the sums are B and W_i.
+        reported = load.others_weight if self._power else None
+        reported_work = load.others_weighted_outstanding_s
         mean = 1.0
         if self._power:
             own_calls = sum(in_flight) - sum(others)
@@ -278,8 +283,12 @@ class MarginalLatencyDispatcher(Dispatcher):
             prefill, own, b, stretch = self._own(i, call, home, n)
             score = alpha * self._tail_weight(ticket, own, now) * own
             if b:
-                batch = (weights[i] + mean * others[i]) * b / n  # B, weighted, capped
-                work = weighted_work[i] + mean * others_work[i]  # W_i, weighted
+                if reported is not None and reported[i] > 0.0:
+                    batch_others, work_others = reported[i], reported_work[i]
+                else:
+                    batch_others, work_others = mean * others[i], mean * others_work[i]
+                batch = (weights[i] + batch_others) * b / n  # B, weighted, capped
+                work = weighted_work[i] + work_others  # W_i, weighted
                 score += (1.0 - alpha) * (stretch * share * work + prefill * batch)
             if score < best_score:
                 best, best_score = i, score

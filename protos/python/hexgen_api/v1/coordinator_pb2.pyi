@@ -538,6 +538,7 @@ class InstanceStatus(_message.Message):
     KV_CAPACITY_TOKENS_FIELD_NUMBER: _builtins.int
     OUTSTANDING_S_FIELD_NUMBER: _builtins.int
     OTHERS_IN_FLIGHT_FIELD_NUMBER: _builtins.int
+    OTHERS_WEIGHT_FIELD_NUMBER: _builtins.int
     index: _builtins.int
     name: _builtins.str
     gpu: _builtins.str
@@ -561,6 +562,12 @@ class InstanceStatus(_message.Message):
     """Of `in_flight`, the calls other coordinator shards dispatched to this worker, as its
     last heartbeat reported them (0 for a worker of this coordinator alone).
     """
+    others_weight: _builtins.float
+    """Those calls' tail weights, summed, as the worker reported them (each the weight its
+    coordinator charged: how late its query is heading, docs/algorithm.md §3.2). 0 when
+    none were reported (a worker older than the report counts them at this coordinator's
+    mean weight).
+    """
     def __init__(
         self,
         *,
@@ -578,10 +585,11 @@ class InstanceStatus(_message.Message):
         kv_capacity_tokens: _builtins.int = ...,
         outstanding_s: _builtins.float = ...,
         others_in_flight: _builtins.int = ...,
+        others_weight: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["connected", b"connected", "engine", b"engine", "gpu", b"gpu", "in_flight", b"in_flight", "index", b"index", "kv_capacity_tokens", b"kv_capacity_tokens", "kv_used_tokens", b"kv_used_tokens", "model", b"model", "name", b"name", "others_in_flight", b"others_in_flight", "outstanding_s", b"outstanding_s", "queued", b"queued", "running", b"running", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["connected", b"connected", "engine", b"engine", "gpu", b"gpu", "in_flight", b"in_flight", "index", b"index", "kv_capacity_tokens", b"kv_capacity_tokens", "kv_used_tokens", b"kv_used_tokens", "model", b"model", "name", b"name", "others_in_flight", b"others_in_flight", "others_weight", b"others_weight", "outstanding_s", b"outstanding_s", "queued", b"queued", "running", b"running", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from hexgen_api.v1 import workflow_pb2 as hexgen__flow_dot_v1_dot_workflow__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bhexgen_flow/v1/worker.proto\x12\x0ehexgen_flow.v1\x1a\x1dhexgen_flow/v1/workflow.proto\"\x8f\x02\n\x0e\x43onnectRequest\x12,\n\x05hello\x18\x01 \x01(\x0b\x32\x1b.hexgen_flow.v1.WorkerHelloH\x00\x12\x34\n\theartbeat\x18\x02 \x01(\x0b\x32\x1f.hexgen_flow.v1.WorkerHeartbeatH\x00\x12.\n\x07started\x18\x03 \x01(\x0b\x32\x1b.hexgen_flow.v1.CallStartedH\x00\x12,\n\x06tokens\x18\x04 \x01(\x0b\x32\x1a.hexgen_flow.v1.CallTokensH\x00\x12\x30\n\x08\x66inished\x18\x05 \x01(\x0b\x32\x1c.hexgen_flow.v1.CallFinishedH\x00\x42\t\n\x07message\"\x8e\x02\n\x0f\x43onnectResponse\x12\x30\n\x07welcome\x18\x01 \x01(\x0b\x32\x1d.hexgen_flow.v1.WorkerWelcomeH\x00\x12\x30\n\x08\x64ispatch\x18\x02 \x01(\x0b\x32\x1c.hexgen_flow.v1.DispatchCallH\x00\x12,\n\x06\x63\x61ncel\x18\x03 \x01(\x0b\x32\x1a.hexgen_flow.v1.CancelCallH\x00\x12\x32\n\x08\x64\x65\x61\x64line\x18\x04 \x01(\x0b\x32\x1e.hexgen_flow.v1.UpdateDeadlineH\x00\x12*\n\x03\x61\x63k\x18\x05 \x01(\x0b\x32\x1b.hexgen_flow.v1.AckFinishedH\x00\x42\t\n\x07message\"\xd7\x01\n\x0bWorkerHello\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04slot\x18\x02 \x01(\x05\x12\x0b\n\x03gpu\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12*\n\x06\x65ngine\x18\x05 \x01(\x0e\x32\x1a.hexgen_flow.v1.EngineKind\x12\x17\n\x0fkv_cache_tokens\x18\x06 \x01(\x03\x12\x11\n\tmax_batch\x18\x07 \x01(\x05\x12\x19\n\x11resident_call_ids\x18\x08 \x03(\t\x12\x18\n\x10unacked_call_ids\x18\t \x03(\t\"\xdf\x01\n\rWorkerWelcome\x12\x0c\n\x04slot\x18\x01 \x01(\x05\x12\x10\n\x08instance\x18\x02 \x01(\t\x12\x14\n\x0c\x65poch_unix_s\x18\x03 \x01(\x01\x12\x12\n\ntime_scale\x18\x04 \x01(\x01\x12\x0f\n\x07\x63luster\x18\x05 \x01(\t\x12\x14\n\x0cqueue_policy\x18\x06 \x01(\t\x12\x19\n\x11queue_params_json\x18\x07 \x01(\t\x12\x1c\n\x14heartbeat_interval_s\x18\x08 \x01(\x01\x12\x15\n\rdrop_call_ids\x18\t \x03(\t\x12\r\n\x05shard\x18\n \x01(\t\"\x99\x01\n\x0fWorkerHeartbeat\x12\x0f\n\x07running\x18\x01 \x01(\x05\x12\x0e\n\x06queued\x18\x02 \x01(\x05\x12\x16\n\x0ekv_used_tokens\x18\x03 \x01(\x03\x12\x18\n\x10others_in_flight\x18\x04 \x01(\x05\x12\x1c\n\x14others_outstanding_s\x18\x05 \x01(\x01\x12\x15\n\rothers_tokens\x18\x06 \x01(\x03\"\xf7\x02\n\x0c\x44ispatchCall\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\t\x12\x10\n\x08query_id\x18\x02 \x01(\t\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\r\n\x05stage\x18\x04 \x01(\x05\x12\x0c\n\x04step\x18\x05 \x01(\t\x12\x14\n\x0cinput_tokens\x18\x06 \x01(\x05\x12\x15\n\routput_tokens\x18\x07 \x01(\x05\x12\x0e\n\x06prompt\x18\x08 \x01(\t\x12\x10\n\x08sequence\x18\t \x01(\x03\x12\x16\n\x0equery_sequence\x18\n \x01(\x03\x12\x12\n\nreleased_s\x18\x0b \x01(\x01\x12\x12\n\ndeadline_s\x18\x0c \x01(\x01\x12\x18\n\x10query_deadline_s\x18\r \x01(\x01\x12\x19\n\x11remaining_after_s\x18\x0e \x01(\x01\x12\x13\n\x0btraceparent\x18\x0f \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x10 \x01(\x05\x12-\n\x08messages\x18\x11 \x03(\x0b\x32\x1b.hexgen_flow.v1.ChatMessage\"\x1d\n\nCancelCall\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\t\"5\n\x0eUpdateDeadline\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\t\x12\x12\n\ndeadline_s\x18\x02 \x01(\x01\"\x1f\n\x0b\x41\x63kFinished\x12\x10\n\x08\x63\x61ll_ids\x18\x01 \x03(\t\"\x1e\n\x0b\x43\x61llStarted\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\t\"+\n\nCallTokens\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\"\x8b\x01\n\x0c\x43\x61llFinished\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\t\x12\x15\n\routput_tokens\x18\x02 \x01(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\tstarted_s\x18\x04 \x01(\x01\x12\x12\n\nfinished_s\x18\x05 \x01(\x01\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x07 \x01(\x05*r\n\nEngineKind\x12\x1b\n\x17\x45NGINE_KIND_UNSPECIFIED\x10\x00\x12\x19\n\x15\x45NGINE_KIND_SIMULATED\x10\x01\x12\x14\n\x10\x45NGINE_KIND_VLLM\x10\x02\x12\x16\n\x12\x45NGINE_KIND_OPENAI\x10\x03\x32_\n\rWorkerService\x12N\n\x07\x43onnect\x12\x1e.hexgen_flow.v1.ConnectRequest\x1a\x1f.hexgen_flow.v1.ConnectResponse(\x01\x30\x01\x42IZGgithub.com/hexgen-flow/hexgen-flow/clients/go/hexgenflowv1;hexgenflowv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bhexgen_flow/v1/worker.proto\x12\x0ehexgen_flow.v1\x1a\x1dhexgen_flow/v1/workflow.proto\"\x8f\x02\n\x0e\x43onnectRequest\x12,\n\x05hello\x18\x01 \x01(\x0b\x32\x1b.hexgen_flow.v1.WorkerHelloH\x00\x12\x34\n\theartbeat\x18\x02 \x01(\x0b\x32\x1f.hexgen_flow.v1.WorkerHeartbeatH\x00\x12.\n\x07started\x18\x03 \x01(\x0b\x32\x1b.hexgen_flow.v1.CallStartedH\x00\x12,\n\x06tokens\x18\x04 \x01(\x0b\x32\x1a.hexgen_flow.v1.CallTokensH\x00\x12\x30\n\x08\x66inished\x18\x05 \x01(\x0b\x32\x1c.hexgen_flow.v1.CallFinishedH\x00\x42\t\n\x07message\"\x8e\x02\n\x0f\x43onnectResponse\x12\x30\n\x07welcome\x18\x01 \x01(\x0b\x32\x1d.hexgen_flow.v1.WorkerWelcomeH\x00\x12\x30\n\x08\x64ispatch\x18\x02 \x01(\x0b\x32\x1c.hexgen_flow.v1.DispatchCallH\x00\x12,\n\x06\x63\x61ncel\x18\x03 \x01(\x0b\x32\x1a.hexgen_flow.v1.CancelCallH\x00\x12\x32\n\x08\x64\x65\x61\x64line\x18\x04 \x01(\x0b\x32\x1e.hexgen_flow.v1.UpdateDeadlineH\x00\x12*\n\x03\x61\x63k\x18\x05 \x01(\x0b\x32\x1b.hexgen_flow.v1.AckFinishedH\x00\x42\t\n\x07message\"\xd7\x01\n\x0bWorkerHello\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04slot\x18\x02 \x01(\x05\x12\x0b\n\x03gpu\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12*\n\x06\x65ngine\x18\x05 \x01(\x0e\x32\x1a.hexgen_flow.v1.EngineKind\x12\x17\n\x0fkv_cache_tokens\x18\x06 \x01(\x03\x12\x11\n\tmax_batch\x18\x07 \x01(\x05\x12\x19\n\x11resident_call_ids\x18\x08 \x03(\t\x12\x18\n\x10unacked_call_ids\x18\t \x03(\t\"\xdf\x01\n\rWorkerWelcome\x12\x0c\n\x04slot\x18\x01 \x01(\x05\x12\x10\n\x08instance\x18\x02 \x01(\t\x12\x14\n\x0c\x65poch_unix_s\x18\x03 \x01(\x01\x12\x12\n\ntime_scale\x18\x04 \x01(\x01\x12\x0f\n\x07\x63luster\x18\x05 \x01(\t\x12\x14\n\x0cqueue_policy\x18\x06 \x01(\t\x12\x19\n\x11queue_params_json\x18\x07 \x01(\t\x12\x1c\n\x14heartbeat_interval_s\x18\x08 \x01(\x01\x12\x15\n\rdrop_call_ids\x18\t \x03(\t\x12\r\n\x05shard\x18\n \x01(\t\"\xd7\x01\n\x0fWorkerHeartbeat\x12\x0f\n\x07running\x18\x01 \x01(\x05\x12\x0e\n\x06queued\x18\x02 \x01(\x05\x12\x16\n\x0ekv_used_tokens\x18\x03 \x01(\x03\x12\x18\n\x10others_in_flight\x18\x04 \x01(\x05\x12\x1c\n\x14others_outstanding_s\x18\x05 \x01(\x01\x12\x15\n\rothers_tokens\x18\x06 \x01(\x03\x12\x15\n\rothers_weight\x18\x07 \x01(\x01\x12%\n\x1dothers_weighted_outstanding_s\x18\x08 \x01(\x01\"\x87\x03\n\x0c\x44ispatchCall\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\t\x12\x10\n\x08query_id\x18\x02 \x01(\t\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\r\n\x05stage\x18\x04 \x01(\x05\x12\x0c\n\x04step\x18\x05 \x01(\t\x12\x14\n\x0cinput_tokens\x18\x06 \x01(\x05\x12\x15\n\routput_tokens\x18\x07 \x01(\x05\x12\x0e\n\x06prompt\x18\x08 \x01(\t\x12\x10\n\x08sequence\x18\t \x01(\x03\x12\x16\n\x0equery_sequence\x18\n \x01(\x03\x12\x12\n\nreleased_s\x18\x0b \x01(\x01\x12\x12\n\ndeadline_s\x18\x0c \x01(\x01\x12\x18\n\x10query_deadline_s\x18\r \x01(\x01\x12\x19\n\x11remaining_after_s\x18\x0e \x01(\x01\x12\x13\n\x0btraceparent\x18\x0f \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x10 \x01(\x05\x12-\n\x08messages\x18\x11 \x03(\x0b\x32\x1b.hexgen_flow.v1.ChatMessage\x12\x0e\n\x06weight\x18\x12 \x01(\x01\"\x1d\n\nCancelCall\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\t\"5\n\x0eUpdateDeadline\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\t\x12\x12\n\ndeadline_s\x18\x02 \x01(\x01\"\x1f\n\x0b\x41\x63kFinished\x12\x10\n\x08\x63\x61ll_ids\x18\x01 \x03(\t\"\x1e\n\x0b\x43\x61llStarted\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\t\"+\n\nCallTokens\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\"\x8b\x01\n\x0c\x43\x61llFinished\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\t\x12\x15\n\routput_tokens\x18\x02 \x01(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\tstarted_s\x18\x04 \x01(\x01\x12\x12\n\nfinished_s\x18\x05 \x01(\x01\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x07 \x01(\x05*r\n\nEngineKind\x12\x1b\n\x17\x45NGINE_KIND_UNSPECIFIED\x10\x00\x12\x19\n\x15\x45NGINE_KIND_SIMULATED\x10\x01\x12\x14\n\x10\x45NGINE_KIND_VLLM\x10\x02\x12\x16\n\x12\x45NGINE_KIND_OPENAI\x10\x03\x32_\n\rWorkerService\x12N\n\x07\x43onnect\x12\x1e.hexgen_flow.v1.ConnectRequest\x1a\x1f.hexgen_flow.v1.ConnectResponse(\x01\x30\x01\x42IZGgithub.com/hexgen-flow/hexgen-flow/clients/go/hexgenflowv1;hexgenflowv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'hexgen_flow.v1.worker_pb2',
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'ZGgithub.com/hexgen-flow/hexgen-flow/clients/go/hexgenflowv1;hexgenflowv1'
-  _globals['_ENGINEKIND']._serialized_start=1941
-  _globals['_ENGINEKIND']._serialized_end=2055
+  _globals['_ENGINEKIND']._serialized_start=2019
+  _globals['_ENGINEKIND']._serialized_end=2133
   _globals['_CONNECTREQUEST']._serialized_start=79
   _globals['_CONNECTREQUEST']._serialized_end=350
   _globals['_CONNECTRESPONSE']._serialized_start=353
@@ -44,21 +44,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WORKERWELCOME']._serialized_start=844
   _globals['_WORKERWELCOME']._serialized_end=1067
   _globals['_WORKERHEARTBEAT']._serialized_start=1070
-  _globals['_WORKERHEARTBEAT']._serialized_end=1223
-  _globals['_DISPATCHCALL']._serialized_start=1226
-  _globals['_DISPATCHCALL']._serialized_end=1601
-  _globals['_CANCELCALL']._serialized_start=1603
-  _globals['_CANCELCALL']._serialized_end=1632
-  _globals['_UPDATEDEADLINE']._serialized_start=1634
-  _globals['_UPDATEDEADLINE']._serialized_end=1687
-  _globals['_ACKFINISHED']._serialized_start=1689
-  _globals['_ACKFINISHED']._serialized_end=1720
-  _globals['_CALLSTARTED']._serialized_start=1722
-  _globals['_CALLSTARTED']._serialized_end=1752
-  _globals['_CALLTOKENS']._serialized_start=1754
-  _globals['_CALLTOKENS']._serialized_end=1797
-  _globals['_CALLFINISHED']._serialized_start=1800
-  _globals['_CALLFINISHED']._serialized_end=1939
-  _globals['_WORKERSERVICE']._serialized_start=2057
-  _globals['_WORKERSERVICE']._serialized_end=2152
+  _globals['_WORKERHEARTBEAT']._serialized_end=1285
+  _globals['_DISPATCHCALL']._serialized_start=1288
+  _globals['_DISPATCHCALL']._serialized_end=1679
+  _globals['_CANCELCALL']._serialized_start=1681
+  _globals['_CANCELCALL']._serialized_end=1710
+  _globals['_UPDATEDEADLINE']._serialized_start=1712
+  _globals['_UPDATEDEADLINE']._serialized_end=1765
+  _globals['_ACKFINISHED']._serialized_start=1767
+  _globals['_ACKFINISHED']._serialized_end=1798
+  _globals['_CALLSTARTED']._serialized_start=1800
+  _globals['_CALLSTARTED']._serialized_end=1830
+  _globals['_CALLTOKENS']._serialized_start=1832
+  _globals['_CALLTOKENS']._serialized_end=1875
+  _globals['_CALLFINISHED']._serialized_start=1878
+  _globals['_CALLFINISHED']._serialized_end=2017
+  _globals['_WORKERSERVICE']._serialized_start=2135
+  _globals['_WORKERSERVICE']._serialized_end=2230
 # @@protoc_insertion_point(module_scope)

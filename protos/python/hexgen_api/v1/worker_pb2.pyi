@@ -249,6 +249,8 @@ class WorkerHeartbeat(_message.Message):
     OTHERS_IN_FLIGHT_FIELD_NUMBER: _builtins.int
     OTHERS_OUTSTANDING_S_FIELD_NUMBER: _builtins.int
     OTHERS_TOKENS_FIELD_NUMBER: _builtins.int
+    OTHERS_WEIGHT_FIELD_NUMBER: _builtins.int
+    OTHERS_WEIGHTED_OUTSTANDING_S_FIELD_NUMBER: _builtins.int
     running: _builtins.int
     """Calls in the engine and in the local queue, and the KV-cache tokens in use: the whole
     worker, whichever coordinator dispatched the calls.
@@ -265,6 +267,13 @@ class WorkerHeartbeat(_message.Message):
     """Their estimated single-request seconds on this instance (cluster seconds)."""
     others_tokens: _builtins.int
     """Their input + output tokens."""
+    others_weight: _builtins.float
+    """Their tail weights (`DispatchCall.weight`), summed, and weight x estimated seconds,
+    summed: what the coordinators' tail-weighted dispatch charges for the delay a new call
+    causes them. 0 from a worker older than these fields, or for calls dispatched without a
+    weight: the coordinator then counts each of those calls at its own calls' mean weight.
+    """
+    others_weighted_outstanding_s: _builtins.float
     def __init__(
         self,
         *,
@@ -274,10 +283,12 @@ class WorkerHeartbeat(_message.Message):
         others_in_flight: _builtins.int = ...,
         others_outstanding_s: _builtins.float = ...,
         others_tokens: _builtins.int = ...,
+        others_weight: _builtins.float = ...,
+        others_weighted_outstanding_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_used_tokens", b"kv_used_tokens", "others_in_flight", b"others_in_flight", "others_outstanding_s", b"others_outstanding_s", "others_tokens", b"others_tokens", "queued", b"queued", "running", b"running"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_used_tokens", b"kv_used_tokens", "others_in_flight", b"others_in_flight", "others_outstanding_s", b"others_outstanding_s", "others_tokens", b"others_tokens", "others_weight", b"others_weight", "others_weighted_outstanding_s", b"others_weighted_outstanding_s", "queued", b"queued", "running", b"running"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -304,6 +315,7 @@ class DispatchCall(_message.Message):
     TRACEPARENT_FIELD_NUMBER: _builtins.int
     ATTEMPT_FIELD_NUMBER: _builtins.int
     MESSAGES_FIELD_NUMBER: _builtins.int
+    WEIGHT_FIELD_NUMBER: _builtins.int
     call_id: _builtins.str
     query_id: _builtins.str
     tenant: _builtins.str
@@ -327,6 +339,12 @@ class DispatchCall(_message.Message):
     attempt: _builtins.int
     """1 for the first dispatch of the call, +1 for each redispatch; the worker echoes it in
     CallFinished, and the coordinator accepts a completion only from the latest attempt.
+    """
+    weight: _builtins.float
+    """The tail weight the coordinator charged the call with (how late its query is heading,
+    docs/algorithm.md §3.2; 1 when the dispatcher does not weigh). A worker shared by
+    coordinator shards sums it into what it reports to the other shards
+    (`WorkerHeartbeat.others_weight`). 0 (absent): an older coordinator, weight 1.
     """
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[_workflow_pb2.ChatMessage]:
@@ -354,10 +372,11 @@ class DispatchCall(_message.Message):
         traceparent: _builtins.str = ...,
         attempt: _builtins.int = ...,
         messages: _abc.Iterable[_workflow_pb2.ChatMessage] | None = ...,
+        weight: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "call_id", b"call_id", "deadline_s", b"deadline_s", "input_tokens", b"input_tokens", "messages", b"messages", "output_tokens", b"output_tokens", "prompt", b"prompt", "query_deadline_s", b"query_deadline_s", "query_id", b"query_id", "query_sequence", b"query_sequence", "released_s", b"released_s", "remaining_after_s", b"remaining_after_s", "sequence", b"sequence", "stage", b"stage", "step", b"step", "tenant", b"tenant", "traceparent", b"traceparent"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "call_id", b"call_id", "deadline_s", b"deadline_s", "input_tokens", b"input_tokens", "messages", b"messages", "output_tokens", b"output_tokens", "prompt", b"prompt", "query_deadline_s", b"query_deadline_s", "query_id", b"query_id", "query_sequence", b"query_sequence", "released_s", b"released_s", "remaining_after_s", b"remaining_after_s", "sequence", b"sequence", "stage", b"stage", "step", b"step", "tenant", b"tenant", "traceparent", b"traceparent", "weight", b"weight"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -363,6 +363,13 @@ export interface InstanceStatus {
    * last heartbeat reported them (0 for a worker of this coordinator alone).
    */
   othersInFlight: number;
+  /**
+   * Those calls' tail weights, summed, as the worker reported them (each the weight its
+   * coordinator charged: how late its query is heading, docs/algorithm.md §3.2). 0 when
+   * none were reported (a worker older than the report counts them at this coordinator's
+   * mean weight).
+   */
+  othersWeight: number;
 }
 
 export interface ClusterStatusResponse {
@@ -2230,6 +2237,7 @@ function createBaseInstanceStatus(): InstanceStatus {
     kvCapacityTokens: 0,
     outstandingS: 0,
     othersInFlight: 0,
+    othersWeight: 0,
   };
 }
 
@@ -2276,6 +2284,9 @@ export const InstanceStatus: MessageFns<InstanceStatus> = {
     }
     if (message.othersInFlight !== 0) {
       writer.uint32(112).int32(message.othersInFlight);
+    }
+    if (message.othersWeight !== 0) {
+      writer.uint32(121).double(message.othersWeight);
     }
     return writer;
   },
@@ -2405,6 +2416,14 @@ export const InstanceStatus: MessageFns<InstanceStatus> = {
             message.othersInFlight = reader.int32();
             continue;
           }
+          case 15: {
+            if (tag !== 121) {
+              break;
+            }
+
+            message.othersWeight = reader.double();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -2457,6 +2476,11 @@ export const InstanceStatus: MessageFns<InstanceStatus> = {
         : isSet(object.others_in_flight)
         ? globalThis.Number(object.others_in_flight)
         : 0,
+      othersWeight: isSet(object.othersWeight)
+        ? globalThis.Number(object.othersWeight)
+        : isSet(object.others_weight)
+        ? globalThis.Number(object.others_weight)
+        : 0,
     };
   },
 
@@ -2504,6 +2528,9 @@ export const InstanceStatus: MessageFns<InstanceStatus> = {
     if (message.othersInFlight !== 0) {
       obj.othersInFlight = Math.round(message.othersInFlight);
     }
+    if (message.othersWeight !== 0) {
+      obj.othersWeight = floatToJson(message.othersWeight);
+    }
     return obj;
   },
 
@@ -2526,6 +2553,7 @@ export const InstanceStatus: MessageFns<InstanceStatus> = {
     message.kvCapacityTokens = object.kvCapacityTokens ?? 0;
     message.outstandingS = object.outstandingS ?? 0;
     message.othersInFlight = object.othersInFlight ?? 0;
+    message.othersWeight = object.othersWeight ?? 0;
     return message;
   },
 };
