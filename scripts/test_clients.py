@@ -63,6 +63,7 @@ GO_PACKAGES = [
     "golang-google-protobuf-dev",
     "golang-github-golang-protobuf-1-5-dev",
     "golang-opentelemetry-otel-dev",
+    "protoc-gen-go",  # with the two below: clients/go/test.sh checks the committed stubs
     "protoc-gen-go-grpc",
     "protobuf-compiler",
 ]
