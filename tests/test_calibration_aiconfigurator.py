@@ -18,7 +18,7 @@ from hexgen_flow.calibration.aiconfigurator import REFERENCE_CONTEXT, sweep_inst
 from hexgen_flow.cluster import parse_cluster
 from hexgen_flow.errors import ConfigError
 from hexgen_flow.hardware import gpu_catalogue, resolve_model
-from hexgen_flow.latency import LatencyModel, latency_model
+from hexgen_flow.latency import LatencyModel, latency_model, monotone_slowdown
 from hexgen_flow.profiles import aiconfigurator_sweep
 from hexgen_flow.roofline import compare_with_floors, decode_step_floor_s, prefill_floor_s
 
@@ -80,10 +80,15 @@ def test_the_fit_reproduces_the_rows(model: str, gpu: str, tp: int) -> None:
     # Llama-3.1-8B on h100_sxm; 1.1% at worst on the 70B).
     for context, seconds in rows.alone:
         assert _step(lat, 1, context) == pytest.approx(seconds, rel=0.025)
-    # The batch slowdown at the reference context: within 1% of each row (0.5% at worst).
-    for row in rows.decode:
-        if row.tokens == REFERENCE_CONTEXT:
-            assert _step(lat, row.batch, row.tokens) == pytest.approx(row.seconds, rel=0.01)
+    # The batch slowdown at the reference context: within 1% of each row (0.5% at worst)
+    # once the rows are made non-decreasing in the batch (`monotone_slowdown`: the database
+    # has H100 and H200 steps that get faster with more sequences, by up to 6%).
+    reference = sorted((r.batch, r.seconds) for r in rows.decode if r.tokens == REFERENCE_CONTEXT)
+    assert reference[0][0] == 1
+    ratios = monotone_slowdown([seconds / reference[0][1] for _, seconds in reference])
+    for (batch, _), ratio in zip(reference, ratios, strict=True):
+        expected = reference[0][1] * ratio
+        assert _step(lat, batch, REFERENCE_CONTEXT) == pytest.approx(expected, rel=0.01)
     # Elsewhere decode(C) x f(B) is a separable approximation of a step that grows with
     # batch x context: off by up to 53% on the 70B (batch 128 at 16k context, h200 tp 8) and
     # 92% on the 8B (batch 128 at 512 tokens, l40s), where the KV share of the step differs

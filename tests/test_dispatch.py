@@ -17,6 +17,7 @@ import pytest
 from dispatch_driver import Driver as _Driver
 from dispatch_driver import context as _ctx
 from hexgen_flow.cluster import Cluster
+from hexgen_flow.cluster import parse_cluster as _parse_cluster
 from hexgen_flow.errors import ConfigError
 from hexgen_flow.estimate import REPRESENTATIVE_TOKENS
 from hexgen_flow.policies.dispatch import (
@@ -496,6 +497,34 @@ def test_marginal_ties_go_to_the_lower_index() -> None:
     driver.place(0, BIG)
     ml = MarginalLatencyDispatcher(ctx, alpha=0.5)
     assert ml.select(driver.ticket(REVISE), 0.0) == 1  # 1 and 2 are identical and idle
+
+
+def test_marginal_equal_scores_go_to_the_fewest_calls_in_flight() -> None:
+    # On aiconfigurator's H100 the slowdown is flat from 2 to 4 sequences (its database's
+    # batch-4 step is faster than its batch-2 step; `monotone_slowdown` pools them), so
+    # joining 1, 2 or 3 calls costs the same own latency: the fewest in flight wins, as
+    # least-requests would choose, not the lowest index.
+    cluster = _parse_cluster("H100,H100,H100", calibration="aiconfigurator")
+    table = cluster.instances[0].latency.slowdown_table(8)
+    assert table[2] == table[3] == table[4]
+    ctx = _ctx(cluster)
+    driver = _Driver(ctx)
+    for instance, calls in ((0, 3), (1, 2), (2, 1)):
+        for _ in range(calls):
+            driver.place(instance, REVISE)
+    assert MarginalLatencyDispatcher(ctx, alpha=1.0).select(driver.ticket(REVISE), 0.0) == 2
+
+
+def test_marginal_never_prefers_a_bigger_batch_on_own_latency() -> None:
+    # Before the slowdown was made monotone, aiconfigurator's H100 told the dispatcher that
+    # a call decodes faster beside 3 others than beside 1.
+    cluster = _parse_cluster("H100,H100", calibration="aiconfigurator")
+    ctx = _ctx(cluster)
+    driver = _Driver(ctx)
+    for _ in range(3):
+        driver.place(0, REVISE)
+    driver.place(1, REVISE)
+    assert MarginalLatencyDispatcher(ctx, alpha=1.0).select(driver.ticket(REVISE), 0.0) == 1
 
 
 def test_marginal_rejects_share_outside_unit_interval() -> None:

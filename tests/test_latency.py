@@ -12,7 +12,8 @@ import pytest
 
 from hexgen_flow.errors import ConfigError, UnknownNameError
 from hexgen_flow.estimate import REPRESENTATIVE_TOKENS, Estimator
-from hexgen_flow.latency import known_gpus, known_models, resolve_model
+from hexgen_flow.latency import known_gpus, known_models, monotone_slowdown, resolve_model
+from hexgen_flow.latency import latency_model as _latency_model
 from pinned_calibration import CALIBRATION, latency_model, parse_cluster
 
 MODEL = "llama-3.1-70b"
@@ -132,6 +133,28 @@ def test_slowdown_is_one_alone_and_increases_with_batch(gpu: str) -> None:
     table = model.slowdown_table(64)
     assert table[0] == 1.0 and len(table) == 65
     assert all(table[b] == model.slowdown(b) for b in range(1, 65))
+
+
+def test_monotone_slowdown_pools_the_points_that_fall() -> None:
+    # Rising points stay; a fall is pooled with what it undercuts (their mean), batch 1 stays
+    # at 1.0 and nothing is pulled below it.
+    assert monotone_slowdown([1.0, 1.1, 1.3]) == [1.0, 1.1, 1.3]
+    assert monotone_slowdown([1.0, 1.04, 1.02, 1.08]) == pytest.approx([1.0, 1.03, 1.03, 1.08])
+    assert monotone_slowdown([1.0, 1.04, 1.01, 1.01, 1.2]) == pytest.approx(
+        [1.0, 1.02, 1.02, 1.02, 1.2]
+    )
+    assert monotone_slowdown([1.0, 0.95, 1.1]) == [1.0, 1.0, 1.1]
+    assert monotone_slowdown([1.0]) == [1.0]
+
+
+@pytest.mark.parametrize("calibration", ["aiconfigurator", "chess-measured"])
+@pytest.mark.parametrize("gpu", ALL_GPUS)
+def test_no_calibration_has_a_batch_that_decodes_faster_than_a_smaller_one(
+    calibration: str, gpu: str
+) -> None:
+    model = _latency_model(MODEL, gpu, calibration=calibration)
+    table = model.slowdown_table(256)
+    assert all(b >= a for a, b in itertools.pairwise(table))
 
 
 @pytest.mark.parametrize("gpu", ALL_GPUS)

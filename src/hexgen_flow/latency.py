@@ -51,6 +51,7 @@ __all__ = [
     "known_gpus",
     "known_models",
     "latency_model",
+    "monotone_slowdown",
     "resolve_model",
 ]
 
@@ -106,6 +107,26 @@ def known_gpus(model: str | None = None, calibration: str | None = None) -> list
 # --------------------------------------------------------------------------- the model
 
 
+def monotone_slowdown(ys: list[float]) -> list[float]:
+    """The batch slowdown points (batch 1 first, at 1.0) made non-decreasing by pooling
+    adjacent violators (the least-squares monotone fit), batch 1 kept at 1.0.
+
+    A decode step of one more sequence reads the same weights and more KV, so it cannot be
+    faster; a database that says so is noise (aiconfigurator's H100 step at batch 4 is 1.6 %
+    faster than at batch 2). Left in, the noise told the dispatcher that joining a batch of
+    three was quicker than joining a batch of one, and that it sped the others up.
+    """
+    blocks: list[tuple[float, int]] = []  # (mean, points pooled)
+    for y in ys[1:]:
+        total, count = y, 1
+        while blocks and blocks[-1][0] > total / count:
+            mean, n = blocks.pop()
+            total, count = total + mean * n, count + n
+        blocks.append((total / count, count))
+    pooled = [max(mean, ys[0]) for mean, n in blocks for _ in range(n)]
+    return [ys[0], *pooled] if ys else []
+
+
 class LatencyModel:
     """Latency of one model on one GPU type (one serving instance of it).
 
@@ -152,7 +173,8 @@ class LatencyModel:
         """vLLM's default --max-num-seqs."""
         xs = sorted(slowdown_points)
         self._slowdown_xs = xs
-        self._slowdown_ys = [slowdown_points[x] / slowdown_points[xs[0]] for x in xs]
+        ratios = [slowdown_points[x] / slowdown_points[xs[0]] for x in xs]
+        self._slowdown_ys = monotone_slowdown(ratios)
 
     def slowdown(self, batch: int) -> float:
         """Per-token decode time at batch `batch` over batch 1 (piecewise linear in B)."""

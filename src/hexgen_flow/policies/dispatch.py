@@ -195,7 +195,10 @@ class MarginalLatencyDispatcher(Dispatcher):
         own_i   = p_i + d_i * f_i(B + 1)                   # the call's own latency there
         delay_i = (f_i(B + 1) - f_i(B)) * share * W_i      # everyone else's decode stretches
                   + p_i * B                                # and pauses for its prefill
-        score_i = alpha * own_i + (1 - alpha) * delay_i    # lowest wins, ties: lower index
+        score_i = alpha * own_i + (1 - alpha) * delay_i    # lowest wins
+
+    Ties (where f_i is flat) go to the fewer calls in flight, then the lower index. f_i never
+    falls with B (`hexgen_flow.latency.monotone_slowdown`), so no term rewards a bigger batch.
 
     W_i is the outstanding work on i (`ClusterLoad.outstanding_s`); `share` is the part of
     it still ahead when the call arrives (half, for calls uniformly far along).
@@ -277,7 +280,7 @@ class MarginalLatencyDispatcher(Dispatcher):
             own_calls = sum(in_flight) - sum(others)
             if own_calls > 0:
                 mean = sum(weights) / own_calls
-        best, best_score = -1, float("inf")
+        best, best_key = -1, (float("inf"), 0)
         for i in self.candidates(ticket):
             n = in_flight[i]
             prefill, own, b, stretch = self._own(i, call, home, n)
@@ -290,8 +293,11 @@ class MarginalLatencyDispatcher(Dispatcher):
                 batch = (weights[i] + batch_others) * b / n  # B, weighted, capped
                 work = weighted_work[i] + work_others  # W_i, weighted
                 score += (1.0 - alpha) * (stretch * share * work + prefill * batch)
-            if score < best_score:
-                best, best_score = i, score
+            # Equal scores (a flat stretch of the slowdown curve): the fewer calls in flight,
+            # then the lower index, so a tie never piles calls onto the first instance.
+            key = (score, n)
+            if key < best_key:
+                best, best_key = i, key
         return best
 
     def _own(
