@@ -351,7 +351,7 @@ class Admission:
         raise OverloadedError(
             f"the cluster is overloaded: the query is predicted to take "
             f"{prediction.finish_s:.0f} s against an SLO of {slo_s:.0f} s"
-            + ("" if prediction.drain_s <= prediction.headroom_s else " (or to delay others)")
+            + ("" if prediction.delay_s <= prediction.headroom_s else " (or to delay others)")
             + f"; retry in {self._wall(wait, scale):.1f} s",
             self._wall(wait, scale),
         )

@@ -203,12 +203,16 @@ class Simulation:
             self._dirty.append(instance)
 
     def _arrive(self, index: int, now: float) -> None:
+        self._start(index, now, self.slo_of(self.queries[index]))
+
+    def _start(self, index: int, now: float, slo_s: float) -> QueryRun:
+        """Admit query `index` at `now` and release its first stages."""
         query = self.queries[index]
-        slo_s = self.slo_of(query)
         run = self.scheduler.admit(query, index, now, slo_s)
         self._admitted.append((query, now, slo_s))
         for stage in query.workflow.roots:
             self._enqueue(self.scheduler.release(run, stage, now), now)
+        return run
 
     def _enqueue(self, tickets: list[CallTicket], now: float) -> None:
         for ticket in tickets:

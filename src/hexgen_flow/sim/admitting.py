@@ -1,0 +1,49 @@
+"""The simulator with the coordinator's admission control at arrivals (`--admission reject`).
+
+The coordinator asks `hexgen_flow.admission.AdmissionModel` whether a query can still meet
+its SLO before it stores it; this simulation asks the same model at each arrival, refuses
+the queries predicted to miss (they never run) and tracks the admitted ones, so the
+predictor can be measured on the simulator's traffic: how many admitted queries meet their
+SLO, and how many refused ones would have (run the same queries without it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from hexgen_flow.admission import AdmissionModel
+from hexgen_flow.cluster import Cluster
+from hexgen_flow.policies.presets import Preset
+from hexgen_flow.sim.simulator import SimConfig, Simulation
+from hexgen_flow.workload import Query
+
+__all__ = ["AdmittingSimulation"]
+
+
+class AdmittingSimulation(Simulation):
+    """A `Simulation` that refuses the queries `AdmissionModel` predicts to finish later
+    than `slack` x their SLO, or to push an admitted query past its deadline."""
+
+    def __init__(
+        self,
+        queries: Sequence[Query],
+        cluster: Cluster,
+        preset: Preset,
+        config: SimConfig,
+        *,
+        slack: float = 1.0,
+    ) -> None:
+        super().__init__(queries, cluster, preset, config)
+        self.admission = AdmissionModel(self.cluster, self.estimator)
+        self.slack = slack
+        self.rejected = 0
+        """Queries refused at arrival."""
+
+    def _arrive(self, index: int, now: float) -> None:
+        query = self.queries[index]
+        slo_s = self.slo_of(query)
+        prediction = self.admission.predict(query.workflow, now, self.scheduler.load.available)
+        if not prediction.meets(slo_s, self.slack):
+            self.rejected += 1
+            return
+        self.admission.track(self._start(index, now, slo_s), self.slack)
