@@ -145,6 +145,26 @@ def test_the_backlog_follows_the_calls_of_tracked_queries() -> None:
     assert model.backlog_s() == 0.0 and len(model) == 0
 
 
+def test_a_query_tracked_again_counts_once_and_leaves_nothing_when_it_ends() -> None:
+    # The coordinator tracks a provisional run while it stores a query, then the stored run.
+    model = AdmissionModel(parse_cluster("A100,A100"))
+    workflow = _chain((5000, 100), (300, 5))
+    provisional = QueryRun(Query("q", workflow), -1, arrival_s=0.0, slo_s=100.0)
+    stored = QueryRun(Query("q", workflow), 0, arrival_s=0.0, slo_s=100.0)
+    other = QueryRun(Query("other", _chain((300, 5))), 1, arrival_s=0.0, slo_s=100.0)
+    model.track(other)
+    model.track(provisional)
+    model.track(stored)
+    work = model.stage_work_s(workflow)
+    assert len(model) == 2
+    assert model.backlog_s() == pytest.approx(
+        sum(work) + sum(model.stage_work_s(other.query.workflow))
+    )
+    stored.complete_call(0, 1.0)
+    stored.complete_call(1, 2.0)  # finished; `other` still runs
+    assert model.backlog_s() == pytest.approx(sum(model.stage_work_s(other.query.workflow)))
+
+
 def test_a_tracked_query_near_its_deadline_limits_what_is_admitted() -> None:
     model = AdmissionModel(parse_cluster("A100,A100"))
     big = _chain(*[(8000, 300)] * 6)

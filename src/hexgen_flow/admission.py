@@ -232,6 +232,11 @@ class AdmissionModel:
         its deadline (`slack` x its SLO after its arrival): no query is admitted that would
         push it late (a best-effort query is counted, not protected)."""
         workflow = run.query.workflow
+        # Tracking a query again replaces it (the coordinator tracks a provisional run while
+        # it stores the query, then the stored one): its work counts once. Counted twice, it
+        # stayed in the backlog after the query ended, for as long as any query ran, and
+        # the backlog grew with every admission until the cluster refused most queries.
+        self.forget(run.query.query_id)
         entry = _Tracked(
             run,
             self.stage_work_s(workflow),
