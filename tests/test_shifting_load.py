@@ -137,8 +137,8 @@ def test_online_tuner_moves_alpha_off_a_bad_start_under_high_load() -> None:
     assert steps[0].window == sum((q.arrival_s or 0.0) < 100.0 for q in run.queries)
     assert any(s.changed for s in steps)
     assert sim.scheduler.alpha == steps[-1].alpha
-    # α = 1 (every call to its fastest instance) is the worst α at this load (docs/design.md,
-    # "Shifting load and online tuning"): leaving it must show in P95 and attainment.
+    # α = 1 (every call to its fastest instance) is the worst α at this load
+    # (docs/online-tuning.md): leaving it must show in P95 and attainment.
     static = simulate(run.queries, CLUSTER, FLOW.with_alpha(1.0), config)
     assert online.p95_s < static.p95_s
     assert online.slo_attainment > static.slo_attainment

@@ -208,8 +208,8 @@ def decide(result: TuningResult, current: float, *, tolerance: float = 0.0) -> D
     P95, then higher SLO attainment): a tie keeps the current α.
 
     With a `tolerance` > 0, every α whose replayed P95 is within that fraction of the best
-    counts as as good as the best (a window's P95 is noisy: see docs/design.md, "Shifting
-    load and online tuning"): the current α is kept when it is among them, and otherwise the
+    counts as as good as the best (a window's P95 is noisy: see
+    docs/online-tuning.md): the current α is kept when it is among them, and otherwise the
     median α among them is taken, the middle of the flat bottom of the curve rather than
     its noisiest edge."""
     best = result.best
@@ -310,8 +310,7 @@ class OnlineSettings:
     """Seed of the replays (the policies' random choices)."""
     tolerance: float = 0.05
     """`decide`'s tolerance: α within this fraction of the best P95 count as the best (0:
-    any strictly better α wins; docs/design.md, "Shifting load and online tuning", measures
-    why 0.05)."""
+    any strictly better α wins; docs/online-tuning.md measures why 0.05)."""
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.period_s) and self.period_s > 0):

@@ -57,8 +57,8 @@ class TunerConfig:
     tolerance: float = 0.05
     """α whose replayed P95 is within this fraction of the best count as the best
     (`hexgen_flow.tuning.decide`): the current α is kept when it is among them, else the
-    median of them is pushed. 0: any strictly better α is pushed (docs/design.md, "Shifting
-    load and online tuning", measures the two)."""
+    median of them is pushed. 0: any strictly better α is pushed (docs/online-tuning.md
+    measures the two)."""
     calibration: str | None = None
     """Where the replays' latency numbers come from: the coordinator's calibration (None:
     ``chess-measured``)."""

@@ -69,8 +69,7 @@ PLOT_FILE = "shifting_load.png"
 ONLINE = OnlineSettings(period_s=180.0, window=200, min_queries=20, tolerance=0.05)
 """The online tuner's settings in every scenario: the mesh tuner's window, min-queries and
 tolerance, and a run every 180 simulated seconds (the mesh's 30 wall seconds are 30 to 600
-cluster seconds at time scales 1 to 20); docs/design.md, "Shifting load and online tuning",
-explains them."""
+cluster seconds at time scales 1 to 20); docs/online-tuning.md explains them."""
 QUICK_ONLINE = OnlineSettings(period_s=200.0, window=100, min_queries=20, tolerance=0.05)
 """The quick plan's: fewer, smaller replays (a smoke run, not a measurement)."""
 
@@ -78,7 +77,7 @@ QUICK_ONLINE = OnlineSettings(period_s=200.0, window=100, min_queries=20, tolera
 HIGH_PHASE_QPS = 0.26
 """The load scenario's high phase: the rate at which the paper's cluster, with prefix caching
 and the tail weight, misses the SLO for some queries (attainment 91-96 % over the run at α 0-0.9),
-as 0.14 q/s did before either (docs/design.md, "Shifting load and online tuning")."""
+as 0.14 q/s did before either (docs/online-tuning.md)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +127,7 @@ class HighLoad:
     cluster: str = "H100x64,H200x96,A100x48,L40Sx32"
     """Qwen3-30B-A3B at its profiled tp: 1 GPU per H100/H200/A100 instance, 2 per L40S (240
     instances, 272 GPUs): the smallest of the sizes tried at which `hexgen-flow` meets the
-    SLO for at least 95 % of the queries at 30 q/s (docs/design.md)."""
+    SLO for at least 95 % of the queries at 30 q/s (docs/online-tuning.md)."""
     model: str = "qwen3-30b-a3b"
     qps: float = 30.0
     num_queries: int = 2000
