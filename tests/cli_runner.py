@@ -47,3 +47,19 @@ def one_error_line(proc: subprocess.CompletedProcess[str]) -> str:
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("hexgen-flow: error: "), lines[0]
     return lines[0]
+
+
+def interruptible(argv: list[str]) -> list[str]:
+    """`argv` run with SIGINT at its default, for a child the test interrupts with SIGINT.
+
+    A shell without job control starts a background command with SIGINT ignored, children
+    inherit that, and Python then never installs its KeyboardInterrupt handler: the Ctrl-C
+    tests failed when the suite itself was started in the background with `&`. The wrapper
+    resets SIGINT and execs `argv` (a default disposition survives exec; a handler would
+    not, and `preexec_fn` is unsafe beside threads).
+    """
+    reset = (
+        "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+        "os.execv(sys.argv[1], sys.argv[1:])"
+    )
+    return [sys.executable, "-c", reset, *argv]

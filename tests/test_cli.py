@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from cli_runner import run_cli, run_json
+from cli_runner import interruptible, run_cli, run_json
 from hexgen_flow.policies.presets import PRESETS
 from hexgen_flow.policies.registration import BUDGETS, DISPATCHERS, QUEUES
 
@@ -295,7 +295,7 @@ def test_ctrl_c_exits_130_quietly(tmp_path: Path) -> None:
     # The full benchmark runs for minutes: it is certainly still running when interrupted,
     # inside the worker pool.
     proc = subprocess.Popen(
-        [sys.executable, "-m", "hexgen_cli", "bench", "--out", str(tmp_path)],
+        interruptible([sys.executable, "-m", "hexgen_cli", "bench", "--out", str(tmp_path)]),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -26,6 +26,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
+from cli_runner import interruptible
 from hexgen_api.v1 import coordinator_pb2, coordinator_pb2_grpc, tuner_pb2, tuner_pb2_grpc
 from hexgen_client.client import CoordinatorClient
 from hexgen_client.cluster import LocalCluster, LocalClusterConfig
@@ -199,8 +200,8 @@ def test_a_killed_worker_and_a_restarted_coordinator_come_back(mesh: LocalCluste
 
 def test_up_runs_until_interrupted_then_stops_everything(tmp_path: Path) -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "hexgen_cli", "up", "--listen", "127.0.0.1:0",
-         "--tuner-listen", "127.0.0.1:0", "--time-scale", "50", "--log-dir", str(tmp_path)],
+        interruptible([sys.executable, "-m", "hexgen_cli", "up", "--listen", "127.0.0.1:0",
+         "--tuner-listen", "127.0.0.1:0", "--time-scale", "50", "--log-dir", str(tmp_path)]),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
