@@ -280,7 +280,7 @@ class MarginalLatencyDispatcher(Dispatcher):
             own_calls = sum(in_flight) - sum(others)
             if own_calls > 0:
                 mean = sum(weights) / own_calls
-        best, best_key = -1, (float("inf"), 0)
+        best, best_score, best_n = -1, float("inf"), 0
         for i in self.candidates(ticket):
             n = in_flight[i]
             prefill, own, b, stretch = self._own(i, call, home, n)
@@ -295,9 +295,8 @@ class MarginalLatencyDispatcher(Dispatcher):
                 score += (1.0 - alpha) * (stretch * share * work + prefill * batch)
             # Equal scores (a flat stretch of the slowdown curve): the fewer calls in flight,
             # then the lower index, so a tie never piles calls onto the first instance.
-            key = (score, n)
-            if key < best_key:
-                best, best_key = i, key
+            if score < best_score or (score == best_score and n < best_n):
+                best, best_score, best_n = i, score, n
         return best
 
     def _own(
