@@ -63,6 +63,13 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[GatewayConfig, str]
         help=f"output tokens of a request without max_tokens (default {d.default_max_tokens})",
     )
     parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=d.max_body_bytes,
+        help="largest request body; a larger one is answered 413 before it is read "
+        f"(default {d.max_body_bytes}, 8 MiB: the coordinator's --max-prompt-bytes must fit)",
+    )
+    parser.add_argument(
         "--request-timeout-s",
         type=float,
         default=d.request_timeout_s,
@@ -100,6 +107,7 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[GatewayConfig, str]
             coordinator=",".join(coordinators),
             default_stage=args.default_stage,
             default_max_tokens=args.default_max_tokens,
+            max_body_bytes=args.max_body_bytes,
             request_timeout_s=args.request_timeout_s,
             tls_cert=args.tls_cert,
             tls_key=args.tls_key,

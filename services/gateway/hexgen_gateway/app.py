@@ -17,10 +17,14 @@ checks it; the gateway lends nobody a key of its own. The coordinator's UNAUTHEN
 
 Every answer to a completion carries ``X-Hexgen-Workflow`` and ``X-Hexgen-Query`` (the
 workflow's id), ``X-Hexgen-Call`` (the call's id) and ``X-Hexgen-Deadline-S`` (the call's
-stage deadline on the cluster clock, from the time the workflow has left). Errors are
-OpenAI's error bodies (`hexgen_gateway.errors`). Each request is a span whose parent is the
-request's W3C ``traceparent``; the RPCs to the coordinator carry the span's context in
-their metadata (the OpenTelemetry gRPC client interceptors).
+stage deadline on the cluster clock, from the time the workflow has left); an error from
+the coordinator's side of a request (its call refused, its workflow failed) carries the
+first two. Errors are OpenAI's error bodies (`hexgen_gateway.errors`), a bug's too (500,
+``server_error``; its traceback is logged). A body over ``--max-body-bytes`` is 413 before
+it is read; a body that is no JSON, or JSON nested too deeply, is 400 (``invalid_json``).
+Each request is a span whose parent is the request's W3C ``traceparent``; the RPCs to the
+coordinator carry the span's context in their metadata (the OpenTelemetry gRPC client
+interceptors).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import trace
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from hexgen_api.v1 import coordinator_pb2
 from hexgen_client.client import CoordinatorClient
@@ -46,7 +51,7 @@ from hexgen_client.credentials import request_api_key
 from hexgen_client.errors import CoordinatorError
 from hexgen_gateway.callers import CallerKey, caller_id
 from hexgen_gateway.config import GatewayConfig
-from hexgen_gateway.errors import OpenAIError, from_coordinator
+from hexgen_gateway.errors import OpenAIError, bad_request, from_coordinator
 from hexgen_gateway.mapping import (
     HEADER_CALL,
     HEADER_DEADLINE,
@@ -61,6 +66,7 @@ from hexgen_gateway.openai_api import (
     chunk,
     completion_body,
     new_id,
+    parse_body,
     parse_chat,
     parse_completion,
     usage,
@@ -178,11 +184,30 @@ class Gateway:
 
     # ---------------------------------------------------------------------- requests
 
-    async def complete(self, request: Request, chat: bool) -> Response:
+    async def read_body(self, request: Request) -> bytes:
+        """The request's body; 413 when its ``Content-Length`` says it is larger than
+        `max_body_bytes` (before any of it is read) or as soon as it grows past it; 400 when
+        the client goes away before it is sent (nobody reads that answer: nothing to log)."""
+        limit = self.config.max_body_bytes
+        declared = request.headers.get("content-length", "").strip()
+        if declared.isdigit() and (len(declared) > 18 or int(declared) > limit):
+            raise _too_large(limit, f"this one is {declared} bytes")
+        pieces: list[bytes] = []
+        size = 0
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise OpenAIError(400, "the body is not valid JSON", code="invalid_json") from None
+            async for piece in request.stream():
+                size += len(piece)
+                if size > limit:
+                    raise _too_large(limit, "this one is larger")
+                pieces.append(piece)
+        except ClientDisconnect:
+            raise bad_request(
+                f"the client went away after {size} bytes of its body", None, "client_disconnected"
+            ) from None
+        return b"".join(pieces)
+
+    async def complete(self, request: Request, chat: bool) -> Response:
+        body = parse_body(await self.read_body(request))
         default = self.config.default_max_tokens
         parsed = parse_chat(body, default) if chat else parse_completion(body, default)
         context = WorkflowContext.from_headers(request.headers, self.config.default_stage)
@@ -200,12 +225,14 @@ class Gateway:
                 "gen_ai.request.max_tokens": parsed.call.output_tokens,
             },
         )
+        named = {HEADER_WORKFLOW: context.workflow, HEADER_QUERY: context.workflow}
         try:
             with trace.use_span(span, end_on_exit=False):
                 started = await self.mapper.start(context, parsed.call)
         except BaseException as exc:
             if isinstance(exc, OpenAIError):
                 _failed(span, exc)
+                exc.headers.update(named)  # so that the caller can find the workflow
             span.end()
             raise
         span.set_attribute("hexgen.call_id", started.call_id)
@@ -226,6 +253,7 @@ class Gateway:
         except BaseException as exc:
             if isinstance(exc, OpenAIError):
                 _failed(span, exc)
+                exc.headers.update(named)
             else:  # cancelled: the query is not wanted any more
                 self._cancel_later(started)
             span.end()
@@ -351,6 +379,14 @@ def _sse(body: dict[str, Any]) -> str:
     return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
 
 
+def _too_large(limit: int, which: str) -> OpenAIError:
+    return OpenAIError(
+        413,
+        f"the gateway reads a body of at most {limit} bytes (--max-body-bytes): {which}",
+        code="request_too_large",
+    )
+
+
 def _failed(span: trace.Span, exc: OpenAIError) -> None:
     span.set_attribute("http.response.status_code", exc.status)
     span.set_status(trace.Status(trace.StatusCode.ERROR, exc.message))
@@ -385,8 +421,14 @@ def create_app(config: GatewayConfig | None = None) -> FastAPI:
         error = OpenAIError(exc.status_code, str(exc.detail), code=None)
         return JSONResponse(error.body(), status_code=exc.status_code)
 
+    async def server_error(request: Request, exc: Exception) -> Response:
+        # A bug, not the client's doing: Starlette logs its traceback after this answer.
+        error = OpenAIError(500, f"the gateway failed: {type(exc).__name__}", type="server_error")
+        return JSONResponse(error.body(), status_code=500)
+
     app.add_exception_handler(OpenAIError, openai_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(Exception, server_error)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

@@ -7,9 +7,14 @@ from dataclasses import dataclass
 
 from hexgen_client.addresses import DEFAULT_COORDINATOR, DEFAULT_GATEWAY
 from hexgen_flow.errors import ConfigError
+from hexgen_service.convert import MAX_TOKENS_PER_CALL
 from hexgen_service.exposure import refuse_unprotected
 
-__all__ = ["DEFAULT_GATEWAY", "GatewayConfig"]
+__all__ = ["DEFAULT_GATEWAY", "DEFAULT_MAX_BODY_BYTES", "GatewayConfig"]
+
+DEFAULT_MAX_BODY_BYTES = 8 << 20
+"""8 MiB: room for the coordinator's largest prompt (``--max-prompt-bytes``, 1 MiB by
+default) even when JSON escapes each of its characters (``\\u0001``: 6 bytes)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +30,9 @@ class GatewayConfig:
     """The step of a request without an ``X-Hexgen-Stage`` header."""
     default_max_tokens: int = 256
     """Output tokens declared for a request without ``max_tokens``."""
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    """Largest request body read; a larger one is answered 413 before it is read (by its
+    ``Content-Length``) or as soon as it grows past it."""
     request_timeout_s: float = 600.0
     """Wall seconds a request may take (admission to the last token); past it the query is
     cancelled and the answer is 504."""
@@ -47,8 +55,13 @@ class GatewayConfig:
     """Listen beyond loopback over plain HTTP (protected mode refuses it otherwise)."""
 
     def __post_init__(self) -> None:
-        if self.default_max_tokens < 1:
-            raise ConfigError(f"default max tokens must be >= 1, got {self.default_max_tokens}")
+        if not 1 <= self.default_max_tokens <= MAX_TOKENS_PER_CALL:
+            raise ConfigError(
+                f"default max tokens must be from 1 to {MAX_TOKENS_PER_CALL}, "
+                f"got {self.default_max_tokens}"
+            )
+        if self.max_body_bytes < 1:
+            raise ConfigError(f"max body bytes must be >= 1, got {self.max_body_bytes}")
         for name in ("request_timeout_s", "rpc_timeout_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):

@@ -12,7 +12,12 @@
   budgets it from the time the workflow has left. A workflow ends when it is closed
   (``POST /v1/workflows/{id}/close``) or after the coordinator's idle timeout.
 - A request without ``X-Hexgen-Workflow`` is a workflow of its own (``gw-<uuid>``),
-  opened, given its one call and closed at once.
+  opened, given its one call and closed at once. When its call is not taken (the
+  coordinator refuses it, or anything else fails before it is), the workflow is cancelled
+  at once: nobody will give it a call, and it must not wait for the idle timeout, counted
+  as work by admission. A named workflow goes on (its other calls are wanted).
+- The ids the headers give (workflow, stage, template) are at most `MAX_ID_CHARACTERS`
+  (the coordinator accepts no longer one): 400 naming the header.
 - The call declares ``input_tokens`` = the prompt's characters / 4 (rounded up, at least
   1; a tokenizer-free estimate, good enough for scheduling), ``output_tokens`` =
   max_tokens. The text is the CALL_TOKENS chunks as they stream (when the engine streams)
@@ -39,6 +44,7 @@ from hexgen_client.errors import CoordinatorError
 from hexgen_flow.workload import canonical_step
 from hexgen_gateway.callers import caller_id
 from hexgen_gateway.errors import OpenAIError, bad_request, from_coordinator
+from hexgen_service.convert import MAX_ID_CHARACTERS
 
 __all__ = [
     "HEADER_CALL",
@@ -70,6 +76,9 @@ CHARS_PER_TOKEN = 4
 """The prompt's token estimate: characters / 4, OpenAI's rule of thumb for English."""
 _OPENED_KEPT = 100_000
 """Workflow ids a gateway remembers having opened (older ones are opened again: a no-op)."""
+_UNSURE = frozenset({500, 502, 504})
+"""The statuses of a refused OpenWorkflow after which the workflow may exist all the same
+(the coordinator may have opened it without the answer reaching the gateway)."""
 _SIMULATED = re.compile(r"^\[simulated [^\]]*\] (\d+) tokens$")
 """The simulated engine's placeholder text (``[simulated A100] 256 tokens``)."""
 
@@ -100,8 +109,8 @@ class WorkflowContext:
 
     @classmethod
     def from_headers(cls, headers: Mapping[str, str], default_stage: str) -> WorkflowContext:
-        workflow = headers.get(HEADER_WORKFLOW, "").strip()
-        stage = headers.get(HEADER_STAGE, "").strip() or default_stage
+        workflow = _id_header(headers, HEADER_WORKFLOW)
+        stage = _id_header(headers, HEADER_STAGE) or default_stage
         slo_text = headers.get(HEADER_SLO, "").strip()
         slo_s: float | None = None
         if slo_text:
@@ -110,14 +119,26 @@ class WorkflowContext:
             except ValueError:
                 slo_s = math.nan
             if not (math.isfinite(slo_s) and slo_s > 0):
+                shown = slo_text if len(slo_text) <= 40 else f"{slo_text[:40]}..."
                 raise bad_request(
-                    f"{HEADER_SLO} must be a finite number of seconds > 0, got {slo_text!r}",
+                    f"{HEADER_SLO} must be a finite number of seconds > 0, got {shown!r}",
                     HEADER_SLO,
                 )
-        template = headers.get(HEADER_TEMPLATE, "").strip() or None
+        template = _id_header(headers, HEADER_TEMPLATE) or None
         if workflow:
             return cls(workflow, stage, slo_s, template)
         return cls(f"gw-{uuid.uuid4().hex}", stage, slo_s, template, named=False)
+
+
+def _id_header(headers: Mapping[str, str], name: str) -> str:
+    """The header `name`, stripped; 400 when it is longer than any id the coordinator takes
+    (a long one would not even fit the metadata of the coordinator's error)."""
+    value = headers.get(name, "").strip()
+    if len(value) > MAX_ID_CHARACTERS:
+        raise bad_request(
+            f"{name} must be at most {MAX_ID_CHARACTERS} characters, got {len(value)}", name
+        )
+    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +158,11 @@ class CallRequest:
         return estimate_tokens(self.prompt)
 
     def param_of(self) -> dict[str, str]:
-        """The coordinator's field names -> the request's (see `from_coordinator`)."""
+        """The coordinator's field names -> the request's (see `from_coordinator`). A call
+        that fits no instance's KV cache (the coordinator's field: the call) is named by the
+        larger of its prompt and its max tokens; a RunCall too large as a whole (the
+        coordinator's field: the request) by its prompt, the only part that can be."""
+        whole = "max_tokens" if self.output_tokens >= self.input_tokens else self.prompt_param
         return {
             "query_id": HEADER_WORKFLOW,
             "workflow_id": HEADER_WORKFLOW,
@@ -149,6 +174,9 @@ class CallRequest:
             "prompt": self.prompt_param,
             "input_tokens": self.prompt_param,
             "output_tokens": "max_tokens",
+            "call": whole,
+            "calls": whole,
+            "request": self.prompt_param,
         }
 
 
@@ -250,6 +278,8 @@ class WorkflowMapper:
     def __init__(self, client: CoordinatorClient, *, request_timeout_s: float) -> None:
         self.client = client
         self.request_timeout_s = request_timeout_s
+        self._discarding: set[asyncio.Task[None]] = set()
+        """Cancellations of workflows whose call was not taken, held until done."""
         self._opened: OrderedDict[tuple[str, str], None] = OrderedDict()
         """(caller, workflow) this gateway opened (the latest `_OPENED_KEPT`): not opened
         again for that caller. Another caller naming the same workflow id opens it with its
@@ -258,10 +288,29 @@ class WorkflowMapper:
     async def start(self, context: WorkflowContext, call: CallRequest) -> StartedCall:
         """Give the request's call to its workflow (opening it first if need be) and open
         its event stream; `OpenAIError` when the coordinator refuses it (400, 404, 409,
-        429, 503, 504, 500)."""
+        429, 503, 504, 500). A workflow of the request's own whose call was not taken is
+        cancelled before this returns (see the module docstring)."""
+        opened = False  # whether the workflow may exist (for a workflow of the request's own)
+        try:
+            if (caller_id(), context.workflow) not in self._opened:
+                try:
+                    await self._open(context, call, call.param_of())
+                except OpenAIError as exc:
+                    opened = exc.status in _UNSURE
+                    raise
+                except BaseException:  # cancelled, or a bug: it may have been opened
+                    opened = True
+                    raise
+            opened = True
+            return await self._give(context, call)
+        except BaseException as exc:
+            if opened and not context.named:
+                await self._discard(context.workflow, exc)
+            raise
+
+    async def _give(self, context: WorkflowContext, call: CallRequest) -> StartedCall:
+        """RunCall, up to its first response; the workflow is open."""
         param_of = call.param_of()
-        if (caller_id(), context.workflow) not in self._opened:
-            await self._open(context, call, param_of)
         events = self.client.run_call(
             context.workflow,
             context.stage,
@@ -292,6 +341,22 @@ class WorkflowMapper:
             events,
             self.request_timeout_s,
         )
+
+    async def _discard(self, workflow: str, why: BaseException) -> None:
+        """Cancel `workflow`, a workflow of a request's own whose call was not taken; done
+        even when the request itself is cancelled meanwhile (the client went away)."""
+        reason = why.message if isinstance(why, OpenAIError) else type(why).__name__
+        log.info("workflow %s: its call was not taken (%s): cancelling it", workflow, reason)
+        task = asyncio.get_running_loop().create_task(self._cancel_quietly(workflow))
+        self._discarding.add(task)
+        task.add_done_callback(self._discarding.discard)
+        await asyncio.shield(task)
+
+    async def _cancel_quietly(self, workflow: str) -> None:
+        try:
+            await self.client.cancel(workflow)
+        except CoordinatorError as exc:  # it ends after the idle timeout all the same
+            log.warning("workflow %s: could not cancel it: %s", workflow, exc)
 
     async def _open(
         self, context: WorkflowContext, call: CallRequest, param_of: Mapping[str, str]
@@ -324,6 +389,8 @@ class WorkflowMapper:
             # this one before a restart) that had other headers. Its calls are welcome.
             if exc.code != grpc.StatusCode.ALREADY_EXISTS:
                 raise from_coordinator(exc, {**param_of, "template": HEADER_TEMPLATE}) from None
+        if not context.named:  # given its one call at once: nothing to remember
+            return
         self._opened[caller_id(), context.workflow] = None
         while len(self._opened) > _OPENED_KEPT:
             self._opened.popitem(last=False)
