@@ -21,154 +21,41 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import signal
 import subprocess
 import sys
 import time
-import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, cast
 
 import grpc
 import pytest
-import redis
 
 from hexgen_api.v1 import coordinator_pb2 as cpb
 from hexgen_api.v1 import coordinator_pb2_grpc as cpb_grpc
 from hexgen_client.client import CoordinatorClient
-from hexgen_client.cluster_config import worker_argv
 from hexgen_client.errors import CoordinatorOverloadedError, CoordinatorUnavailableError
-from hexgen_client.processes import free_port
 from hexgen_client.replay import replay
 from hexgen_flow.traces import load_trace, take_queries
 from hexgen_flow.workload import Query
 from hexgen_service.convert import submit_from_query
-from hexgen_service.healthcheck import check
+from process_mesh import MeshFactory, meshes
 from redis_here import REDIS_URL, needs_redis
 from up_runner import check_state
 
 CLUSTER = "A100,A100"
-MODEL = "llama-3.1-70b"
 TIME_SCALE = 10.0
 
 
 pytestmark = needs_redis
 
 
-class _Mesh:
-    """A coordinator with `coordinator_args` and `workers` simulated workers (one per
-    slot), each a process logging into `logs`; `stop` ends them and drops the keys."""
-
-    def __init__(
-        self,
-        logs: Path,
-        coordinator_args: list[str],
-        workers: int = 2,
-        time_scale: float = TIME_SCALE,
-    ) -> None:
-        self.logs = logs
-        self.prefix = f"test-admission-{uuid.uuid4().hex[:8]}:"
-        self.address = f"127.0.0.1:{free_port()}"
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        self._start(
-            "coordinator",
-            [
-                sys.executable, "-m", "hexgen_coordinator",
-                "--listen", self.address,
-                "--redis-url", REDIS_URL,
-                "--redis-prefix", self.prefix,
-                "--cluster", CLUSTER,
-                "--time-scale", repr(time_scale),
-                "--log-level", "WARNING",
-                *coordinator_args,
-            ],
-        )  # fmt: skip
-        try:
-            deadline = time.monotonic() + 30
-            while check(self.address, timeout_s=1.0) is not None:
-                self._alive("coordinator")
-                assert time.monotonic() < deadline, "the coordinator did not start"
-                time.sleep(0.1)
-            for slot in range(workers):
-                self.start_worker(slot)
-            if workers:
-                self.wait_connected(workers)
-        except BaseException:
-            self.stop()
-            raise
-
-    def _start(self, name: str, argv: list[str]) -> None:
-        with (self.logs / f"{name}.log").open("ab") as log:
-            self.procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-
-    def _alive(self, name: str) -> None:
-        proc = self.procs[name]
-        if proc.poll() is not None:
-            tail = (self.logs / f"{name}.log").read_text(errors="replace")[-3000:]
-            raise AssertionError(f"{name} exited with {proc.returncode}:\n{tail}")
-
-    def start_worker(self, slot: int) -> None:
-        argv = worker_argv(sys.executable, self.address, slot, "A100", MODEL)
-        self._start(f"worker-{slot}", argv)
-
-    def kill_worker(self, slot: int) -> None:
-        proc = self.procs[f"worker-{slot}"]
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-
-    def status(self) -> cpb.ClusterStatusResponse:
-        with grpc.insecure_channel(self.address) as channel:
-            stub = cpb_grpc.CoordinatorServiceStub(channel)
-            return stub.ClusterStatus(cpb.ClusterStatusRequest(), timeout=5)
-
-    def wait_connected(self, n: int, timeout_s: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while sum(i.connected for i in self.status().instances) < n:
-            for name in self.procs:
-                self._alive(name)
-            assert time.monotonic() < deadline, "the workers did not connect"
-            time.sleep(0.1)
-
-    def stop(self) -> None:
-        for proc in reversed(self.procs.values()):
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs.values():
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        client = redis.Redis.from_url(REDIS_URL)
-        keys = list(client.scan_iter(match=f"{self.prefix}*", count=1000))
-        if keys:
-            client.delete(*keys)
-        client.close()
-
-
-MeshFactory = Callable[..., _Mesh]
-
-
 @pytest.fixture
 def mesh_factory(tmp_path: Path) -> Iterator[MeshFactory]:
-    """``mesh_factory(coordinator_args, workers=2, time_scale=TIME_SCALE)``: a `_Mesh`,
-    stopped after the test."""
-    started: list[_Mesh] = []
-
-    def start(
-        coordinator_args: list[str], workers: int = 2, time_scale: float = TIME_SCALE
-    ) -> _Mesh:
-        mesh = _Mesh(tmp_path, coordinator_args, workers, time_scale)
-        started.append(mesh)
-        return mesh
-
-    try:
-        yield start
-    finally:
-        for mesh in started:
-            mesh.stop()
+    """``mesh_factory(coordinator_args, workers=2, time_scale=TIME_SCALE)``: a coordinator
+    and its workers as processes (`process_mesh.ProcessMesh`), stopped after the test."""
+    yield from meshes(tmp_path)
 
 
 def _queries(n: int, tag: str) -> list[Query]:

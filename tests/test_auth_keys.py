@@ -31,7 +31,7 @@ def test_a_key_is_stored_as_its_hash_and_names_its_tenant_and_role(tmp_path: Pat
     store = KeyStore.create(tmp_path / "keys.json")
     key, record = store.add("acme", Role.OPERATOR)
     text = (tmp_path / "keys.json").read_text()
-    assert key not in text and key.split("_")[2] not in text
+    assert key not in text and key.split("_", 2)[2] not in text  # the secret may hold "_"
     assert stat.S_IMODE((tmp_path / "keys.json").stat().st_mode) == 0o600
     principal = KeyStore(tmp_path / "keys.json").authenticate(key)
     assert (principal.key_id, principal.tenant, principal.role) == (

@@ -25,6 +25,9 @@ from openai.types.chat import ChatCompletionMessageParam
 from hexgen_api.v1 import coordinator_pb2
 from hexgen_client.client import CoordinatorClient
 from hexgen_client.processes import free_port
+from hexgen_flow.admission import AdmissionModel
+from hexgen_flow.cluster import parse_cluster
+from hexgen_flow.workload import LLMCall, Workflow
 from hexgen_service.server import GrpcServer
 from up_runner import Up, running_up, wait_for
 
@@ -264,9 +267,18 @@ def test_an_unknown_model_is_404(up: Up) -> None:
 
 def test_an_slo_admission_refuses_is_429_with_retry_after(up: Up) -> None:
     url = base_url(up)
-    # Admission admits anything an idle cluster can serve as soon as possible; a backlog of
-    # long calls makes a query with a far too small SLO one it refuses.
-    with httpx.Client(timeout=120) as http, ThreadPoolExecutor(4) as pool:
+    # A chat call of about 5 input tokens and the default 256 output tokens needs about 7 s
+    # even alone on this cluster; an SLO below that is refused for good (400: no wait can
+    # help), and one just above it only while a backlog of long calls runs (429).
+    model = AdmissionModel(parse_cluster("A100,A6000"))
+    least = model.predict(Workflow.chain([(LLMCall("chat", 5, 256),)]), 0.0, [True] * 2).least_s
+    tight = f"{1.05 * least:.3f}"
+    with httpx.Client(timeout=120) as http, ThreadPoolExecutor(8) as pool:
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
+        never = http.post(f"{url}/chat/completions", json=chat, headers={"X-Hexgen-Slo-S": "0.001"})
+        assert never.status_code == 400, never.text
+        assert never.json()["error"]["param"] == "X-Hexgen-Slo-S"
+        assert "no wait can help" in never.json()["error"]["message"]
         load = [
             pool.submit(
                 http.post,
@@ -274,22 +286,22 @@ def test_an_slo_admission_refuses_is_429_with_retry_after(up: Up) -> None:
                 json={"prompt": "x" * 4000, "max_tokens": 4000},
                 headers={"X-Hexgen-Workflow": f"load-{n}"},
             )
-            for n in range(4)
+            for n in range(8)
         ]
-        wait_for("the load to be admitted", lambda: _running(up) >= 4, timeout_s=30)
+        wait_for("the load to be admitted", lambda: _running(up) >= 8, timeout_s=30)
         answer = http.post(
             f"{url}/chat/completions",
-            json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]},
-            headers={"X-Hexgen-Slo-S": "0.001", "X-Hexgen-Workflow": "tight"},
+            json=chat,
+            headers={"X-Hexgen-Slo-S": tight, "X-Hexgen-Workflow": "tight"},
         )
         assert answer.status_code == 429, answer.text
         assert int(answer.headers["Retry-After"]) >= 1
-        assert float(answer.headers["retry-after-ms"]) >= 0
+        assert float(answer.headers["retry-after-ms"]) >= 1000  # hints are at least 1 s
         error = answer.json()["error"]
         assert error["type"] == "rate_limit_error" and error["code"] == "rate_limit_exceeded"
         with pytest.raises(openai.RateLimitError):
-            sdk(up).completions.create(
-                model=MODEL, prompt="x", extra_headers={"X-Hexgen-Slo-S": "0.001"}
+            sdk(up).with_options(max_retries=0).completions.create(
+                model=MODEL, prompt="x", extra_headers={"X-Hexgen-Slo-S": tight}
             )
         assert all(f.result().status_code == 200 for f in load)
 

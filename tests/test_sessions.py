@@ -202,10 +202,10 @@ async def test_bad_session_requests_are_refused_naming_the_field(up: Up) -> None
         assert error.details.startswith("stage: must not contain control characters")
         error = await refused(client.run_call(_id("unknown"), "s", "x"))
         assert error.code == grpc.StatusCode.NOT_FOUND
-        await client.close_workflow(workflow)
+        await client.close_workflow(workflow)  # closed with no call given: cancelled
         error = await refused(client.run_call(workflow, "revise", "x"))
         assert error.code == grpc.StatusCode.FAILED_PRECONDITION
-        assert "has succeeded: it takes no more calls" in error.details
+        assert "has cancelled: it takes no more calls" in error.details
 
         whole = Query(_id("whole"), Workflow.chain([(LLMCall("a", 10, 2),)]))
         await client.submit(whole)

@@ -100,8 +100,9 @@ def register(commands: Any) -> None:
         help="set a tenant's own admission limits",
         description="Give a tenant its own limits, checked at admission like every other "
         "(RESOURCE_EXHAUSTED with a retry-after hint): queries running at once (over the "
-        "coordinator's --max-tenant-queries) and a submission rate with a burst. 0 lifts a "
-        "limit. Running services read the change within a second.",
+        "coordinator's --max-tenant-queries), a submission rate with a burst, work in "
+        "flight, prompt bytes kept, and its weight in fair admission. 0 lifts a limit. "
+        "Running services read the change within a second.",
     )
     limits.add_argument("dir", type=Path, metavar="DIR")
     limits.add_argument("--tenant", required=True)
@@ -110,6 +111,16 @@ def register(commands: Any) -> None:
     limits.add_argument("--burst", type=int, default=0, metavar="N",
                         help="submissions allowed at once above the rate (default: the rate, "
                         "at least 1)")  # fmt: skip
+    limits.add_argument("--max-work-s", type=float, default=0.0, metavar="S",
+                        help="work the tenant may have in flight: its running calls, in "
+                        "seconds of saturated work in the scheduler's estimates")  # fmt: skip
+    limits.add_argument("--max-prompt-bytes", type=int, default=0, metavar="BYTES",
+                        help="prompt bytes it may keep in running calls (default: the "
+                        "coordinator's --max-tenant-prompt-bytes)")  # fmt: skip
+    limits.add_argument("--weight", type=float, default=0.0, metavar="W",
+                        help="its weight in fair admission: while tenants compete, another "
+                        "tenant's work counts against its queries only up to that tenant's "
+                        "share, weight / the weights' sum (default 1)")  # fmt: skip
     limits.set_defaults(handler=_cmd_limits)
 
     lst = sub.add_parser("list", help="list the API keys (ids, tenants, roles, state)")
@@ -180,7 +191,14 @@ def _cmd_revoke(args: argparse.Namespace) -> int:
 def _cmd_limits(args: argparse.Namespace) -> int:
     from hexgen_client.security import KeyStore, TenantLimits  # noqa: PLC0415
 
-    limits = TenantLimits(args.max_running, args.rate_qps, args.burst)
+    limits = TenantLimits(
+        args.max_running,
+        args.rate_qps,
+        args.burst,
+        max_work_s=args.max_work_s,
+        max_prompt_bytes=args.max_prompt_bytes,
+        weight=args.weight,
+    )
     KeyStore(_auth_dir(args.dir).keys).set_limits(args.tenant, limits)
     info(f"{PROG}: tenant {args.tenant!r}: {limits}")
     return 0

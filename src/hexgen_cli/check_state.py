@@ -22,10 +22,11 @@ def register(commands: Any) -> None:
     cmd = commands.add_parser(
         "check-state",
         help="check workflow state in Redis: duplicate or missing completions, stuck "
-        "queries, orphan keys (exit 1 if any)",
+        "queries, orphan keys, stale prompts (exit 1 if any)",
         description="An fsck for the coordinator's Redis state. Prints {queries, calls, "
-        "running, duplicate_completions, missing_completions, stuck_queries, orphan_keys} "
-        "and exits 1 when any of the last four is non-zero.",
+        "running, duplicate_completions, missing_completions, stuck_queries, orphan_keys, "
+        "kept_prompts, stale_prompts} and exits 1 when any of duplicate_completions, "
+        "missing_completions, stuck_queries, orphan_keys or stale_prompts is non-zero.",
     )
     cmd.add_argument(
         "--redis-url",

@@ -4,6 +4,7 @@ workers) until Ctrl-C, supervised; print where everything listens."""
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,14 @@ def register(commands: Any) -> None:
         help=f"prefix of the mesh's Redis keys (default {DEFAULT_REDIS_PREFIX})",
     )
     up.add_argument(
+        "--redis-maxmemory",
+        default="1gb",
+        metavar="SIZE",
+        help="the private Redis's maxmemory, with maxmemory-policy noeviction: the "
+        "coordinator refuses new work above 90 %% of it, before Redis would refuse writes "
+        "(default %(default)s; e.g. 512mb, 4gb)",
+    )
+    up.add_argument(
         "--redis-cluster",
         action="store_true",
         help="--redis-url is a node of a Redis Cluster: every key of the mesh carries one "
@@ -100,7 +109,8 @@ def register(commands: Any) -> None:
         metavar="HOST:PORT",
         help="where the coordinator serves Prometheus metrics, at /metrics; port 0 picks a "
         f"free one (default {DEFAULT_METRICS}); the tuner serves its own on the next port "
-        "and the workers on the ports after (free ones with port 0)",
+        "and the workers on the ports after (free ones with port 0); with --secure over "
+        "HTTPS to API keys (beyond loopback only with --secure)",
     )
     up.add_argument(
         "--tuner-period-s",
@@ -203,6 +213,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
             redis_url=args.redis_url,
             redis_prefix=args.redis_prefix,
             redis_cluster=args.redis_cluster,
+            redis_maxmemory=args.redis_maxmemory,
             tuner=args.tuner,
             tuner_listen=args.tuner_listen,
             tuner_period_s=args.tuner_period_s,
@@ -247,16 +258,21 @@ def _check_options(args: argparse.Namespace) -> Path | None:
             ("--listen", args.listen),
             ("--tuner-listen", args.tuner_listen),
             ("--gateway-listen", args.gateway_listen),
+            ("--metrics-listen", args.metrics_listen),
         )
         if not is_loopback(value)
     ]
     if exposed and not args.secure:
         raise ConfigError(
             f"{', '.join(exposed)}: a mesh reachable beyond this machine must run with "
-            "--secure (API keys, TLS, mutual TLS for workers)"
+            "--secure (API keys, TLS, mutual TLS for workers; metrics over HTTPS to API keys)"
         )
     if args.redis_cluster and args.redis_url is None:
         raise ConfigError("--redis-cluster: give --redis-url, a node of the Redis Cluster")
+    if re.fullmatch(r"[1-9][0-9]*(b|kb|mb|gb|k|m|g)?", str(args.redis_maxmemory).lower()) is None:
+        raise ConfigError(
+            f"--redis-maxmemory: {args.redis_maxmemory!r} is not a size (e.g. 512mb, 4gb)"
+        )
     if (args.auth_dir is not None or args.tenants) and not args.secure:
         raise ConfigError("--auth-dir and --tenants go with --secure")
     if not args.secure:
@@ -286,8 +302,12 @@ def _restart_summary(restarts: dict[str, int]) -> str:
 
 def _print_up(cluster: Any, args: argparse.Namespace) -> None:
     redis_note = (
-        "given" if args.redis_url else "private, append-only file fsynced always, removed on exit"
+        "given"
+        if args.redis_url
+        else f"private, maxmemory {args.redis_maxmemory} noeviction, append-only file fsynced "
+        "always, removed on exit"
     )
+    scheme = "https" if cluster.auth is not None else "http"  # secured: HTTPS, API keys
     coordinator_options = [
         f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}"
         for flag, value in (
@@ -314,15 +334,20 @@ def _print_up(cluster: Any, args: argparse.Namespace) -> None:
         ),
         (
             "metrics",
-            f"http://{cluster.metrics_address}/metrics (Prometheus, coordinator)"
+            f"{scheme}://{cluster.metrics_address}/metrics (Prometheus, coordinator)"
             + (
-                f"; http://{cluster.tuner_metrics_address}/metrics (tuner)"
+                f"; {scheme}://{cluster.tuner_metrics_address}/metrics (tuner)"
                 if cluster.tuner_metrics_address
                 else ""
             )
             + "; "
-            + ", ".join(f"http://{a}/metrics" for a in cluster.worker_metrics_addresses)
-            + " (workers)",
+            + ", ".join(f"{scheme}://{a}/metrics" for a in cluster.worker_metrics_addresses)
+            + " (workers)"
+            + (
+                f"; Authorization: Bearer <an operator's key, e.g. {cluster.auth.admin_key}>"
+                if cluster.auth is not None
+                else ""
+            ),
         ),
         (
             "workers",

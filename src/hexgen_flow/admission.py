@@ -41,12 +41,32 @@ admitted queries meet their SLO, and 15 % more queries meet it than when the who
 counted against every admitted query and the busy path ran twice as slow (which refused a
 third of the queries on H100 x 4 at 0.5 q/s that would all have met their SLO).
 
+**Fair and local.** What a newcomer is judged by is the work that can compete with it
+while it runs, not one global backlog:
+
+- *within its window*: a tracked query whose remaining critical path is longer than the
+  newcomer's window (``slack x SLO``) cannot do all its work within it; only the share
+  ``window / path`` of its work counts (one call of 100,000 output tokens decodes for
+  an hour: it is not a backlog that drains before a small query can run);
+- *each tenant within its share*: another tenant's windowed backlog counts at most its
+  weighted share of the capacity over the window (``weight / sum of the weights of the
+  tenants with work in flight, the newcomer's included``); a tenant over its share is not
+  protected against the newcomers of tenants within theirs, so one tenant's flood cannot
+  make another's feasible query infeasible beyond that tenant's share;
+- *best-effort apart*: the work of best-effort queries is served last and is not counted
+  against queries admitted at normal urgency (only against other best-effort ones).
+
+A query that cannot meet its SLO even alone on the whole cluster (``idle_s``) is refused
+for good (`Verdict.INFEASIBLE`: no wait can help), or run best-effort when the driver says
+so; `decide` is that rule, shared by the coordinator and the simulator.
+
 `predict_finish` is the pure function; `AdmissionModel` derives its inputs from a cluster
 and the queries a driver runs (the coordinator's admission, or a simulator).
 """
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -54,12 +74,16 @@ from dataclasses import dataclass
 from hexgen_flow.cluster import Cluster
 from hexgen_flow.estimate import REPRESENTATIVE_TOKENS, Estimator, WorkflowPlan
 from hexgen_flow.runtime import QueryRun
-from hexgen_flow.workload import STANDARD_TEMPLATE, LLMCall, Workflow
+from hexgen_flow.workload import DEFAULT_TENANT, STANDARD_TEMPLATE, LLMCall, Workflow
 
 __all__ = [
     "BEST_EFFORT_DELAY_S",
+    "AdmissionDecision",
+    "AdmissionMode",
     "AdmissionModel",
     "Prediction",
+    "Verdict",
+    "decide",
     "is_best_effort",
     "predict_finish",
 ]
@@ -89,6 +113,14 @@ class Prediction:
     delay_s: float = 0.0
     """How long the query's own work delays the admitted queries: its saturated work over
     the capacity."""
+    idle_s: float = math.nan
+    """When it would finish alone on the whole cluster, every instance up (nan: as
+    `alone_s`): later than its SLO, no wait can help."""
+
+    @property
+    def least_s(self) -> float:
+        """Its least time on this cluster: `idle_s`, or `alone_s` when not given."""
+        return self.alone_s if math.isnan(self.idle_s) else self.idle_s
 
     def meets(self, slo_s: float, slack: float = 1.0) -> bool:
         """Whether the query finishes within `slack` x `slo_s` (or as soon as it could on
@@ -122,22 +154,94 @@ def predict_finish(
     backlog_s: float,
     capacity: float,
     headroom_s: float = math.inf,
+    full_capacity: float | None = None,
 ) -> Prediction:
     """The prediction for a query with critical path `critical_path_s` and saturated work
     `work_s`, behind `backlog_s` of saturated work, on `capacity` instances' worth of
     throughput (seconds of work drained per second), with admitted queries that can be
-    delayed by at most `headroom_s`. All in seconds of one clock."""
-    if capacity <= 0.0:
-        return Prediction(math.inf, math.inf, math.inf, headroom_s, math.inf)
+    delayed by at most `headroom_s`; `full_capacity`: the whole cluster's throughput, every
+    instance up (for `Prediction.idle_s`; None: `capacity`). All in seconds of one clock."""
 
     def finish(drain: float) -> float:
         # The part of its path run while the instances are busy runs about 1.5x as slow
         # (twice as slow refused queries that met their SLO without admission control).
         return critical_path_s + 0.5 * min(critical_path_s, drain) + drain
 
+    whole = capacity if full_capacity is None else full_capacity
+    idle = finish(work_s / whole) if whole > 0.0 else math.inf
+    if capacity <= 0.0:
+        return Prediction(math.inf, math.inf, math.inf, headroom_s, math.inf, idle)
     own = work_s / capacity
     drain = max(backlog_s, 0.0) / capacity + own
-    return Prediction(finish(drain), finish(own), drain, headroom_s, own)
+    return Prediction(finish(drain), finish(own), drain, headroom_s, own, idle)
+
+
+class AdmissionMode(enum.Enum):
+    """What a driver does with a query predicted to miss its SLO."""
+
+    REJECT = "reject"
+    """Refuse it: retry later (the load may drain), or for good when it cannot meet its
+    SLO even alone on the whole cluster."""
+    BEST_EFFORT = "best-effort"
+    """Admit it at the lowest urgency, held back until it would be admitted."""
+    OFF = "off"
+    """Admit everything."""
+
+    @classmethod
+    def parse(cls, text: str) -> AdmissionMode:
+        try:
+            return cls(text)
+        except ValueError:
+            names = ", ".join(m.value for m in cls)
+            raise ValueError(f"admission mode {text!r} is not one of {names}") from None
+
+
+class Verdict(enum.Enum):
+    """What admission control decided about a query."""
+
+    ADMIT = "admit"
+    """Run it at normal urgency."""
+    BEST_EFFORT = "best-effort"
+    """Run it at the lowest urgency, when it would be admitted (`AdmissionMode.BEST_EFFORT`)."""
+    RETRY = "retry"
+    """Refused for now: retry after `AdmissionDecision.retry_after_s`."""
+    INFEASIBLE = "infeasible"
+    """Refused for good: even alone on the whole cluster it would miss its SLO."""
+
+    @property
+    def admitted(self) -> bool:
+        return self in (Verdict.ADMIT, Verdict.BEST_EFFORT)
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionDecision:
+    """The decision about one query, and why."""
+
+    verdict: Verdict
+    prediction: Prediction
+    """What admitting it now is predicted to do."""
+    retry_after_s: float = 0.0
+    """For `Verdict.RETRY`: seconds (of the prediction's clock) until the backlog has
+    drained enough to admit it; 0 otherwise."""
+
+
+def decide(
+    prediction: Prediction, slo_s: float, *, mode: AdmissionMode, slack: float = 1.0
+) -> AdmissionDecision:
+    """The admission rule: admit a query that `meets` its SLO; one whose least time on the
+    whole cluster exceeds ``max(slack, 1) x slo_s`` is `Verdict.INFEASIBLE` (no wait can
+    help), the others wait (`Verdict.RETRY`); in `AdmissionMode.BEST_EFFORT` both run
+    best-effort instead; `AdmissionMode.OFF` admits everything."""
+    if mode is AdmissionMode.OFF:
+        return AdmissionDecision(Verdict.ADMIT, prediction)
+    if prediction.least_s > max(slack, 1.0) * slo_s:
+        verdict = Verdict.BEST_EFFORT if mode is AdmissionMode.BEST_EFFORT else Verdict.INFEASIBLE
+        return AdmissionDecision(verdict, prediction)
+    if prediction.meets(slo_s, slack):
+        return AdmissionDecision(Verdict.ADMIT, prediction)
+    if mode is AdmissionMode.BEST_EFFORT:
+        return AdmissionDecision(Verdict.BEST_EFFORT, prediction)
+    return AdmissionDecision(Verdict.RETRY, prediction, prediction.retry_after_s(slo_s, slack))
 
 
 class AdmissionModel:
@@ -149,9 +253,17 @@ class AdmissionModel:
     are gone (cancelled, failed), are dropped.
     """
 
-    def __init__(self, cluster: Cluster, estimator: Estimator | None = None) -> None:
+    def __init__(
+        self,
+        cluster: Cluster,
+        estimator: Estimator | None = None,
+        *,
+        weight_of: Callable[[str], float] | None = None,
+    ) -> None:
         self.cluster = cluster
         self.estimator = estimator or Estimator(cluster)
+        self.weight_of = weight_of or (lambda tenant: 1.0)
+        """A tenant's weight in fair admission (> 0; default 1 for every tenant)."""
         instances = cluster.instances
         self._n = len(instances)
         self._models = [inst.latency for inst in instances]
@@ -225,12 +337,25 @@ class AdmissionModel:
         """Throughput of the available instances, in cluster-mean seconds per second."""
         return sum(s for s, up in zip(self.speed, available, strict=True) if up)
 
+    @property
+    def full_capacity(self) -> float:
+        """Throughput of the whole cluster, every instance up."""
+        return sum(self.speed)
+
     # -------------------------------------------------------------------------- backlog
 
-    def track(self, run: QueryRun, slack: float = 1.0, *, protect: bool = True) -> None:
+    def track(
+        self,
+        run: QueryRun,
+        slack: float = 1.0,
+        *,
+        protect: bool = True,
+        best_effort: bool = False,
+    ) -> None:
         """Count `run`'s unfinished calls in the backlog from now on and, with `protect`,
         its deadline (`slack` x its SLO after its arrival): no query is admitted that would
-        push it late (a best-effort query is counted, not protected)."""
+        push it late. A `best_effort` query is counted only against other best-effort
+        queries (it is served last) and never protected."""
         workflow = run.query.workflow
         # Tracking a query again replaces it (the coordinator tracks a provisional run while
         # it stores the query, then the stored one): its work counts once. Counted twice, it
@@ -239,9 +364,11 @@ class AdmissionModel:
         self.forget(run.query.query_id)
         entry = _Tracked(
             run,
+            workflow,
             self.stage_work_s(workflow),
             self.tail_s(workflow),
-            run.arrival_s + slack * run.slo_s if protect else math.inf,
+            run.arrival_s + slack * run.slo_s if protect and not best_effort else math.inf,
+            best_effort=best_effort,
         )
         self._tracked[run.query.query_id] = entry
         self._refresh(entry)
@@ -264,13 +391,19 @@ class AdmissionModel:
         self._update(alive)
         return self._backlog_s
 
+    def tenant_work_s(self, tenant: str, alive: Callable[[QueryRun], bool] | None = None) -> float:
+        """Saturated work of `tenant`'s tracked queries' unfinished calls (its work in
+        flight, best-effort included: what a tenant's quota counts)."""
+        self._update(alive)
+        return sum(e.remaining_s for e in self._tracked.values() if e.run.query.tenant == tenant)
+
     def _update(self, alive: Callable[[QueryRun], bool] | None) -> None:
         gone: list[str] = []
         for query_id, entry in self._tracked.items():
             run = entry.run
             if run.calls_left <= 0 or (alive is not None and not alive(run)):
                 gone.append(query_id)
-            elif run.calls_left != entry.calls_left:
+            elif run.calls_left != entry.calls_left or run.query.workflow is not entry.workflow:
                 self._refresh(entry)
         for query_id in gone:
             self.forget(query_id)
@@ -279,7 +412,14 @@ class AdmissionModel:
 
     def _refresh(self, entry: _Tracked) -> None:
         run = entry.run
-        stages = run.query.workflow.stages
+        workflow = run.query.workflow
+        if workflow is not entry.workflow:
+            # A workflow session grew (a call joined a stage, or named a new one): its
+            # stages' work and paths are those of the workflow it runs now.
+            entry.workflow = workflow
+            entry.stage_work = self.stage_work_s(workflow)
+            entry.tail = self.tail_s(workflow)
+        stages = workflow.stages
         remaining, path = 0.0, 0.0
         for k, left in enumerate(run.stage_calls_left):
             if left:
@@ -299,13 +439,36 @@ class AdmissionModel:
         now: float,
         available: Sequence[bool],
         alive: Callable[[QueryRun], bool] | None = None,
+        *,
+        tenant: str = DEFAULT_TENANT,
+        window_s: float = math.inf,
+        best_effort: bool = False,
     ) -> Prediction:
-        """What admitting a query with `workflow` at `now` is predicted to do."""
+        """What admitting a query of `tenant` with `workflow` at `now` is predicted to do.
+
+        `window_s`: the time within which it must finish (``slack x SLO``): only the work
+        the tracked queries can do within it counts, and another tenant's at most its
+        weighted share of the capacity over it (see the module docstring); inf: the whole
+        backlog. `best_effort`: the prediction for a best-effort query, which waits for the
+        best-effort queries ahead of it too."""
         self._update(alive)
         capacity = self.capacity(available)
-        backlog = self._backlog_s
+        per_tenant: dict[str, float] = {}
+        for entry in self._tracked.values():
+            if entry.best_effort and not best_effort:
+                continue
+            work = entry.remaining_s
+            if entry.path_s > window_s:
+                # It cannot do all its work within the window: its calls take at least
+                # its remaining critical path, at about an even rate along it.
+                work *= window_s / entry.path_s
+            owner = entry.run.query.tenant
+            per_tenant[owner] = per_tenant.get(owner, 0.0) + work
+        backlog, over_share = self._fair_backlog(per_tenant, tenant, capacity, window_s)
         headroom = math.inf
         for entry in self._tracked.values():
+            if entry.run.query.tenant in over_share:
+                continue  # over its share: not protected against a tenant within its own
             left = entry.deadline_s - now - entry.path_s
             # A query already late without the newcomer (no time left after its remaining
             # path) is not protected.
@@ -317,12 +480,41 @@ class AdmissionModel:
             backlog_s=backlog,
             capacity=capacity,
             headroom_s=headroom,
+            full_capacity=self.full_capacity,
         )
+
+    def _fair_backlog(
+        self, per_tenant: dict[str, float], tenant: str, capacity: float, window_s: float
+    ) -> tuple[float, set[str]]:
+        """The backlog a newcomer of `tenant` is judged by, and the tenants over their
+        share: its own tenant's whole (windowed) backlog, every other tenant's up to its
+        weighted share of `capacity` over `window_s`."""
+        others = [t for t in per_tenant if t != tenant]
+        if not others or not math.isfinite(window_s):
+            return sum(per_tenant.values()), set()
+        weights = {t: self._weight(t) for t in (*others, tenant)}
+        total = sum(weights.values())
+        backlog = per_tenant.get(tenant, 0.0)
+        over: set[str] = set()
+        for t in others:
+            share = weights[t] / total * capacity * window_s
+            if per_tenant[t] > share:
+                over.add(t)
+                backlog += share
+            else:
+                backlog += per_tenant[t]
+        return backlog, over
+
+    def _weight(self, tenant: str) -> float:
+        weight = self.weight_of(tenant)
+        return weight if math.isfinite(weight) and weight > 0.0 else 1.0
 
 
 @dataclass(eq=False, slots=True)
 class _Tracked:
     run: QueryRun
+    workflow: Workflow
+    """The workflow its stage work and tails were computed for."""
     stage_work: tuple[float, ...]
     tail: tuple[float, ...]
     deadline_s: float
@@ -331,3 +523,5 @@ class _Tracked:
     path_s: float = 0.0
     """Its remaining critical path (the longest tail of its released, unfinished stages)."""
     calls_left: int = -1
+    best_effort: bool = False
+    """Served last: counted only against other best-effort queries."""

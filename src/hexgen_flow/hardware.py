@@ -127,6 +127,10 @@ class ModelSpec:
     """Model name in the aiconfigurator table."""
     aiconfigurator_table: str | None
     """File of aiconfigurator rows under data/profiles/."""
+    context_tokens: int | None = None
+    """Longest sequence the model takes, prompt and output together (its config's
+    ``max_position_embeddings``); None: not known. A coordinator caps a call's output
+    tokens at the longest of its cluster's models' (``--max-output-tokens``)."""
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -320,6 +324,7 @@ _MODEL_FIELDS = (
     "measured_profile",
     "aiconfigurator_model",
     "aiconfigurator_table",
+    "context_tokens",
 )
 
 
@@ -340,6 +345,7 @@ def _parse_model(doc: object, where: str) -> ModelSpec:
         measured_profile=fields.optional_text("measured_profile"),
         aiconfigurator_model=fields.optional_text("aiconfigurator_model"),
         aiconfigurator_table=fields.optional_text("aiconfigurator_table"),
+        context_tokens=fields.count("context_tokens") if "context_tokens" in fields.doc else None,
     )
     if model.active_parameters > model.parameters:
         raise ConfigError(f"{fields.where}: active_parameters exceeds parameters")

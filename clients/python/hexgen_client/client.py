@@ -368,7 +368,9 @@ class CoordinatorClient:
             # Connected: the coordinator itself said UNAVAILABLE (it runs; its Redis or
             # its shard's takeover), which routing tells from a coordinator gone away.
             return CoordinatorUnavailableError(address, details, answered=connected)
-        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" not in details:
+            # (gRPC's own refusal of a request over the door's receive limit says "Received
+            # message larger than max": no wait helps, so it is no overload.)
             return CoordinatorOverloadedError(address, details, _retry_after(exc))
         return CoordinatorError(address, code, details)
 

@@ -143,12 +143,15 @@ class LocalCluster:
     def start(self) -> LocalCluster:
         config = self.config
         try:
-            self.coordinator_address = resolve_address(config.listen)
-            self.worker_address = resolve_address(config.worker_listen)
+            # Every service binds with SO_REUSEADDR (gRPC, uvicorn, Prometheus): the
+            # TIME_WAIT connections of a run just killed must not stop `up` from starting
+            # again at once on the same ports, while a live listener still does.
+            self.coordinator_address = resolve_address(config.listen, reuse_addr=True)
+            self.worker_address = resolve_address(config.worker_listen, reuse_addr=True)
             if self.auth is not None:
                 self.auth.init(config.tenants, redis_prefix=config.redis_prefix)
             if config.tuner:
-                self.tuner_address = resolve_address(config.tuner_listen)
+                self.tuner_address = resolve_address(config.tuner_listen, reuse_addr=True)
             if config.metrics_listen is not None:
                 self.metrics_address = resolve_address(config.metrics_listen, reuse_addr=True)
             if config.worker_metrics_listen is not None:
@@ -182,6 +185,7 @@ class LocalCluster:
                     grace_s=config.stop_grace_s,
                     appendfsync=config.redis_appendfsync,
                     aclfile=self.auth.redis_acl if self.auth is not None else None,
+                    maxmemory=config.redis_maxmemory,
                 )
                 self.redis_url = self.redis.start()
             self._start_coordinator()
@@ -396,7 +400,11 @@ class LocalCluster:
         inst, launch = self.instances[slot], self.worker_launch(slot)
         python = launch.python or self.config.python
         extra = (
-            ["--metrics-listen", self.worker_metrics_addresses[slot]]
+            [
+                "--metrics-listen",
+                self.worker_metrics_addresses[slot],
+                *self._secure("worker-metrics"),
+            ]
             if self.worker_metrics_addresses
             else []
         )

@@ -70,6 +70,9 @@ class LocalClusterConfig:
     None: its default."""
     max_call_attempts: int | None = None
     """The coordinator's ``--max-call-attempts``; None: its default."""
+    coordinator_args: tuple[str, ...] = ()
+    """More coordinator options, as ``python -m hexgen_coordinator --help`` lists them
+    (``("--max-tenant-prompt-bytes", "8388608")``), passed on as they are."""
     time_scale: float = 1.0
     """Cluster seconds per wall second (simulated engines run this much faster)."""
     listen: str = DEFAULT_COORDINATOR
@@ -84,6 +87,9 @@ class LocalClusterConfig:
     ``--redis-cluster``); needs `redis_url`."""
     redis_binary: str = "redis-server"
     """The Redis server program for the private Redis (looked up on PATH)."""
+    redis_maxmemory: str | None = "1gb"
+    """The private Redis's ``maxmemory`` (with ``noeviction``; the coordinator refuses new
+    work above 90 % of it); None: unbounded."""
     redis_appendfsync: str | None = "always"
     """The private Redis's append-only file: ``always`` (every write on disk before it is
     acknowledged, so a restarted Redis has all of the mesh's state), ``everysec`` or
@@ -196,7 +202,7 @@ def coordinator_argv(
         argv += ["--metrics-listen", metrics]
     if worker_token_file is not None:
         argv += ["--worker-token-file", str(worker_token_file)]
-    return argv + _calibration_args(calibration)
+    return argv + _calibration_args(calibration) + list(config.coordinator_args)
 
 
 def tuner_argv(
@@ -257,9 +263,16 @@ def worker_argv(
 
 def secure_argv(auth: AuthDir, service: str) -> list[str]:
     """What `service` (coordinator, tuner, gateway, worker) adds to its command line to run
-    secured with the credentials of `auth` (`LocalClusterConfig.auth_dir`)."""
+    secured with the credentials of `auth` (`LocalClusterConfig.auth_dir`); "worker-metrics":
+    what a worker that serves metrics adds besides (HTTPS with the server certificate, a
+    scrape with an API key; the coordinator's and the tuner's metrics take their own TLS
+    and keys files)."""
     tls_server = ["--tls-cert", str(auth.server_cert), "--tls-key", str(auth.server_key)]
     ca = ["--tls-ca", str(auth.ca)]
+    if service == "worker-metrics":
+        tls_metrics = ["--metrics-tls-cert", str(auth.server_cert)]
+        tls_metrics += ["--metrics-tls-key", str(auth.server_key)]
+        return [*tls_metrics, "--api-keys-file", str(auth.keys)]
     if service == "coordinator":
         return ["--api-keys-file", str(auth.keys), *tls_server, *ca]
     if service == "tuner":

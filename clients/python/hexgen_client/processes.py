@@ -115,9 +115,10 @@ def port_after(listen: str, step: int) -> str:
 
 def resolve_address(address: str, *, reuse_addr: bool = False) -> str:
     """`address`, with port 0 replaced by a free port; a port in use is an error.
-    `reuse_addr`: check as a server that sets SO_REUSEADDR (uvicorn) binds, so that the
-    TIME_WAIT connections a previous run left behind do not count as in use, while a
-    listening socket still does."""
+    `reuse_addr`: check as a server that sets SO_REUSEADDR binds (gRPC's listener, uvicorn
+    and Prometheus' HTTP server all do), so that the TIME_WAIT connections a previous run
+    left behind (a SIGKILLed coordinator's, for about a minute) do not count as in use,
+    while a listening socket still does. Without it any socket on the port counts."""
     host, port = split_address(address)
     if port == 0:
         return f"{host}:{free_port(host)}"
@@ -441,6 +442,7 @@ class RedisServer:
         appendfsync: str | None = "always",
         aclfile: Path | None = None,
         extra_args: Sequence[str] = (),
+        maxmemory: str | None = None,
     ) -> None:
         if appendfsync not in (None, "always", "everysec", "no"):
             raise ConfigError(f"appendfsync {appendfsync!r}: expected always, everysec or no")
@@ -453,6 +455,10 @@ class RedisServer:
         """Redis ACL users (``--aclfile``); None: the default user, no password."""
         self.extra_args = tuple(extra_args)
         """More ``redis-server`` options (``--replicaof HOST PORT`` for a replica)."""
+        self.maxmemory = maxmemory
+        """Redis's ``maxmemory`` (``1gb``, bytes, ...), with ``noeviction``: nothing of the
+        mesh's state is ever evicted, and the coordinator refuses new work before Redis
+        refuses writes; None: unbounded."""
         self.port: int | None = None
         self.dir: Path | None = None
         self.process: ManagedProcess | None = None
@@ -475,6 +481,11 @@ class RedisServer:
                 "--bind", self.host,
                 "--save", "",
                 *self._persistence_args(),
+                *(
+                    ["--maxmemory", self.maxmemory, "--maxmemory-policy", "noeviction"]
+                    if self.maxmemory is not None
+                    else []
+                ),
                 *(["--aclfile", str(self.aclfile)] if self.aclfile is not None else []),
                 *self.extra_args,
                 "--dir", str(self.dir),

@@ -139,7 +139,7 @@ class LocalShardedMesh:
             self.auth.init(cfg.tenants, redis_prefix=cfg.tuner_prefix, shards=prefixes)
         if not cfg.redis_url:
             acl = self.auth.redis_acl if self.auth is not None else None
-            self.redis_server = RedisServer(appendfsync="always", aclfile=acl)
+            self.redis_server = RedisServer(appendfsync="always", aclfile=acl, maxmemory="1gb")
             self.redis_url = self.redis_server.start()
         else:
             self.redis_url = cfg.redis_url

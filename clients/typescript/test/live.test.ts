@@ -146,8 +146,9 @@ describe("live coordinator", () => {
 
   test("cancel a running query", async () => {
     const queryId = newId("cancel");
-    // Long calls: at any time scale they are still running when the cancel arrives.
-    await client.submit({ queryId, workflow: smallWorkflow(200_000) });
+    // Long calls: at any time scale they are still running when the cancel arrives (with
+    // an SLO they can meet: admission refuses for good a query no idle cluster serves in time).
+    await client.submit({ queryId, workflow: smallWorkflow(100_000), sloS: 86_400 });
     const cancelled = await client.cancel(queryId);
     assert.equal(cancelled.query?.state, QueryState.QUERY_STATE_CANCELLED);
 
@@ -268,7 +269,7 @@ describe("live coordinator", () => {
 
   test("leaving a stream early cancels it", async () => {
     const queryId = newId("early");
-    for await (const event of client.run({ queryId, workflow: smallWorkflow(200_000) })) {
+    for await (const event of client.run({ queryId, workflow: smallWorkflow(100_000), sloS: 86_400 })) {
       if (event.kind === QueryEventKind.QUERY_EVENT_KIND_SUBMITTED) break;
     }
     // The query goes on (only the stream ended); the client still works.

@@ -64,6 +64,23 @@ API_KEY_ENV = "HEXGEN_FLOW_API_KEY"
 
 _KEY_RE = re.compile(r"^hfk_([0-9a-f]{12})_([A-Za-z0-9_-]{20,})$")
 _REFRESH_S = 1.0
+_MAX_TENANT_CHARS = 64
+
+
+def _check_tenant(tenant: object, where: str) -> None:
+    """ConfigError naming `where` unless `tenant` is a usable tenant name: 1-64 printable
+    characters (no control, bidi or zero-width characters, no line separators), without
+    leading or trailing whitespace ('default ' would be a tenant of its own)."""
+    if (
+        not isinstance(tenant, str)
+        or not 0 < len(tenant) <= _MAX_TENANT_CHARS
+        or not tenant.isprintable()
+        or tenant != tenant.strip()
+    ):
+        raise ConfigError(
+            f"{where}: {tenant!a} must be 1-{_MAX_TENANT_CHARS} printable characters "
+            "without leading or trailing whitespace"
+        )
 
 
 class Role(enum.IntEnum):
@@ -141,6 +158,31 @@ class TenantLimits:
     """Queries per second the tenant may submit, sustained."""
     burst: int = 0
     """Queries the tenant may submit at once above the rate (0: max(1, rate_qps))."""
+    max_work_s: float = 0.0
+    """Work the tenant may have in flight at once: the unfinished calls of its running
+    queries, in seconds of saturated work on the cluster (the scheduler's estimates)."""
+    max_prompt_bytes: int = 0
+    """Prompt bytes the tenant may have stored at once (calls not finished yet); 0: the
+    coordinator's ``--max-tenant-prompt-bytes``."""
+    weight: float = 0.0
+    """The tenant's weight in fair admission (0: 1): its share of the cluster, when
+    tenants compete, is its weight over the sum of theirs."""
+
+    def check(self) -> None:
+        """ConfigError naming a limit that is negative or not a number."""
+        for name in (
+            "max_running",
+            "rate_qps",
+            "burst",
+            "max_work_s",
+            "max_prompt_bytes",
+            "weight",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ConfigError(f"{name}: must be a number, got {value!r}")
+            if not (value >= 0 and value != float("inf")):
+                raise ConfigError(f"{name}: must be >= 0 and finite, got {value!r}")
 
 
 def read_secret(path: str | Path, flag: str) -> str:
@@ -197,14 +239,17 @@ class KeyStore:
             try:
                 record = KeyRecord(**raw)
                 Role.parse(record.role)
+                _check_tenant(record.tenant, "tenant")
             except (TypeError, ConfigError) as exc:
                 raise ConfigError(f"--api-keys-file: {self.path}: keys[{i}]: {exc}") from None
             records[record.key_id] = record
         limits: dict[str, TenantLimits] = {}
         for tenant, raw in (data.get("tenants") or {}).items():
             try:
+                _check_tenant(tenant, "name")
                 limits[tenant] = TenantLimits(**raw)
-            except TypeError as exc:
+                limits[tenant].check()
+            except (TypeError, ConfigError) as exc:
                 raise ConfigError(
                     f"--api-keys-file: {self.path}: tenants.{tenant}: {exc}"
                 ) from None
@@ -278,8 +323,7 @@ class KeyStore:
         self, tenant: str, role: Role, *, expires_s: float = 0.0, note: str = ""
     ) -> tuple[str, KeyRecord]:
         """Mint a key for `tenant` with `role`; store its hash; return the key (shown once)."""
-        if not tenant or len(tenant) > 64 or not tenant.isprintable():
-            raise ConfigError(f"tenant: {tenant!r} must be 1-64 printable characters")
+        _check_tenant(tenant, "tenant")
         key, key_id = new_key()
         record = KeyRecord(
             key_id, tenant, role.label, _digest(key), self.clock(), expires_s, False, note
@@ -290,8 +334,11 @@ class KeyStore:
 
     def set_limits(self, tenant: str, limits: TenantLimits) -> None:
         """Give `tenant` its own admission limits (all 0: none)."""
-        if limits.max_running < 0 or limits.rate_qps < 0 or limits.burst < 0:
-            raise ConfigError(f"tenant {tenant!r}: limits must be >= 0, got {limits}")
+        _check_tenant(tenant, "tenant")
+        try:
+            limits.check()
+        except ConfigError as exc:
+            raise ConfigError(f"tenant {tenant!r}: {exc}") from None
         self._load()
         self._limits[tenant] = limits
         self._save()
@@ -422,44 +469,26 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 
 
 def _refusal(handler: Handler, error: AuthError) -> Handler:
-    """A handler of the same shape that only aborts with `error`."""
+    """A handler that aborts with `error` without reading the request: a streaming-request
+    handler (whatever the method's shape; on the wire a unary request is one message of a
+    stream) that never asks for a message, so a refused caller's body is never parsed, and
+    never received beyond gRPC's flow-control window."""
 
     async def abort(context: grpc.aio.ServicerContext[Any, Any]) -> None:
         await context.abort(error.code, str(error))
 
-    if handler.unary_unary is not None:
+    if handler.response_streaming:
 
-        async def uu(request: Any, context: Any) -> Any:
-            await abort(context)
-
-        return grpc.unary_unary_rpc_method_handler(
-            uu, handler.request_deserializer, handler.response_serializer
-        )
-    if handler.unary_stream is not None:
-
-        async def us(request: Any, context: Any) -> Any:
+        async def ss(requests: Any, context: Any) -> Any:
             await abort(context)
             yield  # pragma: no cover - a generator that aborts first
 
-        return grpc.unary_stream_rpc_method_handler(
-            us, handler.request_deserializer, handler.response_serializer
-        )
-    if handler.stream_unary is not None:
+        return grpc.stream_stream_rpc_method_handler(ss, None, handler.response_serializer)
 
-        async def su(requests: Any, context: Any) -> Any:
-            await abort(context)
-
-        return grpc.stream_unary_rpc_method_handler(
-            su, handler.request_deserializer, handler.response_serializer
-        )
-
-    async def ss(requests: Any, context: Any) -> Any:
+    async def su(requests: Any, context: Any) -> Any:
         await abort(context)
-        yield  # pragma: no cover
 
-    return grpc.stream_stream_rpc_method_handler(
-        ss, handler.request_deserializer, handler.response_serializer
-    )
+    return grpc.stream_unary_rpc_method_handler(su, None, handler.response_serializer)
 
 
 def _with_principal(handler: Handler, principal: Principal) -> Handler:

@@ -64,6 +64,10 @@ REDIS_COMMANDS: dict[str, tuple[str, ...]] = {
         # what the scripts call: they run with the coordinator's own permissions
         "exists", "incr", "hget", "hmget", "hset", "hsetnx", "hincrby", "hexists", "hgetall",
         "sadd", "srem", "smembers", "xadd", "xlen", "xrange", "pexpire",
+        # a call's prompt is dropped when it completes, every prompt when its query ends
+        "hdel", "hkeys",
+        # how full Redis is (`hexgen_coordinator.redis_memory`): new work waits above a limit
+        "info",
         # the write-behind, the event logs, recovery and views
         "rpush", "lrange", "llen", "ltrim",
         # `hexgen-flow check-state` (run with the coordinator's credentials)

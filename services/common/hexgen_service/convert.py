@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -20,12 +21,15 @@ from hexgen_flow.workload import LLMCall, Query, Stage, Workflow, canonical_step
 from hexgen_service.errors import InvalidFieldError
 
 __all__ = [
+    "MAX_BYTES_PER_TOKEN",
     "MAX_CALLS_PER_QUERY",
     "MAX_TOKENS_PER_CALL",
     "SubmitLimits",
+    "check_declared_tokens",
     "check_text",
     "dispatch_to_ticket",
     "expand_workflow",
+    "name_problem",
     "parse_submit",
     "query_from_submit",
     "stage_names",
@@ -41,9 +45,38 @@ __all__ = [
 MAX_CALLS_PER_QUERY = 10_000
 MAX_TOKENS_PER_CALL = 10_000_000
 MAX_ID_CHARACTERS = 256
+MAX_BYTES_PER_TOKEN = 128
+"""The most UTF-8 bytes of prompt one token is taken to cover when a declared token count
+is checked against its prompt without a tokenizer: far beyond any real text (about 4 bytes
+a token in English, fewer in code and most other languages) and beyond the longest tokens
+of byte-level BPE vocabularies (runs of separators), so an honest count always passes and
+a count that claims a 1 MiB prompt is 10 tokens does not."""
 
 # C0 and C1 control characters (NUL, newlines, escapes, DEL): never part of an id or name.
 _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
+_REFUSED_CATEGORIES = frozenset({"Cc", "Cf", "Zl", "Zp", "Cs", "Co", "Cn"})
+"""Unicode categories never part of an id or name either: control (Cc), format (Cf: bidi
+overrides such as U+202E, zero-width characters such as U+200B), line and paragraph
+separators (Zl, Zp), surrogates (Cs), private use (Co) and unassigned (Cn): characters that
+are invisible, or that make a name display as another one."""
+
+
+def name_problem(value: str) -> str | None:
+    """Why `value` cannot be an id or a name (one line; a character is named by its code
+    point, never written out), or None: a character of `_REFUSED_CATEGORIES`, or leading or
+    trailing whitespace (``'default '`` would be another tenant than ``'default'``)."""
+    if value.isascii():
+        found = _CONTROL.search(value)
+        bad = found.group() if found is not None else None
+    else:
+        bad = next((c for c in value if unicodedata.category(c) in _REFUSED_CATEGORIES), None)
+    if bad is not None:
+        name = unicodedata.name(bad, "")
+        what = f"U+{ord(bad):04X}{' ' + name if name else ''}, {unicodedata.category(bad)}"
+        return f"must not contain control characters or invisible formatting ({what})"
+    if value != value.strip():
+        return "must not start or end with whitespace"
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,25 +101,40 @@ class SubmitLimits:
     """Largest slo_s."""
     allow_control_characters: bool = True
     """Whether ids, tenant, stage ids and step names may hold control characters (NUL,
-    newlines, ...)."""
+    newlines, ...), invisible or bidi formatting characters, and leading or trailing
+    whitespace (`name_problem`). The default allows them: stored submissions, checked by
+    the coordinator that took them, parse again as they are."""
 
 
 DEFAULT_LIMITS = SubmitLimits()
 
 
 def check_text(field: str, value: str, max_bytes: int | None, limits: SubmitLimits) -> None:
-    """`InvalidFieldError` on `field` when `value` is longer than `max_bytes` (UTF-8) or
-    holds control characters that `limits` do not allow."""
+    """`InvalidFieldError` on `field` when `value` is longer than `max_bytes` (UTF-8) or,
+    unless `limits` allow control characters, is no usable name (`name_problem`)."""
     if max_bytes is not None:
         size = len(value.encode("utf-8"))
         if size > max_bytes:
             raise InvalidFieldError(field, f"must be at most {max_bytes} bytes, got {size}")
     if not limits.allow_control_characters:
-        bad = _CONTROL.search(value)
-        if bad is not None:
-            raise InvalidFieldError(
-                field, f"must not contain control characters (found {bad.group()!r})"
-            )
+        problem = name_problem(value)
+        if problem is not None:
+            raise InvalidFieldError(field, problem)
+
+
+def check_declared_tokens(field: str, input_tokens: int, prompt_bytes: int) -> None:
+    """`InvalidFieldError` on `field` when `input_tokens` is fewer than a prompt of
+    `prompt_bytes` UTF-8 bytes can hold (`MAX_BYTES_PER_TOKEN`): admission plans with the
+    declared size, so a count far below the prompt would let a large call in as a small
+    one."""
+    least = -(-prompt_bytes // MAX_BYTES_PER_TOKEN)
+    if input_tokens < least:
+        raise InvalidFieldError(
+            field,
+            f"{input_tokens} tokens cannot cover a prompt of {prompt_bytes} bytes (at least "
+            f"{least} at {MAX_BYTES_PER_TOKEN} bytes a token): give the prompt's real token "
+            "count",
+        )
 
 
 def workflow_to_proto(workflow: Workflow) -> workflow_pb2.Workflow:

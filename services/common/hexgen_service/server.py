@@ -13,12 +13,21 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from hexgen_service.heap import watch_heap
 from hexgen_service.telemetry import server_interceptors
 from hexgen_service.tls import TlsFiles, server_credentials
 
-__all__ = ["GrpcServer"]
+__all__ = ["DEFAULT_MAX_RECEIVE_BYTES", "MAX_PENDING_CALLS", "GrpcServer"]
+
+DEFAULT_MAX_RECEIVE_BYTES = 16 << 20
+"""The largest message a service reads unless told otherwise (the coordinator sizes its
+doors to its own limits: `hexgen_coordinator.edge.request_limits`)."""
 
 log = logging.getLogger(__name__)
+
+MAX_PENDING_CALLS = 10_000
+"""Calls a server holds that arrived but were not accepted yet; beyond, gRPC core refuses
+new ones (CANCELLED, unseen by the service)."""
 
 
 class GrpcServer:
@@ -28,6 +37,9 @@ class GrpcServer:
     qualified names reported by health checking and reflection. With `tls` (a certificate
     and key) it serves TLS only; `require_client_cert` makes it mutual (peers need a
     certificate signed by `tls.ca`). `interceptors` run after tracing (`AuthInterceptor`).
+    `max_receive_bytes`: the largest message it reads; gRPC refuses a larger one
+    (RESOURCE_EXHAUSTED, "Received message larger than max") from its length prefix, before
+    reading it, so a flood of huge requests costs neither memory nor parsing.
     """
 
     def __init__(
@@ -40,6 +52,7 @@ class GrpcServer:
         tls: TlsFiles | None = None,
         require_client_cert: bool = False,
         interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
+        max_receive_bytes: int | None = None,
     ) -> None:
         self.address = address
         self.grace_s = grace_s
@@ -48,7 +61,17 @@ class GrpcServer:
             interceptors=[*server_interceptors(), *interceptors],
             options=[
                 ("grpc.so_reuseport", 0),
-                ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+                # Calls that arrived but that the asyncio server has not accepted yet:
+                # gRPC core refuses them at random above 1,000 and all above 3,000 (its
+                # defaults), with CANCELLED and before any handler or log sees them. A
+                # burst of streams (3,000 WatchQuery at once) is accepted more slowly
+                # than it arrives; let the backlog hold it (docs/mesh.md, "Watch limits").
+                ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
+                ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS),
+                (
+                    "grpc.max_receive_message_length",
+                    max_receive_bytes or DEFAULT_MAX_RECEIVE_BYTES,
+                ),
             ],
         )
         register(self.server)
@@ -66,9 +89,12 @@ class GrpcServer:
         if self.port == 0:
             raise OSError(f"cannot listen on {address}")
         self._stopped = asyncio.Event()
+        self._trimmer: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         await self.server.start()
+        # What a burst of large requests leaves in the allocator goes back to the system.
+        self._trimmer = watch_heap()
         for name in (*self.service_names, ""):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("listening on %s (%s)", self.address, "TLS" if self.tls else "plaintext")
@@ -77,6 +103,8 @@ class GrpcServer:
         """Report NOT_SERVING, let in-flight RPCs finish for `grace_s`, then stop."""
         await self.health.enter_graceful_shutdown()
         await self.server.stop(self.grace_s)
+        if self._trimmer is not None:
+            self._trimmer.cancel()
         self._stopped.set()
 
     async def serve_until_signalled(self, on_stop: Callable[[], object] | None = None) -> None:

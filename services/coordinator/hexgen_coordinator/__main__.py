@@ -15,15 +15,15 @@ import grpc
 
 from hexgen_coordinator.config import CoordinatorConfig
 from hexgen_coordinator.coordinator import Coordinator
-from hexgen_coordinator.edge import add_coordinator_services, add_worker_service
+from hexgen_coordinator.edge import add_coordinator_services, add_worker_service, door_limit
 from hexgen_coordinator.redis_retry import cluster_prefix, pipelined_client, redis_client
 from hexgen_coordinator.shards import LeaseLostError, ShardLease, ShardMap
 from hexgen_flow.errors import ConfigError, HexgenFlowError
 from hexgen_service.auth import PUBLIC_METHODS, AuthInterceptor, KeyStore, Role, read_secret
 from hexgen_service.event_loop import EVENT_LOOPS, resolve_event_loop, run
-from hexgen_service.exposure import refuse_unprotected
+from hexgen_service.exposure import refuse_open_metrics, refuse_unprotected
 from hexgen_service.gc_tuning import GcPauses, freeze_startup
-from hexgen_service.metrics_server import serve_metrics
+from hexgen_service.metrics_server import MetricsProtection, serve_metrics
 from hexgen_service.redis_sentinel import REDIS_URL_HELP, check_redis_url
 from hexgen_service.server import GrpcServer
 from hexgen_service.telemetry import setup_logging
@@ -120,7 +120,36 @@ def parse_args(argv: list[str] | None = None) -> tuple[CoordinatorConfig, str]:
     parser.add_argument("--admission-slack", type=float, default=defaults.admission_slack)
     parser.add_argument("--max-running-queries", type=int, default=defaults.max_running_queries)
     parser.add_argument("--max-tenant-queries", type=int, default=defaults.max_tenant_queries)
+    parser.add_argument(
+        "--max-tenant-prompt-bytes",
+        type=int,
+        default=defaults.max_tenant_prompt_bytes,
+        help="prompt bytes one tenant may keep at once in running calls (RESOURCE_EXHAUSTED "
+        "beyond; the keys file's max_prompt_bytes overrides it; default %(default)s)",
+    )
+    parser.add_argument(
+        "--redis-memory-limit",
+        type=float,
+        default=defaults.redis_memory_limit,
+        metavar="SHARE",
+        help="refuse new work while Redis holds more than this share of its maxmemory "
+        "(default %(default)s)",
+    )
     parser.add_argument("--max-prompt-bytes", type=int, default=defaults.max_prompt_bytes)
+    parser.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=defaults.max_request_bytes,
+        help="the largest request the clients' door reads, a whole query with its prompts "
+        "(default %(default)s)",
+    )
+    parser.add_argument(
+        "--max-output-tokens",
+        type=int,
+        default=defaults.max_output_tokens,
+        help="most output tokens one call may ask for (default 0: the longest context of "
+        "the cluster's models)",
+    )
     parser.add_argument("--max-calls", type=int, default=defaults.max_calls)
     parser.add_argument("--max-stages", type=int, default=defaults.max_stages)
     parser.add_argument("--max-id-bytes", type=int, default=defaults.max_id_bytes)
@@ -130,7 +159,17 @@ def parse_args(argv: list[str] | None = None) -> tuple[CoordinatorConfig, str]:
         "--metrics-listen",
         default=defaults.metrics_listen,
         metavar="HOST:PORT",
-        help="serve Prometheus metrics on http://HOST:PORT/metrics (default: not served)",
+        help="serve Prometheus metrics on http://HOST:PORT/metrics (default: not served); "
+        "with --tls-cert/--tls-key over HTTPS, with --api-keys-file to operators' keys only "
+        "(beyond loopback both, or --insecure)",
+    )
+    parser.add_argument(
+        "--metrics-max-tenants",
+        type=int,
+        default=defaults.metrics_max_tenants,
+        metavar="N",
+        help="the first N distinct tenants keep a tenant label of their own in the metrics, "
+        'later ones are counted as tenant="other" (default %(default)s; 0: none)',
     )
     parser.add_argument(
         "--worker-token-file",
@@ -193,14 +232,26 @@ def parse_args(argv: list[str] | None = None) -> tuple[CoordinatorConfig, str]:
         "max_stages",
         "max_id_bytes",
         "max_tenant_bytes",
+        "max_tenant_prompt_bytes",
     ):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1")
+    if args.max_request_bytes < args.max_prompt_bytes:
+        parser.error(
+            f"--max-request-bytes ({args.max_request_bytes}) must be at least --max-prompt-bytes "
+            f"({args.max_prompt_bytes}): a request carries its prompts"
+        )
+    if args.max_output_tokens < 0:
+        parser.error("--max-output-tokens must be >= 0 (0: the models' context)")
+    if not 0 < args.redis_memory_limit <= 1:
+        parser.error("--redis-memory-limit must be in (0, 1]")
     for flag in ("retention_s", "admission_slack", "max_slo_s", "session_idle_s"):
         if not getattr(args, flag) > 0:
             parser.error(f"--{flag.replace('_', '-')} must be > 0")
     if args.max_tenant_queries < 0:
         parser.error("--max-tenant-queries must be >= 0 (0: no limit)")
+    if args.metrics_max_tenants < 0:
+        parser.error("--metrics-max-tenants must be >= 0 (0: every tenant as 'other')")
     try:
         tls = TlsFiles.from_flags(args.tls_cert, args.tls_key, args.tls_ca)
         if tls.ca is not None and tls.cert is None:
@@ -263,13 +314,18 @@ def parse_args(argv: list[str] | None = None) -> tuple[CoordinatorConfig, str]:
         admission_slack=args.admission_slack,
         max_running_queries=args.max_running_queries,
         max_tenant_queries=args.max_tenant_queries,
+        max_tenant_prompt_bytes=args.max_tenant_prompt_bytes,
+        redis_memory_limit=args.redis_memory_limit,
         max_prompt_bytes=args.max_prompt_bytes,
+        max_request_bytes=args.max_request_bytes,
+        max_output_tokens=args.max_output_tokens,
         max_calls=args.max_calls,
         max_stages=args.max_stages,
         max_id_bytes=args.max_id_bytes,
         max_tenant_bytes=args.max_tenant_bytes,
         max_slo_s=args.max_slo_s,
         metrics_listen=args.metrics_listen,
+        metrics_max_tenants=args.metrics_max_tenants,
         api_keys_file=args.api_keys_file or "",
         tls_cert=args.tls_cert or "",
         tls_key=args.tls_key or "",
@@ -283,7 +339,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[CoordinatorConfig, str]:
 
 
 def _refuse_unprotected(args: argparse.Namespace, tls: TlsFiles) -> None:
-    """Protected mode (`hexgen_service.exposure`) for both doors."""
+    """Protected mode (`hexgen_service.exposure`) for both doors and the metrics'."""
     refuse_unprotected(
         "--listen",
         args.listen,
@@ -307,6 +363,12 @@ def _refuse_unprotected(args: argparse.Namespace, tls: TlsFiles) -> None:
             insecure=args.insecure,
             needs="--worker-listen (workers and clients on one door)",
         )
+    refuse_open_metrics(
+        args.metrics_listen,
+        tls=tls.cert is not None,
+        keys=bool(args.api_keys_file),
+        insecure=args.insecure,
+    )
 
 
 async def serve(config: CoordinatorConfig) -> None:
@@ -351,6 +413,7 @@ async def serve(config: CoordinatorConfig) -> None:
         else None
     )
     coordinator = Coordinator(config, redis, lease, pipelined=pipelined)
+    coordinator.ledger.metrics.tenants.limit = config.metrics_max_tenants
     await coordinator.start()
     gc_pause = coordinator.ledger.metrics.gc_pause
     GcPauses(observe=lambda generation, s: gc_pause.labels(str(generation)).observe(s)).install()
@@ -385,6 +448,7 @@ async def serve(config: CoordinatorConfig) -> None:
         (CLIENT_SERVICE,) if workers_apart else (CLIENT_SERVICE, WORKER_SERVICE),
         tls=tls,
         interceptors=interceptors,
+        max_receive_bytes=door_limit(config, workers=not workers_apart),
     )
     worker_server = None
     if workers_apart:
@@ -394,6 +458,7 @@ async def serve(config: CoordinatorConfig) -> None:
             (WORKER_SERVICE,),
             tls=tls,
             require_client_cert=tls.ca is not None,
+            max_receive_bytes=door_limit(config, clients=False),
         )
         await worker_server.start()
     await server.start()
@@ -408,10 +473,16 @@ async def serve(config: CoordinatorConfig) -> None:
     )
     metrics_server = None
     if config.metrics_listen:
+        protection = MetricsProtection.of(config.tls_cert, config.tls_key, config.api_keys_file)
         address, metrics_server = serve_metrics(
-            coordinator.ledger.metrics.registry, config.metrics_listen
+            coordinator.ledger.metrics.registry, config.metrics_listen, protection
         )
-        logging.getLogger("hexgen_coordinator").info("metrics on http://%s/metrics", address)
+        logging.getLogger("hexgen_coordinator").info(
+            "metrics on %s://%s/metrics%s",
+            protection.scheme,
+            address,
+            " (an operator's API key)" if protection.keys else "",
+        )
 
     async def stop() -> None:
         await coordinator.stop()

@@ -11,9 +11,11 @@ counts what should never happen:
   resume it), an `active` id with no running query, and, with ``--stuck-after-s``, a query
   still running that long (cluster seconds) after it arrived;
 - orphan keys: a finished query or event log that never expires, an event log without its
-  query, and keys under the prefix that belong to nothing.
+  query, and keys under the prefix that belong to nothing;
+- stale prompts: a prompt kept for a call that completed, or for a query that is not
+  running (no prompt may outlive its call, nor any its query).
 
-Exit status: 0 when the last four are all zero, 1 otherwise, 2 for bad usage or no Redis.
+Exit status: 0 when the last five are all zero, 1 otherwise, 2 for bad usage or no Redis.
 ``hexgen-flow check-state`` runs this module. With ``--redis-cluster`` the URL names a node of
 a Redis Cluster, and the keys are scanned on every master.
 """
@@ -66,6 +68,10 @@ class StateReport:
     missing_completions: int = 0
     stuck_queries: int = 0
     orphan_keys: int = 0
+    kept_prompts: int = 0
+    """Prompts kept for calls that may still run (what a crash would redispatch)."""
+    stale_prompts: int = 0
+    """Prompts kept for a call that completed or a query that is not running."""
     problems: list[str] = field(default_factory=list)
     """One line per finding (at most 50 kept)."""
 
@@ -76,6 +82,7 @@ class StateReport:
             or self.missing_completions
             or self.stuck_queries
             or self.orphan_keys
+            or self.stale_prompts
         )
 
     def note(self, line: str) -> None:
@@ -94,6 +101,7 @@ def check_state(
     fixed = {prefix + name for name in (*_FIXED, *_TUNER)}
     queries: list[str] = []
     logs: list[str] = []
+    kept: list[str] = []
     for raw in client.scan_iter(match=_escape(prefix) + "*", count=1000):
         key = _text(raw)
         rest = key[len(prefix) :]
@@ -103,6 +111,8 @@ def check_state(
             queries.append(rest[2:])
         elif rest.startswith("ev:"):
             logs.append(rest[3:])
+        elif rest.startswith("pr:"):
+            kept.append(rest[3:])
         else:
             report.orphan_keys += 1
             report.note(f"orphan key {key!r}: not part of the layout")
@@ -112,6 +122,7 @@ def check_state(
     if "epoch_unix_s" in meta and "time_scale" in meta:
         now_s = (time.time() - float(meta["epoch_unix_s"])) * float(meta["time_scale"])
     stored: set[str] = set()
+    fields_of: dict[str, dict[str, bytes]] = {}
     for query_id in queries:
         key = f"{prefix}q:{query_id}"
         kind = _text(client.type(key))  # type: ignore[no-untyped-call]
@@ -125,7 +136,10 @@ def check_state(
         if not fields:
             continue  # expired between the scan and the read
         stored.add(query_id)
+        fields_of[query_id] = fields
         _check_query(report, query_id, fields, client.pttl(key), active, now_s, stuck_after_s)
+    for query_id in kept:
+        _check_prompts(report, client, f"{prefix}pr:{query_id}", fields_of.get(query_id))
     for query_id in logs:
         key = f"{prefix}ev:{query_id}"
         ttl = client.pttl(key)
@@ -144,6 +158,27 @@ def check_state(
             report.duplicate_completions += count - 1
             report.note(f"call {call_id!r} is {count} times in the completions stream")
     return report
+
+
+def _check_prompts(
+    report: StateReport,
+    client: redis.Redis[bytes],
+    key: str,
+    fields: dict[str, bytes] | None,
+) -> None:
+    """The prompts in `key` belong to calls of a running query that have not completed."""
+    calls = [_text(c) for c in client.hkeys(key)]
+    if not calls:
+        return  # emptied meanwhile
+    state = _text(fields.get("state", b"")) if fields is not None else ""
+    for call_id in calls:
+        done = fields is not None and _text(fields.get(f"c:{call_id}", b"")) in ("done", "skipped")
+        if state == "running" and not done:
+            report.kept_prompts += 1
+            continue
+        report.stale_prompts += 1
+        why = "its call completed" if done else f"its query is {state or 'gone'}"
+        report.note(f"the prompt of {call_id!r} is still kept ({key}): {why}")
 
 
 def _check_query(
@@ -285,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{report.queries} queries ({report.running} running), {report.calls} calls: "
             f"{report.duplicate_completions} duplicate completions, "
             f"{report.missing_completions} missing, {report.stuck_queries} stuck queries, "
-            f"{report.orphan_keys} orphan keys"
+            f"{report.orphan_keys} orphan keys, {report.stale_prompts} stale prompts "
+            f"({report.kept_prompts} kept)"
         )
         for line in report.problems:
             print(f"  {line}")

@@ -17,7 +17,7 @@ from hexgen_coordinator.events import end_watch, record_event
 from hexgen_coordinator.ledger import ActiveQuery, Ledger, call_id_of, parse_call_id
 from hexgen_coordinator.links import WorkerLink
 from hexgen_coordinator.redis_retry import until_stored
-from hexgen_coordinator.store import COMPLETE_DUPLICATE, WorkflowStore
+from hexgen_coordinator.store import COMPLETE_DUPLICATE, FailureResult, WorkflowStore
 from hexgen_coordinator.views import QueryViews
 from hexgen_coordinator.write_behind import WriteBehind
 from hexgen_flow.cluster import Cluster
@@ -171,6 +171,7 @@ class Completions:
                 return
             del ledger.tickets[call_id]
             ledger.started.discard(call_id)
+            ledger.drop_prompt(entry, call_id)  # Redis's copy went with the completion
             ledger.completions += 1
             released = self.scheduler.complete(ticket, now)
             stages_released = sorted({t.stage for t in released})
@@ -264,6 +265,7 @@ class Completions:
             log.warning("redis refused to skip %s (status %d)", call_id, result.status)
             return []
         del ledger.tickets[call_id]
+        ledger.drop_prompt(entry, call_id)
         assert entry.session is not None
         entry.session.skipped.add(call_id)
         released = self.scheduler.complete(ticket, now)  # on no instance: no load to free
@@ -285,35 +287,110 @@ class Completions:
     ) -> None:
         """An attempt of a call failed: retry it elsewhere after a backoff, or, at the
         attempt limit, end the query FAILED (the caller holds the query's lock)."""
+        call_id = ticket.call_id
+        result = await self._count_failure(
+            entry,
+            ticket,
+            slot=link.slot,
+            attempt=msg.attempt if ticket.attempt else 0,
+            where=link.worker_id,
+            ran_on=link.slot,
+            error=msg.error,
+        )
+        link.ack(call_id)
+        if result.query_failed:
+            return
+        if not result.retry:
+            log.warning("redis refused the failure of %s (status %d)", call_id, result.status)
+            return
+        failed_on = ticket.instance if ticket.instance >= 0 else link.slot
+        self.ledger.started.discard(call_id)
+        self.scheduler.withdraw(ticket)  # off the failing instance while it waits
+        self.writes.persist(entry, [ticket])
+        delay = min(0.1 * 2 ** (result.failures - 1), 2.0)  # wall seconds
+        asyncio.get_running_loop().call_later(
+            delay, self._retry, ticket, failed_on, f"engine error: {msg.error}"
+        )
+
+    async def lost_while_running(
+        self, ticket: CallTicket, slot: int, attempt: int, reason: str
+    ) -> None:
+        """The worker on `slot` died (its stream ended, its heartbeats stopped, or it came
+        back without the call) while running `ticket`'s call: that counts as a failed
+        attempt, as an engine error does, so that a call that kills whatever runs it ends
+        its query FAILED after ``--max-call-attempts`` instead of going round for ever.
+        Otherwise the call goes out again after the same backoff. The ticket is off the
+        instance already (`hexgen_coordinator.workers`)."""
+        ledger, call_id = self.ledger, ticket.call_id
+        entry = ledger.active.get(ticket.query_id)
+        if entry is None:
+            return
+        async with entry.lock:
+            if (
+                ledger.active.get(ticket.query_id) is not entry
+                or ledger.tickets.get(call_id) is not ticket
+            ):
+                return  # the query ended, or the call completed (a result resent), meanwhile
+            why = f"its worker died while running it ({reason})"
+            result = await self._count_failure(
+                entry,
+                ticket,
+                # Any slot: the placement written behind may already say the call is on
+                # none; the attempt tells this run from a later one.
+                slot=-1,
+                attempt=attempt,
+                where=f"slot {slot}",
+                ran_on=slot,
+                error=why,
+            )
+            if result.query_failed:
+                return
+            if not result.retry:  # done, or not from that dispatch: nothing to count
+                log.info("lost run of %s not counted (status %d)", call_id, result.status)
+            delay = min(0.1 * 2 ** (result.failures - 1), 2.0) if result.retry else 0.0
+            asyncio.get_running_loop().call_later(delay, self._retry, ticket, slot, why)
+
+    async def _count_failure(
+        self,
+        entry: ActiveQuery,
+        ticket: CallTicket,
+        *,
+        slot: int,
+        attempt: int,
+        where: str,
+        ran_on: int,
+        error: str,
+    ) -> FailureResult:
+        """Count a failed attempt of `ticket`'s call in Redis (from `slot` and `attempt`,
+        -1 / 0: any), log it, count it on instance `ran_on` and in the query's events; at
+        the attempt limit the query ends FAILED here (the caller holds its lock)."""
         ledger, call_id = self.ledger, ticket.call_id
         now = ledger.clock.now()
         limit = self.max_attempts
-        reason = f"call {call_id} failed {limit} times; last error: {msg.error}"
+        reason = f"call {call_id} failed {limit} times; last error: {error}"
         result = await until_stored(
             f"failing {call_id}",
             lambda: self.store.fail_call(
                 ticket.query_id,
                 call_id,
-                slot=link.slot,
-                attempt=msg.attempt if ticket.attempt else 0,
+                slot=slot,
+                attempt=attempt,
                 max_attempts=limit,
                 now=now,
                 reason=reason,
             ),
         )
-        link.ack(call_id)
         if not (result.retry or result.query_failed):
-            log.warning("redis refused the failure of %s (status %d)", call_id, result.status)
-            return
+            return result
         log.warning(
             "call %s failed on %s (%d of %d attempts): %s",
             call_id,
-            link.worker_id,
+            where,
             result.failures,
             limit,
-            msg.error,
+            error,
         )
-        instance = self.cluster.instances[link.slot].name if link.slot >= 0 else ""
+        instance = self.cluster.instances[ran_on].name if ran_on >= 0 else ""
         ledger.metrics.calls_failed.labels(instance).inc()
         record_event(
             entry,
@@ -322,33 +399,27 @@ class Completions:
             stage=ticket.stage,
             call_id=call_id,
             instance=instance,
-            text=msg.error,
+            text=error,
         )
         if result.query_failed:
-            self._drop_calls(entry)
+            self.drop_calls(entry)
             record_event(entry, K.QUERY_EVENT_KIND_FAILED, now, text=reason)
             self.writes.persist(entry, [])
             await self.writes.flush()  # GetQuery reads a finished query's log from Redis
             ledger.queries_failed += 1
             self.finish(entry, "failed")
-            return
-        failed_on = ticket.instance if ticket.instance >= 0 else link.slot
-        ledger.started.discard(call_id)
-        self.scheduler.withdraw(ticket)  # off the failing instance while it waits
-        self.writes.persist(entry, [ticket])
-        delay = min(0.1 * 2 ** (result.failures - 1), 2.0)  # wall seconds
-        asyncio.get_running_loop().call_later(delay, self._retry, ticket, failed_on, msg.error)
+        return result
 
-    def _retry(self, ticket: CallTicket, avoid: int, error: str) -> None:
+    def _retry(self, ticket: CallTicket, avoid: int, reason: str) -> None:
         entry = self.ledger.active.get(ticket.query_id)
         if entry is None or self.ledger.tickets.get(ticket.call_id) is not ticket:
             return  # the query ended meanwhile
         if ticket.instance >= 0:
             return  # dispatched meanwhile (an instance came back and took the parked call)
-        self.dispatch.redispatch(ticket, f"engine error: {error}", avoid=avoid)
+        self.dispatch.redispatch(ticket, reason, avoid=avoid)
         self.writes.persist(entry, [ticket])
 
-    def _drop_calls(self, entry: ActiveQuery) -> None:
+    def drop_calls(self, entry: ActiveQuery) -> None:
         """Withdraw every call of a query that ended early, aborting those on workers."""
         ledger = self.ledger
         query_id = entry.run.query.query_id
@@ -375,6 +446,7 @@ class Completions:
         for watcher in entry.watchers:
             end_watch(watcher)
         self.ledger.active.pop(query_id, None)
+        self.ledger.drop_prompts(entry)  # Redis's went with the script that ended it
         self.scheduler.forget(run.query)
         metrics = self.ledger.metrics
         metrics.queries_finished.labels(tenant, outcome).inc()
@@ -398,7 +470,7 @@ class Completions:
                 return await self.views.get_info(query_id)
             now = ledger.clock.now()
             await self.store.cancel(query_id, now)  # Redis away: UNAVAILABLE, retryable
-            self._drop_calls(entry)
+            self.drop_calls(entry)
             record_event(entry, K.QUERY_EVENT_KIND_CANCELLED, now)
             self.writes.persist(entry, [])
             await self.writes.flush()

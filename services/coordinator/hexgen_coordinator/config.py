@@ -65,7 +65,13 @@ class CoordinatorConfig:
     """Seeds the dispatcher's random generator (pow2)."""
     metrics_listen: str = ""
     """Where Prometheus scrapes the coordinator's metrics (``HOST:PORT``, path /metrics);
-    empty: not served."""
+    empty: not served. With `api_keys_file` a scrape needs an operator's key, with
+    `tls_cert` it is HTTPS (`hexgen_service.metrics_server`); beyond loopback both, or
+    `insecure`."""
+    metrics_max_tenants: int = 100
+    """Distinct tenants whose metrics carry their own ``tenant`` label (the first seen);
+    later ones are counted as ``tenant="other"`` (`hexgen_coordinator.metrics.TenantLabels`);
+    0: none."""
     worker_token: str = ""
     """The token a worker's Connect must carry (`hexgen_service.worker_token`); empty:
     any worker may connect."""
@@ -112,9 +118,24 @@ class CoordinatorConfig:
     """Running queries the coordinator holds at most (RESOURCE_EXHAUSTED beyond)."""
     max_tenant_queries: int = 0
     """Running queries one tenant may hold at most; 0: no per-tenant limit."""
+    max_tenant_prompt_bytes: int = 256 << 20
+    """Prompt bytes one tenant may have stored at once (its running calls' prompts, kept
+    until each call finishes); a tenant's own ``max_prompt_bytes`` in the API keys file
+    overrides it. RESOURCE_EXHAUSTED beyond."""
+    redis_memory_limit: float = 0.9
+    """Share of Redis's ``maxmemory`` above which new work (submissions, sessions, calls) is
+    refused with RESOURCE_EXHAUSTED, before Redis would refuse writes; a Redis without
+    ``maxmemory`` is not watched."""
     # ---------------------------------------------------------------- input limits
     max_prompt_bytes: int = 1 << 20
     """Largest prompt of one call (UTF-8 bytes)."""
+    max_request_bytes: int = 8 << 20
+    """Largest request the clients' door reads (a whole SubmitQuery or RunQuery with its
+    prompts); gRPC refuses a larger one with RESOURCE_EXHAUSTED before reading it. The
+    other methods take less (`hexgen_coordinator.edge.request_limits`)."""
+    max_output_tokens: int = 0
+    """Most output tokens one call may ask for; 0: the longest context of the cluster's
+    models."""
     max_calls: int = 1024
     """Most calls in one workflow (repeats unrolled)."""
     max_stages: int = 256

@@ -37,6 +37,7 @@ from hexgen_coordinator.ledger import ActiveQuery, Ledger
 from hexgen_coordinator.links import SlotTakenError, WorkerLink
 from hexgen_coordinator.pipelined_redis import PipelinedRedis
 from hexgen_coordinator.recovery import Recovery
+from hexgen_coordinator.redis_memory import RedisMemory
 from hexgen_coordinator.session_store import SessionStore
 from hexgen_coordinator.sessions import Sessions
 from hexgen_coordinator.shards import ShardLease
@@ -51,6 +52,7 @@ from hexgen_flow.scheduler import GlobalScheduler
 from hexgen_service.auth import KeyStore
 from hexgen_service.clock import ClusterClock
 from hexgen_service.errors import InvalidFieldError
+from hexgen_service.loop_lag import watch_loop_lag
 from hexgen_service.telemetry import setup_tracing
 
 __all__ = ["Coordinator", "SlotTakenError", "UnknownQueryError", "WorkerLink"]
@@ -134,7 +136,14 @@ class Coordinator:
             config, scheduler, store, redis, self.tracer, ledger, self._dispatch
         )
         self._workers = WorkerSlots(
-            config, cluster, scheduler, ledger, self._dispatch, self._writes, self._recovery
+            config,
+            cluster,
+            scheduler,
+            ledger,
+            self._dispatch,
+            self._writes,
+            self._recovery,
+            self._completions,
         )
         for i in range(len(self.cluster)):
             self.scheduler.load.set_available(i, False)
@@ -168,11 +177,19 @@ class Coordinator:
         if alpha is not None and self.scheduler.alpha is not None:
             self.scheduler.set_alpha(alpha)
         self.ledger.queries_finished = int(await self.redis.xlen(self.store.finished_key))
+        if not self.config.redis_cluster:  # a cluster's memory is per node
+            memory = RedisMemory(self.redis, self.config.redis_memory_limit)
+            await memory.start()
+            if memory.max_bytes:
+                self._admission.redis_memory = memory
+                self._tasks.append(asyncio.create_task(memory.watch()))
         grace = await self._recovery.resume()
         if grace is not None:
             self._tasks.append(grace)
         await self._sessions.settle_resumed()
         self._tasks.append(asyncio.create_task(self._workers.watch_heartbeats()))
+        lag = self.ledger.metrics.loop_lag
+        self._tasks.append(asyncio.create_task(watch_loop_lag(lag.observe)))
         self._tasks.append(asyncio.create_task(self._sessions.close_idle()))
 
     async def stop(self) -> None:

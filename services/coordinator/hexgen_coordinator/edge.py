@@ -8,19 +8,28 @@ status with a one-line message, never UNKNOWN with a traceback.
 - `add_coordinator_services`: registers the CoordinatorService and WorkerService with
   request deserializers that answer undecodable bytes with INVALID_ARGUMENT (grpc's
   generated ``add_*_to_server`` decodes with ``FromString``, whose DecodeError grpc reports
-  as UNKNOWN and logs with a traceback).
+  as UNKNOWN and logs with a traceback), and a request larger than its method takes
+  (`request_limits`) with INVALID_ARGUMENT before it is parsed.
+
+Bytes are bounded before they are read: each door's gRPC receive limit is the largest its
+methods take (`door_limit`), so gRPC refuses anything larger from the message's length
+prefix (RESOURCE_EXHAUSTED, "Received message larger than max") without reading it; a
+request within it but beyond its own method's limit is refused unparsed; API keys are
+checked from the metadata before the body is read (`hexgen_service.auth`); and the memory
+of what was read is given back to the system (`hexgen_service.heap`, run by the server).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
 
+from hexgen_coordinator.config import CoordinatorConfig
 from hexgen_coordinator.redis_retry import REDIS_UNAVAILABLE
 from hexgen_service.errors import (
     RETRY_AFTER_KEY,
@@ -35,6 +44,8 @@ __all__ = [
     "add_coordinator_services",
     "add_services",
     "add_worker_service",
+    "door_limit",
+    "request_limits",
     "statuses",
 ]
 
@@ -80,11 +91,46 @@ async def statuses(context: Context[Any, Any], field_prefix: str = "") -> AsyncI
         )
 
 
+# ------------------------------------------------------------------ request sizes
+
+SMALL_REQUEST_BYTES = 64 << 10
+"""What a request without prompts takes (ids, a stage name, an alpha)."""
+_ENVELOPE_BYTES = 64 << 10
+"""Room beside the prompts for everything else in a request that carries them."""
+
+
+def request_limits(config: CoordinatorConfig) -> dict[str, int]:
+    """The largest request (serialized bytes) each method takes, by method name; a method
+    not named takes `SMALL_REQUEST_BYTES`. Sized to the coordinator's own input limits: a
+    submission to ``--max-request-bytes``, a call given to a session to its prompt and its
+    chat messages (``--max-prompt-bytes`` each), an expected workflow to its shape."""
+    call = 2 * config.max_prompt_bytes + _ENVELOPE_BYTES
+    return {
+        "SubmitQuery": config.max_request_bytes,
+        "RunQuery": config.max_request_bytes,
+        "RunCall": call,
+        "OpenWorkflow": 1 << 20,
+        # a worker's reports: a finished call's text (--max-output-tokens of it)
+        "Connect": config.max_request_bytes,
+    }
+
+
+def door_limit(config: CoordinatorConfig, *, clients: bool = True, workers: bool = True) -> int:
+    """The receive limit of a door serving the clients' and/or the workers' methods: the
+    largest any of them takes, plus gRPC's framing."""
+    limits = request_limits(config)
+    names = (["SubmitQuery", "RunQuery", "RunCall", "OpenWorkflow"] if clients else []) + (
+        ["Connect"] if workers else []
+    )
+    return max(limits[n] for n in names) + 1024
+
+
 # ------------------------------------------------------------------ safe deserializers
 
 
 class _Undecodable:
-    """What a safe deserializer returns for bytes that are no message of its type."""
+    """What a safe deserializer returns for bytes it does not turn into a message: bytes that
+    are no message of its type, or more than its method takes (never parsed)."""
 
     __slots__ = ("error",)
 
@@ -92,23 +138,29 @@ class _Undecodable:
         self.error = error
 
 
-def _safe(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+def _safe(
+    deserialize: Callable[[bytes], Any] | None, method: str, limit: int
+) -> Callable[[bytes], Any] | None:
     if deserialize is None:
         return None
 
     def safe(data: bytes) -> Any:
+        if len(data) > limit:
+            return _Undecodable(
+                f"{len(data)} bytes, more than {method} takes ({limit} bytes); not read"
+            )
         try:
             return deserialize(data)
         except (DecodeError, ValueError, TypeError) as exc:
-            return _Undecodable(_one_line(str(exc)) or type(exc).__name__)
+            return _Undecodable(
+                f"undecodable message ({_one_line(str(exc)) or type(exc).__name__})"
+            )
 
     return safe
 
 
 async def _reject(context: Context[Any, Any], request: _Undecodable) -> None:
-    await context.abort(
-        grpc.StatusCode.INVALID_ARGUMENT, f"request: undecodable message ({request.error})"
-    )
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: {request.error}")
 
 
 async def _checked(requests: AsyncIterator[Any], context: Context[Any, Any]) -> AsyncIterator[Any]:
@@ -118,9 +170,12 @@ async def _checked(requests: AsyncIterator[Any], context: Context[Any, Any]) -> 
         yield request
 
 
-def _wrap(handler: grpc.RpcMethodHandler[Any, Any]) -> grpc.RpcMethodHandler[Any, Any]:
-    """The same handler, whose undecodable requests end in INVALID_ARGUMENT."""
-    deserializer = _safe(handler.request_deserializer)
+def _wrap(
+    handler: grpc.RpcMethodHandler[Any, Any], method: str, limit: int
+) -> grpc.RpcMethodHandler[Any, Any]:
+    """The same handler, whose undecodable requests, and those over `limit` bytes, end in
+    INVALID_ARGUMENT."""
+    deserializer = _safe(handler.request_deserializer, method, limit)
     serializer = handler.response_serializer
     if handler.unary_unary is not None:
         inner_uu: Any = handler.unary_unary
@@ -176,16 +231,25 @@ class _Capture:
 
 
 def add_services(
-    server: grpc.aio.Server, add_to_server: Callable[[Any, Any], None], servicer: object
+    server: grpc.aio.Server,
+    add_to_server: Callable[[Any, Any], None],
+    servicer: object,
+    limits: Mapping[str, int] | None = None,
 ) -> None:
     """``add_to_server(servicer, server)`` (a generated ``add_*_to_server``), with request
-    deserializers that answer undecodable bytes with INVALID_ARGUMENT."""
+    deserializers that answer undecodable bytes with INVALID_ARGUMENT, and a request larger
+    than its method's limit in `limits` (by method name; `SMALL_REQUEST_BYTES` for one not
+    named) with INVALID_ARGUMENT before parsing it."""
     capture = _Capture()
     add_to_server(servicer, capture)
     if not capture.services:
         raise RuntimeError(f"{add_to_server.__name__} registered no service")
+    limits = limits or {}
     for service, handlers in capture.services.items():
-        wrapped = {name: _wrap(handler) for name, handler in handlers.items()}
+        wrapped = {
+            name: _wrap(handler, name, limits.get(name, SMALL_REQUEST_BYTES))
+            for name, handler in handlers.items()
+        }
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, wrapped),))
         register = getattr(server, "add_registered_method_handlers", None)
         if register is not None:
@@ -205,6 +269,7 @@ def add_coordinator_services(
         server,
         coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server,
         CoordinatorServicer(coordinator),
+        request_limits(coordinator.config),
     )
     if workers:
         add_worker_service(server, coordinator)
@@ -216,5 +281,8 @@ def add_worker_service(server: grpc.aio.Server, coordinator: Any) -> None:
     from hexgen_coordinator.service import WorkerServicer  # noqa: PLC0415 - imports us
 
     add_services(
-        server, worker_pb2_grpc.add_WorkerServiceServicer_to_server, WorkerServicer(coordinator)
+        server,
+        worker_pb2_grpc.add_WorkerServiceServicer_to_server,
+        WorkerServicer(coordinator),
+        request_limits(coordinator.config),
     )

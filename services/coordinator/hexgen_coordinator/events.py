@@ -8,6 +8,8 @@ read back from Redis alone.
 from __future__ import annotations
 
 import asyncio
+import logging
+import weakref
 from collections.abc import AsyncIterator
 
 from hexgen_api.v1 import coordinator_pb2 as cpb
@@ -15,14 +17,29 @@ from hexgen_coordinator.ledger import ActiveQuery, Ledger
 from hexgen_coordinator.store import WorkflowStore
 from hexgen_coordinator.views import QueryViews
 from hexgen_coordinator.write_behind import WriteBehind
+from hexgen_service.errors import OverloadedError
 
-__all__ = ["WATCH_BUFFER", "end_watch", "record_event", "watch"]
+__all__ = [
+    "WATCH_BUFFER",
+    "WATCH_RETRY_S",
+    "check_not_behind",
+    "end_watch",
+    "record_event",
+    "watch",
+]
 
 WATCH_BUFFER = 10_000
-"""Events a watcher may fall behind by; one that falls further has its stream ended (it
-can watch again: past events come back from the log)."""
+"""Events a watcher may fall behind by; one that falls further has its stream ended with
+RESOURCE_EXHAUSTED (it can watch again: past events come back from the log)."""
+WATCH_RETRY_S = 1.0
+"""The ``retry-after-s`` hint of a watch ended for falling behind."""
 
 K = cpb.QueryEventKind
+
+log = logging.getLogger(__name__)
+
+_fell_behind: weakref.WeakSet[asyncio.Queue[cpb.QueryEvent | None]] = weakref.WeakSet()
+"""Watchers whose stream was ended for falling behind (not because their query ended)."""
 
 
 def record_event(
@@ -52,7 +69,14 @@ def record_event(
             watcher.put_nowait(event)
         except asyncio.QueueFull:  # a watcher that stopped reading: its stream ends
             entry.watchers.discard(watcher)
+            _fell_behind.add(watcher)
             end_watch(watcher)
+            log.warning(
+                "a watcher of query %s fell more than %d events behind: its stream ends "
+                "(RESOURCE_EXHAUSTED; watching again replays the log)",
+                event.query_id,
+                WATCH_BUFFER,
+            )
 
 
 def end_watch(watcher: asyncio.Queue[cpb.QueryEvent | None]) -> None:
@@ -63,6 +87,19 @@ def end_watch(watcher: asyncio.Queue[cpb.QueryEvent | None]) -> None:
             return
         except asyncio.QueueFull:
             watcher.get_nowait()
+
+
+def check_not_behind(watcher: asyncio.Queue[cpb.QueryEvent | None], query_id: str) -> None:
+    """For a watcher whose stream got its end (None): `OverloadedError` (RESOURCE_EXHAUSTED
+    with a ``retry-after-s`` hint) when that end came because it fell behind, not because
+    its query ended."""
+    if watcher in _fell_behind:
+        raise OverloadedError(
+            f"watch: query {query_id!r}: this watcher fell more than {WATCH_BUFFER} events "
+            "behind (the coordinator's watch buffer) and its stream was ended; watch again "
+            "to replay the log and go on",
+            WATCH_RETRY_S,
+        )
 
 
 async def watch(
@@ -91,6 +128,7 @@ async def watch(
         while True:
             live = await queue.get()
             if live is None:
+                check_not_behind(queue, query_id)
                 return
             yield live
     finally:

@@ -12,7 +12,7 @@ in-memory view apply completions in the same order.
 from __future__ import annotations
 
 import asyncio
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from opentelemetry import trace
@@ -80,6 +80,11 @@ class ActiveQuery:
     """The open span of each released stage (its calls' spans are its children)."""
     chats: dict[str, tuple[tuple[str, str], ...]] = field(default_factory=dict)
     """A chat call's messages (role, content) by call id (`prompts` holds their rendering)."""
+    held: dict[str, int] = field(default_factory=dict)
+    """Bytes of each call's prompt still kept, by call id (`Ledger.hold_prompt`)."""
+    digest: str = ""
+    """`hexgen_coordinator.store.prompts_digest` of the prompts as submitted: what a
+    resubmission of the same id is matched against once prompts are dropped."""
 
 
 class Ledger:
@@ -113,3 +118,44 @@ class Ledger:
         self.recent: deque[tuple[float, str, float, bool]] = deque(maxlen=100_000)
         """(time.monotonic(), outcome, latency s, SLO met) of the latest queries that ended:
         what ClusterStatus sums over its window (`hexgen-flow top`)."""
+        self.prompt_bytes: Counter[str] = Counter()
+        """Prompt bytes each tenant has kept: its running calls' prompts, held from
+        admission (or the call's RunCall) until the call completes or its query ends
+        (``--max-tenant-prompt-bytes``)."""
+
+    # ------------------------------------------------------------------ kept prompts
+
+    def hold_prompt(self, entry: ActiveQuery, call_id: str, nbytes: int) -> None:
+        """Count a call's prompt of `nbytes` against its tenant until it is dropped."""
+        if nbytes <= 0:
+            return
+        tenant = entry.run.query.tenant
+        self.prompt_bytes[tenant] += nbytes - entry.held.get(call_id, 0)
+        entry.held[call_id] = nbytes
+
+    def drop_prompt(self, entry: ActiveQuery, call_id: str) -> None:
+        """The call completed: its prompt is not needed again (in memory or in Redis, whose
+        completion script drops its copy)."""
+        nbytes = entry.held.pop(call_id, 0)
+        if nbytes:
+            self._release(entry.run.query.tenant, nbytes)
+        entry.chats.pop(call_id, None)
+        _, stage, index = parse_call_id(call_id)
+        if stage < len(entry.prompts) and index < len(entry.prompts[stage]):
+            texts = entry.prompts[stage]
+            if texts[index]:
+                entry.prompts[stage] = (*texts[:index], "", *texts[index + 1 :])
+
+    def drop_prompts(self, entry: ActiveQuery) -> None:
+        """The query ended: every prompt it kept goes."""
+        self._release(entry.run.query.tenant, sum(entry.held.values()))
+        entry.held.clear()
+        entry.chats.clear()
+        entry.prompts = [tuple("" for _ in texts) for texts in entry.prompts]
+
+    def _release(self, tenant: str, nbytes: int) -> None:
+        left = self.prompt_bytes[tenant] - nbytes
+        if left > 0:
+            self.prompt_bytes[tenant] = left
+        else:
+            self.prompt_bytes.pop(tenant, None)

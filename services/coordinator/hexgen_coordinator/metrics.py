@@ -7,6 +7,11 @@ are read from the ledger when Prometheus scrapes, so they cost the hot path noth
 
 Times are seconds: query latency and the SLO on the cluster clock (what clients see), the
 coordinator's own overhead in wall seconds.
+
+Tenant labels are capped (`TenantLabels`): the first `DEFAULT_MAX_TENANTS` (100; the
+coordinator's ``--metrics-max-tenants``) distinct tenants seen keep a label of their own,
+every later one is counted under ``tenant="other"``, so that a flood of tenant names
+cannot grow the scrape without bound.
 """
 
 from __future__ import annotations
@@ -24,35 +29,99 @@ from hexgen_flow.scheduler import GlobalScheduler
 if TYPE_CHECKING:
     from hexgen_coordinator.ledger import Ledger
 
-__all__ = ["CoordinatorMetrics"]
+__all__ = [
+    "DEFAULT_MAX_TENANTS",
+    "OTHER_TENANT",
+    "CoordinatorMetrics",
+    "TenantLabelled",
+    "TenantLabels",
+]
+
+DEFAULT_MAX_TENANTS = 100
+"""Distinct tenants that keep a label of their own (``--metrics-max-tenants``)."""
+OTHER_TENANT = "other"
+"""The label of every tenant past the cap (a tenant named so shares it)."""
 
 _LATENCY_BUCKETS = (5, 10, 20, 30, 60, 90, 120, 180, 240, 300, 450, 600, 900, 1800, 3600)
 _OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
+_LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class TenantLabels:
+    """The tenant label values of the metrics: the first `limit` distinct tenants seen
+    keep their own name, every later one is `OTHER_TENANT`; so a scrape carries at most
+    ``limit + 1`` values per metric, however many tenants submit.
+
+    The first tenants seen, not the busiest: a counter must stay on the series it started
+    on (moving a tenant's count between its own series and "other" would make both go
+    backwards to Prometheus), and the first ones are known at once, at no cost per query.
+    The set lives in memory: a restarted coordinator starts counting anew (Prometheus
+    reads a restart's counters as a reset, as it does for every counter). 0: every tenant
+    is "other" (no tenant name in the metrics at all)."""
+
+    def __init__(self, limit: int = DEFAULT_MAX_TENANTS) -> None:
+        self.limit = limit
+        self._kept: set[str] = set()
+
+    def __call__(self, tenant: str) -> str:
+        if tenant in self._kept:
+            return tenant
+        if len(self._kept) < self.limit:
+            self._kept.add(tenant)
+            return tenant
+        return OTHER_TENANT
+
+
+class TenantLabelled:
+    """A counter whose first label is the tenant, passed through `TenantLabels` (the
+    cap): ``.labels(tenant, *others)`` as the counter's own."""
+
+    def __init__(self, counter: Counter, tenants: TenantLabels) -> None:
+        self.counter = counter
+        self.tenants = tenants
+
+    def labels(self, tenant: str, *others: str) -> Counter:
+        child: Counter = self.counter.labels(self.tenants(tenant), *others)
+        return child
 
 
 class CoordinatorMetrics:
     """Every metric of one coordinator, in a registry of its own."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_tenants: int = DEFAULT_MAX_TENANTS) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.queries_finished = Counter(
-            "hexgen_flow_queries_finished",
-            "Queries that ended, by tenant and outcome (succeeded, failed, cancelled).",
-            ["tenant", "outcome"],
-            registry=r,
+        self.tenants = TenantLabels(max_tenants)
+        """The cap on tenant labels, shared by every metric with one: its `limit` is the
+        coordinator's ``--metrics-max-tenants``."""
+        self.queries_finished = TenantLabelled(
+            Counter(
+                "hexgen_flow_queries_finished",
+                "Queries that ended, by tenant and outcome (succeeded, failed, cancelled); "
+                'tenants past the cap as tenant="other".',
+                ["tenant", "outcome"],
+                registry=r,
+            ),
+            self.tenants,
         )
-        self.queries_rejected = Counter(
-            "hexgen_flow_queries_rejected",
-            "Submissions refused by admission control or a running-query limit.",
-            ["tenant"],
-            registry=r,
+        self.queries_rejected = TenantLabelled(
+            Counter(
+                "hexgen_flow_queries_rejected",
+                "Submissions refused by admission control or a running-query limit; tenants "
+                'past the cap as tenant="other".',
+                ["tenant"],
+                registry=r,
+            ),
+            self.tenants,
         )
-        self.slo_met = Counter(
-            "hexgen_flow_slo_met",
-            "Queries that succeeded within their SLO.",
-            ["tenant"],
-            registry=r,
+        self.slo_met = TenantLabelled(
+            Counter(
+                "hexgen_flow_slo_met",
+                'Queries that succeeded within their SLO; tenants past the cap as tenant="other".',
+                ["tenant"],
+                registry=r,
+            ),
+            self.tenants,
         )
         self.query_latency = Histogram(
             "hexgen_flow_query_latency_seconds",
@@ -84,6 +153,13 @@ class CoordinatorMetrics:
             "hexgen_flow_submit_to_dispatch_seconds",
             "Coordinator overhead: a query submitted -> its first calls handed out (wall s).",
             buckets=_OVERHEAD_BUCKETS,
+            registry=r,
+        )
+        self.loop_lag = Histogram(
+            "hexgen_flow_event_loop_lag_seconds",
+            "How late the coordinator's event loop woke from a 50 ms sleep: the time some piece "
+            "of work held it (hexgen_service.loop_lag; wall seconds).",
+            buckets=_LAG_BUCKETS,
             registry=r,
         )
         self.gc_pause = Histogram(

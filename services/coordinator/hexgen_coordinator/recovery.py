@@ -22,7 +22,7 @@ from hexgen_coordinator.config import CoordinatorConfig
 from hexgen_coordinator.dispatch import Dispatch
 from hexgen_coordinator.ledger import ActiveQuery, Ledger, SessionState, call_id_of
 from hexgen_coordinator.session_store import stored_workflow
-from hexgen_coordinator.store import StoredQuery, WorkflowStore
+from hexgen_coordinator.store import StoredQuery, WorkflowStore, prompts_digest
 from hexgen_flow.runtime import CallTicket
 from hexgen_flow.scheduler import GlobalScheduler
 from hexgen_service.convert import parse_submit
@@ -104,7 +104,13 @@ class Recovery:
         f = stored.fields
         run = self.scheduler.admit(query, int(f["index"]), float(f["arrival_s"]), float(f["slo_s"]))
         span = self.tracer.start_span("query (resumed)", attributes={"query.id": query.query_id})
-        entry = ActiveQuery(run, built.prompts, span, event_base=logged_events, chats=built.chats)
+        # Stored before prompts were kept apart: no digest, and the submission held them.
+        digest = f.get("digest") or prompts_digest(
+            parse_submit(cpb.SubmitQueryRequest.FromString(stored.submit))[1]
+        )
+        entry = ActiveQuery(
+            run, built.prompts, span, event_base=logged_events, chats=built.chats, digest=digest
+        )
         if built.given is not None:
             run.given = list(built.given)
             opened = parse_submit(cpb.SubmitQueryRequest.FromString(stored.submit))[0]
@@ -120,6 +126,13 @@ class Recovery:
             )
         ledger.active[query.query_id] = entry
         stages = query.workflow.stages
+        for k, texts in enumerate(built.prompts):  # the prompts still kept (calls not done)
+            for index, text in enumerate(texts):
+                call_id = call_id_of(query.query_id, k, index)
+                if text and not stored.done(call_id):
+                    chat = built.chats.get(call_id, ())
+                    nbytes = len(text.encode("utf-8")) + sum(len(c.encode()) for _, c in chat)
+                    ledger.hold_prompt(entry, call_id, nbytes)
         run.calls_left = int(f["calls_left"])
         released = []
         for k in range(len(stages)):

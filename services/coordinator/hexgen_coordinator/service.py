@@ -251,6 +251,19 @@ async def _not_found(context: Context[object, object], query_id: str) -> None:
     await context.abort(grpc.StatusCode.NOT_FOUND, f"query_id: no query {query_id!r}")
 
 
+def _hello_problem(hello: wpb.WorkerHello) -> str | None:
+    """What makes a hello unusable, as ``field: why`` (INVALID_ARGUMENT); None: nothing.
+    Proto3 keeps an enum value that the enum does not name (a newer or hostile worker), so
+    `engine` is checked before it is named; `slot_for` checks the slot's range, GPU and
+    model. The hello's other fields are strings and ids that the coordinator only compares."""
+    if hello.engine not in wpb.EngineKind.values():
+        known = ", ".join(f"{wpb.EngineKind.Name(v)} ({v})" for v in wpb.EngineKind.values())
+        return f"hello.engine: unknown engine kind {hello.engine} (known: {known})"
+    if hello.slot < -1:
+        return f"hello.slot: must be >= 0, or -1 for any free slot, got {hello.slot}"
+    return None
+
+
 class WorkerServicer(wpb_grpc.WorkerServiceServicer):
     """One stream per worker: a reader task feeds the coordinator, the RPC writes."""
 
@@ -285,6 +298,10 @@ class WorkerServicer(wpb_grpc.WorkerServiceServicer):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, "hello.worker_id: must not be empty"
             )
+        problem = _hello_problem(hello)
+        if problem is not None:
+            log.warning("refused a worker hello from %s: %s", context.peer(), problem)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         link = WorkerLink(worker_id=hello.worker_id, engine=wpb.EngineKind.Name(hello.engine))
         async with statuses(context):
             try:

@@ -9,8 +9,9 @@ Its hash ``P q:{id}`` holds, besides a query's fields::
     shape                 (as a query's) the workflow as it runs: its given calls, and those
                           of stages still open (rewritten by `give` and `close_stages`)
     idle_s                wall seconds without a call after which the coordinator closes it
-    g:{call_id}           a given call (LLMCall bytes in base64: its step, token counts and
-                          prompt)
+    g:{call_id}           a given call (LLMCall bytes in base64: its step and token
+                          counts; its prompt and messages wait in ``pr:{id}`` until the
+                          call completes, as a query's do)
     x:{k}                 the name of stage k, added because a call named a stage the
                           workflow did not expect (it waits for nothing)
     z:{k}                 "1": stage k takes no more calls (a later stage was given a call,
@@ -59,7 +60,8 @@ GIVE_CONFLICT = -3
 GiveMode = Literal["replace", "join", "new"]
 
 _GIVE = """
--- KEYS: q ; ARGV: call_id, stage, call bytes, mode (replace|join|new), stage name, now, shape
+-- KEYS: q, pr ; ARGV: call_id, stage, call bytes, mode (replace|join|new), stage name, now,
+--       shape, prompt (LLMCall bytes: prompt and messages; '' for none)
 -- returns 1 given, 0 already given, -1 not running, -2 session closed, -3 a conflict with
 -- the stored workflow (another coordinator grew it)
 if redis.call('HGET', KEYS[1], 'state') ~= 'running' then return -1 end
@@ -81,13 +83,14 @@ if ARGV[4] ~= 'replace' then
   redis.call('HINCRBY', KEYS[1], 'calls_left', 1)
 end
 redis.call('HSET', KEYS[1], g, ARGV[3], 'shape', ARGV[7])
+if ARGV[8] ~= '' then redis.call('HSET', KEYS[2], ARGV[1], ARGV[8]) end
 return 1
 """
 
 _CLOSE_STAGES = (
     LUA_HELPERS
     + """
--- KEYS: q, active, finished, ev ; ARGV: query_id, close_session ('1' or '0'), now,
+-- KEYS: q, active, finished, ev, pr ; ARGV: query_id, close_session ('1' or '0'), now,
 --       retention_ms, maxlen, shape, stages...
 -- returns 1 done, 2 done and the query succeeded (closing it let its last call go),
 -- -1 not running
@@ -97,7 +100,7 @@ for i = 7, #ARGV do redis.call('HSET', KEYS[1], 'z:' .. ARGV[i], '1') end
 if ARGV[2] == '1' and redis.call('HGET', KEYS[1], 'session') == 'open' then
   redis.call('HSET', KEYS[1], 'session', 'closed', 'c:' .. ARGV[1] .. '/session', 'skipped')
   if redis.call('HINCRBY', KEYS[1], 'calls_left', -1) == 0 then
-    succeed(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[1], ARGV[3], ARGV[4], ARGV[5])
+    succeed(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[1], ARGV[3], ARGV[4], ARGV[5], KEYS[5])
     return 2
   end
 end
@@ -123,11 +126,15 @@ class SessionStore:
         name: str,
         now: float,
         shape: bytes,
+        prompt: bytes = b"",
     ) -> int:
-        """Record a given call (see the module docstring); one of the GIVE_* outcomes."""
+        """Record a given call (see the module docstring); one of the GIVE_* outcomes.
+        `call` is its LLMCall bytes without prompt and messages, `prompt` an LLMCall with
+        just those (kept until the call completes)."""
         blob = base64.b64encode(call)
-        args: list[Any] = [call_id, stage, blob, mode, name, repr(now), shape]
-        return int(await self._give(keys=[self.store.qkey(query_id)], args=args))
+        args: list[Any] = [call_id, stage, blob, mode, name, repr(now), shape, prompt]
+        keys = [self.store.qkey(query_id), self.store.prkey(query_id)]
+        return int(await self._give(keys=keys, args=args))
 
     async def close_stages(
         self,
@@ -148,6 +155,7 @@ class SessionStore:
             store.active_key,
             store.finished_key,
             store.evkey(query_id),
+            store.prkey(query_id),
         ]
         args: list[Any] = [
             query_id,
@@ -178,13 +186,22 @@ class StoredWorkflow:
 
 
 def stored_workflow(stored: StoredQuery) -> StoredWorkflow:
-    """The query's workflow as it stands in Redis (what recovery and views read)."""
+    """The query's workflow as it stands in Redis (what recovery and views read), with the
+    prompts still kept (a call done has none left)."""
     request = cpb.SubmitQueryRequest.FromString(stored.submit)
     opened, prompts = parse_submit(request)
     names = stage_names(request.workflow)
     f = stored.fields
     session = f.get("session")
+    kept = {c: wfpb.LLMCall.FromString(blob) for c, blob in stored.prompts.items()}
     if session is None:
+        for k, stage_prompts in enumerate(prompts):
+            texts = list(stage_prompts)
+            for i in range(len(texts)):
+                held = kept.get(call_id_of(opened.query_id, k, i))
+                if held is not None:
+                    texts[i] = held.prompt
+            prompts[k] = tuple(texts)
         return StoredWorkflow(opened, prompts, names, None, set(), False, 0.0, {})
     stages = list(opened.workflow.stages)
     total = int(f.get("stages_total", len(stages)))
@@ -204,6 +221,11 @@ def stored_workflow(stored: StoredQuery) -> StoredWorkflow:
             if raw is None:
                 break
             pb = wfpb.LLMCall.FromString(base64.b64decode(raw))
+            held = kept.get(call_id)
+            if held is not None:  # the prompt kept apart (the layout before: in g:{call_id})
+                pb.prompt = held.prompt
+                del pb.messages[:]
+                pb.messages.extend(held.messages)
             if pb.messages:
                 chats[call_id] = tuple((m.role, m.content) for m in pb.messages)
             call = LLMCall(pb.step or stage.step, pb.input_tokens, pb.output_tokens)

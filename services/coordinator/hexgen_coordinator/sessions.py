@@ -110,6 +110,8 @@ class Sessions:
             raise InvalidFieldError(
                 "template", "give a template name or the expected stages (exactly one)"
             )
+        if request.template:  # a name; its error repeats it, so it is held to an id's size
+            check_text("template", request.template, self.limits.max_id_bytes, self.limits)
         expected = template_to_proto(request.template) if request.template else request.expected
         for k, stage in enumerate(expected.stages):
             for c, call in enumerate(stage.calls):
@@ -296,12 +298,26 @@ class Sessions:
             given.input_tokens or max(1, math.ceil(len(given.prompt) / CHARS_PER_TOKEN)),
             given.output_tokens or (expected.output_tokens if expected else DEFAULT_OUTPUT_TOKENS),
         )
-        if call.input_tokens + call.output_tokens > max(self.scheduler.load.kv_tokens):
+        prompt_bytes = len(given.prompt.encode("utf-8")) + sum(
+            len(m.content.encode("utf-8")) for m in given.messages
+        )
+        # A session is held to a submission's limits, call by call.
+        admission = self.admission
+        admission.check_call("call", call, len(given.prompt.encode("utf-8")))
+        if stage is None and len(stages) >= self.config.max_stages:
+            raise InvalidFieldError(
+                "stage",
+                f"the workflow has {len(stages)} stages, the most a workflow may have "
+                f"(--max-stages): name a stage it has",
+            )
+        adds_call = stage is None or run.given[stage] >= len(stages[stage].calls)
+        if adds_call and run.query.workflow.num_calls >= self.config.max_calls:
             raise InvalidFieldError(
                 "call",
-                f"{call.input_tokens}+{call.output_tokens} tokens fit no instance's KV cache "
-                f"(largest: {max(self.scheduler.load.kv_tokens)} tokens)",
+                f"the workflow has {run.query.workflow.num_calls} calls, the most a "
+                "workflow may have (--max-calls)",
             )
+        admission.check_room(run.query.tenant, prompt_bytes)
         if closing:
             session.closed_stages.update(closing)
             shape = self._shape(entry)
@@ -328,18 +344,20 @@ class Sessions:
         call_id = call_id_of(query_id, stage, index)
         if given.messages:
             entry.chats[call_id] = tuple((m.role, m.content) for m in given.messages)
+        ledger.hold_prompt(entry, call_id, prompt_bytes)
         blob = wfpb.LLMCall(
-            step=call.step,
-            input_tokens=call.input_tokens,
-            output_tokens=call.output_tokens,
-            prompt=given.prompt,
-            messages=given.messages,
+            step=call.step, input_tokens=call.input_tokens, output_tokens=call.output_tokens
         ).SerializeToString()
+        text = (
+            wfpb.LLMCall(prompt=given.prompt, messages=given.messages).SerializeToString()
+            if prompt_bytes
+            else b""
+        )
         shape = self._shape(entry)
         status = await until_stored(
             f"giving {call_id}",
             lambda: self.store.give(
-                query_id, call_id, stage, blob, mode, name=name, now=now, shape=shape
+                query_id, call_id, stage, blob, mode, name=name, now=now, shape=shape, prompt=text
             ),
         )
         if status not in (GIVE_APPLIED, GIVE_DUPLICATE):
@@ -392,6 +410,11 @@ class Sessions:
         run, session = entry.run, entry.session
         assert session is not None
         query_id = run.query.query_id
+        if not any(run.given or ()):
+            # Nothing was ever given: nothing ran, so it neither succeeded nor met its SLO
+            # (a client that opened it and gave up, or whose every call was refused).
+            await self._cancel_empty(entry, f"{reason}, with no call given")
+            return
         stages = [
             k
             for k in range(len(run.query.workflow.stages))
@@ -421,6 +444,21 @@ class Sessions:
         run.end_session(when)
         record_event(entry, K.QUERY_EVENT_KIND_CLOSED, now, text=reason)
         await self._settle(entry, when)
+
+    async def _cancel_empty(self, entry: ActiveQuery, reason: str) -> None:
+        """End a session that never got a call CANCELLED (the caller holds its lock)."""
+        now = self.ledger.clock.now()
+        query_id = entry.run.query.query_id
+        await until_stored(
+            f"cancelling {query_id}", lambda: self.store.store.cancel(query_id, now, reason)
+        )
+        assert entry.session is not None
+        entry.session.open = False
+        self.completions.drop_calls(entry)
+        record_event(entry, K.QUERY_EVENT_KIND_CANCELLED, now, text=reason)
+        self.writes.persist(entry, [])
+        await self.writes.flush()  # GetQuery reads a finished query's log from Redis
+        self.completions.finish(entry, "cancelled")
 
     async def _settle(self, entry: ActiveQuery, now: float) -> None:
         """Skip what the closed stages were never given, send what that releases, and end

@@ -5,8 +5,10 @@ Key layout (every key starts with the configured prefix P, default ``hf:``)::
     P meta                 hash   epoch_unix_s, time_scale, alpha
     P qseq                 string arrival counter of queries (query_seq)
     P active               set    ids of running queries (what a restarted coordinator resumes)
-    P q:{id}               hash   the query: submit (SubmitQueryRequest bytes), shape (the
-                                  same without prompts), tenant, index, arrival_s, slo_s,
+    P q:{id}               hash   the query: submit (SubmitQueryRequest bytes without its
+                                  prompts), shape (the same, what the streams keep),
+                                  digest (SHA-256 of its prompts: what a resubmission of
+                                  the same id is matched against), tenant, index, arrival_s, slo_s,
                                   deadline_s, state, reason, finished_s, calls_total,
                                   calls_left, stages_total, stages_done;
                                   per stage k: s{k}:left, s{k}:deps, s{k}:rel, s{k}:fin, s{k}:dl;
@@ -16,6 +18,10 @@ Key layout (every key starts with the configured prefix P, default ``hf:``)::
                                   f:{call_id} = failed attempts; a workflow session's
                                   fields: see `hexgen_coordinator.session_store`
     P ev:{id}              list   the query's events (QueryEvent bytes), in order
+    P pr:{id}              hash   call_id -> the call's prompt (LLMCall bytes: prompt and chat
+                                  messages), only while the call may still run: the
+                                  completion of a call drops its prompt, the end of the query
+                                  (succeeded, failed, cancelled) drops them all
     P completions          stream one entry per finished call
     P admitted             stream one entry per admitted workflow declared whole, with its
                                   shape (what the tuner replays: its window is the latest
@@ -24,8 +30,14 @@ Key layout (every key starts with the configured prefix P, default ``hf:``)::
                                   session's shape is known only here)
     P alpha:history        list   JSON of the latest alpha changes
 
-No id can make two keys collide: a query's two keys sit in different namespaces (``q:`` and
-``ev:``), and neither can spell a fixed key.
+No id can make two keys collide: a query's keys sit in different namespaces (``q:``,
+``ev:``, ``pr:``), and none can spell a fixed key.
+
+Prompts are the bulk of what a query stores, so they are kept apart and only as long as a
+call may need its prompt again (a redispatch after a crash): nothing a client sent
+outlives its query's end, and a finished query's retention window keeps its shape and
+log, not its text. (Queries stored before this layout kept their prompts in ``submit``;
+they are read as before and expire with it.)
 
 Every change that decides what runs next is one Lua script that checks the state it
 changes, so it applies exactly once whatever order or number of times it arrives:
@@ -49,9 +61,10 @@ streams are trimmed to about `stream_maxlen` entries.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -71,6 +84,7 @@ __all__ = [
     "StoredQuery",
     "WorkflowStore",
     "parse_placement",
+    "prompts_digest",
 ]
 
 COMPLETE_APPLIED = 1
@@ -82,9 +96,10 @@ ALPHA_HISTORY_MAX = 1000
 """alpha:history keeps this many latest changes."""
 
 _SUBMIT = """
--- KEYS: q, qseq, active, admitted ; ARGV: submit, shape, tenant, arrival_s, slo_s,
+-- KEYS: q, qseq, active, admitted, pr ; ARGV: submit, shape, tenant, arrival_s, slo_s,
 --        deadline_s, calls_total, stages_total, then per stage: left, deps, then query_id,
---        session ('' for a static query, else 'open'), idle timeout of a session, maxlen
+--        session ('' for a static query, else 'open'), idle timeout of a session, maxlen,
+--        digest, then call_id, prompt pairs
 -- returns {created, index}
 if redis.call('EXISTS', KEYS[1]) == 1 then
   return {0, tonumber(redis.call('HGET', KEYS[1], 'index'))}
@@ -103,6 +118,10 @@ for k = 0, n - 1 do
   end
 end
 redis.call('SADD', KEYS[3], ARGV[9 + 2 * n])
+redis.call('HSET', KEYS[1], 'digest', ARGV[13 + 2 * n])
+for i = 14 + 2 * n, #ARGV, 2 do
+  redis.call('HSET', KEYS[5], ARGV[i], ARGV[i + 1])
+end
 if ARGV[10 + 2 * n] ~= '' then
   redis.call('HSET', KEYS[1], 'session', ARGV[10 + 2 * n], 'idle_s', ARGV[11 + 2 * n])
 else
@@ -128,18 +147,23 @@ local function matches(placed, slot, attempt)
   end
   return true
 end
-local function expire(q, ev, ms)
+-- the query ended: its keys expire after the retention window, its prompts go now
+local function expire(q, ev, ms, pr)
   redis.call('PEXPIRE', q, ms)
   if redis.call('EXISTS', ev) == 1 then redis.call('PEXPIRE', ev, ms) end
+  local calls = redis.call('HKEYS', pr)
+  for i = 1, #calls, 256 do
+    redis.call('HDEL', pr, unpack(calls, i, math.min(i + 255, #calls)))
+  end
 end
--- the query's last call is done: it succeeded (q, active, finished, ev are keys)
-local function succeed(q, active, finished, ev, query_id, now, retention_ms, maxlen)
+-- the query's last call is done: it succeeded (q, active, finished, ev, pr are keys)
+local function succeed(q, active, finished, ev, query_id, now, retention_ms, maxlen, pr)
   redis.call('HSET', q, 'state', 'succeeded', 'finished_s', now)
   redis.call('SREM', active, query_id)
   local f = redis.call('HMGET', q, 'tenant', 'arrival_s', 'slo_s', 'shape')
   redis.call('XADD', finished, 'MAXLEN', '~', maxlen, '*', 'query_id', query_id,
     'tenant', f[1], 'arrival_s', f[2], 'finished_s', now, 'slo_s', f[3], 'submit', f[4])
-  expire(q, ev, retention_ms)
+  expire(q, ev, retention_ms, pr)
 end
 """
 
@@ -148,7 +172,7 @@ LUA_HELPERS = _MATCHES
 _COMPLETE = (
     _MATCHES
     + """
--- KEYS: q, active, completions, finished, ev
+-- KEYS: q, active, completions, finished, ev, pr
 -- ARGV: query_id, call_id, stage, now, slot, attempt, retention_ms, maxlen, n_dependents,
 --       dependents..., then the completion record as field/value pairs
 -- returns {status, calls_left, released stages...}: status 1 applied, 0 already done,
@@ -161,6 +185,7 @@ local function apply(KEYS, ARGV)
   local placed = redis.call('HGET', KEYS[1], 'p:' .. ARGV[2])
   if not matches(placed, ARGV[5], ARGV[6]) then return {-2, -1} end
   redis.call('HSET', KEYS[1], ckey, 'done')
+  redis.call('HDEL', KEYS[6], ARGV[2])  -- its prompt is not needed again
   local k = ARGV[3]
   local now = ARGV[4]
   local ndep = tonumber(ARGV[9])
@@ -185,7 +210,7 @@ local function apply(KEYS, ARGV)
   end
   local left = redis.call('HINCRBY', KEYS[1], 'calls_left', -1)
   if left == 0 then
-    succeed(KEYS[1], KEYS[2], KEYS[4], KEYS[5], ARGV[1], now, ARGV[7], ARGV[8])
+    succeed(KEYS[1], KEYS[2], KEYS[4], KEYS[5], ARGV[1], now, ARGV[7], ARGV[8], KEYS[6])
   end
   local out = {1, left}
   for _, j in ipairs(released) do table.insert(out, j) end
@@ -197,8 +222,8 @@ end
 _FAIL_CALL = (
     _MATCHES
     + """
--- KEYS: q, active, ev ; ARGV: query_id, call_id, slot, attempt, max_attempts, now, reason,
---       retention_ms
+-- KEYS: q, active, ev, pr ; ARGV: query_id, call_id, slot, attempt, max_attempts, now,
+--       reason, retention_ms
 -- returns {status, failures}: status 1 counted (retry), 2 counted and the query failed,
 -- 0 already done, -1 not running, -2 not from where the call was placed
 if redis.call('HGET', KEYS[1], 'state') ~= 'running' then return {-1, 0} end
@@ -213,7 +238,7 @@ local failures = redis.call('HINCRBY', KEYS[1], 'f:' .. ARGV[2], 1)
 if failures < tonumber(ARGV[5]) then return {1, failures} end
 redis.call('HSET', KEYS[1], 'state', 'failed', 'finished_s', ARGV[6], 'reason', ARGV[7])
 redis.call('SREM', KEYS[2], ARGV[1])
-expire(KEYS[1], KEYS[3], ARGV[8])
+expire(KEYS[1], KEYS[3], ARGV[8], KEYS[4])
 return {2, failures}
 """
 )
@@ -221,12 +246,13 @@ return {2, failures}
 _CANCEL = (
     _MATCHES
     + """
--- KEYS: q, active, ev ; ARGV: query_id, now, retention_ms
+-- KEYS: q, active, ev, pr ; ARGV: query_id, now, retention_ms, reason
 -- returns 1 if cancelled now, 0 if not running
 if redis.call('HGET', KEYS[1], 'state') ~= 'running' then return 0 end
 redis.call('HSET', KEYS[1], 'state', 'cancelled', 'finished_s', ARGV[2])
+if ARGV[4] ~= '' then redis.call('HSET', KEYS[1], 'reason', ARGV[4]) end
 redis.call('SREM', KEYS[2], ARGV[1])
-expire(KEYS[1], KEYS[3], ARGV[3])
+expire(KEYS[1], KEYS[3], ARGV[3], KEYS[4])
 return 1
 """
 )
@@ -284,6 +310,13 @@ def parse_placement(value: str) -> Placement | None:
     return Placement(nums[0], nums[1], nums[2] if len(nums) == 3 else 0)
 
 
+def prompts_digest(prompts: Sequence[Sequence[str]]) -> str:
+    """SHA-256 of a query's prompts (per stage, per call): what tells a resubmission of the
+    same id with the same content from one with other content, once the prompts
+    themselves are gone."""
+    return hashlib.sha256(json.dumps([list(p) for p in prompts]).encode()).hexdigest()
+
+
 @dataclass(frozen=True, slots=True)
 class StoredQuery:
     """A query as Redis holds it (what a restarted coordinator resumes from)."""
@@ -291,6 +324,8 @@ class StoredQuery:
     query_id: str
     fields: Mapping[str, str]
     submit: bytes
+    prompts: Mapping[str, bytes] = field(default_factory=dict)
+    """The prompts still kept (``pr:{id}``): call_id -> LLMCall bytes (prompt, messages)."""
 
     def num(self, name: str) -> float:
         return float(self.fields[name])
@@ -345,6 +380,9 @@ class WorkflowStore:
     def evkey(self, query_id: str) -> str:
         return f"{self.prefix}ev:{query_id}"
 
+    def prkey(self, query_id: str) -> str:
+        return f"{self.prefix}pr:{query_id}"
+
     @property
     def active_key(self) -> str:
         return f"{self.prefix}active"
@@ -398,12 +436,16 @@ class WorkflowStore:
         shape: bytes = b"",
         *,
         session_idle_s: float | None = None,
+        prompts: Mapping[str, bytes] | None = None,
+        digest: str = "",
     ) -> tuple[bool, int]:
         """Record a new query (root stages released); (created, query index).
 
         Idempotent: an id already stored is left untouched and reported as not created.
-        `shape` is the submission without its prompts (what the `admitted` and `finished`
-        streams keep; a session is added to `admitted` never, to `finished` when it ends).
+        `submit` is the submission without its prompts, `shape` what the `admitted` and
+        `finished` streams keep (a session is added to `admitted` never, to `finished` when
+        it ends); `prompts` (call_id -> LLMCall bytes) are kept apart, each until its call
+        completes; `digest` is `prompts_digest` of them.
         """
         args: list[Any] = [
             submit,
@@ -423,8 +465,17 @@ class WorkflowStore:
             "" if session_idle_s is None else "open",
             repr(session_idle_s or 0.0),
             self.stream_maxlen,
+            digest,
         ]
-        keys = [self.qkey(query_id), f"{self.prefix}qseq", self.active_key, self.admitted_key]
+        for call_id, blob in (prompts or {}).items():
+            args += [call_id, blob]
+        keys = [
+            self.qkey(query_id),
+            f"{self.prefix}qseq",
+            self.active_key,
+            self.admitted_key,
+            self.prkey(query_id),
+        ]
         created, index = await self._submit(keys=keys, args=args)
         return bool(created), int(index)
 
@@ -502,6 +553,7 @@ class WorkflowStore:
             self.completions_key,
             self.finished_key,
             self.evkey(query_id),
+            self.prkey(query_id),
         ]
         out = await self._complete(keys=keys, args=args)
         return CompletionResult(int(out[0]), int(out[1]), tuple(int(j) for j in out[2:]))
@@ -518,7 +570,7 @@ class WorkflowStore:
         reason: str,
     ) -> FailureResult:
         """Count a failed attempt of a call; the query fails at `max_attempts` failures."""
-        keys = [self.qkey(query_id), self.active_key, self.evkey(query_id)]
+        keys = [self.qkey(query_id), self.active_key, self.evkey(query_id), self.prkey(query_id)]
         args: list[Any] = [
             query_id,
             call_id,
@@ -532,23 +584,35 @@ class WorkflowStore:
         status, failures = await self._fail_call(keys=keys, args=args)
         return FailureResult(int(status), int(failures))
 
-    async def cancel(self, query_id: str, now: float) -> bool:
-        keys = [self.qkey(query_id), self.active_key, self.evkey(query_id)]
-        return bool(await self._cancel(keys=keys, args=[query_id, repr(now), self.retention_ms]))
+    async def cancel(self, query_id: str, now: float, reason: str = "") -> bool:
+        """End a running query CANCELLED (`reason` kept for GetQuery); False if it was not
+        running."""
+        keys = [self.qkey(query_id), self.active_key, self.evkey(query_id), self.prkey(query_id)]
+        args: list[Any] = [query_id, repr(now), self.retention_ms, reason]
+        return bool(await self._cancel(keys=keys, args=args))
 
     async def active_ids(self) -> list[str]:
         members = await self.redis.smembers(self.active_key)
         return sorted(m.decode() if isinstance(m, bytes) else m for m in members)
 
     async def load(self, query_id: str) -> StoredQuery | None:
-        raw = await self.redis.hgetall(self.qkey(query_id))
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hgetall(self.qkey(query_id))
+            pipe.hgetall(self.prkey(query_id))
+            raw, raw_prompts = await pipe.execute()
         if not raw:
             return None
         fields = {(k.decode() if isinstance(k, bytes) else k): v for k, v in raw.items()}
         submit = fields.pop("submit")
         fields.pop("shape", None)
         text = {k: (v.decode() if isinstance(v, bytes) else str(v)) for k, v in fields.items()}
-        return StoredQuery(query_id, text, submit if isinstance(submit, bytes) else submit.encode())
+        prompts = {
+            (k.decode() if isinstance(k, bytes) else k): (v if isinstance(v, bytes) else v.encode())
+            for k, v in raw_prompts.items()
+        }
+        return StoredQuery(
+            query_id, text, submit if isinstance(submit, bytes) else submit.encode(), prompts
+        )
 
     async def events(self, query_id: str) -> list[bytes]:
         return list(await self.redis.lrange(self.evkey(query_id), 0, -1))

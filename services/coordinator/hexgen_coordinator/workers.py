@@ -13,6 +13,7 @@ import logging
 import time
 
 from hexgen_api.v1 import worker_pb2 as wpb
+from hexgen_coordinator.completions import Completions
 from hexgen_coordinator.config import CoordinatorConfig
 from hexgen_coordinator.dispatch import Dispatch
 from hexgen_coordinator.ledger import Ledger
@@ -20,6 +21,7 @@ from hexgen_coordinator.links import WorkerLink, slot_for
 from hexgen_coordinator.recovery import Recovery
 from hexgen_coordinator.write_behind import WriteBehind
 from hexgen_flow.cluster import Cluster
+from hexgen_flow.runtime import CallTicket
 from hexgen_flow.scheduler import GlobalScheduler
 
 __all__ = ["WorkerSlots"]
@@ -37,6 +39,7 @@ class WorkerSlots:
         dispatch: Dispatch,
         writes: WriteBehind,
         recovery: Recovery,
+        completions: Completions,
     ) -> None:
         self.config = config
         self.cluster = cluster
@@ -45,6 +48,8 @@ class WorkerSlots:
         self.dispatch = dispatch
         self.writes = writes
         self.recovery = recovery
+        self.completions = completions
+        self._counting: set[asyncio.Task[None]] = set()
 
     def connect(self, hello: wpb.WorkerHello, link: WorkerLink) -> wpb.WorkerWelcome:
         """Give a worker its slot; raises InvalidFieldError / SlotTakenError."""
@@ -66,11 +71,18 @@ class WorkerSlots:
                 self.recovery.adopt(ticket, slot)
                 continue
             drop.append(call_id)
-        # Calls this slot should hold but the worker does not (it restarted): send again.
+        # Calls this slot should hold but the worker does not (it restarted): send again,
+        # but a call it had started died with it: that counts as an attempt.
         resident = set(hello.resident_call_ids)
-        resend = [
+        lost = [
             t for t in ledger.tickets.values() if t.instance == slot and t.call_id not in resident
         ]
+        resend = [t for t in lost if t.call_id not in ledger.started]
+        self._lost_running(
+            [t for t in lost if t.call_id in ledger.started],
+            slot,
+            f"worker {hello.worker_id} came back without it",
+        )
         welcome = wpb.WorkerWelcome(
             slot=slot,
             instance=self.cluster.instances[slot].name,
@@ -122,19 +134,38 @@ class WorkerSlots:
         self.scheduler.load.set_available(slot, False)
         self.scheduler.load.report_others(slot, 0, 0.0, 0)  # the next worker reports its own
         moved = [t for t in ledger.tickets.values() if t.instance == slot]
+        running = [t for t in moved if t.call_id in ledger.started]
         log.warning(
-            "worker %s left slot %d (%s); redispatching %d calls",
+            "worker %s left slot %d (%s); redispatching %d calls (%d were running there)",
             link.worker_id,
             slot,
             reason,
             len(moved),
+            len(running),
         )
+        self._lost_running(running, slot, f"worker {link.worker_id} lost: {reason}")
         for ticket in moved:
-            self.dispatch.redispatch(ticket, f"worker {link.worker_id} lost: {reason}")
+            if ticket not in running:
+                self.dispatch.redispatch(ticket, f"worker {link.worker_id} lost: {reason}")
         for entry_id in {t.query_id for t in moved}:
             entry = ledger.active.get(entry_id)
             if entry is not None:
-                self.writes.persist(entry, [t for t in moved if t.query_id == entry_id])
+                sent = [t for t in moved if t.query_id == entry_id and t not in running]
+                self.writes.persist(entry, sent)
+
+    def _lost_running(self, tickets: list[CallTicket], slot: int, reason: str) -> None:
+        """Calls that were running on `slot` when its worker died: off the instance now,
+        counted as failed attempts, then sent again or failed
+        (`Completions.lost_while_running`)."""
+        for ticket in tickets:
+            self.ledger.started.discard(ticket.call_id)
+            attempt = ticket.attempt
+            self.scheduler.withdraw(ticket)
+            task = asyncio.create_task(
+                self.completions.lost_while_running(ticket, slot, attempt, reason)
+            )
+            self._counting.add(task)
+            task.add_done_callback(self._counting.discard)
 
     async def watch_heartbeats(self) -> None:
         """Disconnect every worker silent for longer than `heartbeat_timeout_s`."""

@@ -100,7 +100,9 @@ def parse_config(argv: Sequence[str] | None = None) -> TunerConfig:
         "--metrics-listen",
         default=d.metrics_listen,
         metavar="HOST:PORT",
-        help="serve Prometheus metrics on http://HOST:PORT/metrics (default: not served)",
+        help="serve Prometheus metrics on http://HOST:PORT/metrics (default: not served); "
+        "with --tls-cert/--tls-key over HTTPS, with --api-keys-file to operators' keys only "
+        "(beyond loopback both, or --insecure)",
     )
     security = parser.add_argument_group("security (docs/security.md)")
     security.add_argument(
@@ -127,7 +129,8 @@ def parse_config(argv: Sequence[str] | None = None) -> TunerConfig:
     security.add_argument(
         "--insecure",
         action="store_true",
-        help="listen beyond loopback without --api-keys-file and --tls-cert/--tls-key",
+        help="listen (and serve --metrics-listen) beyond loopback without --api-keys-file "
+        "and --tls-cert/--tls-key",
     )
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     args = parser.parse_args(argv)

@@ -13,7 +13,7 @@ from hexgen_client.addresses import (
     DEFAULT_TUNER,
 )
 from hexgen_flow.errors import ConfigError
-from hexgen_service.exposure import refuse_unprotected
+from hexgen_service.exposure import refuse_open_metrics, refuse_unprotected
 from hexgen_service.redis_keys import cluster_prefix
 from hexgen_service.tls import TlsFiles
 
@@ -63,7 +63,9 @@ class TunerConfig:
     """Where the replays' latency numbers come from: the coordinator's calibration (None:
     ``chess-measured``)."""
     metrics_listen: str = ""
-    """Where to serve Prometheus metrics (``HOST:PORT``, at /metrics); empty: nowhere."""
+    """Where to serve Prometheus metrics (``HOST:PORT``, at /metrics); empty: nowhere.
+    With `api_keys_file` a scrape needs an operator's key, with `tls_cert` it is HTTPS
+    (`hexgen_service.metrics_server`); beyond loopback both, or `insecure`."""
     rpc_timeout_s: float = 10.0
     """Deadline of each RPC to the coordinator."""
     api_keys_file: str = ""
@@ -115,6 +117,12 @@ class TunerConfig:
             protected=bool(self.api_keys_file) and tls.cert is not None,
             insecure=self.insecure,
             needs="--api-keys-file and --tls-cert/--tls-key",
+        )
+        refuse_open_metrics(
+            self.metrics_listen,
+            tls=tls.cert is not None,
+            keys=bool(self.api_keys_file),
+            insecure=self.insecure,
         )
 
     @property

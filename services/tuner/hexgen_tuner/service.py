@@ -19,7 +19,7 @@ from hexgen_client.client import CoordinatorClient
 from hexgen_client.errors import CoordinatorError
 from hexgen_service.auth import AuthInterceptor, KeyStore, Role, read_secret
 from hexgen_service.exposure import is_loopback
-from hexgen_service.metrics_server import serve_metrics
+from hexgen_service.metrics_server import MetricsProtection, serve_metrics
 from hexgen_service.redis_sentinel import async_master, parse_sentinel_url
 from hexgen_service.server import GrpcServer
 from hexgen_service.telemetry import client_interceptors, setup_tracing
@@ -213,8 +213,16 @@ async def serve(config: TunerConfig) -> None:
     await server.start()
     metrics_server = None
     if config.metrics_listen:
-        address, metrics_server = serve_metrics(tuner.metrics.registry, config.metrics_listen)
-        log.info("metrics on http://%s/metrics", address)
+        protection = MetricsProtection.of(tls.cert, tls.key, config.api_keys_file)
+        address, metrics_server = serve_metrics(
+            tuner.metrics.registry, config.metrics_listen, protection
+        )
+        log.info(
+            "metrics on %s://%s/metrics%s",
+            protection.scheme,
+            address,
+            " (an operator's API key)" if protection.keys else "",
+        )
     loop_task = asyncio.create_task(tuner.run_periodically(stop))
     log.info(
         "tuning the coordinator at %s every %s s (window %d, at least %d queries)",

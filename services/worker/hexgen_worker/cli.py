@@ -14,11 +14,13 @@ import json
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 from hexgen_flow.cluster import DEFAULT_MODEL
 from hexgen_flow.errors import HexgenFlowError
 from hexgen_flow.sim.engines import ENGINE_MODELS
+from hexgen_service.auth import KeyStore
 from hexgen_service.telemetry import setup_logging
 from hexgen_service.tls import add_tls_options
 from hexgen_service.worker_token import read_token
@@ -150,13 +152,42 @@ def build_parser() -> argparse.ArgumentParser:
         "--metrics-listen",
         default=defaults.metrics_listen,
         metavar="HOST:PORT",
-        help="serve Prometheus metrics on http://HOST:PORT/metrics (default: not served)",
+        help="serve Prometheus metrics on http://HOST:PORT/metrics (default: not served); "
+        "beyond loopback only with --metrics-tls-cert/--metrics-tls-key and --api-keys-file, "
+        "or --insecure",
+    )
+    parser.add_argument(
+        "--metrics-tls-cert",
+        default=None,
+        metavar="FILE",
+        help="serve the metrics over HTTPS with this server certificate (PEM; not --tls-cert, "
+        "the worker's client certificate)",
+    )
+    parser.add_argument(
+        "--metrics-tls-key",
+        default=None,
+        metavar="FILE",
+        help="the private key of --metrics-tls-cert (PEM)",
+    )
+    parser.add_argument(
+        "--api-keys-file",
+        default=None,
+        metavar="FILE",
+        help="answer a scrape of the metrics only with an API key of this keys file "
+        "(any role: a worker's metrics name no tenant), else 401",
+    )
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="serve --metrics-listen beyond loopback without HTTPS and API keys",
     )
     return parser
 
 
 def config_from_args(args: argparse.Namespace) -> WorkerConfig:
     """The resolved configuration of parsed arguments (raises `ConfigError`)."""
+    if args.api_keys_file:
+        KeyStore(Path(args.api_keys_file))  # a bad file fails here, named
     return WorkerConfig(
         coordinator=args.coordinator[0],
         extra_coordinators=tuple(args.coordinator[1:]),
@@ -181,6 +212,10 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         vllm_engine_args=dict(args.vllm_arg),
         log_level=args.log_level,
         metrics_listen=args.metrics_listen,
+        metrics_tls_cert=args.metrics_tls_cert or "",
+        metrics_tls_key=args.metrics_tls_key or "",
+        api_keys_file=args.api_keys_file or "",
+        insecure=args.insecure,
         worker_token=read_token(args.worker_token_file) if args.worker_token_file else "",
         tls_ca=args.tls_ca or "",
         tls_cert=args.tls_cert or "",

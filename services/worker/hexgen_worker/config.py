@@ -12,6 +12,7 @@ from hexgen_flow.cluster import DEFAULT_MODEL, Cluster, InstanceSpec
 from hexgen_flow.errors import ConfigError
 from hexgen_flow.latency import latency_model, resolve_model
 from hexgen_flow.sim.engines import DEFAULT_ENGINE_MODEL, prefix_caching_of
+from hexgen_service.exposure import refuse_open_metrics
 
 __all__ = ["ENGINE_KINDS", "EngineKind", "WorkerConfig"]
 
@@ -86,7 +87,19 @@ class WorkerConfig:
     log_level: str = "INFO"
     """Python logging level name."""
     metrics_listen: str = ""
-    """Where to serve Prometheus metrics (``HOST:PORT``, at /metrics); empty: nowhere."""
+    """Where to serve Prometheus metrics (``HOST:PORT``, at /metrics); empty: nowhere.
+    Beyond loopback only over HTTPS (`metrics_tls_cert`) to API keys (`api_keys_file`),
+    or `insecure` (`hexgen_service.exposure.refuse_open_metrics`)."""
+    metrics_tls_cert: str = ""
+    """The server certificate (PEM) the metrics are served over HTTPS with; empty: plain
+    HTTP. Not `tls_cert`: that is the worker's client certificate for the workers' door."""
+    metrics_tls_key: str = ""
+    """Its private key."""
+    api_keys_file: str = ""
+    """The keys file (`hexgen_service.auth.KeyStore`) whose keys, of any role, may scrape
+    the metrics (they name no tenant); empty: anyone may."""
+    insecure: bool = False
+    """Serve the metrics beyond loopback without HTTPS and keys (protected mode off)."""
     worker_token: str = ""
     """The token its Connect carries (`hexgen_service.worker_token`); empty: none."""
     tls_ca: str = ""
@@ -111,6 +124,15 @@ class WorkerConfig:
             raise ConfigError(f"--coordinator: {twice} is given twice")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("--tls-cert and --tls-key: give both or neither")
+        if bool(self.metrics_tls_cert) != bool(self.metrics_tls_key):
+            raise ConfigError("--metrics-tls-cert and --metrics-tls-key: give both or neither")
+        refuse_open_metrics(
+            self.metrics_listen,
+            tls=bool(self.metrics_tls_cert),
+            keys=bool(self.api_keys_file),
+            insecure=self.insecure,
+            tls_flags="--metrics-tls-cert/--metrics-tls-key",
+        )
         if self.slot < -1:
             raise ConfigError(f"--slot must be >= 0, or -1 for any slot, got {self.slot}")
         if self.engine not in ENGINE_KINDS:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
@@ -64,7 +64,8 @@ _FATAL_CODES = frozenset(
     }
 )
 
-_Outgoing = asyncio.Queue[worker_pb2.ConnectRequest]
+_Outgoing = asyncio.Queue[worker_pb2.ConnectRequest | None]
+"""A connection's outgoing messages; None ends its request stream."""
 _Call = grpc.aio.StreamStreamCall[worker_pb2.ConnectRequest, worker_pb2.ConnectResponse]
 
 
@@ -84,6 +85,12 @@ class _LinkLostError(Exception):
 
 class _HandedOverError(Exception):
     """Calls were handed over to this link after its hello: say hello again, at once."""
+
+
+async def _requests(out: _Outgoing) -> AsyncIterator[worker_pb2.ConnectRequest]:
+    """A connection's request stream: what is put in `out`, until None."""
+    while (message := await out.get()) is not None:
+        yield message
 
 
 class CoordinatorLink:
@@ -192,10 +199,18 @@ class CoordinatorLink:
         channel = self._channel()
         tasks: list[asyncio.Task[None]] = []
         call = None
+        out: _Outgoing = asyncio.Queue()
         try:
             metadata = ((TOKEN_METADATA, config.worker_token),) if config.worker_token else None
-            call = worker_pb2_grpc.WorkerServiceStub(channel).Connect(metadata=metadata)
-            out: _Outgoing = asyncio.Queue()
+            # The requests are an iterator of ours, not `call.write`: when the coordinator
+            # goes away, a write raced the stream's end (InvalidStateError "RPC already
+            # finished", an ERROR with a traceback for an expected event), and gRPC's
+            # request task of a call its peer ended was never finished (asyncio's "Task was
+            # destroyed but it is pending!"). The None put in `finally` ends the iterator,
+            # and with it that task; the stream's end is read from the call alone.
+            call = worker_pb2_grpc.WorkerServiceStub(channel).Connect(
+                _requests(out), metadata=metadata
+            )
             unacked = state.unacked(link)
             out.put_nowait(
                 hello_request(
@@ -208,9 +223,7 @@ class CoordinatorLink:
             for finished in unacked:
                 out.put_nowait(event_request(finished))
             self._outgoing = out  # from here on this link's reports go on this stream
-            writer = asyncio.create_task(self._write(call, out), name="link-writer")
-            tasks.append(writer)
-            welcome = await self._welcome(call, writer)
+            welcome = await self._welcome(call)
             settings = welcome_from_proto(welcome)
             state.configure(settings, link)
             self.slot = settings.slot
@@ -237,13 +250,10 @@ class CoordinatorLink:
                     self._heartbeats(state, out, settings.heartbeat_interval_s), name="heartbeat"
                 )
             )
-            reader = asyncio.create_task(self._read(call, state), name="link-reader")
-            tasks.append(reader)
-            done, _ = await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                task.result()  # raises the stream's error
+            await self._read(call, state)  # until the stream ends; raises its error
         finally:
             self._outgoing = None
+            out.put_nowait(None)  # ends the request iterator, and gRPC's task that reads it
             state.shards.up[link] = False
             if self.welcomed.is_set():
                 self.welcomed.clear()
@@ -259,31 +269,16 @@ class CoordinatorLink:
                 call.cancel()
             await channel.close(grace=None)
 
-    async def _welcome(self, call: _Call, writer: asyncio.Task[None]) -> worker_pb2.WorkerWelcome:
+    async def _welcome(self, call: _Call) -> worker_pb2.WorkerWelcome:
         read = asyncio.ensure_future(call.read())
         try:
-            done, _ = await asyncio.wait(
-                {read, writer},
-                timeout=self.config.welcome_timeout_s,
-                return_when=asyncio.FIRST_COMPLETED,
-            )
+            done, _ = await asyncio.wait({read}, timeout=self.config.welcome_timeout_s)
             if not done:
                 raise _LinkLostError(f"no welcome within {self.config.welcome_timeout_s:g} s")
-            if read in done:
-                message = read.result()
-            else:
-                writer.result()
-                raise _LinkLostError("the stream ended before the welcome")
-        except Exception as exc:
-            # The rejection's status is on the call, whichever half noticed the end first.
-            if isinstance(exc, grpc.aio.AioRpcError):
-                code, details = exc.code(), exc.details() or ""
-            elif call.done():
-                code, details = await call.code(), await call.details()
-            else:
-                raise
-            if code in _FATAL_CODES:
-                raise CoordinatorRejectedError(code, details) from None
+            message = read.result()
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in _FATAL_CODES:
+                raise CoordinatorRejectedError(exc.code(), exc.details() or "") from None
             raise
         finally:
             read.cancel()
@@ -292,11 +287,6 @@ class CoordinatorLink:
         if message.WhichOneof("message") != "welcome":
             raise _LinkLostError(f"expected a welcome first, got {message.WhichOneof('message')!r}")
         return message.welcome
-
-    @staticmethod
-    async def _write(call: _Call, out: _Outgoing) -> None:
-        while True:
-            await call.write(await out.get())
 
     async def _read(self, call: _Call, state: WorkerState) -> None:
         while True:

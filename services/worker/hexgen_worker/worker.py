@@ -21,7 +21,8 @@ import logging
 import random
 
 from hexgen_flow.calibration import DEFAULT_CALIBRATION
-from hexgen_service.metrics_server import serve_metrics
+from hexgen_service.auth import Role
+from hexgen_service.metrics_server import MetricsProtection, serve_metrics
 from hexgen_service.telemetry import setup_tracing
 from hexgen_worker.config import WorkerConfig
 from hexgen_worker.engines import Engine, create_engine
@@ -118,8 +119,21 @@ class Worker:
                 )
 
             metrics.watch(load)
-            address, metrics_server = serve_metrics(metrics.registry, config.metrics_listen)
-            log.info("metrics on http://%s/metrics", address)
+            protection = MetricsProtection.of(
+                config.metrics_tls_cert,
+                config.metrics_tls_key,
+                config.api_keys_file,
+                Role.TENANT,  # any key: a worker's metrics name no tenant
+            )
+            address, metrics_server = serve_metrics(
+                metrics.registry, config.metrics_listen, protection
+            )
+            log.info(
+                "metrics on %s://%s/metrics%s",
+                protection.scheme,
+                address,
+                " (an API key)" if protection.keys else "",
+            )
         events = asyncio.create_task(state.run_engine_events(), name="engine-events")
         log.info(
             "worker %s: %s on %s, %s engine, calibration %s; coordinator %s",

@@ -9,9 +9,9 @@ SLO, and how many refused ones would have (run the same queries without it).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from hexgen_flow.admission import AdmissionModel
+from hexgen_flow.admission import AdmissionMode, AdmissionModel, Verdict, decide
 from hexgen_flow.cluster import Cluster
 from hexgen_flow.policies.presets import Preset
 from hexgen_flow.sim.simulator import SimConfig, Simulation
@@ -21,8 +21,10 @@ __all__ = ["AdmittingSimulation"]
 
 
 class AdmittingSimulation(Simulation):
-    """A `Simulation` that refuses the queries `AdmissionModel` predicts to finish later
-    than `slack` x their SLO, or to push an admitted query past its deadline."""
+    """A `Simulation` that refuses the queries `hexgen_flow.admission.decide` refuses
+    (``--admission reject``): those `AdmissionModel` predicts to finish later than `slack`
+    x their SLO, to push an admitted query past its deadline, or to miss their SLO even
+    alone on the whole cluster. `weight_of`: each tenant's weight in fair admission."""
 
     def __init__(
         self,
@@ -32,18 +34,32 @@ class AdmittingSimulation(Simulation):
         config: SimConfig,
         *,
         slack: float = 1.0,
+        weight_of: Callable[[str], float] | None = None,
     ) -> None:
         super().__init__(queries, cluster, preset, config)
-        self.admission = AdmissionModel(self.cluster, self.estimator)
+        self.admission = AdmissionModel(self.cluster, self.estimator, weight_of=weight_of)
         self.slack = slack
         self.rejected = 0
         """Queries refused at arrival."""
+        self.infeasible = 0
+        """Of those, the ones refused for good (`Verdict.INFEASIBLE`)."""
+        self.rejected_ids: set[str] = set()
+        """The ids of the refused queries."""
 
     def _arrive(self, index: int, now: float) -> None:
         query = self.queries[index]
         slo_s = self.slo_of(query)
-        prediction = self.admission.predict(query.workflow, now, self.scheduler.load.available)
-        if not prediction.meets(slo_s, self.slack):
+        prediction = self.admission.predict(
+            query.workflow,
+            now,
+            self.scheduler.load.available,
+            tenant=query.tenant,
+            window_s=self.slack * slo_s,
+        )
+        decision = decide(prediction, slo_s, mode=AdmissionMode.REJECT, slack=self.slack)
+        if not decision.verdict.admitted:
             self.rejected += 1
+            self.infeasible += decision.verdict is Verdict.INFEASIBLE
+            self.rejected_ids.add(query.query_id)
             return
         self.admission.track(self._start(index, now, slo_s), self.slack)
