@@ -54,7 +54,18 @@ rendered = "system: You write SQLite queries.\nuser: How many artists are there?
 chat, chat_max = engine.engine_prompt(ticket(40, 64), CallRequest(rendered, messages))
 long_chat, long_max = engine.engine_prompt(ticket(40, 4000), CallRequest(rendered, messages))
 plain, plain_max = engine.engine_prompt(ticket(40, 64), CallRequest(rendered))
+# A long prompt: passed when declared near its size, failed when declared far below it.
+long_text = " ".join(f"column_{i} INTEGER" for i in range(2000))
+long_tokens = len(tokenizer.encode(long_text))
+engine.engine_prompt(ticket(long_tokens // 2, 8), CallRequest(long_text))
+try:
+    engine.engine_prompt(ticket(10, 8), CallRequest(long_text))
+    refused = ""
+except ValueError as exc:
+    refused = str(exc)
 print(json.dumps({
+    "long_tokens": long_tokens,
+    "refused": refused,
     "chat_ids": chat["prompt_token_ids"],
     "chat_keys": sorted(chat),
     "chat_max": chat_max,
@@ -96,6 +107,11 @@ def test_a_chat_call_is_prompted_through_the_models_chat_template(real_engines: 
         "prompt": "system: You write SQLite queries.\nuser: How many artists are there?\nassistant:"
     }
     assert out["plain_max"] == 64
+    # A prompt the model's tokenizer finds far longer than declared fails the call.
+    assert out["long_tokens"] > 8 * 10 + 1024
+    assert out["refused"].startswith(
+        f"call.input_tokens: declared 10, but the prompt is {out['long_tokens']} tokens"
+    ), out["refused"]
 
 
 def _ticket(call_id: str, output_tokens: int) -> CallTicket:

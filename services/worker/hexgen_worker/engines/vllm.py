@@ -18,6 +18,13 @@ exactly input_tokens token ids, the tokenised `synthetic_prompt` repeated, so th
 costs what the workflow declared. Calls longer than the model's context are shrunk to fit
 (`fit_to_context`).
 
+Declared sizes: admission and the scheduler plan with the input tokens a call declares
+(the coordinator only checks them against the prompt's bytes). A prompt that this model's
+tokenizer finds far longer than declared (`DeclaredTokensError`: more than
+`DECLARED_FACTOR` times the declared count plus `DECLARED_SLACK` tokens, which leaves room
+for a client's or the gateway's estimate of characters / 4 on any script) fails the call
+with the counts: a 1 MiB prompt cannot pass as 10 tokens, or even as a few thousand.
+
 Sampling: the calls carry no sampling options (the gateway ignores a request's
 temperature), so every call samples with the defaults vLLM's OpenAI server would give a
 request that sets none: the model folder's ``generation_config.json``, overridden by the
@@ -51,9 +58,36 @@ from hexgen_worker.engines.base import (
 )
 from hexgen_worker.events import CallTokens
 
-__all__ = ["VllmEngine", "chat_prompt"]
+__all__ = [
+    "DECLARED_FACTOR",
+    "DECLARED_SLACK",
+    "DeclaredTokensError",
+    "VllmEngine",
+    "chat_prompt",
+    "check_declared",
+]
 
 log = logging.getLogger(__name__)
+
+DECLARED_FACTOR = 8
+DECLARED_SLACK = 1024
+"""A prompt may hold up to ``DECLARED_FACTOR x declared + DECLARED_SLACK`` tokens."""
+
+
+class DeclaredTokensError(ValueError):
+    """A call's prompt holds far more tokens than its declared ``input_tokens``."""
+
+
+def check_declared(declared: int, actual: int) -> None:
+    """`DeclaredTokensError` when `actual` tokens (this model's tokenizer) are far more
+    than the `declared` input tokens."""
+    if actual > DECLARED_FACTOR * declared + DECLARED_SLACK:
+        raise DeclaredTokensError(
+            f"call.input_tokens: declared {declared}, but the prompt is {actual} tokens by the "
+            f"model's tokenizer (at most {DECLARED_FACTOR} x declared + {DECLARED_SLACK} "
+            "accepted): declare the prompt's size"
+        )
+
 
 # Enough filler token ids to tile any prompt length from.
 _FILLER_WORDS = 512
@@ -196,10 +230,13 @@ class VllmEngine(RequestEngine):
                 raise RuntimeError("the vllm engine has no tokenizer yet (start it first)")
             text = chat_prompt(self.tokenizer, request.messages)
             ids = [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False)]
+            check_declared(call.input_tokens, len(ids))
             if self.max_context_tokens > 0:
                 max_tokens = max(min(max_tokens, self.max_context_tokens - len(ids)), 1)
             return {"prompt_token_ids": ids}, max_tokens
         if request.prompt:
+            if self.tokenizer is not None:  # vLLM tokenizes it again; the count is the check
+                check_declared(call.input_tokens, len(self.tokenizer.encode(request.prompt)))
             return {"prompt": request.prompt}, max_tokens
         filler = self._filler_ids
         repeats = -(-input_tokens // len(filler))
