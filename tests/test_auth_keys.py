@@ -92,6 +92,12 @@ def test_tenant_limits_are_kept_with_the_keys(tmp_path: Path) -> None:
     assert store.limits("nobody") == TenantLimits()
     with pytest.raises(ConfigError, match="must be >= 0"):
         store.set_limits("acme", TenantLimits(max_running=-1))
+    quotas = TenantLimits(max_work_s=120.0, max_prompt_bytes=8 << 20, weight=3.0)
+    store.set_limits("quota", quotas)
+    assert KeyStore(tmp_path / "keys.json").limits("quota") == quotas
+    for bad in (TenantLimits(weight=float("nan")), TenantLimits(max_work_s=float("inf"))):
+        with pytest.raises(ConfigError, match="must be >= 0 and finite"):
+            store.set_limits("quota", bad)
 
 
 def test_a_token_bucket_lets_a_burst_through_then_the_rate() -> None:

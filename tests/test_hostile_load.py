@@ -34,6 +34,10 @@ from hexgen_api.v1 import workflow_pb2 as wfpb
 from hexgen_client.client import CoordinatorClient
 from hexgen_client.errors import CoordinatorError
 from hexgen_client.processes import RedisServer
+from hexgen_flow.admission import AdmissionModel
+from hexgen_flow.cluster import parse_cluster
+from hexgen_flow.workload import LLMCall, Workflow
+from hexgen_service.auth import KeyStore, Role, TenantLimits
 from process_mesh import MeshFactory, ProcessMesh, meshes
 from redis_here import needs_redis
 from up_runner import check_state
@@ -393,3 +397,43 @@ async def test_an_unknown_template_name_of_any_size_is_invalid_argument(
                 await client.open_workflow("w", template=name)
             assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
             assert refused.value.details.startswith("template:"), refused.value.details[:80]
+
+
+async def test_a_tenant_keeps_at_most_its_quota_of_work_in_flight(
+    mesh_factory: MeshFactory, tmp_path: Path
+) -> None:
+    # The keys file's max_work_s, with admission control off (it still holds), no workers
+    # (admitted queries stay in flight).
+    keys = KeyStore.create(tmp_path / "keys.json")
+    a_key, _ = keys.add("a", Role.TENANT)
+    b_key, _ = keys.add("b", Role.TENANT)
+    model = AdmissionModel(parse_cluster("A100,A100"))
+    one = sum(model.stage_work_s(Workflow.chain([(LLMCall("revise", 8000, 300),)])))
+    keys.set_limits("a", TenantLimits(max_work_s=2.5 * one))
+    mesh = mesh_factory(
+        ["--api-keys-file", str(tmp_path / "keys.json"), "--admission", "off"], workers=0
+    )
+    async with grpc.aio.insecure_channel(mesh.address) as channel:
+        stub = cpb_grpc.CoordinatorServiceStub(channel)
+
+        async def submit(key: str, query_id: str, *calls: tuple[int, int, str]) -> object:
+            request = cpb.SubmitQueryRequest(query_id=query_id, workflow=_workflow(*calls))
+            metadata = (("authorization", f"Bearer {key}"),)
+            return await stub.SubmitQuery(request, metadata=metadata, timeout=10)
+
+        for n in range(2):
+            await submit(a_key, f"a{n}", (8000, 300, "p"))
+        error = await _refusal(submit(a_key, "a2", (8000, 300, "p")))
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, _details(error)
+        assert "tenant 'a' has about" in _details(error) and "max_work_s" in _details(error)
+        error = await _refusal(submit(a_key, "big", *[(8000, 300, "p")] * 3))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, _details(error)
+        assert _details(error).startswith("workflow: the query is about")
+        await submit(b_key, "b0", (8000, 300, "p"))  # another tenant: not a's quota
+        # a's work in flight falls as its queries end.
+        await stub.CancelQuery(
+            cpb.CancelQueryRequest(query_id="a0"),
+            metadata=(("authorization", f"Bearer {a_key}"),),
+            timeout=10,
+        )
+        await submit(a_key, "a2", (8000, 300, "p"))

@@ -214,7 +214,7 @@ class Admission:
                 self.ledger.queries_rejected += 1
                 self.ledger.metrics.queries_rejected.labels(query.tenant).inc()
                 raise
-            if not best_effort and self.mode is not AdmissionMode.OFF:
+            if not best_effort and self._tracks(query.tenant):
                 # Counted in the backlog at once: submissions racing this one see it.
                 provisional = QueryRun(query, -1, now, slo_s)
                 self.model.track(provisional, self.config.admission_slack)
@@ -268,9 +268,7 @@ class Admission:
         if best_effort:
             run.deadline_s += BEST_EFFORT_DELAY_S
             self._best_effort.add(query_id)
-        elif self.mode is not AdmissionMode.OFF:
-            # The model forgets an ended query when it next predicts; with admission off it
-            # never predicts, so it tracks nothing (it would hold every query ever run).
+        elif self._tracks(query.tenant):
             self.model.track(run, self.config.admission_slack)
         span = self.tracer.start_span(
             "query",
@@ -520,6 +518,13 @@ class Admission:
             return _MAX_RETRY_S
         wall = max(cluster_s / scale, _MIN_RETRY_S) * (1.0 + _RETRY_JITTER * self._rng.random())
         return min(wall, _MAX_RETRY_S)
+
+    def _tracks(self, tenant: str) -> bool:
+        """Whether the model tracks `tenant`'s queries. The model forgets an ended query
+        when it next predicts (or counts the tenant's work); with admission off it never
+        predicts, so it tracks only the queries of tenants with a `max_work_s` quota, which
+        their own next submission counts (tracking all would hold every query ever run)."""
+        return self.mode is not AdmissionMode.OFF or self._limits(tenant).max_work_s > 0
 
     def _limits(self, tenant: str) -> TenantLimits:
         return self.tenant_limits(tenant) if self.tenant_limits else TenantLimits()
