@@ -4,7 +4,8 @@ status with a one-line message, never UNKNOWN with a traceback.
 - `statuses`: the async context manager every handler runs in; it maps the coordinator's
   exceptions to statuses (`InvalidFieldError` -> INVALID_ARGUMENT, `AlreadyExistsError` ->
   ALREADY_EXISTS, `OverloadedError` -> RESOURCE_EXHAUSTED with the ``retry-after-s``
-  trailer, Redis unreachable -> UNAVAILABLE, anything unexpected -> INTERNAL, logged here).
+  trailer, Redis unreachable -> UNAVAILABLE, anything unexpected -> INTERNAL with an
+  incident id only, logged here with its traceback under that id).
 - `add_coordinator_services`: registers the CoordinatorService and WorkerService with
   request deserializers that answer undecodable bytes with INVALID_ARGUMENT (grpc's
   generated ``add_*_to_server`` decodes with ``FromString``, whose DecodeError grpc reports
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
@@ -84,10 +86,14 @@ async def statuses(context: Context[Any, Any], field_prefix: str = "") -> AsyncI
         )
     except (grpc.aio.AbortError, GeneratorExit):
         raise
-    except Exception as exc:
-        log.exception("internal error")
+    except Exception:
+        # The client learns that it was a bug, and which log line has it; not the bug's text
+        # (it can hold other tenants' data, paths, or what an attacker is probing for).
+        incident = uuid.uuid4().hex[:12]
+        log.exception("internal error %s", incident)
         await context.abort(
-            grpc.StatusCode.INTERNAL, _one_line(f"internal error: {type(exc).__name__}: {exc}")
+            grpc.StatusCode.INTERNAL,
+            f"internal error {incident}: a bug of the coordinator, logged there under that id",
         )
 
 
