@@ -320,12 +320,12 @@ def test_the_coordinator_refuses_such_names_and_keeps_prompts_free(
 
         assert open_workflow("w-open") == (grpc.StatusCode.OK, "")
 
-        def run_call(stage: str, prompt: str = "p") -> tuple[grpc.StatusCode, str]:
+        def run_call(stage: str, prompt: str = "p", step: str = "") -> tuple[grpc.StatusCode, str]:
             replies = stub.RunCall(
                 cpb.RunCallRequest(
                     workflow_id="w-open",
                     stage=stage,
-                    call=flow.LLMCall(input_tokens=10, output_tokens=2, prompt=prompt),
+                    call=flow.LLMCall(input_tokens=10, output_tokens=2, prompt=prompt, step=step),
                 ),
                 timeout=10,
             )
@@ -342,6 +342,10 @@ def test_the_coordinator_refuses_such_names_and_keeps_prompts_free(
             code, details = run_call(stage)
             assert code == grpc.StatusCode.INVALID_ARGUMENT, (stage, details)
             assert details.startswith("stage: must not "), details
+        for step in ["plan\u200b", "plan\u202e", " plan"]:
+            code, details = run_call("chat", step=step)
+            assert code == grpc.StatusCode.INVALID_ARGUMENT, (step, details)
+            assert details.startswith("call.step: must not "), details
         assert run_call("chat", prompt="free \u202e text\u200b ") == (grpc.StatusCode.OK, "")
     _no_traceback(coordinator.log("coordinator"))
 
@@ -376,3 +380,18 @@ def test_auth_add_key_refuses_such_a_tenant_in_one_line(tmp_path: Path) -> None:
         assert "Traceback" not in done.stderr and done.stdout == ""
         lines = done.stderr.strip().splitlines()
         assert len(lines) == 1 and "without leading or trailing whitespace" in lines[0], lines
+
+
+@pytest.mark.parametrize("tenant", ["acme\u202e", "a\u200bb", "a/b"])
+def test_auth_init_with_a_bad_tenant_writes_nothing(tmp_path: Path, tenant: str) -> None:
+    # Every tenant is checked before the CA, the certificates or the keys are made: a
+    # refused `auth init` leaves no half-made folder behind.
+    folder = tmp_path / "auth"
+    done = subprocess.run(
+        [sys.executable, "-m", "hexgen_cli", "auth", "init", str(folder), "--tenants",
+         f"ok,{tenant}"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "--tenants: " in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    assert not folder.exists() or not any(folder.rglob("*")), list(folder.rglob("*"))

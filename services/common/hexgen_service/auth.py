@@ -50,6 +50,7 @@ __all__ = [
     "Role",
     "TenantLimits",
     "bearer_key",
+    "check_tenant",
     "current_principal",
     "new_key",
     "read_secret",
@@ -67,7 +68,7 @@ _REFRESH_S = 1.0
 _MAX_TENANT_CHARS = 64
 
 
-def _check_tenant(tenant: object, where: str) -> None:
+def check_tenant(tenant: object, where: str) -> None:
     """ConfigError naming `where` unless `tenant` is a usable tenant name: 1-64 printable
     characters (no control, bidi or zero-width characters, no line separators), without
     leading or trailing whitespace ('default ' would be a tenant of its own)."""
@@ -239,14 +240,14 @@ class KeyStore:
             try:
                 record = KeyRecord(**raw)
                 Role.parse(record.role)
-                _check_tenant(record.tenant, "tenant")
+                check_tenant(record.tenant, "tenant")
             except (TypeError, ConfigError) as exc:
                 raise ConfigError(f"--api-keys-file: {self.path}: keys[{i}]: {exc}") from None
             records[record.key_id] = record
         limits: dict[str, TenantLimits] = {}
         for tenant, raw in (data.get("tenants") or {}).items():
             try:
-                _check_tenant(tenant, "name")
+                check_tenant(tenant, "name")
                 limits[tenant] = TenantLimits(**raw)
                 limits[tenant].check()
             except (TypeError, ConfigError) as exc:
@@ -323,7 +324,7 @@ class KeyStore:
         self, tenant: str, role: Role, *, expires_s: float = 0.0, note: str = ""
     ) -> tuple[str, KeyRecord]:
         """Mint a key for `tenant` with `role`; store its hash; return the key (shown once)."""
-        _check_tenant(tenant, "tenant")
+        check_tenant(tenant, "tenant")
         key, key_id = new_key()
         record = KeyRecord(
             key_id, tenant, role.label, _digest(key), self.clock(), expires_s, False, note
@@ -334,7 +335,7 @@ class KeyStore:
 
     def set_limits(self, tenant: str, limits: TenantLimits) -> None:
         """Give `tenant` its own admission limits (all 0: none)."""
-        _check_tenant(tenant, "tenant")
+        check_tenant(tenant, "tenant")
         try:
             limits.check()
         except ConfigError as exc:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hexgen_flow.errors import ConfigError
-from hexgen_service.auth import KeyStore, Role
+from hexgen_service.auth import KeyStore, Role, check_tenant
 from hexgen_service.certs import DEFAULT_SERVER_NAMES, CertificateAuthority, write_private
 from hexgen_service.worker_token import write_token
 
@@ -259,8 +259,9 @@ class AuthDir:
         given `shards` (every shard's prefix, as the coordinators' ``--shards``), for a
         sharded one: `redis_keys` says who gets which keys."""
         redis_keys("tuner", redis_prefix, shards=shards)  # bad prefixes: nothing written
-        for tenant in tenants:
-            if not tenant or "/" in tenant or tenant.startswith(".") or len(tenant) > 64:
+        for tenant in tenants:  # all checked before anything is written
+            check_tenant(tenant, "--tenants")
+            if "/" in tenant or tenant.startswith("."):  # it names a key file
                 raise ConfigError(f"--tenants: {tenant!r} is not a usable tenant name")
         written: list[Path] = []
         self.path.mkdir(parents=True, exist_ok=True)

@@ -43,7 +43,7 @@ from hexgen_coordinator.admission import Admission, limits_of
 from hexgen_coordinator.completions import Completions
 from hexgen_coordinator.config import CoordinatorConfig
 from hexgen_coordinator.dispatch import Dispatch
-from hexgen_coordinator.events import WATCH_BUFFER, record_event
+from hexgen_coordinator.events import WATCH_BUFFER, check_not_behind, record_event
 from hexgen_coordinator.ledger import ActiveQuery, Ledger, call_id_of
 from hexgen_coordinator.redis_retry import until_stored
 from hexgen_coordinator.session_store import GIVE_APPLIED, GIVE_DUPLICATE, GiveMode, SessionStore
@@ -154,6 +154,8 @@ class Sessions:
                 "stage", f"must be 1 to {self.limits.max_id_chars} characters, got {len(name)}"
             )
         check_text("stage", name, self.limits.max_id_bytes, self.limits)
+        if request.call.step:
+            check_text("call.step", request.call.step, self.limits.max_id_bytes, self.limits)
         limit = self.limits.max_prompt_bytes
         if limit is not None:
             # A chat call's messages are its prompt too (`prompt` is their rendering).
@@ -185,6 +187,7 @@ class Sessions:
             while True:
                 event = await queue.get()
                 if event is None:
+                    check_not_behind(queue, workflow_id)  # fell behind: RESOURCE_EXHAUSTED
                     return  # the query ended (its last event came first)
                 if event is submitted:
                     continue  # the first response carried it
