@@ -56,8 +56,9 @@ class Preset:
 
 _PAPER_WB = PolicyRef("workload-balanced")
 _PAPER_BUDGET = PolicyRef("template")
-# The tail weight's exponent (docs/design.md, "The tail weight"): 3 had the best mean
-# ratio over the best router on every cluster of the band, 2 a similar worst row.
+# The tail weight's exponent (docs/design.md, "The tail weight"; measured in
+# docs/experiments/2026-12-02-tail-weight.md): 3 had the best mean ratio over the best
+# router on every cluster of the band, 2 a similar worst row.
 _HEXGEN_WB = PolicyRef("marginal-latency", MappingProxyType({"tail_power": 3.0}))
 
 PRESETS: dict[str, Preset] = {

@@ -1,7 +1,8 @@
 """vLLM V1's scheduler as an engine model of one instance: `VllmV1EngineModel` ("vllm-v1").
 
 It follows vLLM V1's `Scheduler.schedule` and `KVCacheManager` at the level of steps
-(docs/design.md, "Simulated engine", has the whole story and the measurements):
+(docs/design.md, "Simulated engine", has the whole story; the measurements are in
+docs/experiments/2026-12-01-vllm-v1-engine-model.md):
 
 - A step schedules at most `max_num_batched_tokens` tokens (vLLM's OpenAI-server default:
   2048; 8192 on GPUs of 70 GiB or more other than the A100) over at most `max_num_seqs`
