@@ -1,6 +1,6 @@
 """The ``aiconfigurator`` calibration on the dense sweep: it reproduces the sweep's rows, lets a
 cluster pick any tp the sweep has, stays above the floors on every instance, and leaves the
-default calibration (``chess-measured``) exactly as it was."""
+``chess-measured`` calibration exactly as it was."""
 
 from __future__ import annotations
 

@@ -1,9 +1,10 @@
 """Calibrations: named, documented sources of the latency numbers (docs/hardware.md,
 "Calibrations").
 
-- ``chess-measured`` (the default): the paper authors' measured vLLM tables, aiconfigurator
-  ratios for the GPUs they lack, aiconfigurator alone for models without tables.
-- ``aiconfigurator``: NVIDIA aiconfigurator's TTFT and TPOT alone.
+- ``aiconfigurator`` (the default, `registry.DEFAULT_CALIBRATION`): NVIDIA aiconfigurator's
+  TTFT and TPOT alone.
+- ``chess-measured``: the paper authors' measured vLLM tables, aiconfigurator ratios for the
+  GPUs they lack, aiconfigurator alone for models without tables.
 - ``measured:FILE``: a profile file the user measured (`profile_file`).
 
 Every latency model a calibration gives is checked against the physical floors before use
