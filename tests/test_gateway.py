@@ -10,7 +10,7 @@ import math
 import subprocess
 import sys
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -39,6 +39,8 @@ needs_redis_server = pytest.mark.skipif(
 pytestmark = needs_redis_server
 
 MODEL = "llama-3.1-70b"  # every instance of the default catalogue's A100 and A6000
+# A call that runs for seconds even at --time-scale 50 (70B decode, ~30 ms a token).
+LONG_TOKENS = 2048
 
 
 @pytest.fixture(scope="module")
@@ -107,43 +109,56 @@ async def test_a_three_stage_workflow_by_headers_only(up: Up) -> None:
     assert answer.usage.total_tokens == estimate(prompt) + 32
 
     # Stage 2: two candidates at once (a fan-out), streamed, with usage in the last chunk.
-    def candidate(n: int) -> None:
+    # A stage whose given calls all finished takes no more (the next call of its name is
+    # the next round), so each fan-out opens a long call first and gives the short one
+    # while the long one runs: the pair is one stage however slow this machine is.
+    def candidate(n: int, max_tokens: int) -> Iterator[None]:
         stream = client.chat.completions.create(
             messages=[{"role": "user", "content": f"candidate {n}"}],
             model=MODEL,
-            max_tokens=16,
+            max_tokens=max_tokens,
             stream=True,
             stream_options={"include_usage": True},
             extra_headers=headers("generate_candidate"),
         )
+        yield  # the call is given (its response began)
         chunks = list(stream)
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-        assert text.startswith("[simulated ") and text.endswith(" 16 tokens")
+        assert text.startswith("[simulated ") and text.endswith(f" {max_tokens} tokens")
         assert chunks[0].choices[0].delta.role == "assistant"
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
-        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 16
+        assert chunks[-1].usage is not None
+        assert chunks[-1].usage.completion_tokens == max_tokens
 
-    # Stage 3: two revisions at once, as completions, streamed and not.
-    def revision(stream: bool) -> None:
-        if not stream:
-            done = client.completions.create(
-                model=MODEL, prompt="SELECT", max_tokens=8, extra_headers=headers("revision")
-            )
-            assert done.object == "text_completion" and done.choices[0].text.endswith(" 8 tokens")
-            assert done.usage is not None and done.usage.prompt_tokens == 2
-            return
+    # Stage 3: two revisions at once, as completions, streamed (the long one) and not.
+    def long_revision() -> Iterator[None]:
         pieces = client.completions.create(
             model=MODEL,
             prompt="SELECT",
-            max_tokens=8,
+            max_tokens=LONG_TOKENS,
             stream=True,
             extra_headers=headers("revision"),
         )
-        assert "".join(c.choices[0].text for c in pieces).endswith(" 8 tokens")
+        yield
+        assert "".join(c.choices[0].text for c in pieces).endswith(f" {LONG_TOKENS} tokens")
 
-    with ThreadPoolExecutor(2) as pool:
-        list(pool.map(candidate, (1, 2)))
-        list(pool.map(revision, (False, True)))
+    def short_revision() -> None:
+        done = client.completions.create(
+            model=MODEL, prompt="SELECT", max_tokens=8, extra_headers=headers("revision")
+        )
+        assert done.object == "text_completion" and done.choices[0].text.endswith(" 8 tokens")
+        assert done.usage is not None and done.usage.prompt_tokens == 2
+
+    def overlapped(long: Iterator[None], short: Callable[[], None]) -> None:
+        next(long)  # given, and running for seconds
+        with ThreadPoolExecutor(1) as pool:
+            given = pool.submit(short)
+            for _ in long:  # drain the long one while the short one runs
+                pass
+            given.result()
+
+    overlapped(candidate(1, LONG_TOKENS), lambda: list(candidate(2, 16)) and None)
+    overlapped(long_revision(), short_revision)
 
     # One workflow: its stages as the headers named them, in order, each with its calls.
     async with CoordinatorClient(up.coordinator) as coordinator:
