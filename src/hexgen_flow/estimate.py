@@ -25,6 +25,10 @@ __all__ = ["REPRESENTATIVE_TOKENS", "EstimateMode", "Estimator", "WorkflowPlan"]
 PLAN_CACHE_MAX = 4096
 """Workflow plans kept before the cache starts over (a plan holds its workflow alive)."""
 
+CALL_CACHE_MAX = 1 << 16
+"""Token counts whose call estimates (per instance, cluster mean) are kept before those
+caches start over."""
+
 EstimateMode = Literal["step", "call"]
 
 # Typical (input, output) tokens per CHESS step type (docs/algorithm.md §1).
@@ -54,9 +58,12 @@ class WorkflowPlan:
     def __init__(self, workflow: Workflow, stage_s: list[float]) -> None:
         self.workflow = workflow  # keeps the object alive while its id() keys the cache
         tail = list(stage_s)
+        dependents = workflow.dependents
         for k in range(len(stage_s) - 1, -1, -1):
-            after = workflow.dependents[k]
-            if after:
+            after = dependents[k]
+            if len(after) == 1:  # a chain, the usual case
+                tail[k] = stage_s[k] + tail[after[0]]
+            elif after:
                 tail[k] = stage_s[k] + max(tail[j] for j in after)
         self.stage_s = tuple(stage_s)
         self.tail_s = tuple(tail)
@@ -71,10 +78,25 @@ class Estimator:
         self._n = len(self._models)
         self._step_cache: dict[tuple[int, str], float] = {}
         self._plans: dict[tuple[int, str], WorkflowPlan] = {}
+        self._singles: dict[tuple[int, int], tuple[float, ...]] = {}
+        """`call_time` on every instance by (input, output) tokens."""
+        self._call_means: dict[tuple[int, int], float] = {}
+        """Cluster-mean ``call`` estimates by (input, output) tokens: a plan is rebuilt for
+        every query of a workflow (`forget` drops it when the query ends), from these."""
 
     def call_time(self, instance: int, call: LLMCall) -> float:
         """Single-request latency of `call` on `instance` from its own token counts."""
-        return self._models[instance].single_s(call.input_tokens, call.output_tokens)
+        singles = self._singles.get((call.input_tokens, call.output_tokens))
+        if singles is None:
+            singles = self._singles_of(call)
+        return singles[instance]
+
+    def _singles_of(self, call: LLMCall) -> tuple[float, ...]:
+        key = (call.input_tokens, call.output_tokens)
+        if len(self._singles) >= CALL_CACHE_MAX:  # a service sees endless token counts
+            self._singles.clear()
+        singles = self._singles[key] = tuple(m.single_s(*key) for m in self._models)
+        return singles
 
     def step_time(self, instance: int, call: LLMCall) -> float:
         """The paper's t_g(s): latency of the call's step type at its representative tokens."""
@@ -100,7 +122,17 @@ class Estimator:
 
     def mean_time(self, call: LLMCall, mode: EstimateMode) -> float:
         """Cluster-mean estimate t̄ (mean over the cluster's instances)."""
-        fn = self.time_fn(mode)
+        if mode == "call":
+            key = (call.input_tokens, call.output_tokens)
+            mean = self._call_means.get(key)
+            if mean is None:
+                if len(self._call_means) >= CALL_CACHE_MAX:  # a service sees endless counts
+                    self._call_means.clear()
+                mean = self._call_means[key] = self._mean(self.call_time, call)
+            return mean
+        return self._mean(self.time_fn(mode), call)
+
+    def _mean(self, fn: TimeFn, call: LLMCall) -> float:
         return sum(fn(i, call) for i in range(self._n)) / self._n
 
     def slo_base(self) -> float:
@@ -118,9 +150,14 @@ class Estimator:
         key = (id(workflow), mode)
         plan = self._plans.get(key)
         if plan is None:
-            stage_s = [
-                max(self.mean_time(call, mode) for call in stage.calls) for stage in workflow.stages
-            ]
+            mean = self.mean_time
+            stage_s = []
+            for stage in workflow.stages:
+                calls = stage.calls
+                if len(calls) == 1:
+                    stage_s.append(mean(calls[0], mode))
+                else:
+                    stage_s.append(max(mean(c, mode) for c in calls))
             plan = WorkflowPlan(workflow, stage_s)
             if len(self._plans) >= PLAN_CACHE_MAX:  # a service plans endless workflows
                 self._plans.clear()

@@ -68,6 +68,8 @@ DECODE_REFERENCE_TOKENS = 512
 CACHE_MAX = 1 << 16
 """Entries a latency model's memo tables hold before they start over (a service runs for
 weeks over arbitrary token counts; a simulation's distinct counts fit many times over)."""
+CURVE_TABLE_TOKENS = 1 << 14
+"""Prompt tokens up to which `LatencyModel.prefill_curve_table` holds the prefill curve."""
 _FIT_BATCHES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 _FIT_CONTEXTS = (128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
@@ -276,20 +278,43 @@ class LatencyModel:
         (n0, s0), (n1, s1) = points[:2] if input_tokens < tokens[0] else points[-2:]
         return max(s1 + (s1 - s0) / (n1 - n0) * (input_tokens - n1), 0.0)
 
+    @functools.cached_property
+    def prefill_curve_table(self) -> tuple[float, ...]:
+        """`prefill_curve_s(n)` for n = 0 .. `CURVE_TABLE_TOKENS` (or the last prefill
+        point, if beyond), computed once: a chunked-prefill engine reads the curve at every
+        chunk end. The points are interpolated by `np.interp` over the whole range at once
+        (the same arithmetic as one point at a time), the ends extrapolated as one point."""
+        if self._prefill_points:
+            tokens = [n for n, _ in self._prefill_points]
+            seconds = [s for _, s in self._prefill_points]
+            last = max(tokens[-1], CURVE_TABLE_TOKENS)
+            inside = np.arange(tokens[0], tokens[-1] + 1)
+            middle = (np.interp(inside, tokens, seconds) * self._prefill_scale).tolist()
+            below = [self._curve_point(n) for n in range(tokens[0])]
+            above = [self._curve_point(n) for n in range(tokens[-1] + 1, last + 1)]
+            return (*below, *middle, *above)
+        return tuple(self._curve_point(n) for n in range(CURVE_TABLE_TOKENS + 1))
+
+    def _curve_point(self, input_tokens: int) -> float:
+        if self._prefill_points:
+            prefill = self._prefill_through_points(input_tokens)
+        else:
+            intercept, slope = self._prefill_line
+            prefill = max(intercept + slope * input_tokens, 0.0)
+        return prefill * self._prefill_scale
+
     def prefill_curve_s(self, input_tokens: int) -> float:
         """Prefill seconds of an `input_tokens` prompt by the prefill points or line alone
         (scaled, without a table's cap at the single latency): the curve a chunked-prefill
         engine charges a chunk from n to m tokens by, as curve(m) - curve(n)."""
+        table = self.prefill_curve_table
+        if 0 <= input_tokens < len(table):
+            return table[input_tokens]
         cached = self._curve.get(input_tokens)
         if cached is None:
-            if self._prefill_points:
-                prefill = self._prefill_through_points(input_tokens)
-            else:
-                intercept, slope = self._prefill_line
-                prefill = max(intercept + slope * input_tokens, 0.0)
             if len(self._curve) >= CACHE_MAX:
                 self._curve.clear()
-            cached = self._curve[input_tokens] = prefill * self._prefill_scale
+            cached = self._curve[input_tokens] = self._curve_point(input_tokens)
         return cached
 
     def single_s(self, input_tokens: int, output_tokens: int) -> float:

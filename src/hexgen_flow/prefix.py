@@ -42,13 +42,16 @@ class PrefixHomes:
     """query id -> step type -> the instance its last call of that type went to; a bounded
     LRU over queries."""
 
-    __slots__ = ("_homes", "_max")
+    __slots__ = ("_homes", "_max", "changes")
 
     def __init__(self, max_queries: int = PREFIX_HOMES_MAX) -> None:
         if max_queries < 1:
             raise ValueError(f"max_queries must be >= 1, got {max_queries}")
         self._homes: OrderedDict[str, dict[str, int]] = OrderedDict()
         self._max = max_queries
+        self.changes = 0
+        """How many times a home was set or a query forgotten: a reader that saw the same
+        count saw the same homes (read-only outside)."""
 
     def get(self, query_id: str, step: str) -> int | None:
         """The instance that last got a call of `query_id` with type `step`, or None."""
@@ -57,6 +60,7 @@ class PrefixHomes:
 
     def put(self, query_id: str, step: str, instance: int) -> None:
         """A call of `query_id` with type `step` went to `instance`."""
+        self.changes += 1
         homes = self._homes
         steps = homes.get(query_id)
         if steps is None:
@@ -69,6 +73,7 @@ class PrefixHomes:
 
     def forget(self, query_id: str) -> None:
         """`query_id` ended: its prefixes are no use to anyone."""
+        self.changes += 1
         self._homes.pop(query_id, None)
 
     def __len__(self) -> int:

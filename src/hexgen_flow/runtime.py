@@ -343,27 +343,30 @@ class ClusterLoad:
 
     def on_dispatch(self, ticket: CallTicket) -> None:
         i = ticket.instance
+        work, weight = ticket.work_s, ticket.weight
         self.in_flight[i] += 1
-        self.outstanding_s[i] += ticket.work_s
+        self.outstanding_s[i] += work
         call = ticket.call
         tokens = call.input_tokens + call.output_tokens
-        self.outstanding_kv_s[i] += tokens * ticket.work_s
+        self.outstanding_kv_s[i] += tokens * work
         self.tokens_in_flight[i] += tokens
-        self.weight_in_flight[i] += ticket.weight
-        self.weighted_outstanding_s[i] += ticket.weight * ticket.work_s
+        self.weight_in_flight[i] += weight
+        self.weighted_outstanding_s[i] += weight * work
         self.prefix_homes.put(ticket.query_id, call.step, i)
 
     def on_complete(self, ticket: CallTicket) -> None:
         i = ticket.instance
-        self.in_flight[i] -= 1
-        self.outstanding_s[i] -= ticket.work_s
+        work, weight = ticket.work_s, ticket.weight
+        in_flight = self.in_flight
+        in_flight[i] -= 1
+        self.outstanding_s[i] -= work
         call = ticket.call
         tokens = call.input_tokens + call.output_tokens
-        self.outstanding_kv_s[i] -= tokens * ticket.work_s
+        self.outstanding_kv_s[i] -= tokens * work
         self.tokens_in_flight[i] -= tokens
-        self.weight_in_flight[i] -= ticket.weight
-        self.weighted_outstanding_s[i] -= ticket.weight * ticket.work_s
-        if self.in_flight[i] == self.others_in_flight[i]:
+        self.weight_in_flight[i] -= weight
+        self.weighted_outstanding_s[i] -= weight * work
+        if in_flight[i] == self.others_in_flight[i]:
             # none of ours left: no float drift on an instance idle for us
             self.outstanding_s[i] = self.others_outstanding_s[i]
             self.outstanding_kv_s[i] = 0.0

@@ -101,20 +101,23 @@ class GlobalScheduler:
         """
         run.stage_released_s[stage] = now
         deadline = self.budget.deadline(run, stage, now)
-        plan = self.estimator.plan(run.query.workflow, "call")
+        workflow = run.query.workflow
+        plan = self.estimator.plan(workflow, "call")
         remaining = plan.tail_s[stage] - plan.stage_s[stage]
         tickets = []
         given = run.given
-        for index, call in enumerate(run.query.workflow.stages[stage].calls):
+        select = self.dispatcher.select
+        for index, call in enumerate(workflow.stages[stage].calls):
             ticket = CallTicket(self.next_seq, run, stage, call, now, deadline, remaining, index)
             self.next_seq += 1
             tickets.append(ticket)
             if given is not None and index >= given[stage]:
                 continue  # a session's call not given yet: it waits for `give`
-            try:  # noqa: SIM105 - contextlib.suppress costs a context manager per call here
-                self.dispatch(ticket, now)
+            try:  # `dispatch`, inlined: this runs for every call
+                i = select(ticket, now)
             except NoInstanceError:
-                pass  # parked: instance stays -1
+                continue  # parked: instance stays -1
+            self.charge(ticket, i, now)
         return tickets
 
     def dispatch(self, ticket: CallTicket, now: float) -> int:
@@ -200,7 +203,14 @@ class GlobalScheduler:
             self.load.on_complete(ticket)
         run = ticket.run
         assert run is not None, "complete() needs the ticket's QueryRun"
-        return self.call_done(run, ticket.stage, now)
+        # `call_done`, inlined: this runs for every call
+        stages = run.complete_call(ticket.stage, now)
+        if not stages:
+            return []
+        released: list[CallTicket] = []
+        for k in stages:
+            released.extend(self.release(run, k, now))
+        return released
 
     def call_done(self, run: QueryRun, stage: int, now: float) -> list[CallTicket]:
         """One call of `stage` is done (finished, or a session's skipped call that has no
@@ -248,11 +258,14 @@ class AdmissionEngine(Protocol):
 class InstanceScheduler:
     """One instance: its local queue in front of its engine's admission check."""
 
-    __slots__ = ("engine", "queue")
+    __slots__ = ("_on_admit", "engine", "queue")
 
     def __init__(self, queue: LocalQueue, engine: AdmissionEngine) -> None:
         self.queue = queue
         self.engine = engine
+        # The hook, unless the queue keeps the base class's (which does nothing).
+        hook = queue.on_admit
+        self._on_admit = None if type(queue).on_admit is LocalQueue.on_admit else hook
 
     def admit_ready(self, now: float) -> list[CallTicket]:
         """Admit waiting calls in queue order while the engine has room; return them.
@@ -260,7 +273,7 @@ class InstanceScheduler:
         Head-of-line: when the queue's choice does not fit, nothing jumps it, so an urgent
         large call is not starved by a stream of small ones.
         """
-        queue, engine = self.queue, self.engine
+        queue, engine, on_admit = self.queue, self.engine, self._on_admit
         admitted: list[CallTicket] = []
         while True:
             ticket = queue.peek(now)  # None when empty
@@ -268,6 +281,7 @@ class InstanceScheduler:
                 break
             queue.pop(now)
             engine.admit(ticket, now)
-            queue.on_admit(ticket, now)
+            if on_admit is not None:
+                on_admit(ticket, now)
             admitted.append(ticket)
         return admitted

@@ -27,6 +27,9 @@ __all__ = [
 MAX_TAIL_POWER = 8.0
 """Largest tail weight exponent accepted: beyond it one late query outweighs everything."""
 
+SPLITS_MAX = 1 << 16
+"""(input, output) token pairs `MarginalLatencyDispatcher` keeps the splits of."""
+
 
 class RoundRobinDispatcher(Dispatcher):
     """Instances in turn (vLLM's and most routers' default).
@@ -260,43 +263,104 @@ class MarginalLatencyDispatcher(Dispatcher):
         self._split = [inst.latency.split for inst in instances]
         # One extra entry: B + 1 may exceed max_batch while calls queue.
         self._slowdown = [inst.latency.slowdown_table(inst.max_batch + 1) for inst in instances]
+        self._rows = [
+            (tuple((table[b + 1], (table[b + 1] - table[b]) * share) for b in range(cap + 1)), cap)
+            for table, cap in ((table, len(table) - 2) for table in self._slowdown)
+        ]
+        """Per instance, (f(B + 1), (f(B + 1) - f(B)) x share) for B = 0 .. cap, and cap, the
+        largest B its slowdown table scores (B + 1 is its last entry): `select`'s terms of
+        the batch, computed once."""
+        self._all = range(len(instances))
+        self._splits: dict[tuple[int, int], tuple[tuple[float, float], ...]] = {}
+        """(p_i, d_i) on every instance by the call's (input, output) tokens."""
+        self._chosen: tuple[CallTicket, float, int, int, bool, int, float] | None = None
+        """(ticket, now, instance, calls in flight there, prefix caching, prefix homes'
+        changes, tail weight) of the last `select`: `weight` right after it
+        (`GlobalScheduler.charge`) reads the weight back when nothing it depends on moved."""
+
+    def _splits_of(self, call: LLMCall) -> tuple[tuple[float, float], ...]:
+        key = (call.input_tokens, call.output_tokens)
+        splits = self._splits.get(key)
+        if splits is None:
+            if len(self._splits) >= SPLITS_MAX:  # a service sees endless token counts
+                self._splits.clear()
+            splits = self._splits[key] = tuple(split(*key) for split in self._split)
+        return splits
 
     def select(self, ticket: CallTicket, now: float) -> int:
+        # `_own` and `_tail_weight` inlined (this runs for every call on every instance);
+        # the arithmetic is theirs, operation for operation.
         call = ticket.call
         load = self.ctx.load
         in_flight = load.in_flight
-        alpha, share = self.alpha, self._share
-        home = load.prefix_home(ticket)
+        alpha, power = self.alpha, self._power
+        # `load.prefix_home(ticket)`, inlined
+        home = load.prefix_homes.get(ticket.query_id, call.step) if load.prefix_caching else None
         weights, weighted_work = load.weight_in_flight, load.weighted_outstanding_s
         others, others_work = load.others_in_flight, load.others_outstanding_s
         # Calls another driver placed weigh what their worker reports, the weights their
         # coordinators charged; where it reports none (a worker older than the report),
         # each counts as this driver's average call. Unweighted, every call weighs 1 and
         # the sums are B and W_i.
-        reported = load.others_weight if self._power else None
+        reported = load.others_weight if power else None
         reported_work = load.others_weighted_outstanding_s
+        # Only this driver's calls (the simulator's case): every term of another driver's
+        # is 0, whatever the mean, and is left out.
+        alone = not (any(others) or any(others_work) or (reported is not None and any(reported)))
         mean = 1.0
-        if self._power:
+        if power and not alone:
             own_calls = sum(in_flight) - sum(others)
             if own_calls > 0:
                 mean = sum(weights) / own_calls
-        best, best_score, best_n = -1, float("inf"), 0
-        for i in self.candidates(ticket):
+        # The tail weight's terms that do not depend on the instance (`_tail_weight`).
+        run = ticket.run
+        slo = elapsed = rest = 0.0
+        if power and run is not None:
+            slo = run.deadline_s - run.arrival_s
+            elapsed = now - run.arrival_s
+            rest = ticket.remaining_after_s
+        tailed = 0.0 < slo < math.inf
+        if load.all_available and call.input_tokens + call.output_tokens <= load.min_kv_tokens:
+            cands: range | list[int] = self._all
+        else:
+            cands = self.candidates(ticket)
+        splits = self._splits.get((call.input_tokens, call.output_tokens)) or self._splits_of(call)
+        uncached, rows = self._uncached, self._rows
+        pow_ = math.pow
+        delay = 1.0 - alpha
+        best, best_score, best_n, best_w = -1, math.inf, 0, 1.0
+        for i in cands:
             n = in_flight[i]
-            prefill, own, b, stretch = self._own(i, call, home, n)
-            score = alpha * self._tail_weight(ticket, own, now) * own
+            prefill, decode = splits[i]
+            if i == home:
+                prefill *= uncached
+            batch_rows, cap = rows[i]
+            b = n if n < cap else cap
+            after, stretch = batch_rows[b]  # f(B + 1), and share x what B + 1 costs B
+            own = prefill + decode * after
+            w = 1.0
+            if tailed:
+                late = (elapsed + own + rest) / slo
+                w = pow_(0.0 if late < 0.0 else late, power)
+            score = alpha * w * own
             if b:
-                if reported is not None and reported[i] > 0.0:
-                    batch_others, work_others = reported[i], reported_work[i]
+                if alone:
+                    batch = weights[i] * b / n  # B, weighted, capped
+                    work = weighted_work[i]  # W_i, weighted
                 else:
-                    batch_others, work_others = mean * others[i], mean * others_work[i]
-                batch = (weights[i] + batch_others) * b / n  # B, weighted, capped
-                work = weighted_work[i] + work_others  # W_i, weighted
-                score += (1.0 - alpha) * (stretch * share * work + prefill * batch)
+                    if reported is not None and reported[i] > 0.0:
+                        batch_others, work_others = reported[i], reported_work[i]
+                    else:
+                        batch_others, work_others = mean * others[i], mean * others_work[i]
+                    batch = (weights[i] + batch_others) * b / n
+                    work = weighted_work[i] + work_others
+                score += delay * (stretch * work + prefill * batch)
             # Equal scores (a flat stretch of the slowdown curve): the fewer calls in flight,
             # then the lower index, so a tie never piles calls onto the first instance.
             if score < best_score or (score == best_score and n < best_n):
-                best, best_score, best_n = i, score, n
+                best, best_score, best_n, best_w = i, score, n, w
+        caching, changes = load.prefix_caching, load.prefix_homes.changes
+        self._chosen = (ticket, now, best, best_n, caching, changes, best_w)
         return best
 
     def _own(
@@ -304,7 +368,7 @@ class MarginalLatencyDispatcher(Dispatcher):
     ) -> tuple[float, float, int, float]:
         """(p_i, own_i, B, f_i(B + 1) - f_i(B)) of `call` on instance i with n calls in
         flight there: B is n capped at the slowdown table, p_i the uncached part at home."""
-        prefill, decode = self._split[i](call.input_tokens, call.output_tokens)
+        prefill, decode = self._splits_of(call)[i]
         if i == home:
             prefill *= self._uncached
         table = self._slowdown[i]
@@ -327,6 +391,19 @@ class MarginalLatencyDispatcher(Dispatcher):
             return 1.0
         i = ticket.instance
         load = self.ctx.load
+        n = load.in_flight[i]
+        chosen = self._chosen
+        if chosen is not None:
+            last, at, where, calls, caching, changes, w = chosen
+            if (
+                last is ticket
+                and at == now
+                and where == i
+                and calls == n
+                and caching == load.prefix_caching
+                and changes == load.prefix_homes.changes
+            ):
+                return w  # `select` weighed it on this very state
         # prefix_home is still the previous call's home: this one is not charged yet
-        _, own, _, _ = self._own(i, ticket.call, load.prefix_home(ticket), load.in_flight[i])
+        _, own, _, _ = self._own(i, ticket.call, load.prefix_home(ticket), n)
         return self._tail_weight(ticket, own, now)

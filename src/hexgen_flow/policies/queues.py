@@ -61,12 +61,17 @@ class KeyedQueue(LocalQueue):
         return heap[0] if heap else None
 
     def peek(self, now: float) -> CallTicket | None:
+        heap = self._heap
+        if heap and self._members.get(heap[0][1]) == heap[0][2]:
+            return heap[0][3]  # a live top: `_top` would return it as it is
         top = self._top()
         return top[3] if top else None
 
     def pop(self, now: float) -> CallTicket:
-        self._top()
-        ticket = heapq.heappop(self._heap)[3]
+        heap = self._heap
+        if self._members.get(heap[0][1]) != heap[0][2]:
+            self._top()
+        ticket = heapq.heappop(heap)[3]
         del self._members[ticket.seq]
         return ticket
 

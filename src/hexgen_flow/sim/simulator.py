@@ -11,6 +11,7 @@ byte (ties break on sequence numbers, randomness comes from one seeded generator
 
 from __future__ import annotations
 
+import gc
 import heapq
 import random
 from collections.abc import Callable, Sequence
@@ -157,44 +158,74 @@ class Simulation:
     # ----------------------------------------------------------------- event handling
 
     def run(self) -> RunMetrics:
+        # A run makes no reference cycles (its objects go by reference counting), so the
+        # cyclic garbage collector would only walk the live ones, over and over (about 6 %
+        # of a 10,000-query run): it is paused for the run, and resumed if it was on.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            return self._run()
+        finally:
+            if collecting:
+                gc.enable()
+
+    def _run(self) -> RunMetrics:
+        # The loop runs once per event: `_mark` is inlined, and so is planning each dirty
+        # instance's next event (the engine's `next_event_s`, pushed when it moved).
         heap = self._heap
         arrivals = self._arrivals
         gen = self._gen
+        planned = self._planned
         engines = self.engines
+        instances = self.instances
+        dirty, is_dirty = self._dirty, self._is_dirty
+        complete = self._complete
+        heappop, heappush = heapq.heappop, heapq.heappush
         n_arrivals = len(arrivals)
         next_arrival = 0
         inf = float("inf")
         period_s, hook = self._every if self._every is not None else (inf, None)
         next_tick = period_s
+        seq = self._event_seq
+        arrival_t = arrivals[0][0] if n_arrivals else inf
         while True:
-            arrival_t = arrivals[next_arrival][0] if next_arrival < n_arrivals else inf
             if heap and heap[0][0] <= arrival_t:
-                if heap[0][0] >= next_tick and hook is not None:
+                if hook is not None and heap[0][0] >= next_tick:
                     hook(next_tick, self)
                     next_tick += period_s
                     continue
-                now, _, i, g = heapq.heappop(heap)
+                now, _, i, g = heappop(heap)
                 if g != gen[i]:
                     continue
-                self._planned[i] = inf
+                planned[i] = inf
                 for ticket in engines[i].advance(now):
-                    self._complete(ticket, now)
-                self._mark(i)
+                    complete(ticket, now)
+                if not is_dirty[i]:
+                    is_dirty[i] = True
+                    dirty.append(i)
             elif next_arrival < n_arrivals:
-                if arrival_t >= next_tick and hook is not None:
+                if hook is not None and arrival_t >= next_tick:
                     hook(next_tick, self)
                     next_tick += period_s
                     continue
                 now, qi = arrivals[next_arrival]
                 next_arrival += 1
+                arrival_t = arrivals[next_arrival][0] if next_arrival < n_arrivals else inf
                 self._arrive(qi, now)
             else:
                 break
-            for i in self._dirty:
-                self._is_dirty[i] = False
-                self.instances[i].admit_ready(now)
-                self._replan(i)
-            self._dirty.clear()
+            for i in dirty:
+                is_dirty[i] = False
+                instances[i].admit_ready(now)
+                t = engines[i].next_event_s()
+                if t != planned[i]:
+                    gen[i] += 1
+                    planned[i] = t
+                    if t != inf:
+                        heappush(heap, (t, seq, i, gen[i]))
+                        seq += 1
+            dirty.clear()
+        self._event_seq = seq
         return self._metrics()
 
     def _mark(self, instance: int) -> None:
@@ -215,23 +246,18 @@ class Simulation:
         return run
 
     def _enqueue(self, tickets: list[CallTicket], now: float) -> None:
-        for ticket in tickets:
-            self.instances[ticket.instance].queue.push(ticket, now)
-            self._mark(ticket.instance)
-        if tickets:
-            run = tickets[0].run
-            if run is not None and len(run.query.workflow.stages) > 1:
-                self._released.setdefault(run.index, []).extend(tickets)
-
-    def _replan(self, i: int) -> None:
-        t = self.engines[i].next_event_s()
-        if t == self._planned[i]:
+        if not tickets:
             return
-        self._gen[i] += 1
-        self._planned[i] = t
-        if t != float("inf"):
-            heapq.heappush(self._heap, (t, self._event_seq, i, self._gen[i]))
-            self._event_seq += 1
+        instances, is_dirty = self.instances, self._is_dirty
+        for ticket in tickets:
+            i = ticket.instance
+            instances[i].queue.push(ticket, now)
+            if not is_dirty[i]:  # `_mark`, inlined
+                is_dirty[i] = True
+                self._dirty.append(i)
+        run = tickets[0].run
+        if run is not None and len(run.query.workflow.stages) > 1:
+            self._released.setdefault(run.index, []).extend(tickets)
 
     def _complete(self, ticket: CallTicket, now: float) -> None:
         self.calls_done += 1

@@ -67,6 +67,9 @@ __all__ = [
 BLOCK_SIZE = 16
 """vLLM's default KV-cache block size on CUDA, in tokens."""
 
+SCALES_MAX = 1 << 16
+"""(input, output) token pairs an engine keeps the prefill scale of (`_scale`)."""
+
 _SERVER_BATCHED_TOKENS = 2048
 _LARGE_GPU_SERVER_BATCHED_TOKENS = 8192
 
@@ -84,6 +87,7 @@ def default_max_num_batched_tokens(spec: InstanceSpec) -> int:
 
 
 def _blocks(tokens: int) -> int:
+    """Blocks that hold `tokens` (the hot paths write it out: ``-(-tokens // BLOCK_SIZE)``)."""
     return -(-tokens // BLOCK_SIZE)
 
 
@@ -126,7 +130,10 @@ class VllmV1EngineModel:
         self._a, self._b, self._c = self.step_fit.a_s, self.step_fit.b_s, self.step_fit.c_s
         self._latency = spec.latency
         self._curve = spec.latency.prefill_curve_s
-        self._curve_cache: dict[int, float] = {}
+        self._table = spec.latency.prefill_curve_table
+        """The prefill curve by prompt tokens, up to its length (`_curve` beyond)."""
+        self._scales: dict[tuple[int, int], float] = {}
+        """A call's prefill over the prefill curve at its prompt, by (input, output)."""
         self._total_blocks = _blocks(spec.kv_cache_tokens)
         self.running = 0
         """Calls handed to the engine and not yet finished (waiting, running or finishing)."""
@@ -175,22 +182,38 @@ class VllmV1EngineModel:
 
     def admit(self, ticket: CallTicket, now: float) -> None:
         """Put `ticket` on the waiting list at `now` (the caller checked `fits`)."""
-        self._sync(now)
+        if self._run_n:
+            self._sync(now)
         if not (self._busy or self._order or self._waiting) and self._t < now:
             self._t = now  # idle: the next step starts now
         call = ticket.call
-        prefill = self._latency.split(call.input_tokens, call.output_tokens)[0]
-        curve = self._curve(call.input_tokens)
+        tokens = call.input_tokens
         key: object = None
         pblocks = 0
         if self.enable_prefix_caching:
             key = (ticket.query_id, call.step)
-            pblocks = int(self.prefix_share * call.input_tokens) // BLOCK_SIZE
-        req = Request(ticket, prefill / curve if curve > 0 else 0.0, key, pblocks)
+            pblocks = int(self.prefix_share * tokens) // BLOCK_SIZE
+        scale = self._scales.get((tokens, call.output_tokens))
+        if scale is None:
+            scale = self._scale(tokens, call.output_tokens)
+        req = Request(ticket, scale, key, pblocks)
         self._reqs[ticket] = req
         self._push_waiting(req, front=False)
         self.running += 1
         ticket.admitted_s = now
+
+    def _scale(self, input_tokens: int, output_tokens: int) -> float:
+        """A call's calibrated prefill over the prefill curve at its prompt: what its chunks'
+        curve costs scale by, so that the prompt alone costs exactly its prefill."""
+        scale = self._scales.get((input_tokens, output_tokens))
+        if scale is None:
+            prefill = self._latency.split(input_tokens, output_tokens)[0]
+            curve = self._curve(input_tokens)
+            scale = prefill / curve if curve > 0 else 0.0
+            if len(self._scales) >= SCALES_MAX:  # a service sees endless token counts
+                self._scales.clear()
+            self._scales[(input_tokens, output_tokens)] = scale
+        return scale
 
     def abort(self, ticket: CallTicket, now: float) -> bool:
         """Stop a call at `now` and free its blocks; False if it is not here."""
@@ -246,17 +269,22 @@ class VllmV1EngineModel:
         if not self._busy or self._t > now:
             return []
         self._busy = False
-        if not self._pending:
+        pending = self._pending
+        if not pending:
             return []
         done: list[CallTicket] = []
-        for req, blocks in self._pending:
-            self._free(req, blocks)
+        reqs, release, t = self._reqs, self._prefixes.release, self._t
+        used = self._used
+        for req, blocks in pending:
+            used -= blocks
+            used -= release(req)  # its entry's, if it was the last user (`_free`)
             ticket = req.ticket
-            del self._reqs[ticket]
-            ticket.finished_s = self._t
+            del reqs[ticket]
+            ticket.finished_s = t
             done.append(ticket)
+        self._used = used
         self.running -= len(done)
-        self._pending.clear()
+        pending.clear()
         return done
 
     def progress(self, ticket: CallTicket) -> tuple[int, int] | None:
@@ -276,35 +304,47 @@ class VllmV1EngineModel:
         s = self._S
         free = self._total_blocks - self._used
         tail = self._tail
+        dec = self._dec
+        d = dec.count
         n = 0
         if not self.coalesce:
             pass
         elif tail is not None:
-            beta = self.max_num_batched_tokens - self._dec.count
+            beta = self.max_num_batched_tokens - d
             n = (tail.target - tail.done - 1) // beta  # steps the prompt takes all budget
-        elif self._dec.count and self._waiting_blocked(s, free):
+        elif d and self._waiting_blocked(s, free):
             n = 1 << 62
-        if n > 0 and self._dec.count:
-            n = min(n, self._dec.next_fin() - s)
+        if n > 0 and d:
+            n = min(n, dec.next_fin() - s)
         if n > 0:
             # Within a segment no cached prefix may be evicted: an eviction can unblock the
             # waiting head (it no longer has cached blocks to take back), so it ends one.
-            n = self._fit_blocks(n, free - self._prefixes.cached_free)
-        if n > 0:
-            self._start_run(n)
-        else:
-            self._step()
+            free -= self._prefixes.cached_free
+            blocks = dec.blocks(s, n) if d else 0
+            if tail is not None:
+                done = tail.done
+                beta = self.max_num_batched_tokens - d
+                blocks += -(-(done + n * beta) // BLOCK_SIZE) + (-done // BLOCK_SIZE)
+            if blocks > free:  # the most steps whose blocks fit, fewer than n
+                n, blocks = self._fit_blocks(n, free)
+            if n > 0:
+                self._start_run(n, blocks)
+                return
+        self._step()
 
     def _waiting_blocked(self, s: int, free: int) -> bool:
-        if not self._waiting or len(self._order) >= self.max_batch:
+        waiting = self._waiting
+        if not waiting or len(self._order) >= self.max_batch:
             return True
-        head = self._waiting[0]
+        head = waiting[0]
         hit, revive = self._prefixes.lookup(head) if self.enable_prefix_caching else (0, 0)
         decodes = self._dec.step_blocks(s) if self._dec.count else 0
-        return self._start_blocks(head, hit) + revive > free - decodes
+        start = self._start_blocks(head, hit) if hit else head.first
+        return start + revive > free - decodes
 
-    def _fit_blocks(self, n: int, free: int) -> int:
-        """The most steps, up to n, of the segment that would start now whose blocks fit."""
+    def _fit_blocks(self, n: int, free: int) -> tuple[int, int]:
+        """The most steps, up to n, of the segment that would start now whose blocks fit,
+        and the blocks they allocate (`_plan` checked n itself)."""
         s, tail, dec = self._S, self._tail, self._dec
         beta = self.max_num_batched_tokens - dec.count
         c0 = tail.done if tail is not None else 0
@@ -314,8 +354,6 @@ class VllmV1EngineModel:
                 return dec.blocks(s, k)
             return dec.blocks(s, k) + _blocks(c0 + k * beta) - _blocks(c0)
 
-        if need(n) <= free:
-            return n
         lo, hi = 0, n
         while hi - lo > 1:
             mid = (lo + hi) // 2
@@ -323,24 +361,24 @@ class VllmV1EngineModel:
                 lo = mid
             else:
                 hi = mid
-        return lo
+        return lo, need(lo)
 
-    def _start_run(self, n: int) -> None:
-        tail, d = self._tail, self._dec.count
-        self._run_s0, self._run_d, self._run_tail = self._S, d, tail
-        self._run_const = (
-            self._a + self._b * d + self._c * self._dec.kv_tokens(self._S) if d else 0.0
-        )
+    def _start_run(self, n: int, blocks: int) -> None:
+        """Plan a segment of n steps that allocate `blocks` (`_fit_blocks`)."""
+        tail, dec = self._tail, self._dec
+        d = dec.count
+        s = self._S
+        self._run_s0, self._run_d, self._run_tail = s, d, tail
+        self._run_const = self._a + self._b * d + self._c * dec.kv_tokens(s) if d else 0.0
         if tail is not None:
             self._run_beta = self.max_num_batched_tokens - d
             self._run_c0 = tail.done
-            grown = _blocks(tail.done + n * self._run_beta) - _blocks(tail.done)
         else:
-            self._run_beta = self._run_c0 = grown = 0
-        self._run_blocks = self._dec.blocks(self._S, n) + grown
+            self._run_beta = self._run_c0 = 0
+        self._run_blocks = blocks
         self._run_n = n
-        self._run_t0 = self._t
-        self._run_end = self._t + self._run_dur(n)
+        self._run_t0 = t = self._t
+        self._run_end = t + self._run_dur(n)
 
     def _run_dur(self, k: int) -> float:
         """Seconds of the segment's first k steps."""
@@ -348,7 +386,13 @@ class VllmV1EngineModel:
         dur = k * self._run_const + self._c * d * k * (k - 1) / 2 if d else 0.0
         tail = self._run_tail
         if tail is not None:
-            dur += self._chunk_s(tail, self._run_c0, self._run_c0 + k * self._run_beta)
+            # `_chunk_s(tail, c0, c0 + k x beta)`, inlined: `_sync` bisects on this
+            table, c0 = self._table, self._run_c0
+            end = c0 + k * self._run_beta
+            cost = table[end] if end < len(table) else self._curve(end)
+            if c0:
+                cost -= table[c0] if c0 < len(table) else self._curve(c0)
+            dur += tail.scale * cost if cost > 0 else 0.0
         return dur
 
     def _sync(self, now: float) -> None:
@@ -368,19 +412,29 @@ class VllmV1EngineModel:
 
     def _commit_run(self, k: int) -> None:
         tail = self._run_tail
+        if k == self._run_n:
+            # The whole segment: it ends where `_start_run` summed, with the blocks
+            # `_fit_blocks` counted (one allocation of them evicts as the two below would).
+            self._t = self._run_end
+            self._alloc(self._run_blocks)
+            if tail is not None:
+                tail.done = self._run_c0 + k * self._run_beta
+        else:
+            self._t = self._run_t0 + self._run_dur(k)
+            self._alloc(self._dec.blocks(self._run_s0, k))
+            if tail is not None:
+                done = self._run_c0 + k * self._run_beta
+                self._alloc(_blocks(done) - _blocks(tail.done))
+                tail.done = done
         self._run_n = 0
         self._run_blocks = 0
-        self._t = self._run_t0 + self._run_dur(k)
         self._busy = True
-        self._alloc(self._dec.blocks(self._run_s0, k))
-        if tail is not None:
-            done = self._run_c0 + k * self._run_beta
-            self._alloc(_blocks(done) - _blocks(tail.done))
-            tail.done = done
-            if tail.key is not None:
-                self._prefixes.register(tail)
-        self._S = self._run_s0 + k
-        self._finish_decodes()
+        if tail is not None and tail.key is not None:
+            self._prefixes.register(tail)
+        self._S = s = self._run_s0 + k
+        heap = self._dec.heap
+        if heap and heap[0][0] <= s:
+            self._finish_decodes()
 
     # ------------------------------------------------------------------ one step
 
@@ -388,19 +442,25 @@ class VllmV1EngineModel:
         """Schedule and commit one step at the boundary `_t` (vLLM's `schedule`)."""
         s = self._S
         budget = self.max_num_batched_tokens
+        total = self._total_blocks
+        prefixes = self._prefixes
+        table = self._table
         preempted = False
         dec = self._dec
         if dec.count:
             need = dec.step_blocks(s)
-            if need > self._total_blocks - self._used:
+            if need > total - self._used:
                 preempted = self._preempt_for_decodes(s)
-            else:
-                self._alloc(need)
+            elif need:  # `_alloc`, inlined here and below
+                self._used += need
+                if prefixes.cached_free > total - self._used:
+                    prefixes.evict(total - self._used)
         budget -= dec.count
         cost = 0.0
         # A step's fixed cost (scheduler, model runner, sampler) is paid once however many
         # prompts join it: the largest new prompt's prefill intercept, or the decode plane's
-        # `a`; each prompt chunk adds only its marginal cost.
+        # `a`; each prompt chunk adds only its marginal cost (`_chunk_s` with `marginal`,
+        # inlined: this runs for every step that is not part of a segment).
         fixed = 0.0
         prefilled: list[Request] = []
         tail = self._tail
@@ -408,31 +468,38 @@ class VllmV1EngineModel:
             start = tail.done
             chunk = tail.target - start
             chunk = min(chunk, budget)
-            grow = (start + chunk + BLOCK_SIZE - 1) // BLOCK_SIZE - (
-                start + BLOCK_SIZE - 1
-            ) // BLOCK_SIZE
-            if grow > self._total_blocks - self._used:
+            end = start + chunk
+            grow = (end + BLOCK_SIZE - 1) // BLOCK_SIZE - (start + BLOCK_SIZE - 1) // BLOCK_SIZE
+            if grow > total - self._used:
                 self._release(tail)  # the tail of the running list preempts itself
                 self._preempted(tail)
                 preempted = True
             else:
-                self._alloc(grow)
+                if grow:
+                    self._used += grow
+                    if prefixes.cached_free > total - self._used:
+                        prefixes.evict(total - self._used)
                 if start == 0:
                     fixed = self._intercept_s(tail)
-                cost += self._chunk_s(tail, start, start + chunk, marginal=True)
-                tail.done = start + chunk
+                marginal = table[end] if end < len(table) else self._curve(end)
+                marginal -= table[start] if start < len(table) else self._curve(start)
+                cost += tail.scale * marginal if marginal > 0 else 0.0
+                tail.done = end
                 budget -= chunk
                 if tail.key is not None:
-                    self._prefixes.register(tail)
-                if tail.done == tail.target:
+                    prefixes.register(tail)
+                if end == tail.target:
                     prefilled.append(tail)
                     self._tail = None
-        waiting, order, prefixes = self._waiting, self._order, self._prefixes
+        waiting, order = self._waiting, self._order
         caching = self.enable_prefix_caching
-        while not preempted and waiting and budget > 0 and len(order) < self.max_batch:
+        max_batch = self.max_batch
+        intercept = table[0]  # the curve at zero tokens, as `_intercept_s` reads it
+        while not preempted and waiting and budget > 0 and len(order) < max_batch:
             req = waiting[0]
             hit, revive = prefixes.lookup(req) if caching else (0, 0)
-            if self._start_blocks(req, hit) + revive > self._total_blocks - self._used:
+            blocks = self._start_blocks(req, hit) if hit else req.first
+            if blocks + revive > total - self._used:
                 if order or not hit:
                     break
                 hit = 0  # an idle engine starts it without the cached prefix, not never
@@ -444,18 +511,23 @@ class VllmV1EngineModel:
             chunk = req.target - start
             chunk = min(chunk, budget)
             end = start + chunk
-            self._alloc(
-                (end + BLOCK_SIZE - 1) // BLOCK_SIZE - (start + BLOCK_SIZE - 1) // BLOCK_SIZE
-            )
-            fixed = max(fixed, self._intercept_s(req))
-            cost += self._chunk_s(req, start, end, marginal=True)
+            grow = (end + BLOCK_SIZE - 1) // BLOCK_SIZE - (start + BLOCK_SIZE - 1) // BLOCK_SIZE
+            if grow:
+                self._used += grow
+                if prefixes.cached_free > total - self._used:
+                    prefixes.evict(total - self._used)
+            scale = req.scale
+            fixed = max(fixed, scale * intercept)
+            marginal = table[end] if end < len(table) else self._curve(end)
+            marginal -= table[start] if start < len(table) else self._curve(start)
+            cost += scale * marginal if marginal > 0 else 0.0
             req.done = end
             budget -= chunk
             req.state = PREFILL
             order[req] = None
             if caching:
                 prefixes.register(req)
-            if req.done == req.target:
+            if end == req.target:
                 prefilled.append(req)
             else:
                 self._tail = req
@@ -469,13 +541,15 @@ class VllmV1EngineModel:
         self._S = s + 1
         self._t += cost
         self._busy = True
-        self._finish_decodes()
+        heap = dec.heap
+        if heap and heap[0][0] <= s + 1:
+            self._finish_decodes()
         for req in prefilled:
             req.gen += 1  # the last chunk's step samples the next token
             if req.gen >= req.out:
-                del self._order[req]
+                del order[req]
                 req.state = FINISHED
-                self._pending.append((req, _blocks(req.done) - req.shared))
+                self._pending.append((req, -(-req.done // BLOCK_SIZE) - req.shared))
             else:
                 self._to_decode(req)
 
@@ -517,7 +591,7 @@ class VllmV1EngineModel:
             req.gen = req.out
             del self._order[req]
             req.state = FINISHED
-            self._pending.append((req, _blocks(req.done) - req.shared))
+            self._pending.append((req, -(-req.done // BLOCK_SIZE) - req.shared))
 
     def _release(self, req: Request) -> None:
         """Take a running request out of the running list and free its blocks."""
@@ -548,7 +622,7 @@ class VllmV1EngineModel:
         start = req.target
         if not self.admit_full_prompt:
             start = min(start, self.max_num_batched_tokens)
-        req.first = _blocks(start)
+        req.first = -(-start // BLOCK_SIZE)
         self._waiting_blocks += req.first
 
     def _start_blocks(self, req: Request, hit: int) -> int:
@@ -562,16 +636,13 @@ class VllmV1EngineModel:
         return _blocks(start + min(req.target - start, self.max_num_batched_tokens)) - hit
 
     def _curve_s(self, tokens: int) -> float:
-        cache = self._curve_cache
-        cost = cache.get(tokens)
-        if cost is None:
-            cost = cache[tokens] = self._curve(tokens)
-        return cost
+        table = self._table
+        return table[tokens] if tokens < len(table) else self._curve(tokens)
 
     def _intercept_s(self, req: Request) -> float:
         """The fixed part of a step that starts `req`'s prompt: its prefill curve at zero
         tokens (the profile's time to first token extrapolated to an empty prompt)."""
-        return req.scale * self._curve_s(0)
+        return req.scale * self._table[0]
 
     def _chunk_s(self, req: Request, start: int, end: int, marginal: bool = False) -> float:
         """Seconds of computing tokens [start, end) of a request's prefill; with `marginal`,

@@ -6,8 +6,8 @@ Every decode adds one token per step, so against the engine's global step counte
 decoding request's context is `base + S` and its last step is a fixed `fin`: nothing per
 request changes from step to step. `DecodeBatch` answers what the engine asks of all
 decodes at once, whatever the number of steps: the KV tokens a step reads (a running sum),
-the blocks any number of steps allocate (counters of decodes by `base` mod the block size:
-a decode takes a new block in the steps where its context crosses a block boundary), and
+the blocks any number of steps allocate (counters of decodes by the step phase, modulo the
+block size, at which their context crosses a block boundary and takes a new block), and
 the next finishing step (a heap with lazy deletion).
 """
 
@@ -68,32 +68,39 @@ class Request:
 class DecodeBatch:
     """The requests decoding now, by their `base` and `fin` (set before `add`)."""
 
-    __slots__ = ("_heap", "_hseq", "_mask", "_phase", "_sum_k", "count")
+    __slots__ = ("_hseq", "_mask", "_phase", "_size", "_sum_k", "count", "heap")
 
     def __init__(self, block_size: int) -> None:
         if block_size <= 0 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {block_size}")
         self._mask = block_size - 1
+        self._size = block_size
         self.count = 0
         """Requests decoding (read-only outside)."""
         self._sum_k = 0  # sum of (base + 1): the KV read of step S is _sum_k + count x S
-        self._phase = [0] * block_size  # decodes by base mod block size
-        self._heap: list[tuple[int, int, Request]] = []  # (fin, hseq, request), stale too
+        # Decodes by the step phase at which they take a new block: a decode whose context
+        # is base + S takes one in step S when base + S is a multiple of the block size,
+        # i.e. when S = -base mod block size, so _phase[S mod block size] counts the
+        # decodes that allocate in step S, and a run of steps reads a (circular) slice.
+        self._phase = [0] * block_size
+        self.heap: list[tuple[int, int, Request]] = []
+        """(fin, hseq, request) of every decode, stale ones too (lazily dropped): a top
+        `fin` above a step means no decode finishes by it (read-only outside)."""
         self._hseq = 0
 
     def add(self, req: Request) -> None:
         self.count += 1
         self._sum_k += req.base + 1
-        self._phase[req.base & self._mask] += 1
+        self._phase[-req.base & self._mask] += 1
         self._hseq += 1
         req.hseq = self._hseq
-        heapq.heappush(self._heap, (req.fin, self._hseq, req))
+        heapq.heappush(self.heap, (req.fin, self._hseq, req))
 
     def remove(self, req: Request) -> None:
         """Take a decoding request out (its heap entry goes stale)."""
         self.count -= 1
         self._sum_k -= req.base + 1
-        self._phase[req.base & self._mask] -= 1
+        self._phase[-req.base & self._mask] -= 1
         req.hseq = -1
 
     def kv_tokens(self, s: int) -> int:
@@ -102,29 +109,35 @@ class DecodeBatch:
 
     def step_blocks(self, s: int) -> int:
         """Blocks the decodes allocate in step `s`."""
-        return self._phase[-s & self._mask]
+        return self._phase[s & self._mask]
 
     def blocks(self, s: int, steps: int) -> int:
         """Blocks the decodes allocate in `steps` steps from step `s`."""
         if not self.count or steps <= 0:
             return 0
-        cycles, rest = divmod(steps, self._mask + 1)
+        size = self._size
+        cycles, rest = divmod(steps, size)
         need = cycles * self.count
-        phase, mask = self._phase, self._mask
-        for j in range(rest):
-            need += phase[-(s + j) & mask]
+        if rest:
+            phase = self._phase
+            first = s & self._mask
+            end = first + rest
+            if end <= size:
+                need += sum(phase[first:end])
+            else:
+                need += sum(phase[first:]) + sum(phase[: end - size])
         return need
 
     def next_fin(self) -> int:
         """The step counter after the next decode's last step (some request decodes)."""
-        heap = self._heap
+        heap = self.heap
         while heap[0][2].hseq != heap[0][1]:
             heapq.heappop(heap)  # stale: the request left decoding since
         return heap[0][0]
 
     def pop_finished(self, s: int) -> list[Request]:
         """Take out the decodes whose last step ends by step `s`, in finishing order."""
-        heap = self._heap
+        heap = self.heap
         done: list[Request] = []
         while heap and heap[0][0] <= s:
             _, hseq, req = heapq.heappop(heap)
