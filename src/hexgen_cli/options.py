@@ -149,6 +149,20 @@ def add_calibration_option(parser: argparse.ArgumentParser, *, file_default: boo
     )
 
 
+def add_planner_calibration_option(parser: argparse.ArgumentParser) -> None:
+    """``--planner-calibration``: what the scheduler believes, apart from what the simulated
+    engines execute (``--calibration``)."""
+    parser.add_argument(
+        "--planner-calibration",
+        type=calibration,
+        default=None,
+        metavar="NAME|measured:FILE",
+        help="the latency numbers every policy, the alpha tuner and admission plan with; the "
+        "simulated engines still run --calibration's (default: the same as --calibration, a "
+        "scheduler that knows its engines exactly)",
+    )
+
+
 def engine_model(text: str) -> str:
     """An engine model's name (`hexgen_flow.sim.engines.ENGINE_MODELS`)."""
     try:

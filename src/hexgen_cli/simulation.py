@@ -22,6 +22,7 @@ from hexgen_cli.options import (
     PROG,
     add_calibration_option,
     add_engine_options,
+    add_planner_calibration_option,
     alpha_or_auto,
     info,
     integer,
@@ -104,6 +105,7 @@ def _add_run_options(parser: argparse.ArgumentParser, *, policy_help: str) -> No
         help=f"model every instance serves unless the cluster file says (default {DEFAULT_MODEL})",
     )
     add_calibration_option(parser)
+    add_planner_calibration_option(parser)
     add_engine_options(parser)
     parser.add_argument("--policy", default=DEFAULT_POLICY, metavar="NAME", help=policy_help)
     parser.add_argument(
@@ -158,8 +160,17 @@ class RunSetup:
     traces: tuple[str, ...]
     queries: list[Query]
     cluster: Cluster
+    """The cluster the simulated engines run (``--calibration``)."""
     preset: Preset
     config: SimConfig
+    planner: Cluster
+    """The same instances as the scheduler believes them (``--planner-calibration``):
+    `cluster` itself unless that option names another calibration."""
+
+    @property
+    def truth(self) -> Cluster | None:
+        """What `Simulation` takes as ``truth``: None when the planner is exact."""
+        return None if self.planner is self.cluster else self.cluster
 
 
 def _setup(args: argparse.Namespace) -> RunSetup:
@@ -167,6 +178,14 @@ def _setup(args: argparse.Namespace) -> RunSetup:
     traces = tuple(args.trace or [DEFAULT_TRACE])
     queries = take_queries(load_traces(traces), args.num_queries)
     cluster = parse_cluster(args.cluster, args.model, args.calibration)
+    planner = cluster
+    if args.planner_calibration is not None:
+        try:
+            planner = parse_cluster(args.cluster, args.model, args.planner_calibration)
+        except ConfigError as exc:
+            raise ConfigError(f"--planner-calibration: {exc}") from None
+        if planner.calibration.name == cluster.calibration.name:
+            planner = cluster  # the same numbers: one cluster, the exact planner
     config = SimConfig(
         qps=args.qps,
         slo_scale=args.slo_scale,
@@ -175,7 +194,7 @@ def _setup(args: argparse.Namespace) -> RunSetup:
         engine=args.engine,
         prefix_caching=args.prefix_caching,
     )
-    return RunSetup(traces, queries, cluster, preset, config)
+    return RunSetup(traces, queries, cluster, preset, config, planner)
 
 
 def calibration_row(cluster: Cluster) -> tuple[str, str]:
@@ -184,6 +203,13 @@ def calibration_row(cluster: Cluster) -> tuple[str, str]:
     notes = [f"{', '.join(cached)} measured with prefix-cache hits"] if cached else []
     notes.append(f"`{PROG} calibrations` lists its sources and caveats")
     return ("calibration", f"{cluster.calibration.name} ({'; '.join(notes)})")
+
+
+def planner_row(run: RunSetup) -> tuple[str, str]:
+    """The ``planner`` row: what the scheduler plans with, beside what the engines run."""
+    if run.truth is None:
+        return ("planner", "the same numbers (exact)")
+    return ("planner", f"{run.planner.calibration.name} (the engines run the calibration above)")
 
 
 def latency_row(metrics: RunMetrics) -> tuple[str, str]:
@@ -208,7 +234,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
             info(f"{PROG}: note: policy {preset.name!r} has no alpha; --alpha ignored")
     elif args.alpha is None:
         started = time.perf_counter()
-        tuning = auto_tune(run.queries, run.cluster, preset, run.config)
+        # The tuner replays what it believes: the planner's numbers, not the engines'.
+        tuning = auto_tune(run.queries, run.planner, preset, run.config)
         info(
             f"{PROG}: tuned alpha over {len(tuning.curve)} values on {tuning.window} queries "
             f"(arrival seed {run.config.seed + 1}): {tuning.alpha:g} "
@@ -219,7 +246,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         preset = preset.with_alpha(args.alpha)
 
     started = time.perf_counter()
-    sim = Simulation(run.queries, run.cluster, preset, run.config)
+    sim = Simulation(run.queries, run.planner, preset, run.config, truth=run.truth)
     metrics = sim.run()
     wall_s = time.perf_counter() - started
     calls = sum(q.workflow.num_calls for q in run.queries)
@@ -234,6 +261,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         doc["arrival_cv"] = run.config.arrival_cv
         doc["model"] = run.cluster.instances[0].model
         doc["calibration"] = run.cluster.calibration.name
+        doc["planner_calibration"] = run.planner.calibration.name
         doc["engine"] = run.config.engine
         doc["prefix_caching"] = run.config.prefix_caching
         doc["preemptions"] = sim.preemptions
@@ -281,6 +309,7 @@ def _print_summary(
             f"{run.cluster.instances[0].model})",
         ),
         calibration_row(run.cluster),
+        planner_row(run),
         engine_row(config, preemptions),
         ("traces", f"{', '.join(run.traces)} ({metrics.num_queries} queries)"),
         ("arrivals", f"{config.qps:g} queries/s, cv {config.arrival_cv:g}, seed {config.seed}"),
@@ -312,7 +341,9 @@ def _cmd_tune(args: argparse.Namespace) -> int:
             f"{', '.join(with_alpha)}"
         )
     started = time.perf_counter()
-    result = tune_alpha(run.queries, run.cluster, run.preset, run.config, window=args.window)
+    result = tune_alpha(
+        run.queries, run.planner, run.preset, run.config, window=args.window, truth=run.truth
+    )
     wall_s = time.perf_counter() - started
     info(
         f"{PROG}: replayed {result.window} queries for {len(result.curve)} alpha values "
@@ -328,6 +359,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
                 "arrival_cv": run.config.arrival_cv,
                 "cluster": list(run.cluster.gpus),
                 "calibration": run.cluster.calibration.name,
+                "planner_calibration": run.planner.calibration.name,
                 "engine": run.config.engine,
                 "prefix_caching": run.config.prefix_caching,
                 "traces": list(run.traces),
@@ -341,7 +373,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         return 0
     print(
         f"alpha tuning: {run.preset.name} on {','.join(run.cluster.gpus)} "
-        f"(calibration {run.cluster.calibration.name}, engine {engine_row(run.config)[1]}), "
+        f"(calibration {run.cluster.calibration.name}, planner {run.planner.calibration.name}, "
+        f"engine {engine_row(run.config)[1]}), "
         f"{run.config.qps:g} queries/s, {result.window} queries, seed {run.config.seed}"
     )
     print(f"{'alpha':>6}  {'P95 (s)':>9}  {'mean (s)':>9}  {'attainment':>10}")

@@ -35,6 +35,7 @@ class GlobalScheduler:
         *,
         seed: int = 0,
         estimator: Estimator | None = None,
+        slo_base_s: float | None = None,
     ) -> None:
         self.cluster = cluster
         self.preset = preset
@@ -49,8 +50,10 @@ class GlobalScheduler:
         )
         self.next_seq = 0
         """Sequence number of the next released call (release order across queries)."""
-        self.slo_base_s = self.estimator.slo_base()
-        """SLO_base of this cluster (docs/algorithm.md §5)."""
+        self.slo_base_s = self.estimator.slo_base() if slo_base_s is None else slo_base_s
+        """SLO_base of this cluster (docs/algorithm.md §5): by the scheduler's own latency
+        models unless the driver gives it (a simulation whose engines run other models takes
+        the SLO from what they run, so that a query's SLO does not depend on a belief)."""
 
     def make_queue(self, instance: int) -> LocalQueue:
         """The preset's local queue for `instance` (used where the instance runs)."""

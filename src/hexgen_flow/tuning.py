@@ -91,8 +91,13 @@ def tune_alpha(
     grid: Sequence[float] = ALPHA_GRID,
     refine: bool = True,
     progress: Callable[[AlphaPoint], None] | None = None,
+    truth: Cluster | None = None,
 ) -> TuningResult:
-    """Best α for `preset` on the last `window` queries (all when None) under `config`."""
+    """Best α for `preset` on the last `window` queries (all when None) under `config`.
+
+    `truth`: the engines run its latency models while the policy plans with `cluster`'s
+    (`Simulation`): the curve of what each α really gives under that belief. An online
+    tuner has no truth to replay with (it replays its belief: leave it None)."""
     if not preset.has_alpha:
         raise ConfigError(f"policy {preset.name!r} has no alpha to tune")
     if not grid:
@@ -104,7 +109,9 @@ def tune_alpha(
     def trial(alpha: float) -> AlphaPoint:
         alpha = round(alpha, 6)
         if alpha not in tried:
-            sim = Simulation(replay, cluster, preset.with_alpha(alpha), config, estimator)
+            sim = Simulation(
+                replay, cluster, preset.with_alpha(alpha), config, estimator, truth=truth
+            )
             tried[alpha] = AlphaPoint.of(alpha, sim.run())
             if progress is not None:
                 progress(tried[alpha])

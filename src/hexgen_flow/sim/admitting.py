@@ -35,8 +35,9 @@ class AdmittingSimulation(Simulation):
         *,
         slack: float = 1.0,
         weight_of: Callable[[str], float] | None = None,
+        truth: Cluster | None = None,
     ) -> None:
-        super().__init__(queries, cluster, preset, config)
+        super().__init__(queries, cluster, preset, config, truth=truth)
         self.admission = AdmissionModel(self.cluster, self.estimator, weight_of=weight_of)
         self.slack = slack
         self.rejected = 0

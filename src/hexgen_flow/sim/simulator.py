@@ -33,7 +33,7 @@ from hexgen_flow.sim.engines import (
 )
 from hexgen_flow.workload import Query
 
-__all__ = ["SimConfig", "Simulation", "simulate"]
+__all__ = ["SimConfig", "Simulation", "check_same_instances", "simulate"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +67,14 @@ class SimConfig:
 
 
 class Simulation:
-    """One run of `queries` on `cluster` under `preset`."""
+    """One run of `queries` on `cluster` under `preset`.
+
+    Truth and belief: the scheduler (dispatch, queues, stage budgets, admission, the α
+    tuner) plans with `cluster`'s latency models; the engine models execute `truth`'s, the
+    same instances under another calibration (default: `cluster` itself, a scheduler that
+    knows its engines exactly). Each query's SLO comes from `truth`: what a belief gets
+    wrong changes where calls run, never what they are held to.
+    """
 
     _every: tuple[float, Callable[[float, Simulation], None]] | None = None
     """(period, hook) set by `every`; None (the default) costs the event loop nothing."""
@@ -79,14 +86,21 @@ class Simulation:
         preset: Preset,
         config: SimConfig,
         estimator: Estimator | None = None,
+        *,
+        truth: Cluster | None = None,
     ) -> None:
         if not queries:
             raise ConfigError("no queries to simulate")
         self.queries = list(queries)
         self.cluster = cluster
+        self.truth = cluster if truth is None else check_same_instances(cluster, truth)
+        """The cluster the engine models execute (`cluster`: what the scheduler believes)."""
         self.preset = preset
         self.config = config
-        self.scheduler = GlobalScheduler(cluster, preset, seed=config.seed + 1, estimator=estimator)
+        slo_base_s = None if truth is None else Estimator(truth).slo_base()
+        self.scheduler = GlobalScheduler(
+            cluster, preset, seed=config.seed + 1, estimator=estimator, slo_base_s=slo_base_s
+        )
         self.scheduler.load.prefix_caching = bool(config.prefix_caching)
         self.estimator = self.scheduler.estimator
         self.slo_base_s = self.scheduler.slo_base_s
@@ -96,7 +110,7 @@ class Simulation:
         self._arrivals = sorted((t, i) for i, t in enumerate(times))
         self.engines: list[EngineModel] = [
             create_engine_model(config.engine, inst, prefix_caching=config.prefix_caching)
-            for inst in cluster.instances
+            for inst in self.truth.instances
         ]
         self.instances = [
             InstanceScheduler(self.scheduler.make_queue(inst.index), engine)
@@ -308,7 +322,31 @@ class Simulation:
 
 
 def simulate(
-    queries: Sequence[Query], cluster: Cluster, preset: Preset, config: SimConfig
+    queries: Sequence[Query],
+    cluster: Cluster,
+    preset: Preset,
+    config: SimConfig,
+    *,
+    truth: Cluster | None = None,
 ) -> RunMetrics:
-    """Run one simulation and return its metrics."""
-    return Simulation(queries, cluster, preset, config).run()
+    """Run one simulation and return its metrics (`truth`: see `Simulation`)."""
+    return Simulation(queries, cluster, preset, config, truth=truth).run()
+
+
+def check_same_instances(belief: Cluster, truth: Cluster) -> Cluster:
+    """`truth`, when it has the very instances of `belief` (GPU, model, KV cache, batch
+    limit, in order) and only their latency models may differ; else ConfigError."""
+    if len(belief) != len(truth):
+        raise ConfigError(
+            f"the planner's cluster has {len(belief)} instances and the engines' {len(truth)}"
+        )
+    for b, t in zip(belief.instances, truth.instances, strict=True):
+        same = (b.gpu, b.model, b.kv_cache_tokens, b.max_batch)
+        if same != (t.gpu, t.model, t.kv_cache_tokens, t.max_batch):
+            raise ConfigError(
+                f"instance {b.index} differs beyond its latency model: the planner has "
+                f"{b.gpu} {b.model} ({b.kv_cache_tokens} KV tokens, batch {b.max_batch}), "
+                f"the engines {t.gpu} {t.model} ({t.kv_cache_tokens} KV tokens, batch "
+                f"{t.max_batch})"
+            )
+    return truth
