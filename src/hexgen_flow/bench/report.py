@@ -3,31 +3,16 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
 from typing import Any
 
 from hexgen_flow.bench.band import band_lines
+from hexgen_flow.bench.markdown import fmt, md_table
 from hexgen_flow.bench.plan import BASELINE, FLAGSHIP, NEAR_BEST, BenchPlan
 from hexgen_flow.bench.plots import plot_files
+from hexgen_flow.bench.shifting_report import render_markdown as render_shifting
 from hexgen_flow.policies.presets import PRESETS
 
-__all__ = ["fmt", "md_table", "render_markdown"]
-
-
-def fmt(value: float | None, spec: str = ".1f", suffix: str = "") -> str:
-    if value is None or not math.isfinite(value):
-        return "n/a"
-    return f"{value:{spec}}{suffix}"
-
-
-def md_table(header: Sequence[str], rows: Iterable[Sequence[str]], *, left: int = 1) -> list[str]:
-    """A Markdown table; the first `left` columns are labels, the rest right-aligned numbers."""
-    lines = [
-        "| " + " | ".join(header) + " |",
-        "|" + "|".join("---" if i < left else "---:" for i in range(len(header))) + "|",
-    ]
-    lines.extend("| " + " | ".join(row) + " |" for row in rows)
-    return lines
+__all__ = ["render_markdown"]
 
 
 def _vs_router(ratio: float | None, router: str | None) -> str:
@@ -141,11 +126,6 @@ def render_markdown(plan: BenchPlan, doc: dict[str, Any]) -> str:
 
 
 def _shifting_lines(plan: BenchPlan, doc: dict[str, Any]) -> list[str]:
-    # Imported here: bench/shifting_report.py renders its tables with this module's helpers.
-    from hexgen_flow.bench.shifting_report import (  # noqa: PLC0415
-        render_markdown as render_shifting,
-    )
-
     return ["", render_shifting(doc["shifting_load"])]
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hexgen_flow.bench.report import fmt, md_table
+from hexgen_flow.bench.markdown import fmt, md_table
 from hexgen_flow.bench.shifting import PLOT_FILE
 
 __all__ = ["plot_shifting", "render_markdown"]
