@@ -15,8 +15,9 @@ import grpc
 
 from hexgen_coordinator.config import CoordinatorConfig
 from hexgen_coordinator.coordinator import Coordinator
-from hexgen_coordinator.edge import add_coordinator_services, add_worker_service, door_limit
+from hexgen_coordinator.edge import door_limit
 from hexgen_coordinator.redis_retry import cluster_prefix, pipelined_client, redis_client
+from hexgen_coordinator.service import add_coordinator_services, add_worker_service
 from hexgen_coordinator.shards import LeaseLostError, ShardLease, ShardMap
 from hexgen_flow.errors import ConfigError, HexgenFlowError
 from hexgen_service.auth import PUBLIC_METHODS, AuthInterceptor, KeyStore, Role, read_secret

@@ -6,8 +6,9 @@ status with a one-line message, never UNKNOWN with a traceback.
   ALREADY_EXISTS, `OverloadedError` -> RESOURCE_EXHAUSTED with the ``retry-after-s``
   trailer, Redis unreachable -> UNAVAILABLE, anything unexpected -> INTERNAL with an
   incident id only, logged here with its traceback under that id).
-- `add_coordinator_services`: registers the CoordinatorService and WorkerService with
-  request deserializers that answer undecodable bytes with INVALID_ARGUMENT (grpc's
+- `add_services`: registers a servicer (hexgen_coordinator.service's
+  `add_coordinator_services` registers the CoordinatorService and WorkerService with it)
+  with request deserializers that answer undecodable bytes with INVALID_ARGUMENT (grpc's
   generated ``add_*_to_server`` decodes with ``FromString``, whose DecodeError grpc reports
   as UNKNOWN and logs with a traceback), and a request larger than its method takes
   (`request_limits`) with INVALID_ARGUMENT before it is parsed.
@@ -43,9 +44,7 @@ from hexgen_service.errors import (
 )
 
 __all__ = [
-    "add_coordinator_services",
     "add_services",
-    "add_worker_service",
     "door_limit",
     "request_limits",
     "statuses",
@@ -260,35 +259,3 @@ def add_services(
         register = getattr(server, "add_registered_method_handlers", None)
         if register is not None:
             register(service, wrapped)
-
-
-def add_coordinator_services(
-    server: grpc.aio.Server, coordinator: Any, *, workers: bool = True
-) -> None:
-    """Register `coordinator`'s CoordinatorService (and its WorkerService, with `workers`)
-    on `server` (what ``python -m hexgen_coordinator`` serves), undecodable requests
-    answered with INVALID_ARGUMENT."""
-    from hexgen_api.v1 import coordinator_pb2_grpc  # noqa: PLC0415
-    from hexgen_coordinator.service import CoordinatorServicer  # noqa: PLC0415 - imports us
-
-    add_services(
-        server,
-        coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server,
-        CoordinatorServicer(coordinator),
-        request_limits(coordinator.config),
-    )
-    if workers:
-        add_worker_service(server, coordinator)
-
-
-def add_worker_service(server: grpc.aio.Server, coordinator: Any) -> None:
-    """Register `coordinator`'s WorkerService on `server` (the workers' door)."""
-    from hexgen_api.v1 import worker_pb2_grpc  # noqa: PLC0415
-    from hexgen_coordinator.service import WorkerServicer  # noqa: PLC0415 - imports us
-
-    add_services(
-        server,
-        worker_pb2_grpc.add_WorkerServiceServicer_to_server,
-        WorkerServicer(coordinator),
-        request_limits(coordinator.config),
-    )

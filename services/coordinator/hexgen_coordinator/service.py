@@ -1,4 +1,6 @@
-"""gRPC adapters of the coordinator: protobuf in, protobuf out, errors as statuses."""
+"""gRPC adapters of the coordinator: protobuf in, protobuf out, errors as statuses; and
+their registration on a server (`add_coordinator_services`, `add_worker_service`) through
+the edge's guarded deserializers (`hexgen_coordinator.edge.add_services`)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 
@@ -20,13 +23,18 @@ from hexgen_coordinator.coordinator import (
     UnknownQueryError,
     WorkerLink,
 )
-from hexgen_coordinator.edge import statuses
+from hexgen_coordinator.edge import add_services, request_limits, statuses
 from hexgen_coordinator.shards import OWNER_METADATA
 from hexgen_flow.workload import DEFAULT_TENANT
 from hexgen_service.auth import Role, current_principal
 from hexgen_service.worker_token import TOKEN_METADATA, check_token
 
-__all__ = ["CoordinatorServicer", "WorkerServicer"]
+__all__ = [
+    "CoordinatorServicer",
+    "WorkerServicer",
+    "add_coordinator_services",
+    "add_worker_service",
+]
 
 log = logging.getLogger(__name__)
 audit = logging.getLogger("hexgen.audit")
@@ -350,3 +358,32 @@ class WorkerServicer(wpb_grpc.WorkerServiceServicer):
             log.exception("worker %s stream failed", link.worker_id)
         finally:
             c.disconnect(link, "stream ended")
+
+
+# ------------------------------------------------------------------ registration
+
+
+def add_coordinator_services(
+    server: grpc.aio.Server, coordinator: Any, *, workers: bool = True
+) -> None:
+    """Register `coordinator`'s CoordinatorService (and its WorkerService, with `workers`)
+    on `server` (what ``python -m hexgen_coordinator`` serves), undecodable requests
+    answered with INVALID_ARGUMENT."""
+    add_services(
+        server,
+        cpb_grpc.add_CoordinatorServiceServicer_to_server,
+        CoordinatorServicer(coordinator),
+        request_limits(coordinator.config),
+    )
+    if workers:
+        add_worker_service(server, coordinator)
+
+
+def add_worker_service(server: grpc.aio.Server, coordinator: Any) -> None:
+    """Register `coordinator`'s WorkerService on `server` (the workers' door)."""
+    add_services(
+        server,
+        wpb_grpc.add_WorkerServiceServicer_to_server,
+        WorkerServicer(coordinator),
+        request_limits(coordinator.config),
+    )
