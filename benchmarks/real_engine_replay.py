@@ -47,8 +47,6 @@ import yaml
 
 from hexgen_api.v1 import coordinator_pb2 as cpb
 from hexgen_client.client import CoordinatorClient
-from hexgen_client.cluster import LocalCluster, LocalClusterConfig, WorkerLaunch
-from hexgen_client.replay import replay
 from hexgen_flow.cluster import Cluster, parse_cluster
 from hexgen_flow.metrics import json_safe
 from hexgen_flow.policies.presets import resolve_policy
@@ -56,6 +54,8 @@ from hexgen_flow.runtime import CallTicket
 from hexgen_flow.sim.simulator import SimConfig, Simulation
 from hexgen_flow.traces import load_trace, take_queries
 from hexgen_flow.workload import Query
+from hexgen_launch.cluster import LocalCluster, LocalClusterConfig, WorkerLaunch
+from hexgen_launch.replay import replay
 from real_engine_results import (
     HEADLINE,
     CallTimes,

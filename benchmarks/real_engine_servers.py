@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from hexgen_client.processes import ManagedProcess, free_port, stop_processes, vllm_cpu_env
+from hexgen_launch.processes import ManagedProcess, free_port, stop_processes, vllm_cpu_env
 
 __all__ = [
     "MAX_BATCH",

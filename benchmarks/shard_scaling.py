@@ -49,8 +49,8 @@ import redis
 
 from coordinator_overhead import CLUSTER, TICK_S, coordinator_argv, cpu_s, drive_wire
 from hexgen_api.v1 import coordinator_pb2
-from hexgen_client.processes import RedisServer, free_port
 from hexgen_flow.metrics import percentile
+from hexgen_launch.processes import RedisServer, free_port
 from hexgen_service.event_loop import run as run_loop
 
 

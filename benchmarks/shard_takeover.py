@@ -2,7 +2,7 @@
 
 Three runs of the same replay (trace3's first `--queries` queries at `--qps`, seed 0, the
 cluster A100,A100,A6000,L40S of simulated workers at `--time-scale`), each on its own
-private redis-server (`hexgen_client.sharded_mesh.LocalShardedMesh`):
+private redis-server (`hexgen_launch.sharded_mesh.LocalShardedMesh`):
 
 1. **one coordinator**: a single shard, no spare (the lease costs one script every
    `ttl / 3`; otherwise this is the plain single-coordinator mesh);
@@ -35,12 +35,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hexgen_client.client import CoordinatorClient
-from hexgen_client.processes import RedisServer
-from hexgen_client.replay import replay
-from hexgen_client.sharded_mesh import LocalShardedMesh, ShardedMeshConfig
 from hexgen_flow.metrics import RunMetrics
 from hexgen_flow.traces import load_trace, take_queries
 from hexgen_flow.workload import Query
+from hexgen_launch.processes import RedisServer
+from hexgen_launch.replay import replay
+from hexgen_launch.sharded_mesh import LocalShardedMesh, ShardedMeshConfig
 
 
 @dataclass

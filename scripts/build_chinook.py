@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from hexgen_client.sql.chinook import ChinookDataError, build_chinook
+from hexgen_sql.chinook import ChinookDataError, build_chinook
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -44,7 +44,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from hexgen_client.processes import free_port
+from hexgen_launch.processes import free_port
 from hexgen_service.healthcheck import check
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -17,7 +17,7 @@ import redis.asyncio as aioredis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from hexgen_client.processes import ManagedProcess, free_port, stop_processes
+from hexgen_launch.processes import ManagedProcess, free_port, stop_processes
 from hexgen_service.auth_dir import (
     REDIS_COMMANDS,
     REDIS_SHARD_COMMANDS,

@@ -15,10 +15,10 @@ import grpc
 import redis.asyncio as aioredis
 
 from hexgen_api.v1 import coordinator_pb2_grpc, worker_pb2_grpc
-from hexgen_client.processes import free_port
 from hexgen_coordinator.config import CoordinatorConfig
 from hexgen_coordinator.coordinator import Coordinator
 from hexgen_coordinator.service import CoordinatorServicer, WorkerServicer
+from hexgen_launch.processes import free_port
 from hexgen_service.server import GrpcServer
 from hexgen_worker import Worker, WorkerConfig
 from redis_here import REDIS_URL

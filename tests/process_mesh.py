@@ -18,8 +18,8 @@ import redis
 
 from hexgen_api.v1 import coordinator_pb2 as cpb
 from hexgen_api.v1 import coordinator_pb2_grpc as cpb_grpc
-from hexgen_client.cluster_config import worker_argv
-from hexgen_client.processes import free_port
+from hexgen_launch.cluster_config import worker_argv
+from hexgen_launch.processes import free_port
 from hexgen_service.healthcheck import check
 from redis_here import REDIS_URL
 

@@ -18,7 +18,7 @@ from types import TracebackType
 import pytest
 import redis
 
-from hexgen_client.processes import ManagedProcess, stop_processes
+from hexgen_launch.processes import ManagedProcess, stop_processes
 
 __all__ = ["RedisClusterHere", "needs_redis_cluster"]
 

@@ -1,5 +1,5 @@
 """Redis behind Sentinel on this machine, for the tests of a mesh on one: a master and a
-replica of it (`hexgen_client.processes.RedisServer`, no persistence) and one Sentinel that
+replica of it (`hexgen_launch.processes.RedisServer`, no persistence) and one Sentinel that
 monitors them (quorum 1), on free ports of 127.0.0.1; started and torn down by the test.
 `url` is what the services take (``redis+sentinel://127.0.0.1:S/SERVICE``).
 `needs_redis_sentinel` skips when ``redis-server`` is not on PATH."""
@@ -15,7 +15,7 @@ from types import TracebackType
 import pytest
 import redis
 
-from hexgen_client.processes import ManagedProcess, RedisServer, free_port, stop_processes
+from hexgen_launch.processes import ManagedProcess, RedisServer, free_port, stop_processes
 
 __all__ = ["RedisSentinelHere", "needs_redis_sentinel"]
 

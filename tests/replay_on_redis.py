@@ -9,9 +9,9 @@ from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any
 
-from hexgen_client.cluster import LocalClusterConfig
 from hexgen_flow.traces import load_trace, take_queries
 from hexgen_flow.workload import Query
+from hexgen_launch.cluster import LocalClusterConfig
 
 __all__ = ["assert_each_call_completed_once", "mesh_config", "trace3_replay"]
 

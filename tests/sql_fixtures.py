@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from hexgen_client.sql.chinook import ChinookDataError, find_fixture
+from hexgen_sql.chinook import ChinookDataError, find_fixture
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILD_SCRIPT = ROOT / "scripts" / "build_chinook.py"

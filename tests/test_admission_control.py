@@ -36,9 +36,9 @@ from hexgen_api.v1 import coordinator_pb2 as cpb
 from hexgen_api.v1 import coordinator_pb2_grpc as cpb_grpc
 from hexgen_client.client import CoordinatorClient
 from hexgen_client.errors import CoordinatorOverloadedError, CoordinatorUnavailableError
-from hexgen_client.replay import replay
 from hexgen_flow.traces import load_trace, take_queries
 from hexgen_flow.workload import Query
+from hexgen_launch.replay import replay
 from hexgen_service.convert import submit_from_query
 from process_mesh import MeshFactory, meshes
 from redis_here import REDIS_URL, needs_redis

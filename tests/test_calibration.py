@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 import yaml
 
-from hexgen_client.cluster import LocalCluster, LocalClusterConfig, coordinator_argv, tuner_argv
 from hexgen_flow.calibration import (
     CALIBRATIONS,
     DEFAULT_CALIBRATION,
@@ -31,6 +30,7 @@ from hexgen_flow.roofline import (
 )
 from hexgen_flow.sim.simulator import SimConfig, simulate
 from hexgen_flow.traces import load_trace
+from hexgen_launch.cluster import LocalCluster, LocalClusterConfig, coordinator_argv, tuner_argv
 
 MODEL = "llama-3.1-70b"
 HOPPER_MIX = "H100,H200,A100,L40S"

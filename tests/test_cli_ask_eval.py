@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from cli_runner import one_error_line, run_cli, run_json
-from hexgen_client.sql.evaluate import execution_match
-from hexgen_client.sql.questions import load_questions
 from hexgen_flow.traces import load_trace
+from hexgen_sql.evaluate import execution_match
+from hexgen_sql.questions import load_questions
 from sql_fixtures import chinook_db_fixture  # noqa: F401
 from up_runner import Up, running_up
 

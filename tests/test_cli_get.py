@@ -16,9 +16,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from hexgen_client.client import CoordinatorClient
-from hexgen_client.errors import ClusterError
-from hexgen_client.processes import find_redis_server
 from hexgen_flow.workload import LLMCall, Query, Workflow
+from hexgen_launch.errors import ClusterError
+from hexgen_launch.processes import find_redis_server
 from up_runner import Up, replay, running_up
 
 try:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from cli_runner import run_cli
-from hexgen_client.processes import free_port
+from hexgen_launch.processes import free_port
 
 
 def assert_usage_error(proc: subprocess.CompletedProcess[str], *fragments: str) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from hexgen_cli.main import main
-from hexgen_client.processes import free_port
+from hexgen_launch.processes import free_port
 
 
 def _dead_url() -> str:

@@ -11,19 +11,8 @@ import pytest
 
 from hexgen_api.v1 import coordinator_pb2 as cpb
 from hexgen_client.client import CoordinatorClient
-from hexgen_client.convert import (
-    arrival_schedule,
-    cluster_from_status,
-    default_slo_s,
-    outcome_from_info,
-    policy_alpha,
-    preset_from_status,
-    run_metrics,
-    submit_request,
-)
+from hexgen_client.convert import submit_request
 from hexgen_client.errors import CoordinatorUnavailableError
-from hexgen_client.processes import free_port
-from hexgen_client.replay import replay
 from hexgen_client.report import event_line, status_json, status_lines
 from hexgen_flow.cluster import parse_cluster
 from hexgen_flow.errors import ConfigError, WorkloadError
@@ -31,7 +20,17 @@ from hexgen_flow.metrics import QueryOutcome
 from hexgen_flow.policies.presets import resolve_policy
 from hexgen_flow.sim.simulator import SimConfig, Simulation
 from hexgen_flow.traces import load_trace, take_queries
+from hexgen_launch.measure import (
+    arrival_schedule,
+    default_slo_s,
+    outcome_from_info,
+    policy_alpha,
+    run_metrics,
+)
+from hexgen_launch.processes import free_port
+from hexgen_launch.replay import replay
 from hexgen_service.convert import query_from_submit
+from hexgen_service.status import cluster_from_status, preset_from_status
 
 TRACE = load_trace("trace1")
 

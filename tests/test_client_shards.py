@@ -24,14 +24,14 @@ from hexgen_api.v1 import coordinator_pb2 as cpb
 from hexgen_client.addresses import DEFAULT_COORDINATOR, split_addresses
 from hexgen_client.client import CoordinatorClient
 from hexgen_client.errors import CoordinatorUnavailableError, ShardRedirectLoopError
-from hexgen_client.processes import free_port
-from hexgen_client.replay import replay
 from hexgen_client.routing import MAX_REDIRECTS, ShardRouter
 from hexgen_coordinator.shards import OWNER_METADATA, ShardMap
 from hexgen_flow.errors import ConfigError
 from hexgen_flow.traces import load_trace, take_queries
 from hexgen_flow.workload import Query
 from hexgen_gateway.__main__ import parse_config as parse_gateway
+from hexgen_launch.processes import free_port
+from hexgen_launch.replay import replay
 from hexgen_service.errors import SHARD_OWNER_KEY
 from shard_redirect_server import ShardServer, ShardTable, shard_of
 

@@ -38,8 +38,8 @@ from compose_file import (
     needs_compose,
 )
 from hexgen_api.v1 import coordinator_pb2
-from hexgen_client.processes import free_port
 from hexgen_flow.cluster import DEFAULT_CLUSTER
+from hexgen_launch.processes import free_port
 from hexgen_service.auth import AuthInterceptor, KeyStore, Role, new_key
 from hexgen_service.auth_dir import AuthDir
 from hexgen_service.server import GrpcServer

@@ -33,10 +33,10 @@ from compose_file import (
 )
 from hexgen_api.v1 import coordinator_pb2
 from hexgen_client.client import CoordinatorClient
-from hexgen_client.processes import ManagedProcess, free_port, stop_processes
 from hexgen_coordinator.__main__ import parse_args
 from hexgen_flow.traces import load_trace, take_queries
 from hexgen_gateway.__main__ import parse_config as gateway_config
+from hexgen_launch.processes import ManagedProcess, free_port, stop_processes
 from hexgen_service.auth_dir import AuthDir
 from hexgen_service.exposure import refuse_unprotected
 from hexgen_tuner.__main__ import parse_config as tuner_config

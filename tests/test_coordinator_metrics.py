@@ -18,10 +18,10 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from hexgen_client.client import CoordinatorClient
-from hexgen_client.cluster_config import worker_argv
-from hexgen_client.processes import free_port
 from hexgen_flow.cluster import DEFAULT_MODEL
 from hexgen_flow.workload import LLMCall, Query, Workflow
+from hexgen_launch.cluster_config import worker_argv
+from hexgen_launch.processes import free_port
 from redis_here import REDIS_URL, needs_redis
 
 pytestmark = needs_redis

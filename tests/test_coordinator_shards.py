@@ -1,5 +1,5 @@
 """Coordinator shards with a spare, as real processes on one real Redis
-(`hexgen_client.sharded_mesh.LocalShardedMesh`: two shards, one spare, four simulated
+(`hexgen_launch.sharded_mesh.LocalShardedMesh`: two shards, one spare, four simulated
 workers linked to all three).
 
 Each shard is held by the coordinator started for it (its lease in Redis), the spare waits
@@ -31,10 +31,10 @@ from hexgen_api.v1 import coordinator_pb2, coordinator_pb2_grpc
 from hexgen_client.client import CoordinatorClient
 from hexgen_client.convert import submit_request
 from hexgen_client.errors import CoordinatorUnavailableError
-from hexgen_client.processes import RedisServer
-from hexgen_client.sharded_mesh import LocalShardedMesh, ShardedMeshConfig
 from hexgen_coordinator.shards import OWNER_METADATA, ShardMap
 from hexgen_flow.workload import Query
+from hexgen_launch.processes import RedisServer
+from hexgen_launch.sharded_mesh import LocalShardedMesh, ShardedMeshConfig
 from hexgen_tuner.config import TunerConfig
 from hexgen_tuner.tuner import AlphaTuner
 from replay_on_redis import assert_each_call_completed_once, trace3_replay

@@ -10,8 +10,8 @@ from typing import Any
 import grpc
 import pytest
 
-from hexgen_client.processes import free_port
 from hexgen_coordinator.edge import statuses
+from hexgen_launch.processes import free_port
 from hexgen_service.server import GrpcServer
 
 

@@ -1,4 +1,4 @@
-"""`hexgen_client.processes.free_port`: the ports `up` and the tests give services that
+"""`hexgen_launch.processes.free_port`: the ports `up` and the tests give services that
 bind after the pick come from below the kernel's ephemeral range, where no outgoing
 connection can take them in between."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hexgen_client.processes import free_port
+from hexgen_launch.processes import free_port
 
 RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 

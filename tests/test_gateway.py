@@ -24,10 +24,10 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from hexgen_api.v1 import coordinator_pb2
 from hexgen_client.client import CoordinatorClient
-from hexgen_client.processes import free_port
 from hexgen_flow.admission import AdmissionModel
 from hexgen_flow.cluster import parse_cluster
 from hexgen_flow.workload import LLMCall, Workflow
+from hexgen_launch.processes import free_port
 from hexgen_service.server import GrpcServer
 from up_runner import Up, running_up, wait_for
 

@@ -34,8 +34,8 @@ import redis
 
 from hexgen_api.v1 import coordinator_pb2
 from hexgen_client.client import CoordinatorClient
-from hexgen_client.processes import free_port
 from hexgen_gateway.__main__ import parse_config
+from hexgen_launch.processes import free_port
 from hexgen_service.auth import API_KEY_ENV, AuthInterceptor, KeyStore, Role, current_principal
 from hexgen_service.auth_dir import AuthDir
 from hexgen_service.server import GrpcServer

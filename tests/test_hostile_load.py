@@ -33,10 +33,10 @@ from hexgen_api.v1 import coordinator_pb2_grpc as cpb_grpc
 from hexgen_api.v1 import workflow_pb2 as wfpb
 from hexgen_client.client import CoordinatorClient
 from hexgen_client.errors import CoordinatorError
-from hexgen_client.processes import RedisServer
 from hexgen_flow.admission import AdmissionModel
 from hexgen_flow.cluster import parse_cluster
 from hexgen_flow.workload import LLMCall, Workflow
+from hexgen_launch.processes import RedisServer
 from hexgen_service.auth import KeyStore, Role, TenantLimits
 from process_mesh import MeshFactory, ProcessMesh, meshes
 from redis_here import needs_redis

@@ -21,9 +21,9 @@ import redis
 
 from hexgen_api.v1 import coordinator_pb2 as cpb
 from hexgen_api.v1 import coordinator_pb2_grpc as cpb_grpc
-from hexgen_client.cluster import LocalCluster, LocalClusterConfig
-from hexgen_client.errors import ClusterError
-from hexgen_client.processes import free_port, resolve_address
+from hexgen_launch.cluster import LocalCluster, LocalClusterConfig
+from hexgen_launch.errors import ClusterError
+from hexgen_launch.processes import free_port, resolve_address
 from redis_here import REDIS_URL, needs_redis
 
 pytestmark = needs_redis

@@ -34,9 +34,9 @@ from hexgen_api.v1 import worker_pb2 as wpb
 from hexgen_api.v1 import worker_pb2_grpc as wpb_grpc
 from hexgen_api.v1 import workflow_pb2 as flow
 from hexgen_client.client import CoordinatorClient
-from hexgen_client.processes import ManagedProcess, stop_processes
 from hexgen_flow.errors import ConfigError
 from hexgen_flow.workload import LLMCall, Query, Workflow
+from hexgen_launch.processes import ManagedProcess, stop_processes
 from hexgen_service.auth import KeyStore, Role
 from hexgen_service.convert import DEFAULT_LIMITS, SubmitLimits, check_text, parse_submit
 from hexgen_service.errors import InvalidFieldError

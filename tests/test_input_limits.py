@@ -31,10 +31,10 @@ from hypothesis import strategies as st
 from hexgen_api.v1 import coordinator_pb2 as cpb
 from hexgen_api.v1 import coordinator_pb2_grpc as cpb_grpc
 from hexgen_api.v1 import workflow_pb2 as wpb
-from hexgen_client.processes import free_port
 from hexgen_coordinator.config import CoordinatorConfig
 from hexgen_coordinator.edge import add_services
 from hexgen_coordinator.service import CoordinatorServicer, add_coordinator_services
+from hexgen_launch.processes import free_port
 from hexgen_service.healthcheck import check
 from redis_here import REDIS_URL, needs_redis
 

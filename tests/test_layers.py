@@ -3,7 +3,8 @@
 Which package may import which, read off every ``import`` statement of the source tree
 (module level and inside functions alike), and checked for real: the core imported, and the
 simulator run through the CLI, in a Python where grpc, redis, protobuf and OpenTelemetry
-cannot be imported at all.
+cannot be imported at all; and the Python SDK imported in a Python where no server package,
+no Redis client, no numpy and no matplotlib can be.
 """
 
 from __future__ import annotations
@@ -22,12 +23,15 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES: dict[str, Path] = {
     "hexgen_flow": ROOT / "src" / "hexgen_flow",
     "hexgen_api": ROOT / "protos" / "python" / "hexgen_api",
+    "hexgen_wire": ROOT / "protos" / "wire" / "hexgen_wire",
     "hexgen_service": ROOT / "services" / "common" / "hexgen_service",
     "hexgen_coordinator": ROOT / "services" / "coordinator" / "hexgen_coordinator",
     "hexgen_worker": ROOT / "services" / "worker" / "hexgen_worker",
     "hexgen_client": ROOT / "clients" / "python" / "hexgen_client",
     "hexgen_tuner": ROOT / "services" / "tuner" / "hexgen_tuner",
     "hexgen_gateway": ROOT / "services" / "gateway" / "hexgen_gateway",
+    "hexgen_launch": ROOT / "src" / "hexgen_launch",
+    "hexgen_sql": ROOT / "apps" / "sql" / "hexgen_sql",
     "hexgen_cli": ROOT / "src" / "hexgen_cli",
 }
 """Every top-level package of the distribution and its folder."""
@@ -37,18 +41,37 @@ MAY_IMPORT: dict[str, set[str]] = {
     "hexgen_flow": set(),
     # the generated wire API (protobuf and grpc only)
     "hexgen_api": set(),
+    # the wire contract both sides share: metadata keys, a client's TLS, workflow -> proto
+    "hexgen_wire": {"hexgen_flow", "hexgen_api"},
     # what the services share: servers, clocks, protobuf <-> core conversion, tracing
-    "hexgen_service": {"hexgen_flow", "hexgen_api"},
-    "hexgen_coordinator": {"hexgen_flow", "hexgen_api", "hexgen_service"},
-    "hexgen_worker": {"hexgen_flow", "hexgen_api", "hexgen_service"},
-    # the client starts services as processes (by module name), never imports them
-    "hexgen_client": {"hexgen_flow", "hexgen_api", "hexgen_service"},
+    "hexgen_service": {"hexgen_flow", "hexgen_api", "hexgen_wire"},
+    "hexgen_coordinator": {"hexgen_flow", "hexgen_api", "hexgen_wire", "hexgen_service"},
+    "hexgen_worker": {"hexgen_flow", "hexgen_api", "hexgen_wire", "hexgen_service"},
+    # the SDK: the API, the wire contract and the core's plain types, no server package
+    "hexgen_client": {"hexgen_flow", "hexgen_api", "hexgen_wire"},
     # the tuner talks to the coordinator as any client does
-    "hexgen_tuner": {"hexgen_flow", "hexgen_api", "hexgen_service", "hexgen_client"},
+    "hexgen_tuner": {"hexgen_flow", "hexgen_api", "hexgen_wire", "hexgen_service", "hexgen_client"},
     # so does the OpenAI-compatible gateway (HTTP in front, the coordinator's client behind)
-    "hexgen_gateway": {"hexgen_flow", "hexgen_api", "hexgen_service", "hexgen_client"},
+    "hexgen_gateway": {
+        "hexgen_flow",
+        "hexgen_api",
+        "hexgen_wire",
+        "hexgen_service",
+        "hexgen_client",
+    },
+    # the local mesh launcher starts services as processes (by module name), never imports
+    # them; it drives the mesh through the SDK and reads the services' shared plumbing
+    "hexgen_launch": {
+        "hexgen_flow",
+        "hexgen_api",
+        "hexgen_wire",
+        "hexgen_service",
+        "hexgen_client",
+    },
+    # the Text-to-SQL application: an OpenAI SDK client of the gateway, nothing of ours
+    "hexgen_sql": set(),
     # the command line sits on top of everything it drives
-    "hexgen_cli": {"hexgen_flow", "hexgen_client"},
+    "hexgen_cli": {"hexgen_flow", "hexgen_client", "hexgen_launch", "hexgen_sql"},
 }
 """Allowed imports between our packages (a package may always import itself)."""
 
@@ -64,6 +87,22 @@ MESH_ONLY = (
     "uvicorn",
 )
 """Third-party packages of the mesh extra: the core never imports them."""
+
+SERVER_PACKAGES = (
+    "hexgen_service",
+    "hexgen_coordinator",
+    "hexgen_worker",
+    "hexgen_tuner",
+    "hexgen_gateway",
+)
+"""The server side's packages: the SDK never imports them."""
+
+NOT_IN_THE_SDK = (*SERVER_PACKAGES, "hexgen_launch", "hexgen_sql", "redis", "numpy", "matplotlib")
+"""What a program that only submits queries must not pull in: a server package, the
+launcher or the application, the Redis client, numpy or matplotlib."""
+
+SDK_PACKAGES = ("hexgen_client", "hexgen_wire")
+"""The SDK and the wire contract it imports: neither imports anything of `NOT_IN_THE_SDK`."""
 
 
 def imported_packages(package_dir: Path) -> dict[str, set[str]]:
@@ -170,3 +209,54 @@ def test_a_mesh_command_without_the_mesh_packages_says_what_to_install() -> None
     assert proc.stderr.startswith("hexgen-flow: error: `hexgen-flow status` needs the service")
     assert "pip install 'hexgen-flow[mesh]'" in proc.stderr
     assert proc.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("package", SDK_PACKAGES)
+def test_the_sdk_imports_no_server_package_redis_or_numpy(package: str) -> None:
+    imports = imported_packages(PACKAGES[package])
+    found = {name: sorted(imports[name]) for name in NOT_IN_THE_SDK if name in imports}
+    assert not found, f"{package} imports what the SDK must not: {found}"
+
+
+# A Python in which a module of `NOT_IN_THE_SDK` cannot be imported: the SDK must not need one.
+_BLOCK_SERVER = f"""
+import importlib.abc, sys
+class BlockServer(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {NOT_IN_THE_SDK!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+        return None
+sys.meta_path.insert(0, BlockServer())
+"""
+
+
+def test_the_sdk_imports_without_the_server_packages_redis_or_numpy() -> None:
+    """``import hexgen_client``, its client and every module of it and of the wire contract,
+    transitively, in a Python where none of `NOT_IN_THE_SDK` can be imported; none of them
+    is loaded afterwards either."""
+    modules = sorted(
+        f"{package}." + ".".join(p.relative_to(PACKAGES[package]).with_suffix("").parts)
+        for package in SDK_PACKAGES
+        for p in PACKAGES[package].rglob("*.py")
+    )
+    code = (
+        "import importlib\n"
+        "import hexgen_client\n"
+        "from hexgen_client.client import CoordinatorClient\n"
+        "from hexgen_client import CoordinatorClient as Lazy\n"
+        "assert Lazy is CoordinatorClient\n"
+        f"for name in {modules!r}:\n"
+        "    importlib.import_module(name.removesuffix('.__init__'))\n"
+        f"loaded = sorted(m for m in sys.modules if m.split('.')[0] in {NOT_IN_THE_SDK!r})\n"
+        "assert not loaded, loaded\n"
+        "print('ok', len(sys.modules))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", _BLOCK_SERVER + code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("ok")

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from hexgen_client.cluster import (
+from hexgen_flow.errors import ConfigError
+from hexgen_launch.cluster import (
     DEFAULT_GATEWAY,
     LocalCluster,
     LocalClusterConfig,
@@ -27,9 +28,8 @@ from hexgen_client.cluster import (
     gateway_argv,
     worker_argv,
 )
-from hexgen_client.errors import ClusterError
-from hexgen_client.processes import ManagedProcess, RedisServer, resolve_address, stop_processes
-from hexgen_flow.errors import ConfigError
+from hexgen_launch.errors import ClusterError
+from hexgen_launch.processes import ManagedProcess, RedisServer, resolve_address, stop_processes
 
 needs_redis_server = pytest.mark.skipif(
     subprocess.run(["which", "redis-server"], capture_output=True, check=False).returncode != 0,
@@ -90,7 +90,7 @@ def test_a_missing_redis_binary_says_how_to_install_it() -> None:
 def test_constructing_a_cluster_starts_nothing_and_checks_its_config() -> None:
     # A fresh interpreter: importing and constructing leave it without children.
     code = (
-        "import os, hexgen_client.cluster as c\n"
+        "import os, hexgen_launch.cluster as c\n"
         "cluster = c.LocalCluster()\n"
         "path = f'/proc/{os.getpid()}/task/{os.getpid()}/children'\n"
         "print(open(path).read().strip() if os.path.exists(path) else '')\n"

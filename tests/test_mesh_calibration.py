@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hexgen_client.cluster import LocalCluster, LocalClusterConfig
+from hexgen_launch.cluster import LocalCluster, LocalClusterConfig
 
 needs_redis_server = pytest.mark.skipif(
     subprocess.run(["which", "redis-server"], capture_output=True, check=False).returncode != 0,

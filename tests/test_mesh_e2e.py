@@ -29,15 +29,15 @@ import redis.asyncio as aioredis
 from cli_runner import interruptible
 from hexgen_api.v1 import coordinator_pb2, coordinator_pb2_grpc, tuner_pb2, tuner_pb2_grpc
 from hexgen_client.client import CoordinatorClient
-from hexgen_client.cluster import LocalCluster, LocalClusterConfig
-from hexgen_client.errors import ClusterError
-from hexgen_client.processes import find_redis_server
-from hexgen_client.replay import replay
 from hexgen_flow.cluster import parse_cluster
 from hexgen_flow.policies.presets import resolve_policy
 from hexgen_flow.sim.simulator import SimConfig, simulate
 from hexgen_flow.traces import load_trace, take_queries
 from hexgen_flow.workload import Query
+from hexgen_launch.cluster import LocalCluster, LocalClusterConfig
+from hexgen_launch.errors import ClusterError
+from hexgen_launch.processes import find_redis_server
+from hexgen_launch.replay import replay
 from hexgen_service.healthcheck import check
 from hexgen_tuner.config import TunerConfig
 from hexgen_tuner.tuner import OBSERVED, AlphaTuner

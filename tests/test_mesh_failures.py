@@ -20,12 +20,12 @@ import redis
 
 from hexgen_api.v1 import coordinator_pb2, coordinator_pb2_grpc
 from hexgen_client.client import CoordinatorClient
-from hexgen_client.cluster import LocalCluster, LocalClusterConfig
-from hexgen_client.errors import ClusterError
-from hexgen_client.processes import find_redis_server
-from hexgen_client.replay import replay
 from hexgen_flow.traces import load_trace, take_queries
 from hexgen_flow.workload import Query
+from hexgen_launch.cluster import LocalCluster, LocalClusterConfig
+from hexgen_launch.errors import ClusterError
+from hexgen_launch.processes import find_redis_server
+from hexgen_launch.replay import replay
 
 NUM_QUERIES = 200
 QPS = 0.5

@@ -16,12 +16,12 @@ import redis
 
 from hexgen_api.v1 import coordinator_pb2 as cpb
 from hexgen_client.client import CoordinatorClient
-from hexgen_client.cluster import LocalCluster, LocalClusterConfig, WorkerLaunch
-from hexgen_client.errors import ClusterError
-from hexgen_client.processes import RedisServer, find_redis_server
-from hexgen_client.replay import replay
 from hexgen_flow.traces import load_trace, take_queries
 from hexgen_flow.workload import LLMCall, Query, Workflow
+from hexgen_launch.cluster import LocalCluster, LocalClusterConfig, WorkerLaunch
+from hexgen_launch.errors import ClusterError
+from hexgen_launch.processes import RedisServer, find_redis_server
+from hexgen_launch.replay import replay
 from up_runner import check_state
 
 try:

@@ -42,8 +42,8 @@ from cli_runner import one_error_line, run_cli
 from compose_file import AUTH_DIR, ROOT, compose_doc
 from hexgen_client.client import CoordinatorClient
 from hexgen_client.errors import CoordinatorOverloadedError
-from hexgen_client.processes import free_port
 from hexgen_flow.workload import LLMCall, Query, Workflow
+from hexgen_launch.processes import free_port
 from hexgen_service.auth_dir import AuthDir
 from redis_here import REDIS_URL, needs_redis
 from up_runner import Up, listening, running_up

@@ -23,9 +23,9 @@ from redis.exceptions import (
     TimeoutError,
 )
 
-from hexgen_client.processes import RedisServer, free_port
 from hexgen_coordinator.pipelined_redis import PipelinedRedis
 from hexgen_coordinator.redis_retry import pipelined_client
+from hexgen_launch.processes import RedisServer, free_port
 from redis_here import REDIS_URL, needs_redis
 
 pytestmark = needs_redis

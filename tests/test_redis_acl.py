@@ -35,12 +35,12 @@ from acl_redis_here import (
 )
 from hexgen_api.v1 import coordinator_pb2, tuner_pb2, tuner_pb2_grpc
 from hexgen_client.client import CoordinatorClient
-from hexgen_client.processes import ManagedProcess, free_port, stop_processes
 from hexgen_coordinator.check_state import check_state
 from hexgen_coordinator.session_store import GIVE_APPLIED, SessionStore
 from hexgen_coordinator.store import _SUBMIT, Placement, WorkflowStore
 from hexgen_flow.errors import ConfigError
 from hexgen_flow.traces import load_trace, take_queries
+from hexgen_launch.processes import ManagedProcess, free_port, stop_processes
 from hexgen_service.auth_dir import (
     AuthDir,
     redis_acl_line,

@@ -25,13 +25,13 @@ import redis
 
 from hexgen_api.v1 import coordinator_pb2, coordinator_pb2_grpc, tuner_pb2, tuner_pb2_grpc
 from hexgen_client.client import CoordinatorClient
-from hexgen_client.cluster import LocalCluster
-from hexgen_client.replay import replay
 from hexgen_coordinator.group_commit import GroupCommit
 from hexgen_coordinator.redis_retry import CLUSTER_PREFIX, cluster_prefix, redis_client
 from hexgen_coordinator.session_store import SessionStore
 from hexgen_coordinator.store import Placement, WorkflowStore
 from hexgen_flow.errors import ConfigError
+from hexgen_launch.cluster import LocalCluster
+from hexgen_launch.replay import replay
 from hexgen_service.auth_dir import redis_acl_line
 from hexgen_tuner.store import AlphaChange, TunerStore
 from hexgen_tuner.window import read_window

@@ -15,9 +15,9 @@ import pytest
 
 from hexgen_api.v1 import tuner_pb2, tuner_pb2_grpc
 from hexgen_client.client import CoordinatorClient
-from hexgen_client.cluster import LocalCluster
-from hexgen_client.replay import replay
 from hexgen_flow.errors import ConfigError
+from hexgen_launch.cluster import LocalCluster
+from hexgen_launch.replay import replay
 from hexgen_service.redis_sentinel import SentinelUrl, parse_sentinel_url, sync_master
 from redis_sentinel_here import SERVICE, RedisSentinelHere, needs_redis_sentinel
 from replay_on_redis import assert_each_call_completed_once, mesh_config, trace3_replay

@@ -1,5 +1,5 @@
 """The simulated engine's synthetic responder (heuristic text, not a model): it reads the
-agent's prompts (the contract of hexgen_client.sql.prompts) and answers with keywords and
+agent's prompts (the contract of hexgen_sql.prompts) and answers with keywords and
 SQL that SQLite runs, breaking a documented share of the candidates on purpose."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from hexgen_client.sql import prompts
-from hexgen_client.sql.schema import extract_keywords, link_schema, read_schema, render_schema
+from hexgen_sql import prompts
+from hexgen_sql.schema import extract_keywords, link_schema, read_schema, render_schema
 from hexgen_worker.engines import responder
 from hexgen_worker.engines.simulated import SimulatedEngine
 from sql_fixtures import chinook_db_fixture  # noqa: F401

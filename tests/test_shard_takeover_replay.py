@@ -19,10 +19,10 @@ from collections.abc import Iterator
 import pytest
 
 from hexgen_client.client import CoordinatorClient
-from hexgen_client.processes import RedisServer
-from hexgen_client.replay import replay
-from hexgen_client.sharded_mesh import LocalShardedMesh, ShardedMeshConfig
 from hexgen_flow.metrics import RunMetrics
+from hexgen_launch.processes import RedisServer
+from hexgen_launch.replay import replay
+from hexgen_launch.sharded_mesh import LocalShardedMesh, ShardedMeshConfig
 from replay_on_redis import trace3_replay
 from up_runner import check_state
 

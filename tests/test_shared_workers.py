@@ -25,9 +25,9 @@ import redis
 
 from hexgen_api.v1 import coordinator_pb2
 from hexgen_client.client import CoordinatorClient
-from hexgen_client.processes import ManagedProcess, RedisServer, free_port, stop_processes
-from hexgen_client.replay import replay
 from hexgen_flow.workload import Query
+from hexgen_launch.processes import ManagedProcess, RedisServer, free_port, stop_processes
+from hexgen_launch.replay import replay
 from replay_on_redis import assert_each_call_completed_once, trace3_replay
 from up_runner import check_state
 

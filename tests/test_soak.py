@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from hexgen_client.errors import ClusterError
-from hexgen_client.processes import CAN_DIE_WITH_PARENT, find_redis_server
+from hexgen_launch.errors import ClusterError
+from hexgen_launch.processes import CAN_DIE_WITH_PARENT, find_redis_server
 from up_runner import Up, check_state, replay, running_up, wait_for
 
 try:

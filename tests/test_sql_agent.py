@@ -15,11 +15,11 @@ import openai
 import pytest
 
 from hexgen_client.client import CoordinatorClient
-from hexgen_client.sql import prompts
-from hexgen_client.sql.agent import AgentResult, SqlAgent, vote
-from hexgen_client.sql.evaluate import results_match
-from hexgen_client.sql.questions import load_questions
-from hexgen_client.sql.sandbox import QueryResult
+from hexgen_sql import prompts
+from hexgen_sql.agent import AgentResult, SqlAgent, vote
+from hexgen_sql.evaluate import results_match
+from hexgen_sql.questions import load_questions
+from hexgen_sql.sandbox import QueryResult
 from sql_fixtures import chinook_db_fixture  # noqa: F401
 from up_runner import Up, running_up
 

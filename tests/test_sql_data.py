@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from hexgen_client.sql.evaluate import execution_match, has_order_by
-from hexgen_client.sql.questions import DIFFICULTIES, Question, load_questions
-from hexgen_client.sql.sandbox import run_query
+from hexgen_sql.evaluate import execution_match, has_order_by
+from hexgen_sql.questions import DIFFICULTIES, Question, load_questions
+from hexgen_sql.sandbox import run_query
 from sql_fixtures import BUILD_SCRIPT, build_with_script, chinook_db_fixture, sha256  # noqa: F401
 
 QUESTIONS = load_questions()

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from hexgen_client.sql.evaluate import (
+from hexgen_sql.evaluate import (
     execution_match,
     has_order_by,
     normalize_value,
     results_match,
 )
-from hexgen_client.sql.sandbox import QueryResult, SandboxError
+from hexgen_sql.sandbox import QueryResult, SandboxError
 from sql_fixtures import chinook_db_fixture  # noqa: F401
 
 

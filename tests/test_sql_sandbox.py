@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hexgen_client.sql.sandbox import (
+from hexgen_sql.sandbox import (
     QueryResult,
     Sandbox,
     SandboxError,
@@ -191,7 +191,7 @@ def test_the_authorizer_alone_refuses_what_the_statement_check_already_does(
 ) -> None:
     """Defence in depth: even on a writable connection, the authorizer by itself stops
     ATTACH, PRAGMA, writes and schema changes."""
-    from hexgen_client.sql.sandbox import _authorizer
+    from hexgen_sql.sandbox import _authorizer
 
     conn = sqlite3.connect(":memory:")
     conn.execute("CREATE TABLE t (a)")

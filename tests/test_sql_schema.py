@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from hexgen_client.sql.schema import (
+from hexgen_sql.schema import (
     Schema,
     extract_keywords,
     link_schema,
@@ -216,7 +216,7 @@ def test_linking_recall_over_the_question_set(schema: Schema) -> None:
     prompt small."""
     import re
 
-    from hexgen_client.sql.questions import load_questions
+    from hexgen_sql.questions import load_questions
 
     names = {t.name.lower(): t.name for t in schema.tables}
     questions = load_questions()

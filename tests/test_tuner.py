@@ -24,15 +24,15 @@ import redis.asyncio as aioredis
 
 from hexgen_api.v1 import coordinator_pb2, tuner_pb2, tuner_pb2_grpc
 from hexgen_client.client import CoordinatorClient
-from hexgen_client.convert import cluster_from_status
-from hexgen_client.processes import free_port
 from hexgen_flow.policies.presets import resolve_policy
 from hexgen_flow.traces import load_trace
 from hexgen_flow.tuning import AlphaPoint, TuningResult, TuningWindow, retune
 from hexgen_flow.workload import Query
+from hexgen_launch.processes import free_port
 from hexgen_service.convert import submit_from_query
 from hexgen_service.healthcheck import check
 from hexgen_service.server import GrpcServer
+from hexgen_service.status import cluster_from_status
 from hexgen_tuner.config import TunerConfig
 from hexgen_tuner.service import SERVICE_NAME, TunerServicer
 from hexgen_tuner.store import AlphaChange, TunerStore, TuningRunRecord

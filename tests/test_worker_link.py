@@ -50,8 +50,8 @@ import redis
 
 from hexgen_api.v1 import coordinator_pb2 as cpb
 from hexgen_client.client import CoordinatorClient
-from hexgen_client.processes import ManagedProcess, free_port, stop_processes
 from hexgen_flow.workload import LLMCall, Query, Stage, Workflow
+from hexgen_launch.processes import ManagedProcess, free_port, stop_processes
 from hexgen_service.healthcheck import check
 from hexgen_worker import Worker, WorkerConfig
 from hexgen_worker.events import CallFinished

@@ -130,7 +130,7 @@ def register(commands: Any) -> None:
 
 
 def _auth_dir(path: Path) -> Any:
-    from hexgen_client.security import AuthDir  # noqa: PLC0415 - loads cryptography
+    from hexgen_launch.security import AuthDir  # noqa: PLC0415 - loads cryptography
 
     return AuthDir(path)
 
@@ -162,7 +162,7 @@ def usage_rows(auth: Any, tenants: tuple[str, ...]) -> list[tuple[str, str]]:
 
 
 def _cmd_add(args: argparse.Namespace) -> int:
-    from hexgen_client.security import (  # noqa: PLC0415
+    from hexgen_launch.security import (  # noqa: PLC0415
         KeyStore,
         Role,
         write_private,
@@ -181,7 +181,7 @@ def _cmd_add(args: argparse.Namespace) -> int:
 
 
 def _cmd_revoke(args: argparse.Namespace) -> int:
-    from hexgen_client.security import KeyStore  # noqa: PLC0415
+    from hexgen_launch.security import KeyStore  # noqa: PLC0415
 
     record = KeyStore(_auth_dir(args.dir).keys).revoke(args.key_id)
     info(f"{PROG}: revoked key {record.key_id} ({record.role} of {record.tenant!r})")
@@ -189,7 +189,7 @@ def _cmd_revoke(args: argparse.Namespace) -> int:
 
 
 def _cmd_limits(args: argparse.Namespace) -> int:
-    from hexgen_client.security import KeyStore, TenantLimits  # noqa: PLC0415
+    from hexgen_launch.security import KeyStore, TenantLimits  # noqa: PLC0415
 
     limits = TenantLimits(
         args.max_running,
@@ -205,7 +205,7 @@ def _cmd_limits(args: argparse.Namespace) -> int:
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
-    from hexgen_client.security import KeyStore  # noqa: PLC0415
+    from hexgen_launch.security import KeyStore  # noqa: PLC0415
 
     now = time.time()
     records = KeyStore(_auth_dir(args.dir).keys).records()

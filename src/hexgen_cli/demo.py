@@ -75,8 +75,8 @@ def register(commands: Any) -> None:
 def _cmd_demo(args: argparse.Namespace) -> int:
     require_mesh("demo")
     from hexgen_client.client import CoordinatorClient  # noqa: PLC0415 - loads grpc
-    from hexgen_client.cluster import LocalCluster, LocalClusterConfig  # noqa: PLC0415 - loads grpc
-    from hexgen_client.replay import replay  # noqa: PLC0415 - loads grpc
+    from hexgen_launch.cluster import LocalCluster, LocalClusterConfig  # noqa: PLC0415 - loads grpc
+    from hexgen_launch.replay import replay  # noqa: PLC0415 - loads grpc
 
     queries = take_queries(load_traces([args.trace]), args.num_queries)
     cluster_spec = parse_cluster(args.cluster, calibration=args.calibration)

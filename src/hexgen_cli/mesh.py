@@ -229,7 +229,7 @@ def add_cluster_options(parser: argparse.ArgumentParser, *, time_scale: float) -
 
 def _cmd_replay(args: argparse.Namespace) -> int:
     require_mesh("replay")
-    from hexgen_client.replay import replay  # noqa: PLC0415 - loads grpc
+    from hexgen_launch.replay import replay  # noqa: PLC0415 - loads grpc
 
     traces = tuple(args.trace or [DEFAULT_TRACE])
     queries = take_queries(load_traces(traces), args.num_queries)

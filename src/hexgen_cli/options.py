@@ -220,7 +220,7 @@ def coordinator_client(args: argparse.Namespace, **options: Any) -> Any:
     """A `CoordinatorClient` for ``--coordinator`` with the key and CA of
     `add_coordinator_option` (imports grpc: call it in a command's handler)."""
     from hexgen_client.client import CoordinatorClient  # noqa: PLC0415 - loads grpc
-    from hexgen_client.security import read_secret  # noqa: PLC0415
+    from hexgen_launch.security import read_secret  # noqa: PLC0415
 
     key = read_secret(args.api_key_file, "--api-key-file") if args.api_key_file else None
     return CoordinatorClient(args.coordinator, api_key=key, tls_ca=args.tls_ca, **options)

@@ -34,7 +34,7 @@ from hexgen_client.addresses import DEFAULT_GATEWAY
 from hexgen_flow.errors import ConfigError
 
 if TYPE_CHECKING:
-    from hexgen_client.sql.agent import AgentResult, SqlAgent
+    from hexgen_sql.agent import AgentResult, SqlAgent
 
 __all__ = [
     "EMBEDDED_CLUSTER",
@@ -163,7 +163,7 @@ def require_openai(command: str) -> None:
 def check_db(args: argparse.Namespace) -> Path:
     db: Path = args.db
     if not db.is_file() and args.build_chinook:
-        from hexgen_client.sql.chinook import build_chinook  # noqa: PLC0415
+        from hexgen_sql.chinook import build_chinook  # noqa: PLC0415
 
         info(f"{PROG}: building the Chinook database at {db}")
         build_chinook(db)
@@ -231,7 +231,7 @@ def open_gateway(args: argparse.Namespace, command: str) -> Iterator[Gateway]:
             info(f"{PROG} {command}: {SYNTHETIC_NOTE}")
         yield Gateway(local, time_scale, synthetic)
         return
-    from hexgen_client.cluster import LocalCluster, LocalClusterConfig  # noqa: PLC0415
+    from hexgen_launch.cluster import LocalCluster, LocalClusterConfig  # noqa: PLC0415
 
     time_scale = args.time_scale or EMBEDDED_TIME_SCALE
     info(
@@ -256,8 +256,8 @@ def make_agent(args: argparse.Namespace, gateway: Gateway, db: Path) -> SqlAgent
     from openai import AsyncOpenAI, DefaultAsyncHttpxClient  # noqa: PLC0415 - the openai extra
 
     from hexgen_client.credentials import api_key_from_env  # noqa: PLC0415 - loads grpc
-    from hexgen_client.security import ca_from_env, read_secret  # noqa: PLC0415
-    from hexgen_client.sql.agent import SqlAgent  # noqa: PLC0415 - loads openai
+    from hexgen_launch.security import ca_from_env, read_secret  # noqa: PLC0415
+    from hexgen_sql.agent import SqlAgent  # noqa: PLC0415 - loads openai
 
     # 429s carry Retry-After, which the SDK honours: a busy mesh is waited for, a few times
     # A secured mesh: the gateway forwards the key to the coordinator and serves HTTPS

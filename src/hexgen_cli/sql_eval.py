@@ -5,7 +5,7 @@ question, its stages and calls with the token counts the server's ``usage`` repo
 ``hexgen-flow simulate --trace FILE`` replays.
 
 The questions are Chinook's (``--db``, ``--questions``), or with ``--spider`` Spider's dev
-questions (`hexgen_client.sql.spider`), each over its own database built empty: realistic
+questions (`hexgen_sql.spider`), each over its own database built empty: realistic
 prompts over many schemas, whose accuracy is not measured (there are no rows)."""
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from hexgen_flow.errors import ConfigError
 from hexgen_flow.metrics import percentile
 
 if TYPE_CHECKING:
-    from hexgen_client.sql.agent import AgentResult, SqlAgent
-    from hexgen_client.sql.questions import Question
-    from hexgen_client.sql.spider import SpiderQuestion
+    from hexgen_sql.agent import AgentResult, SqlAgent
+    from hexgen_sql.questions import Question
+    from hexgen_sql.spider import SpiderQuestion
 
 __all__ = ["EvalRun", "register", "trace_record"]
 
@@ -69,7 +69,7 @@ def register(commands: Any) -> None:
         type=Path,
         default=None,
         metavar="FILE",
-        help="JSONL questions with gold SQL (default: hexgen_client's Chinook questions)",
+        help="JSONL questions with gold SQL (default: hexgen_sql's Chinook questions)",
     )
     ev.add_argument(
         "--spider",
@@ -136,7 +136,7 @@ async def _run_all(
 ) -> list[EvalRun]:
     """Answer every question with its database's agent, `concurrency` at a time; with
     `judge`, compare each answer with the gold (execution accuracy)."""
-    from hexgen_client.sql.evaluate import execution_match  # noqa: PLC0415
+    from hexgen_sql.evaluate import execution_match  # noqa: PLC0415
 
     gate = asyncio.Semaphore(concurrency)
     # workflow ids are the coordinator's query ids: unique per run (a finished workflow
@@ -197,7 +197,7 @@ def _questions(
     args: argparse.Namespace, stack: contextlib.ExitStack
 ) -> list[tuple[Question | SpiderQuestion, Path]]:
     """The questions to answer, each with the database it is about."""
-    from hexgen_client.sql.questions import load_questions  # noqa: PLC0415
+    from hexgen_sql.questions import load_questions  # noqa: PLC0415
 
     if args.spider:
         return _spider_questions(args, stack)
@@ -222,7 +222,7 @@ def _spider_questions(
 ) -> list[tuple[Question | SpiderQuestion, Path]]:
     """Spider's dev questions (drawn with --seed, the first --limit), each with its
     database, built empty into --spider-dir or a temporary folder that `stack` removes."""
-    from hexgen_client.sql.spider import (  # noqa: PLC0415
+    from hexgen_sql.spider import (  # noqa: PLC0415
         SpiderDataError,
         build_spider_dbs,
         load_spider,
@@ -252,7 +252,7 @@ def _spider_questions(
 
 def _agents(args: argparse.Namespace, gateway: Gateway, dbs: list[Path]) -> dict[Path, SqlAgent]:
     """An agent per database, sharing the first one's client and settings."""
-    from hexgen_client.sql.agent import SqlAgent  # noqa: PLC0415 - loads openai
+    from hexgen_sql.agent import SqlAgent  # noqa: PLC0415 - loads openai
 
     first = make_agent(args, gateway, dbs[0])
     agents = {dbs[0]: first}

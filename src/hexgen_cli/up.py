@@ -21,7 +21,6 @@ from hexgen_cli.options import (
 )
 from hexgen_cli.up_shards import cmd_up_sharded
 from hexgen_client.addresses import (  # constants only: no grpc at import time
-    DEFAULT_CLUSTER_PREFIX,
     DEFAULT_COORDINATOR,
     DEFAULT_GATEWAY,
     DEFAULT_METRICS,
@@ -195,8 +194,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
         if args.shards < 1:
             raise ConfigError(f"--shards must be >= 1, got {args.shards}")
         return cmd_up_sharded(args, auth_dir)
-    from hexgen_client.cluster import LocalCluster, LocalClusterConfig  # noqa: PLC0415 - loads grpc
-    from hexgen_client.processes import port_after  # noqa: PLC0415
+    from hexgen_launch.cluster import LocalCluster, LocalClusterConfig  # noqa: PLC0415 - loads grpc
+    from hexgen_launch.processes import port_after  # noqa: PLC0415
 
     cluster = LocalCluster(  # checks the cluster and the policy before starting anything
         LocalClusterConfig(
@@ -250,7 +249,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
 def _check_options(args: argparse.Namespace) -> Path | None:
     """What both meshes check of `up`'s options before anything starts, and where a secured
     mesh's credentials go (None: not secured): --auth-dir, else LOG_DIR/auth."""
-    from hexgen_client.security import is_loopback  # noqa: PLC0415 - loads the mesh
+    from hexgen_launch.security import is_loopback  # noqa: PLC0415 - loads the mesh
 
     exposed = [
         f"{flag} {value}"
@@ -291,6 +290,8 @@ SUPERVISE_PERIOD_S = 0.2
 def _prefix(args: argparse.Namespace) -> str:
     """The prefix the services run with: on a Redis Cluster the default one has a hash tag."""
     if args.redis_cluster and args.redis_prefix == DEFAULT_REDIS_PREFIX:
+        from hexgen_launch.cluster_config import DEFAULT_CLUSTER_PREFIX  # noqa: PLC0415
+
         return DEFAULT_CLUSTER_PREFIX
     return str(args.redis_prefix)
 

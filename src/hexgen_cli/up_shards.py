@@ -1,4 +1,4 @@
-"""``hexgen-flow up --shards N``: a local sharded mesh (`hexgen_client.sharded_mesh`).
+"""``hexgen-flow up --shards N``: a local sharded mesh (`hexgen_launch.sharded_mesh`).
 
 N coordinator shards and ``--spares`` spare coordinators on one Redis (a private one unless
 ``--redis-url``; with ``--redis-cluster`` that URL is a node of a Redis Cluster, each shard's
@@ -46,7 +46,7 @@ def cmd_up_sharded(args: argparse.Namespace, auth_dir: Path | None) -> int:
     """`up --shards`, with `up`'s options checked (`auth_dir`: secured, its credentials)."""
     if args.spares < 0:
         raise ConfigError(f"--spares must be >= 0, got {args.spares}")
-    from hexgen_client.sharded_mesh import (  # noqa: PLC0415 - loads the mesh
+    from hexgen_launch.sharded_mesh import (  # noqa: PLC0415 - loads the mesh
         LocalShardedMesh,
         ShardedMeshConfig,
     )
@@ -89,7 +89,7 @@ def cmd_up_sharded(args: argparse.Namespace, auth_dir: Path | None) -> int:
 
 
 def _print(mesh: object, args: argparse.Namespace, logs: Path) -> None:
-    from hexgen_client.sharded_mesh import LocalShardedMesh  # noqa: PLC0415
+    from hexgen_launch.sharded_mesh import LocalShardedMesh  # noqa: PLC0415
 
     assert isinstance(mesh, LocalShardedMesh)
     holders = mesh.holders()

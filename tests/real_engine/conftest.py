@@ -33,9 +33,9 @@ from pathlib import Path
 
 import pytest
 
-from hexgen_client.cluster import LocalCluster, LocalClusterConfig, WorkerLaunch
-from hexgen_client.errors import ClusterError
-from hexgen_client.processes import (
+from hexgen_launch.cluster import LocalCluster, LocalClusterConfig, WorkerLaunch
+from hexgen_launch.errors import ClusterError
+from hexgen_launch.processes import (
     ManagedProcess,
     find_redis_server,
     free_port,

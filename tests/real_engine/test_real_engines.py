@@ -29,8 +29,8 @@ import redis
 
 from hexgen_api.v1 import coordinator_pb2 as cpb
 from hexgen_client.client import CoordinatorClient
-from hexgen_client.cluster import LocalCluster
 from hexgen_flow.workload import LLMCall, Query, Stage, Workflow
+from hexgen_launch.cluster import LocalCluster
 
 pytestmark = pytest.mark.real_engine
 

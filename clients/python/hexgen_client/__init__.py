@@ -1,10 +1,14 @@
-"""Python client of the HexGen-Flow service mesh.
+"""The Python SDK of the HexGen-Flow service mesh: what a program needs to submit queries.
 
 - `CoordinatorClient`: asyncio wrapper over the coordinator's gRPC API (submit, watch, run,
   cancel, get, status, set_alpha), for one coordinator or a sharded mesh's (`routing`);
-- `replay`: drive a running cluster with a workload, the simulator's arrivals and metrics;
-- `LocalCluster`: a whole mesh (Redis, coordinator, tuner, simulated workers) as local
-  processes, for ``hexgen-flow up``, tests and benchmarks.
+- its errors (`CoordinatorError` and kin), credentials (`credentials`: API key, TLS CA),
+  the services' default addresses (`addresses`) and plain-text renderings (`report`).
+
+It imports the generated API (`hexgen_api`), the wire contract (`hexgen_wire`) and the
+core's plain data types only: never a service package, Redis, numpy or matplotlib
+(tests/test_layers.py). Running a mesh as local processes (`LocalCluster`) and replaying a
+workload against one are `hexgen_launch`'s; the Text-to-SQL agent is `hexgen_sql`.
 
 See clients/README.md. The names are imported on first use, so that
 ``from hexgen_client.addresses import DEFAULT_COORDINATOR`` (the CLI's parser) does not load
@@ -24,24 +28,16 @@ if TYPE_CHECKING:
         DEFAULT_TUNER,
     )
     from hexgen_client.client import CoordinatorClient
-    from hexgen_client.cluster import LocalCluster, LocalClusterConfig
-    from hexgen_client.errors import ClusterError, CoordinatorError, CoordinatorUnavailableError
-    from hexgen_client.processes import RedisServer
-    from hexgen_client.replay import replay
+    from hexgen_client.errors import CoordinatorError, CoordinatorUnavailableError
 
 __all__ = [
     "DEFAULT_COORDINATOR",
     "DEFAULT_REDIS_PREFIX",
     "DEFAULT_REDIS_URL",
     "DEFAULT_TUNER",
-    "ClusterError",
     "CoordinatorClient",
     "CoordinatorError",
     "CoordinatorUnavailableError",
-    "LocalCluster",
-    "LocalClusterConfig",
-    "RedisServer",
-    "replay",
 ]
 
 _HOMES = {
@@ -49,14 +45,9 @@ _HOMES = {
     "DEFAULT_REDIS_PREFIX": "addresses",
     "DEFAULT_REDIS_URL": "addresses",
     "DEFAULT_TUNER": "addresses",
-    "ClusterError": "errors",
     "CoordinatorClient": "client",
     "CoordinatorError": "errors",
     "CoordinatorUnavailableError": "errors",
-    "LocalCluster": "cluster",
-    "LocalClusterConfig": "cluster",
-    "RedisServer": "processes",
-    "replay": "replay",
 }
 
 

@@ -1,15 +1,13 @@
 """Default addresses of the mesh's services (one place, used by the client, the CLI, the
-tuner and `LocalCluster`)."""
+tuner, the gateway and `hexgen_launch.LocalCluster`)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 from hexgen_flow.errors import ConfigError
-from hexgen_service.redis_keys import CLUSTER_PREFIX as DEFAULT_CLUSTER_PREFIX
 
 __all__ = [
-    "DEFAULT_CLUSTER_PREFIX",
     "DEFAULT_COORDINATOR",
     "DEFAULT_GATEWAY",
     "DEFAULT_METRICS",

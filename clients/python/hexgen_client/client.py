@@ -1,7 +1,7 @@
 """`CoordinatorClient`: an asyncio wrapper over the generated CoordinatorService stubs.
 
 It takes and returns the core's `Query` on the way in (converted by
-`hexgen_service.convert`) and the API's own messages on the way out (`QueryEvent`,
+`hexgen_wire.convert`) and the API's own messages on the way out (`QueryEvent`,
 `QueryInfo`, `ClusterStatusResponse`), and turns gRPC errors into `CoordinatorError` (or
 `CoordinatorUnavailableError` when nothing answers), so callers see one exception type::
 
@@ -37,8 +37,8 @@ from hexgen_client.errors import (
 )
 from hexgen_client.routing import ShardRouter, owner_of
 from hexgen_flow.workload import Query
-from hexgen_service.convert import workflow_to_proto
-from hexgen_service.errors import RETRY_AFTER_KEY
+from hexgen_wire.convert import workflow_to_proto
+from hexgen_wire.metadata import RETRY_AFTER_KEY
 
 __all__ = ["RETRY_AFTER_KEY", "CoordinatorClient"]
 

@@ -18,8 +18,8 @@ from typing import Any
 
 import grpc
 
-from hexgen_service.auth import API_KEY_ENV, AUTH_METADATA
-from hexgen_service.tls import TlsFiles, ca_from_env, channel_credentials
+from hexgen_wire.metadata import API_KEY_ENV, AUTH_METADATA
+from hexgen_wire.tls import TlsFiles, ca_from_env, channel_credentials
 
 __all__ = [
     "api_key_from_env",

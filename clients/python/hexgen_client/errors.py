@@ -9,7 +9,6 @@ import grpc
 from hexgen_flow.errors import HexgenFlowError
 
 __all__ = [
-    "ClusterError",
     "CoordinatorError",
     "CoordinatorOverloadedError",
     "CoordinatorUnavailableError",
@@ -98,7 +97,3 @@ class CoordinatorOverloadedError(CoordinatorError):
     def __init__(self, address: str, details: str, retry_after_s: float | None) -> None:
         self.retry_after_s = retry_after_s
         super().__init__(address, grpc.StatusCode.RESOURCE_EXHAUSTED, details)
-
-
-class ClusterError(HexgenFlowError):
-    """A local cluster (`LocalCluster`, `hexgen-flow up`) that cannot start or run."""

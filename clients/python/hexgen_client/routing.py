@@ -27,7 +27,7 @@ from hexgen_client.errors import (
     CoordinatorUnavailableError,
     ShardRedirectLoopError,
 )
-from hexgen_service.errors import SHARD_OWNER_KEY
+from hexgen_wire.metadata import SHARD_OWNER_KEY
 
 __all__ = ["MAX_REDIRECTS", "OWNERS_KEPT", "Route", "ShardRouter", "owner_of"]
 

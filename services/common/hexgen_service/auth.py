@@ -37,6 +37,7 @@ from typing import Any, TypeAlias
 import grpc
 
 from hexgen_flow.errors import ConfigError
+from hexgen_wire.metadata import API_KEY_ENV, AUTH_METADATA  # the wire contract: one definition
 
 __all__ = [
     "API_KEY_ENV",
@@ -58,10 +59,6 @@ __all__ = [
 
 audit = logging.getLogger("hexgen.audit")
 
-AUTH_METADATA = "authorization"
-"""The metadata key a client sends its key in, as ``Bearer <key>`` (gRPC's convention)."""
-API_KEY_ENV = "HEXGEN_FLOW_API_KEY"
-"""Where clients and the CLI look for a key when no flag gives one."""
 
 _KEY_RE = re.compile(r"^hfk_([0-9a-f]{12})_([A-Za-z0-9_-]{20,})$")
 _REFRESH_S = 1.0

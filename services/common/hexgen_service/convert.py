@@ -19,6 +19,7 @@ from hexgen_flow.runtime import CallTicket
 from hexgen_flow.templates import template
 from hexgen_flow.workload import LLMCall, Query, Stage, Workflow, canonical_step
 from hexgen_service.errors import InvalidFieldError
+from hexgen_wire.convert import submit_from_query, workflow_to_proto  # the wire contract
 
 __all__ = [
     "MAX_BYTES_PER_TOKEN",
@@ -135,28 +136,6 @@ def check_declared_tokens(field: str, input_tokens: int, prompt_bytes: int) -> N
             f"{least} at {MAX_BYTES_PER_TOKEN} bytes a token): give the prompt's real token "
             "count",
         )
-
-
-def workflow_to_proto(workflow: Workflow) -> workflow_pb2.Workflow:
-    """A workflow as the proto expresses it: stages with explicit ids and `after` lists."""
-    return workflow_pb2.Workflow(
-        stages=[
-            workflow_pb2.Stage(
-                id=f"s{k}",
-                step=stage.step,
-                after=[f"s{j}" for j in stage.after],
-                calls=[
-                    workflow_pb2.LLMCall(
-                        step=call.step if call.step != stage.step else "",
-                        input_tokens=call.input_tokens,
-                        output_tokens=call.output_tokens,
-                    )
-                    for call in stage.calls
-                ],
-            )
-            for k, stage in enumerate(workflow.stages)
-        ]
-    )
 
 
 def workflow_from_proto(pb: workflow_pb2.Workflow, field: str = "workflow") -> Workflow:
@@ -342,16 +321,6 @@ def without_prompts(request: coordinator_pb2.SubmitQueryRequest) -> bytes:
         for call in stage.calls:
             call.prompt = ""
     return shape.SerializeToString()
-
-
-def submit_from_query(query: Query) -> coordinator_pb2.SubmitQueryRequest:
-    return coordinator_pb2.SubmitQueryRequest(
-        query_id=query.query_id,
-        tenant=query.tenant,
-        workflow=workflow_to_proto(query.workflow),
-        slo_s=query.slo_s or 0.0,
-        slo_scale=query.slo_scale or 0.0,
-    )
 
 
 def ticket_to_dispatch(

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import grpc
 
+from hexgen_wire.metadata import RETRY_AFTER_KEY, SHARD_OWNER_KEY  # the wire contract
+
 __all__ = [
     "RETRY_AFTER_KEY",
     "SHARD_OWNER_KEY",
@@ -23,16 +25,6 @@ class InvalidFieldError(ValueError):
     def __init__(self, field: str, message: str) -> None:
         self.field = field
         super().__init__(f"{field}: {message}")
-
-
-RETRY_AFTER_KEY = "retry-after-s"
-"""Trailing metadata of a RESOURCE_EXHAUSTED answer: wall seconds until a retry may succeed
-(what `OverloadedError.retry_after_s` becomes on the wire)."""
-
-SHARD_OWNER_KEY = "hexgen-shard-owner"
-"""Trailing metadata of a sharded coordinator's redirect (FAILED_PRECONDITION: a workflow of
-another shard): the owning coordinator's client address, ``HOST:PORT``, which clients
-resend to (`hexgen_client.routing`)."""
 
 
 class AlreadyExistsError(ValueError):

@@ -31,7 +31,6 @@ from opentelemetry import trace
 
 from hexgen_client.addresses import split_addresses
 from hexgen_client.client import CoordinatorClient
-from hexgen_client.convert import cluster_from_status
 from hexgen_client.errors import CoordinatorError, CoordinatorUnavailableError
 from hexgen_flow.cluster import Cluster
 from hexgen_flow.errors import HexgenFlowError
@@ -45,6 +44,7 @@ from hexgen_flow.tuning import (
     retune,
     tuning_grid,
 )
+from hexgen_service.status import cluster_from_status
 from hexgen_tuner.config import TunerConfig
 from hexgen_tuner.metrics import TunerMetrics
 from hexgen_tuner.store import AlphaChange, TunerStore, TuningRunRecord

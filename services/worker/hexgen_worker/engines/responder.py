@@ -4,7 +4,7 @@ without a model. It is SYNTHETIC TEXT FROM HEURISTICS, NOT A MODEL.
 
 It recognises the agent's prompts by their marker line (the contract in
 docs/text-to-sql.md, "The prompt contract"; the agent's side is
-``hexgen_client.sql.prompts``, which a worker may not import, so this module parses the text
+``hexgen_sql.prompts``, which a worker may not import, so this module parses the text
 itself)::
 
     ### hexgen-sql-agent v1 task=<keywords|candidate|revise> [candidate=<i>] [round=<r>]

@@ -36,8 +36,8 @@ from typing import IO
 import redis
 
 from hexgen_client.addresses import DEFAULT_COORDINATOR
-from hexgen_client.errors import ClusterError
 from hexgen_flow.errors import ConfigError
+from hexgen_launch.errors import ClusterError
 
 __all__ = [
     "CAN_DIE_WITH_PARENT",

@@ -20,7 +20,7 @@ Any other server ignores the headers. The pipeline (docs/text-to-sql.md, "The ag
    cluster clock. A server without the endpoint (404) is fine: the latency is then the
    wall time x `time_scale`.
 
-Needs the ``openai`` package (``pip install openai``); the rest of `hexgen_client.sql` does not.
+Needs the ``openai`` package (``pip install openai``); the rest of `hexgen_sql` does not.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ import openai
 from openai import AsyncOpenAI
 from openai.types.chat import ChatCompletionMessageParam
 
-from hexgen_client.sql import prompts
-from hexgen_client.sql.results import (
+from hexgen_sql import prompts
+from hexgen_sql.results import (
     AgentResult,
     CallRecord,
     Candidate,
@@ -48,8 +48,8 @@ from hexgen_client.sql.results import (
     needs_revision,
     vote,
 )
-from hexgen_client.sql.sandbox import Sandbox, SandboxError
-from hexgen_client.sql.schema import (
+from hexgen_sql.sandbox import Sandbox, SandboxError
+from hexgen_sql.schema import (
     Schema,
     extract_keywords,
     link_schema,

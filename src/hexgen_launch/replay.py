@@ -29,17 +29,12 @@ from tqdm import tqdm
 
 from hexgen_api.v1 import coordinator_pb2
 from hexgen_client.client import CoordinatorClient
-from hexgen_client.convert import (
-    TERMINAL_STATES,
-    arrival_schedule,
-    default_slo_s,
-    policy_alpha,
-    run_metrics,
-)
+from hexgen_client.convert import TERMINAL_STATES
 from hexgen_client.errors import CoordinatorOverloadedError, CoordinatorUnavailableError
 from hexgen_flow.errors import ConfigError
 from hexgen_flow.metrics import RunMetrics
 from hexgen_flow.workload import Query
+from hexgen_launch.measure import arrival_schedule, default_slo_s, policy_alpha, run_metrics
 
 __all__ = ["replay"]
 

@@ -1,6 +1,6 @@
-"""What the Text-to-SQL agent returns (`hexgen_client.sql.agent`), and its vote.
+"""What the Text-to-SQL agent returns (`hexgen_sql.agent`), and its vote.
 
-Standard library only (like the rest of `hexgen_client.sql` but the agent itself): a
+Standard library only (like the rest of `hexgen_sql` but the agent itself): a
 result can be built, read and voted on without the ``openai`` package.
 """
 
@@ -10,9 +10,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from hexgen_client.sql.evaluate import results_match
-from hexgen_client.sql.prompts import SYNTHETIC_LABEL
-from hexgen_client.sql.sandbox import QueryResult
+from hexgen_sql.evaluate import results_match
+from hexgen_sql.prompts import SYNTHETIC_LABEL
+from hexgen_sql.sandbox import QueryResult
 
 __all__ = [
     "AgentResult",

@@ -17,7 +17,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from hexgen_client.sql.sandbox import (
+from hexgen_sql.sandbox import (
     DEFAULT_TIME_LIMIT_S,
     QueryResult,
     SandboxError,

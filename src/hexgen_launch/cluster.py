@@ -18,7 +18,7 @@ Python of a vLLM venv). ``hexgen-flow up`` and
 
 Children run in their own session, so a Ctrl-C in the terminal reaches only the parent,
 which then stops them in order; on Linux they also die with it (a ``kill -9`` of the parent
-SIGKILLs every child: see `hexgen_client.processes`). `supervise`, called every few tenths
+SIGKILLs every child: see `hexgen_launch.processes`). `supervise`, called every few tenths
 of a second (``hexgen-flow up`` does), restarts a service that died, private Redis
 included, with exponential backoff, and counts the restarts in `restarts`. The private
 Redis keeps an append-only file (``appendfsync always``), so a restarted Redis has the
@@ -42,7 +42,10 @@ from types import TracebackType
 import grpc
 
 from hexgen_api.v1 import coordinator_pb2, coordinator_pb2_grpc
-from hexgen_client.cluster_config import (
+from hexgen_flow.cluster import parse_cluster
+from hexgen_flow.errors import ConfigError
+from hexgen_flow.policies.presets import resolve_policy
+from hexgen_launch.cluster_config import (
     DEFAULT_GATEWAY,
     LocalClusterConfig,
     WorkerLaunch,
@@ -53,8 +56,8 @@ from hexgen_client.cluster_config import (
     tuner_argv,
     worker_argv,
 )
-from hexgen_client.errors import ClusterError
-from hexgen_client.processes import (
+from hexgen_launch.errors import ClusterError
+from hexgen_launch.processes import (
     CAN_DIE_WITH_PARENT,
     POLL_S,
     ManagedProcess,
@@ -66,9 +69,6 @@ from hexgen_client.processes import (
     resolve_address,
     stop_processes,
 )
-from hexgen_flow.cluster import parse_cluster
-from hexgen_flow.errors import ConfigError
-from hexgen_flow.policies.presets import resolve_policy
 from hexgen_service.auth import AUTH_METADATA, read_secret
 from hexgen_service.auth_dir import AuthDir
 from hexgen_service.healthcheck import check

@@ -1,5 +1,5 @@
 """Natural-language questions over Chinook with gold SQL (package data,
-``hexgen_client/sql/data/chinook_questions.jsonl``).
+``hexgen_sql/data/chinook_questions.jsonl``).
 
 One JSON object a line: ``id`` (unique), ``question``, ``sql`` (the gold query, SQLite),
 ``difficulty`` (easy: one table; medium: joins of two or three tables, GROUP BY/HAVING,
@@ -55,7 +55,7 @@ def load_questions(path: str | Path | None = None) -> list[Question]:
     """The questions in the JSON-lines file at `path` (default: the Chinook set shipped
     with the package); `ValueError` on a malformed line or a repeated id."""
     if path is None:
-        text = resources.files("hexgen_client.sql").joinpath("data", CHINOOK_QUESTIONS)
+        text = resources.files("hexgen_sql").joinpath("data", CHINOOK_QUESTIONS)
         content, name = text.read_text(encoding="utf-8"), CHINOOK_QUESTIONS
     else:
         content, name = Path(path).read_text(encoding="utf-8"), str(path)

@@ -28,11 +28,11 @@ from types import TracebackType
 
 import redis
 
-from hexgen_client.addresses import DEFAULT_CLUSTER_PREFIX, DEFAULT_REDIS_PREFIX
-from hexgen_client.cluster_config import redis_login, secure_argv
-from hexgen_client.processes import ManagedProcess, RedisServer, free_port, stop_processes
+from hexgen_client.addresses import DEFAULT_REDIS_PREFIX
 from hexgen_flow.cluster import parse_cluster
 from hexgen_flow.errors import ConfigError
+from hexgen_launch.cluster_config import DEFAULT_CLUSTER_PREFIX, redis_login, secure_argv
+from hexgen_launch.processes import ManagedProcess, RedisServer, free_port, stop_processes
 from hexgen_service.auth import read_secret
 from hexgen_service.auth_dir import AuthDir
 

@@ -17,8 +17,10 @@ from hexgen_client.addresses import (
 from hexgen_flow.calibration import DEFAULT_CALIBRATION
 from hexgen_flow.cluster import DEFAULT_CLUSTER
 from hexgen_service.auth_dir import AuthDir
+from hexgen_service.redis_keys import CLUSTER_PREFIX as DEFAULT_CLUSTER_PREFIX
 
 __all__ = [
+    "DEFAULT_CLUSTER_PREFIX",
     "DEFAULT_GATEWAY",
     "LocalClusterConfig",
     "WorkerLaunch",

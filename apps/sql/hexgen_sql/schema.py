@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
-from hexgen_client.sql.sandbox import open_read_only
+from hexgen_sql.sandbox import open_read_only
 
 __all__ = [
     "Column",

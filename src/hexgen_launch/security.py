@@ -1,7 +1,8 @@
 """What a client, and an operator's tools, need of a secured mesh's credentials: the
 auth directory (`AuthDir`), the keys file (`KeyStore`, `Role`, `TenantLimits`) and reading
 a one-line secret. The command line reaches them here, as it reaches everything of the
-mesh, through the client package."""
+mesh's server side, through the launcher package (the SDK, `hexgen_client`, has none of
+it)."""
 
 from __future__ import annotations
 

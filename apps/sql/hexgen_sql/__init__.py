@@ -15,15 +15,15 @@
   server), every call declaring its workflow and stage in headers.
 
 The building blocks are standard library only (sqlite3); the agent needs the `openai` SDK
-(`pip install 'hexgen-flow[agent]'`), and is imported from `hexgen_client.sql.agent`.
+(`pip install 'hexgen-flow[agent]'`), and is imported from `hexgen_sql.agent`.
 """
 
 from __future__ import annotations
 
-from hexgen_client.sql.evaluate import ExecutionMatch, execution_match, results_match
-from hexgen_client.sql.questions import Question, load_questions
-from hexgen_client.sql.sandbox import QueryResult, Sandbox, SandboxError, run_query
-from hexgen_client.sql.schema import (
+from hexgen_sql.evaluate import ExecutionMatch, execution_match, results_match
+from hexgen_sql.questions import Question, load_questions
+from hexgen_sql.sandbox import QueryResult, Sandbox, SandboxError, run_query
+from hexgen_sql.schema import (
     LinkedSchema,
     Schema,
     extract_keywords,
