@@ -155,7 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     import uvicorn  # noqa: PLC0415 - after the arguments are checked
 
-    from hexgen_gateway.app import create_app  # noqa: PLC0415
+    from hexgen_gateway.app import create_app  # noqa: PLC0415 - loads fastapi
 
     host, port = _address(config.listen)
     try:
