@@ -43,8 +43,9 @@ def test_the_two_calibrations_differ_where_it_matters() -> None:
 
 @pytest.mark.parametrize("engine", ["prefill-first", "vllm-v1"])
 def test_a_call_alone_takes_the_engines_time_whatever_the_planner_believes(engine: str) -> None:
-    truth, belief = parse_cluster("L40S", calibration="aiconfigurator"), parse_cluster(
-        "L40S", calibration="chess-measured"
+    truth, belief = (
+        parse_cluster("L40S", calibration="aiconfigurator"),
+        parse_cluster("L40S", calibration="chess-measured"),
     )
     call = LLMCall("generate_candidate", 6000, 200)
     query = Query("one", Workflow.chain([(call,)]))

@@ -161,6 +161,36 @@ def add_planner_calibration_option(parser: argparse.ArgumentParser) -> None:
         "simulated engines still run --calibration's (default: the same as --calibration, a "
         "scheduler that knows its engines exactly)",
     )
+    parser.add_argument(
+        "--planner-error",
+        type=planner_errors,
+        default=None,
+        metavar="GPU:prefill=F,GPU:decode=G",
+        help="the planner believes these GPU types' prefill or decode times F (G) times what "
+        "its calibration says, e.g. L40S:prefill=3,A6000:prefill=3 (default: no error)",
+    )
+
+
+def planner_errors(text: str) -> dict[str, tuple[float, float]]:
+    """``GPU:prefill=F,GPU:decode=G,...``: how the planner misjudges each GPU type."""
+    errors: dict[str, list[float]] = {}
+    for item in text.split(","):
+        gpu, sep, rest = item.strip().partition(":")
+        part, eq, value = rest.partition("=")
+        if not (sep and eq and gpu and part in ("prefill", "decode")):
+            raise argparse.ArgumentTypeError(
+                f"expected GPU:prefill=FACTOR or GPU:decode=FACTOR, got {item.strip()!r}"
+            )
+        try:
+            factor = float(value)
+        except ValueError:
+            factor = math.nan
+        if not (factor > 0 and math.isfinite(factor)):
+            raise argparse.ArgumentTypeError(
+                f"{gpu}:{part} factor must be a finite number > 0, got {value!r}"
+            )
+        errors.setdefault(gpu, [1.0, 1.0])[0 if part == "prefill" else 1] = factor
+    return {gpu: (p, d) for gpu, (p, d) in errors.items()}
 
 
 def engine_model(text: str) -> str:

@@ -106,6 +106,13 @@ def _add_run_options(parser: argparse.ArgumentParser, *, policy_help: str) -> No
     )
     add_calibration_option(parser)
     add_planner_calibration_option(parser)
+    parser.add_argument(
+        "--learn-costs",
+        action="store_true",
+        help="the scheduler learns each instance's prefill and decode costs online from the "
+        "calls it served, with the planner's calibration as the prior (docs/design.md, "
+        '"Learning what each instance costs")',
+    )
     add_engine_options(parser)
     parser.add_argument("--policy", default=DEFAULT_POLICY, metavar="NAME", help=policy_help)
     parser.add_argument(
@@ -164,8 +171,10 @@ class RunSetup:
     preset: Preset
     config: SimConfig
     planner: Cluster
-    """The same instances as the scheduler believes them (``--planner-calibration``):
-    `cluster` itself unless that option names another calibration."""
+    """The same instances as the scheduler believes them (``--planner-calibration``,
+    ``--planner-error``): `cluster` itself unless those options say otherwise."""
+    planner_errors: dict[str, tuple[float, float]] | None = None
+    """``--planner-error``: GPU type -> (prefill, decode) factors of the planner's error."""
 
     @property
     def truth(self) -> Cluster | None:
@@ -186,6 +195,11 @@ def _setup(args: argparse.Namespace) -> RunSetup:
             raise ConfigError(f"--planner-calibration: {exc}") from None
         if planner.calibration.name == cluster.calibration.name:
             planner = cluster  # the same numbers: one cluster, the exact planner
+    if args.planner_error:
+        try:
+            planner = planner.misjudged(args.planner_error)
+        except ConfigError as exc:
+            raise ConfigError(f"--planner-error: {exc}") from None
     config = SimConfig(
         qps=args.qps,
         slo_scale=args.slo_scale,
@@ -193,8 +207,9 @@ def _setup(args: argparse.Namespace) -> RunSetup:
         arrival_cv=args.arrival_cv,
         engine=args.engine,
         prefix_caching=args.prefix_caching,
+        learn_costs=args.learn_costs,
     )
-    return RunSetup(traces, queries, cluster, preset, config, planner)
+    return RunSetup(traces, queries, cluster, preset, config, planner, args.planner_error)
 
 
 def calibration_row(cluster: Cluster) -> tuple[str, str]:
@@ -208,8 +223,17 @@ def calibration_row(cluster: Cluster) -> tuple[str, str]:
 def planner_row(run: RunSetup) -> tuple[str, str]:
     """The ``planner`` row: what the scheduler plans with, beside what the engines run."""
     if run.truth is None:
-        return ("planner", "the same numbers (exact)")
-    return ("planner", f"{run.planner.calibration.name} (the engines run the calibration above)")
+        text = "the same numbers (exact)"
+    else:
+        text = f"{run.planner.calibration.name}"
+        if run.planner_errors:
+            text += " with " + ", ".join(
+                f"{gpu} prefill x{p:g} decode x{d:g}" for gpu, (p, d) in run.planner_errors.items()
+            )
+        text += " (the engines run the calibration above)"
+    if run.config.learn_costs:
+        text += "; learns each instance's costs online"
+    return ("planner", text)
 
 
 def latency_row(metrics: RunMetrics) -> tuple[str, str]:
@@ -262,6 +286,22 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         doc["model"] = run.cluster.instances[0].model
         doc["calibration"] = run.cluster.calibration.name
         doc["planner_calibration"] = run.planner.calibration.name
+        doc["planner_error"] = {
+            gpu: {"prefill": p, "decode": d} for gpu, (p, d) in (run.planner_errors or {}).items()
+        }
+        doc["learn_costs"] = run.config.learn_costs
+        learner = sim.scheduler.learner
+        if learner is not None:
+            doc["learned"] = [
+                {
+                    "instance": inst.name,
+                    "prefill_factor": f.prefill,
+                    "decode_factor": f.decode,
+                    "calls": f.calls,
+                    "dropped": f.dropped,
+                }
+                for inst, f in zip(run.cluster.instances, learner.factors(), strict=True)
+            ]
         doc["engine"] = run.config.engine
         doc["prefix_caching"] = run.config.prefix_caching
         doc["preemptions"] = sim.preemptions

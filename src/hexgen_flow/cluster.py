@@ -28,8 +28,8 @@ name, not guessed.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +82,24 @@ class Cluster:
     @property
     def gpus(self) -> tuple[str, ...]:
         return tuple(i.gpu for i in self.instances)
+
+    def misjudged(self, errors: Mapping[str, tuple[float, float]]) -> Cluster:
+        """This cluster as a planner that misjudges some GPU types believes it: for each
+        GPU type in `errors`, (prefill factor, decode factor) its instances' times are
+        believed to be (e.g. ``{"L40S": (3.0, 1.0)}``: L40S prefill believed 3x slower
+        than the calibration says). What `--planner-error` builds."""
+        unknown = sorted(set(errors) - set(self.gpus))
+        if unknown:
+            raise ConfigError(
+                f"no {', '.join(unknown)} in the cluster ({', '.join(sorted(set(self.gpus)))})"
+            )
+        instances = tuple(
+            replace(inst, latency=inst.latency.rescaled(*errors[inst.gpu]))
+            if inst.gpu in errors
+            else inst
+            for inst in self.instances
+        )
+        return replace(self, instances=instances)
 
     @property
     def inline(self) -> str:

@@ -18,6 +18,7 @@ from typing import Literal
 
 from hexgen_flow.cluster import Cluster
 from hexgen_flow.errors import ConfigError
+from hexgen_flow.latency import LatencyModel
 from hexgen_flow.workload import STANDARD_TEMPLATE, LLMCall, Workflow
 
 __all__ = ["REPRESENTATIVE_TOKENS", "EstimateMode", "Estimator", "WorkflowPlan"]
@@ -83,6 +84,20 @@ class Estimator:
         self._call_means: dict[tuple[int, int], float] = {}
         """Cluster-mean ``call`` estimates by (input, output) tokens: a plan is rebuilt for
         every query of a workflow (`forget` drops it when the query ends), from these."""
+
+    @property
+    def models(self) -> tuple[LatencyModel, ...]:
+        """The latency model of each instance as the scheduler believes it: the cluster's
+        calibration until `recalibrate` (an online learner) says otherwise."""
+        return tuple(self._models)
+
+    def recalibrate(self, instance: int, model: LatencyModel) -> None:
+        """Believe `model` for `instance` from now on; every estimate is recomputed."""
+        self._models[instance] = model
+        self._step_cache.clear()
+        self._plans.clear()
+        self._singles.clear()
+        self._call_means.clear()
 
     def call_time(self, instance: int, call: LLMCall) -> float:
         """Single-request latency of `call` on `instance` from its own token counts."""

@@ -15,8 +15,10 @@ was measured with prefix caching.
 
 from __future__ import annotations
 
+import copy
 import functools
 import itertools
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -346,6 +348,23 @@ class LatencyModel:
             parts.decode_per_context_token_s,
             parts.prefill_points,
         )
+
+    def rescaled(self, prefill: float, decode: float) -> LatencyModel:
+        """This model with its prefill times `prefill` x and its decode times `decode` x
+        what they are (the slowdown curve kept): what an online learner believes of the
+        instance (`hexgen_flow.learning`). No floor check: the learner keeps its own."""
+        if not (prefill > 0 and decode > 0 and math.isfinite(prefill + decode)):
+            raise ValueError(f"scale factors must be finite and > 0, got {prefill}, {decode}")
+        if prefill == decode == 1.0:
+            return self
+        model = copy.copy(self)
+        model._prefill_scale = self._prefill_scale * prefill
+        model._decode_scale = self._decode_scale * decode
+        model._cache = {}
+        model._single = {}
+        model._curve = {}
+        model.__dict__.pop("prefill_curve_table", None)  # a cached_property of the old scale
+        return model
 
     def __repr__(self) -> str:
         return f"LatencyModel({self.model!r}, {self.gpu!r})"

@@ -149,6 +149,7 @@ class CallTicket:
     __slots__ = (
         "admitted_s",
         "attempt",
+        "cached_tokens",
         "call",
         "call_id",
         "deadline_s",
@@ -162,6 +163,7 @@ class CallTicket:
         "released_s",
         "remaining_after_s",
         "run",
+        "scheduled_s",
         "seq",
         "stage",
         "tenant",
@@ -212,6 +214,12 @@ class CallTicket:
         """Owned by the local queue holding the ticket (its ordering key)."""
         self.admitted_s: float | None = None
         self.finished_s: float | None = None
+        self.cached_tokens = 0
+        """Prompt tokens the engine found cached when it started the call (engine models
+        with prefix caching set it; a cost learner reads it)."""
+        self.scheduled_s: float | None = None
+        """When the engine first scheduled the call (its first prefill step): an engine
+        that keeps a waiting list of its own sets it; `admitted_s` otherwise."""
         self.attempt = 0
         """Dispatches of the call so far (the services count them; a completion names its own)."""
 
@@ -254,6 +262,8 @@ class CallTicket:
         ticket.key = None
         ticket.admitted_s = None
         ticket.finished_s = None
+        ticket.cached_tokens = 0
+        ticket.scheduled_s = None
         ticket.attempt = attempt
         return ticket
 

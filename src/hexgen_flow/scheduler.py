@@ -16,6 +16,7 @@ from typing import Protocol
 from hexgen_flow.cluster import Cluster
 from hexgen_flow.errors import ConfigError
 from hexgen_flow.estimate import Estimator
+from hexgen_flow.learning import CallCost, CostLearner, LearnerSettings
 from hexgen_flow.policies.base import Dispatcher, LocalQueue, NoInstanceError, StageBudget
 from hexgen_flow.policies.presets import Preset
 from hexgen_flow.policies.registration import BUDGETS, DISPATCHERS, QUEUES
@@ -50,10 +51,32 @@ class GlobalScheduler:
         )
         self.next_seq = 0
         """Sequence number of the next released call (release order across queries)."""
+        self.learner: CostLearner | None = None
+        """Learns each instance's costs from the calls it served (`learn_costs`); None:
+        the calibration is believed as it is."""
         self.slo_base_s = self.estimator.slo_base() if slo_base_s is None else slo_base_s
         """SLO_base of this cluster (docs/algorithm.md §5): by the scheduler's own latency
         models unless the driver gives it (a simulation whose engines run other models takes
         the SLO from what they run, so that a query's SLO does not depend on a belief)."""
+
+    def learn_costs(self, settings: LearnerSettings | None = None) -> CostLearner:
+        """From now on, learn each instance's latency model from the calls it serves
+        (`observe_cost`), with the cluster's calibration as the prior."""
+        self.learner = CostLearner(self.cluster, settings)
+        return self.learner
+
+    def observe_cost(self, cost: CallCost) -> bool:
+        """A call finished and its driver measured what it cost (`CallCost`). When the
+        learner's factors for its instance moved, every estimate, the dispatcher's and the
+        stage budget's tables follow from now on (calls already placed keep their
+        charges). True when they did. Without `learn_costs`, does nothing."""
+        learner = self.learner
+        if learner is None or not learner.observe(cost):
+            return False
+        self.estimator.recalibrate(cost.instance, learner.model(cost.instance))
+        self.dispatcher.costs_changed()
+        self.budget.costs_changed()
+        return True
 
     def make_queue(self, instance: int) -> LocalQueue:
         """The preset's local queue for `instance` (used where the instance runs)."""

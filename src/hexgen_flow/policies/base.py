@@ -39,6 +39,11 @@ class Dispatcher(ABC):
         dispatcher weighs delays by how late a query runs (`MarginalLatencyDispatcher`)."""
         return 1.0
 
+    def costs_changed(self) -> None:  # noqa: B027 - optional hook
+        """The estimator's latency models changed (an online learner refitted them,
+        `GlobalScheduler.observe_cost`): rebuild whatever was computed from them. A
+        dispatcher that reads `ctx.estimator` at every call has nothing to do."""
+
     def candidates(self, ticket: CallTicket) -> range | list[int]:
         """The filter step: instances whose KV cache can hold the call at all."""
         load = self.ctx.load
@@ -92,6 +97,9 @@ class StageBudget(ABC):
 
     def start(self, run: QueryRun) -> None:  # noqa: B027 - optional hook
         """Called once when the query arrives, before its first stage is released."""
+
+    def costs_changed(self) -> None:  # noqa: B027 - optional hook
+        """The estimator's latency models changed (`Dispatcher.costs_changed`)."""
 
     @abstractmethod
     def deadline(self, run: QueryRun, stage: int, now: float) -> float:

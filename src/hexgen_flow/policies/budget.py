@@ -44,6 +44,12 @@ class TemplateStageBudget(StageBudget):
         }
         self._shared: list[str] | None = list(STANDARD_TEMPLATE) if shared_template else None
 
+    def costs_changed(self) -> None:
+        self._step_mean = {
+            step: self.ctx.estimator.mean_time(LLMCall(step, *REPRESENTATIVE_TOKENS[step]), "step")
+            for step in set(STANDARD_TEMPLATE)
+        }
+
     def _mean_step(self, step: str, call: LLMCall) -> float:
         cached = self._step_mean.get(step)
         if cached is None:

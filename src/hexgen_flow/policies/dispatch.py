@@ -260,23 +260,37 @@ class MarginalLatencyDispatcher(Dispatcher):
         self._uncached = 1.0 - checked_prefix_share(prefix_share)
         self._power = float(tail_power)
         instances = ctx.cluster.instances
-        self._split = [inst.latency.split for inst in instances]
+        self._rebuild()
+        self._all = range(len(instances))
+        self._chosen: tuple[CallTicket, float, int, int, bool, int, float] | None = None
+        """(ticket, now, instance, calls in flight there, prefix caching, prefix homes'
+        changes, tail weight) of the last `select`: `weight` right after it
+        (`GlobalScheduler.charge`) reads the weight back when nothing it depends on moved."""
+
+    def _rebuild(self) -> None:
+        """The per-instance terms `select` reads, from the estimator's models."""
+        share = self._share
+        models = self.ctx.estimator.models
+        instances = self.ctx.cluster.instances
+        self._split = [model.split for model in models]
         # One extra entry: B + 1 may exceed max_batch while calls queue.
-        self._slowdown = [inst.latency.slowdown_table(inst.max_batch + 1) for inst in instances]
+        self._slowdown = [
+            model.slowdown_table(inst.max_batch + 1)
+            for model, inst in zip(models, instances, strict=True)
+        ]
         self._rows = [
             (tuple((table[b + 1], (table[b + 1] - table[b]) * share) for b in range(cap + 1)), cap)
             for table, cap in ((table, len(table) - 2) for table in self._slowdown)
         ]
         """Per instance, (f(B + 1), (f(B + 1) - f(B)) x share) for B = 0 .. cap, and cap, the
         largest B its slowdown table scores (B + 1 is its last entry): `select`'s terms of
-        the batch, computed once."""
-        self._all = range(len(instances))
+        the batch, computed once per model."""
         self._splits: dict[tuple[int, int], tuple[tuple[float, float], ...]] = {}
         """(p_i, d_i) on every instance by the call's (input, output) tokens."""
-        self._chosen: tuple[CallTicket, float, int, int, bool, int, float] | None = None
-        """(ticket, now, instance, calls in flight there, prefix caching, prefix homes'
-        changes, tail weight) of the last `select`: `weight` right after it
-        (`GlobalScheduler.charge`) reads the weight back when nothing it depends on moved."""
+        self._chosen = None
+
+    def costs_changed(self) -> None:
+        self._rebuild()
 
     def _splits_of(self, call: LLMCall) -> tuple[tuple[float, float], ...]:
         key = (call.input_tokens, call.output_tokens)

@@ -31,6 +31,7 @@ from hexgen_flow.sim.engines import (
     create_engine_model,
     prefix_caching_of,
 )
+from hexgen_flow.sim.metering import MeteredEngine
 from hexgen_flow.workload import Query
 
 __all__ = ["SimConfig", "Simulation", "check_same_instances", "simulate"]
@@ -54,6 +55,10 @@ class SimConfig:
     """Prefix caching in the engine model; None (the default) is the engine's own default,
     made explicit on construction: on for vllm-v1, as vLLM V1 serves; prefill-first has
     none (`hexgen_flow.sim.engines.prefix_caching_of`)."""
+    learn_costs: bool = False
+    """Whether the scheduler learns each instance's latency model online from the calls it
+    served (`hexgen_flow.learning`), with the calibration as its prior; off, it believes
+    the calibration as it is."""
 
     def __post_init__(self) -> None:
         if not self.qps > 0:
@@ -112,6 +117,11 @@ class Simulation:
             create_engine_model(config.engine, inst, prefix_caching=config.prefix_caching)
             for inst in self.truth.instances
         ]
+        self._metered: list[MeteredEngine] | None = None
+        if config.learn_costs:
+            self.scheduler.learn_costs()
+            self._metered = [MeteredEngine(e, i) for i, e in enumerate(self.engines)]
+            self.engines = list(self._metered)
         self.instances = [
             InstanceScheduler(self.scheduler.make_queue(inst.index), engine)
             for inst, engine in zip(cluster.instances, self.engines, strict=True)
@@ -275,6 +285,10 @@ class Simulation:
 
     def _complete(self, ticket: CallTicket, now: float) -> None:
         self.calls_done += 1
+        if self._metered is not None:
+            cost = self._metered[ticket.instance].take_cost(ticket)
+            if cost is not None:
+                self.scheduler.observe_cost(cost)
         released = self.scheduler.complete(ticket, now)
         run = ticket.run
         if run is not None and run.stage_finished_s[ticket.stage] is not None:

@@ -504,9 +504,12 @@ class VllmV1EngineModel:
                     break
                 hit = 0  # an idle engine starts it without the cached prefix, not never
             waiting.popleft()
+            if req.ticket.scheduled_s is None:
+                req.ticket.scheduled_s = self._t  # this step's start
             self._waiting_blocks -= req.first
             if hit:
                 self._used += prefixes.attach(req, hit)
+                req.ticket.cached_tokens = hit * BLOCK_SIZE
             start = req.done
             chunk = req.target - start
             chunk = min(chunk, budget)

@@ -1,0 +1,311 @@
+"""Online self-calibration: each instance's latency model learned from the calls it served.
+
+A calibration is a prior, not the truth: the default table matches an H200 within 0.76-1.00x
+of measured timings, but nobody here can check its L40S or A6000 prefill, and users' GPUs,
+engine versions and quantisations differ from any table. So the scheduler keeps, per
+instance, two factors over its calibrated model, one for prefill and one for decode, and
+learns them from what the instance really took.
+
+**What a call tells** (`CallCost`, measured by the driver as a worker beside a real engine
+can: `hexgen_flow.sim.metering` in the simulator). For each finished call: its token counts,
+the prompt tokens the engine had cached, how long the engine held it (``service_s``: from
+the engine taking it to its last token; any wait in front of the engine excluded), and over
+that time the mean number of calls the engine held (B), the mean KV tokens they held (K),
+and the calls the engine took meanwhile with their prompt tokens. A continuous-batching
+engine spends a call's service on prefill (its own, and the other prompts it schedules in
+the same steps) and on decode steps, each of which costs the decode plane
+``a0 + b0 B + c0 K`` of the calibration (`LatencyModel.decode_step_fit`). Under the factors
+(a, b) the model predicts
+
+    service = a x (P_own + P_others) + b x (output tokens - 1) x plane(B, K)
+
+where P is the calibration's prefill (of the uncached prompt, for the call's own). Each
+call is one equation in (a, b); calls with long prompts pin a, long outputs pin b. With the
+engine's own numbers the factors stay near 1 (tests/test_learning.py measures how near).
+
+**How the factors are fitted** (`InstanceCostLearner`): relative least squares, each call
+divided by its own service time (a 2 s call weighs as much as a 60 s one):
+
+    minimise  sum_j w_j (a u_j + b v_j - 1)^2 + n0 (ū² (a - 1)^2 + v̄² (b - 1)^2)
+
+with u = P / service, v = decode term / service. The second term is the prior: the
+calibration counts as `prior_calls` observations, so a handful of calls moves little and
+hundreds move it all the way. Robust and following drift:
+
+- each call's weight w decays by ``1 - 1/memory_calls`` per later call (old behaviour fades:
+  a GPU that throttles is followed within about `memory_calls` calls);
+- a call whose ratio to the current prediction is beyond ``[1/OUTLIER_RATIO,
+  OUTLIER_RATIO]`` is dropped (a preempted call that recomputed its prompt, a stalled
+  worker), and the others are weighted down by their distance (a Cauchy weight in log
+  space, at `CAUCHY_SCALE`), so that one odd call cannot move a factor far; the dropped
+  ones still count, and once most recent calls are dropped the learner trusts them (a
+  calibration far off is not an outlier);
+- neither factor falls below the physical floor (`hexgen_flow.roofline`: the time the GPU's
+  peak FLOP/s or memory bandwidth allows), nor below `MIN_FACTOR` when the floor is unknown.
+
+The factors are refitted every `refit_calls` calls of an instance, and the scheduler's
+models change only when a factor moved by more than `min_change` (`CostLearner.observe`
+returns whether they did; `GlobalScheduler.observe_cost` rebuilds what depends on them).
+One implementation serves the simulator and the coordinator alike.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from hexgen_flow.cluster import Cluster, InstanceSpec
+from hexgen_flow.errors import ConfigError, HexgenFlowError
+from hexgen_flow.latency import LatencyModel
+from hexgen_flow.roofline import decode_step_floor_s, prefill_floor_s
+
+__all__ = [
+    "CallCost",
+    "CostLearner",
+    "InstanceCostLearner",
+    "LearnedFactors",
+    "LearnerSettings",
+]
+
+OUTLIER_RATIO = 8.0
+"""A call more than this many times off the current prediction (either way) is dropped."""
+MIN_FACTOR = 0.02
+"""The least factor when the physical floor is unknown (50x faster than calibrated)."""
+CAUCHY_SCALE = 0.7
+"""Log-ratio at which a call's weight halves: calls within 2x of the prediction count
+nearly fully, ones 4x off count about a fifth."""
+FLOOR_PROMPT_TOKENS = 4096
+"""Prompt length at which the prefill floor is compared with the calibrated prefill."""
+FLOOR_CONTEXT_TOKENS = 2048
+"""Context at which the decode-step floor is compared with the calibrated batch-1 step."""
+
+
+@dataclass(frozen=True, slots=True)
+class CallCost:
+    """What one finished call cost its instance (reported by the driver)."""
+
+    instance: int
+    input_tokens: int
+    output_tokens: int
+    service_s: float
+    """Seconds from the engine taking the call to its last token (queueing before excluded)."""
+    mean_batch: float
+    """Mean number of calls the engine held over `service_s` (this one included)."""
+    mean_kv_tokens: float = 0.0
+    """Mean KV tokens those calls held (each its prompt and half its output)."""
+    cached_tokens: int = 0
+    """Prompt tokens the engine found in its prefix cache."""
+    others_calls: int = 0
+    """Calls the engine took while it held this one (their prefill shared its steps)."""
+    others_prompt_tokens: int = 0
+    """Their prompt tokens, summed."""
+    step_tokens: int = 0
+    """The engine's token budget per step (chunked prefill: a prompt takes that many per
+    step, each step also running the others' decodes); 0: prefill runs alone."""
+
+
+@dataclass(frozen=True, slots=True)
+class LearnerSettings:
+    """How fast and how far the learner moves from the calibration."""
+
+    prior_calls: float = 4.0
+    """How many calls the calibration counts as (n0)."""
+    memory_calls: float = 500.0
+    """Calls after which an old call weighs 1/e of a new one."""
+    refit_calls: int = 8
+    """Calls of an instance between two refits."""
+    min_change: float = 0.03
+    """Relative change of a factor below which the scheduler's model is left as it is."""
+
+    def __post_init__(self) -> None:
+        if not self.prior_calls > 0:
+            raise ConfigError(f"prior_calls must be > 0, got {self.prior_calls}")
+        if not self.memory_calls >= 1:
+            raise ConfigError(f"memory_calls must be >= 1, got {self.memory_calls}")
+        if self.refit_calls < 1:
+            raise ConfigError(f"refit_calls must be >= 1, got {self.refit_calls}")
+        if not self.min_change >= 0:
+            raise ConfigError(f"min_change must be >= 0, got {self.min_change}")
+
+
+@dataclass(frozen=True, slots=True)
+class LearnedFactors:
+    """One instance's learned factors over its calibrated model, and the evidence."""
+
+    prefill: float
+    decode: float
+    calls: int
+    """Calls observed (dropped outliers included)."""
+    dropped: int
+    """Calls dropped as outliers."""
+
+
+class InstanceCostLearner:
+    """The factors (a, b) of one instance (see the module docstring)."""
+
+    __slots__ = (
+        "_decay",
+        "_dropped_run",
+        "_since_fit",
+        "_sums",
+        "a",
+        "b",
+        "calls",
+        "dropped",
+        "floor_decode",
+        "floor_prefill",
+        "plane",
+        "prior",
+        "settings",
+    )
+
+    def __init__(self, spec: InstanceSpec, settings: LearnerSettings) -> None:
+        prior = spec.latency
+        self.prior = prior
+        self.plane = prior.decode_step_fit(spec.max_batch, spec.kv_cache_tokens)
+        """The calibration's decode step: a0 + b0 x batch + c0 x KV tokens."""
+        self.settings = settings
+        self.a = 1.0
+        self.b = 1.0
+        self.calls = 0
+        self.dropped = 0
+        self._dropped_run = 0.0  # decayed count of recent calls dropped as outliers
+        self._since_fit = 0
+        self._decay = 1.0 - 1.0 / settings.memory_calls
+        # weighted sums: w, w u^2, w u v, w v^2, w u, w v
+        self._sums = [0.0] * 6
+        self.floor_prefill, self.floor_decode = _floors(prior)
+        """The least factors physics allow (`hexgen_flow.roofline`)."""
+
+    def predict_s(self, cost: CallCost) -> tuple[float, float]:
+        """(prefill term, decode term) of `cost` by the calibration: the service time is
+        a x prefill term + b x decode term (see the module docstring)."""
+        prior = self.prior
+        prefill = prior.prefill_s(cost.input_tokens, cost.output_tokens)
+        cached = min(cost.cached_tokens, cost.input_tokens)
+        if cached > 0:
+            whole = prior.prefill_curve_s(cost.input_tokens)
+            if whole > 0:
+                prefill *= max(whole - prior.prefill_curve_s(cached), 0.0) / whole
+        if cost.others_calls > 0:
+            each = max(1, round(cost.others_prompt_tokens / cost.others_calls))
+            prefill += cost.others_calls * prior.prefill_s(each, 1)
+        steps = max(cost.output_tokens - 1, 0)
+        if cost.step_tokens > 0:  # the steps of its own prompt carry the others' decodes
+            steps += -(-(cost.input_tokens - cached) // cost.step_tokens)
+        batch = max(cost.mean_batch, 1.0)
+        plane = self.plane
+        decode = steps * (plane.a_s + plane.b_s * batch + plane.c_s * cost.mean_kv_tokens)
+        return prefill, decode
+
+    def observe(self, cost: CallCost) -> bool:
+        """Take one call in; True when it refitted and a factor moved by more than
+        `LearnerSettings.min_change`."""
+        self.calls += 1
+        service = cost.service_s
+        p, x = self.predict_s(cost)
+        predicted = self.a * p + self.b * x
+        s, d = self._sums, self._decay
+        if not (service > 0 and predicted > 0 and math.isfinite(service)):
+            self.dropped += 1
+            return False
+        log_ratio = math.log(service / predicted)
+        outlier = abs(log_ratio) > math.log(OUTLIER_RATIO)
+        self._dropped_run = self._dropped_run * d + (1.0 if outlier else 0.0)
+        # Most recent calls beyond the outlier bound: the calibration is that far off, and
+        # they are the evidence (their weight still falls with the distance).
+        trusting = self._dropped_run > 0.5 * s[0] and self._dropped_run >= self.settings.refit_calls
+        if outlier and not trusting:
+            self.dropped += 1
+            return False
+        u, v = p / service, x / service
+        w = 1.0 / (1.0 + (log_ratio / CAUCHY_SCALE) ** 2) if not trusting else 1.0
+        s[0] = s[0] * d + w
+        s[1] = s[1] * d + w * u * u
+        s[2] = s[2] * d + w * u * v
+        s[3] = s[3] * d + w * v * v
+        s[4] = s[4] * d + w * u
+        s[5] = s[5] * d + w * v
+        self._since_fit += 1
+        if self._since_fit < self.settings.refit_calls:
+            return False
+        self._since_fit = 0
+        a, b = self.fit()
+        change = self.settings.min_change
+        moved = abs(a / self.a - 1.0) > change or abs(b / self.b - 1.0) > change
+        if moved:
+            self.a, self.b = a, b
+        return moved
+
+    def fit(self) -> tuple[float, float]:
+        """The factors the calls so far give (the prior's where they say nothing)."""
+        sw, suu, suv, svv, su, sv = self._sums
+        if sw <= 0:
+            return 1.0, 1.0
+        n0 = self.settings.prior_calls
+        la = n0 * suu / sw  # the prior counts as n0 calls of the mean u^2 (and v^2)
+        lb = n0 * svv / sw
+        a11, a12, a22 = suu + la, suv, svv + lb
+        r1, r2 = su + la, sv + lb
+        det = a11 * a22 - a12 * a12
+        if det > 1e-300:
+            a = (r1 * a22 - r2 * a12) / det
+            b = (a11 * r2 - a12 * r1) / det
+        else:
+            a, b = 1.0, 1.0
+        # The floors bind one factor at a time: refit the other with it held.
+        if a < self.floor_prefill:
+            a = self.floor_prefill
+            b = (r2 - a12 * a) / a22 if a22 > 0 else 1.0
+        if b < self.floor_decode:
+            b = self.floor_decode
+            a = max((r1 - a12 * b) / a11 if a11 > 0 else 1.0, self.floor_prefill)
+        return a, b
+
+    def factors(self) -> LearnedFactors:
+        return LearnedFactors(self.a, self.b, self.calls, self.dropped)
+
+
+def _floors(prior: LatencyModel) -> tuple[float, float]:
+    """The least (prefill, decode) factors the physics allow on `prior`'s hardware."""
+    floor_a = floor_b = MIN_FACTOR
+    try:
+        prefill = prior.prefill_s(FLOOR_PROMPT_TOKENS, 1)
+        if prefill > 0:
+            floor_a = max(
+                prefill_floor_s(prior.hardware, FLOOR_PROMPT_TOKENS) / prefill, MIN_FACTOR
+            )
+        step = prior.decode_step_s(1, FLOOR_CONTEXT_TOKENS)
+        if step > 0:
+            floor = decode_step_floor_s(prior.hardware, 1, FLOOR_CONTEXT_TOKENS)
+            floor_b = max(floor / step, MIN_FACTOR)
+    except (HexgenFlowError, ValueError, ArithmeticError):  # no peak figures: the plain bound
+        pass
+    return floor_a, floor_b
+
+
+class CostLearner:
+    """The learners of every instance of one cluster."""
+
+    def __init__(self, cluster: Cluster, settings: LearnerSettings | None = None) -> None:
+        self.settings = settings or LearnerSettings()
+        self.priors: tuple[LatencyModel, ...] = tuple(i.latency for i in cluster.instances)
+        self.instances = [InstanceCostLearner(i, self.settings) for i in cluster.instances]
+
+    def observe(self, cost: CallCost) -> bool:
+        """Take one call in; True when its instance's factors moved (refit its model)."""
+        if not 0 <= cost.instance < len(self.instances):
+            raise ConfigError(f"no instance {cost.instance} in a cluster of {len(self.instances)}")
+        return self.instances[cost.instance].observe(cost)
+
+    def model(self, instance: int) -> LatencyModel:
+        """The instance's calibrated model with its learned factors."""
+        learner = self.instances[instance]
+        return self.priors[instance].rescaled(learner.a, learner.b)
+
+    def models(self) -> list[LatencyModel]:
+        return [self.model(i) for i in range(len(self.instances))]
+
+    def factors(self) -> Sequence[LearnedFactors]:
+        return [learner.factors() for learner in self.instances]

@@ -1,0 +1,221 @@
+"""Online self-calibration (`hexgen_flow.learning`): the learner on calls whose cost it can
+explain exactly (it must find the factors, through outliers, drift and a table far off,
+never below the physical floor), the simulator's measurement of what a call cost
+(`MeteredEngine`), the scheduler following what it learned, and the whole loop in the
+simulator with a planner whose table is wrong."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+from cli_runner import run_json
+from hexgen_flow.cluster import parse_cluster
+from hexgen_flow.learning import CallCost, CostLearner, InstanceCostLearner, LearnerSettings
+from hexgen_flow.policies.dispatch import MarginalLatencyDispatcher
+from hexgen_flow.policies.presets import PRESETS
+from hexgen_flow.runtime import CallTicket, QueryRun
+from hexgen_flow.scheduler import GlobalScheduler
+from hexgen_flow.sim.engine import BatchingEngineModel
+from hexgen_flow.sim.metering import MeteredEngine
+from hexgen_flow.sim.simulator import SimConfig, Simulation
+from hexgen_flow.traces import load_trace, take_queries
+from hexgen_flow.workload import LLMCall, Query, Workflow
+
+L40S = parse_cluster("L40S").instances[0]
+CLUSTER = parse_cluster("A100,A100,A6000,L40S")
+
+
+def calls(rng: random.Random, n: int) -> list[CallCost]:
+    """Calls of agentic sizes under varied load, their service time still unset."""
+    out = []
+    for _ in range(n):
+        out.append(
+            CallCost(
+                0,
+                rng.randint(500, 14000),
+                rng.randint(20, 600),
+                0.0,
+                rng.uniform(1, 24),
+                rng.uniform(2e3, 2e5),
+                0,
+                rng.randint(0, 4),
+                rng.randint(0, 30000),
+                2048,
+            )
+        )
+    return out
+
+
+def served(learner: InstanceCostLearner, cost: CallCost, a: float, b: float) -> CallCost:
+    """`cost` as an instance whose prefill is a x and decode b x the calibration serves it."""
+    p, x = learner.predict_s(cost)
+    return CallCost(
+        cost.instance,
+        cost.input_tokens,
+        cost.output_tokens,
+        a * p + b * x,
+        cost.mean_batch,
+        cost.mean_kv_tokens,
+        cost.cached_tokens,
+        cost.others_calls,
+        cost.others_prompt_tokens,
+        cost.step_tokens,
+    )
+
+
+@pytest.mark.parametrize(("a", "b"), [(1.0, 1.0), (2.0, 0.8), (0.5, 1.6), (1.3, 1.3)])
+def test_the_learner_finds_the_factors_of_calls_it_can_explain(a: float, b: float) -> None:
+    learner = InstanceCostLearner(L40S, LearnerSettings())
+    for cost in calls(random.Random(1), 400):
+        learner.observe(served(learner, cost, a, b))
+    assert learner.a == pytest.approx(a, rel=0.05)
+    assert learner.b == pytest.approx(b, rel=0.05)
+
+
+def test_a_few_calls_move_little_and_many_move_all_the_way() -> None:
+    learner = InstanceCostLearner(L40S, LearnerSettings(refit_calls=1, min_change=0.0))
+    stream = calls(random.Random(2), 300)
+    for cost in stream[:3]:
+        learner.observe(served(learner, cost, 2.0, 2.0))
+    assert 1.0 < learner.a < 1.6 and 1.0 < learner.b < 1.6  # the prior still weighs
+    for cost in stream[3:]:
+        learner.observe(served(learner, cost, 2.0, 2.0))
+    assert learner.a == pytest.approx(2.0, rel=0.05)
+    assert learner.b == pytest.approx(2.0, rel=0.05)
+
+
+def test_odd_calls_do_not_move_the_factors_far() -> None:
+    rng = random.Random(3)
+    learner = InstanceCostLearner(L40S, LearnerSettings())
+    for cost in calls(rng, 500):
+        honest = served(learner, cost, 1.5, 1.0)
+        if rng.random() < 0.1:  # preempted and recomputed, or a stalled worker: 20x
+            honest = served(learner, cost, 30.0, 20.0)
+        learner.observe(honest)
+    assert learner.a == pytest.approx(1.5, rel=0.1)
+    assert learner.b == pytest.approx(1.0, rel=0.1)
+    assert learner.dropped >= 30
+
+
+def test_the_learner_follows_drift() -> None:
+    settings = LearnerSettings(memory_calls=200)
+    learner = InstanceCostLearner(L40S, settings)
+    stream = calls(random.Random(4), 1400)
+    for cost in stream[:600]:
+        learner.observe(served(learner, cost, 1.0, 1.0))
+    assert learner.b == pytest.approx(1.0, rel=0.05)
+    for cost in stream[600:]:  # the GPU throttles: decode 1.8x slower from now on
+        learner.observe(served(learner, cost, 1.0, 1.8))
+    assert learner.b == pytest.approx(1.8, rel=0.1)
+
+
+def test_a_table_far_off_is_learned_not_dropped_as_outliers() -> None:
+    learner = InstanceCostLearner(L40S, LearnerSettings())
+    for cost in calls(random.Random(5), 800):
+        learner.observe(served(learner, cost, 12.0, 1.0))  # 12x: every call an "outlier"
+    assert learner.a == pytest.approx(12.0, rel=0.1)
+
+
+def test_no_factor_falls_below_the_physical_floor() -> None:
+    learner = InstanceCostLearner(L40S, LearnerSettings())
+    floor_a = learner.floor_prefill
+    assert 0 < floor_a < 1  # aiconfigurator's L40S prefill sits far above its FLOP floor
+    for cost in calls(random.Random(6), 400):
+        learner.observe(served(learner, cost, floor_a / 10, 1.0))  # beyond physics
+    assert floor_a <= learner.a < 1.05 * floor_a  # at the floor (the prior lifts it a hair)
+
+
+def test_the_metered_engine_measures_what_a_worker_can() -> None:
+    engine = MeteredEngine(BatchingEngineModel(L40S), 3)
+    run = QueryRun(Query("q", Workflow.chain([(LLMCall("a", 4000, 100),)])), 0, 0.0, 1e9)
+    first = CallTicket(0, run, 0, LLMCall("a", 4000, 100), 0.0, 1e9)
+    second = CallTicket(1, run, 0, LLMCall("b", 1000, 50), 0.0, 1e9)
+    engine.admit(first, 0.0)
+    engine.admit(second, 1.0)
+    finished: list[CallTicket] = []
+    while len(finished) < 2:
+        finished += engine.advance(engine.next_event_s())
+    costs = {t.seq: engine.take_cost(t) for t in finished}
+    one, two = costs[0], costs[1]
+    assert one is not None and two is not None
+    assert one.instance == 3 and one.service_s == pytest.approx(first.finished_s)
+    assert one.others_calls == 1 and one.others_prompt_tokens == 1000  # taken while it ran
+    assert two.others_calls == 0
+    assert 1.0 < one.mean_batch < 2.0 and 1.0 < two.mean_batch <= 2.0
+    assert engine.take_cost(first) is None  # once
+
+
+def test_the_scheduler_follows_what_it_learned() -> None:
+    scheduler = GlobalScheduler(CLUSTER, PRESETS["hexgen-flow"])
+    learner = scheduler.learn_costs(LearnerSettings(refit_calls=1))
+    call = LLMCall("generate_candidate", 8000, 200)
+    before = scheduler.estimator.call_time(3, call)
+    rng = random.Random(7)
+    for drawn in calls(rng, 200):
+        cost = dataclasses.replace(drawn, instance=3)
+        scheduler.observe_cost(served(learner.instances[3], cost, 3.0, 3.0))
+    assert scheduler.estimator.call_time(3, call) == pytest.approx(3 * before, rel=0.05)
+    assert scheduler.estimator.call_time(0, call) == CLUSTER.instances[0].latency.single_s(
+        8000, 200
+    )
+    # The dispatcher scores with the new model too.
+    dispatcher = scheduler.dispatcher
+    assert isinstance(dispatcher, MarginalLatencyDispatcher)
+    split = dispatcher._split[3](8000, 200)
+    assert split[0] == pytest.approx(3 * CLUSTER.instances[3].latency.split(8000, 200)[0], rel=0.05)
+
+
+def test_a_cost_learner_needs_a_known_instance() -> None:
+    learner = CostLearner(CLUSTER)
+    with pytest.raises(Exception, match="no instance 9"):
+        learner.observe(CallCost(9, 100, 10, 1.0, 1.0))
+
+
+def test_the_simulator_learns_a_wrong_table_toward_the_truth() -> None:
+    """The planner believes the A6000 and L40S prefill 3x slower than they are."""
+    queries = take_queries(load_trace("trace1"), 200)
+    belief = CLUSTER.misjudged({"L40S": (3.0, 1.0), "A6000": (3.0, 1.0)})
+    config = SimConfig(qps=0.2, seed=1, learn_costs=True)
+    sim = Simulation(queries, belief, PRESETS["hexgen-flow"].with_alpha(0.5), config, truth=CLUSTER)
+    sim.run()
+    assert sim.scheduler.learner is not None
+    factors = sim.scheduler.learner.factors()
+    for i in (2, 3):  # truth is 1/3 of the belief: learned well below 1
+        assert factors[i].prefill < 0.6, factors[i]
+        assert factors[i].calls > 50
+    exact = Simulation(queries, CLUSTER, PRESETS["hexgen-flow"].with_alpha(0.5), config)
+    exact.run()
+    assert exact.scheduler.learner is not None
+    for f in exact.scheduler.learner.factors():  # with the engines' own table: near 1
+        assert 0.5 < f.prefill < 1.5 and 0.6 < f.decode < 1.6, f
+
+
+def test_the_cli_reports_what_it_learned() -> None:
+    args = ("simulate", "--num-queries", "60", "--qps", "0.3", "--alpha", "0.5")
+    plain = run_json(*args)
+    assert plain["learn_costs"] is False and "learned" not in plain
+    learning = run_json(*args, "--learn-costs", "--planner-error", "L40S:prefill=3")
+    assert learning["learn_costs"] is True
+    assert learning["planner_error"] == {"L40S": {"prefill": 3.0, "decode": 1.0}}
+    assert [row["instance"] for row in learning["learned"]] == [
+        "A100#0",
+        "A100#1",
+        "A6000#2",
+        "L40S#3",
+    ]
+    assert learning["slo_s"] == plain["slo_s"]
+
+
+def test_rescaled_models_leave_the_prior_alone() -> None:
+    prior = L40S.latency
+    before = prior.split(6000, 300)
+    scaled = prior.rescaled(0.5, 2.0)
+    assert scaled.split(6000, 300) == pytest.approx((before[0] * 0.5, before[1] * 2.0))
+    assert scaled.prefill_curve_s(3000) == pytest.approx(prior.prefill_curve_s(3000) * 0.5)
+    assert prior.split(6000, 300) == before
+    assert prior.rescaled(1.0, 1.0) is prior
+    with pytest.raises(ValueError, match="finite and > 0"):
+        prior.rescaled(0.0, 1.0)
