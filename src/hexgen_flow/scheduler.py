@@ -49,6 +49,11 @@ class GlobalScheduler:
         self.budget: StageBudget = BUDGETS.create(
             preset.budget.name, self.ctx, params=preset.budget.params
         )
+        # The completion hook, unless the dispatcher keeps the base class's (a no-op).
+        hook = self.dispatcher.on_complete
+        self._on_complete = (
+            None if type(self.dispatcher).on_complete is Dispatcher.on_complete else hook
+        )
         self.next_seq = 0
         """Sequence number of the next released call (release order across queries)."""
         self.learner: CostLearner | None = None
@@ -227,6 +232,8 @@ class GlobalScheduler:
         """
         if ticket.instance >= 0:
             self.load.on_complete(ticket)
+            if self._on_complete is not None:
+                self._on_complete(ticket, now)
         run = ticket.run
         assert run is not None, "complete() needs the ticket's QueryRun"
         # `call_done`, inlined: this runs for every call

@@ -39,6 +39,12 @@ class Dispatcher(ABC):
         dispatcher weighs delays by how late a query runs (`MarginalLatencyDispatcher`)."""
         return 1.0
 
+    def on_complete(self, ticket: CallTicket, now: float) -> None:  # noqa: B027 - optional hook
+        """`ticket` finished at `now` on `ticket.instance` (`GlobalScheduler.complete`, after
+        the ledger dropped it; never for a ticket on no instance's ledger). A dispatcher
+        that learns from what it observed (`predicted-latency`) updates here; the ledger
+        stays the driver's. Every dispatcher but those does nothing."""
+
     def costs_changed(self) -> None:  # noqa: B027 - optional hook
         """The estimator's latency models changed (an online learner refitted them,
         `GlobalScheduler.observe_cost`): rebuild whatever was computed from them. A
