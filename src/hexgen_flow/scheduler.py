@@ -137,7 +137,9 @@ class GlobalScheduler:
         remaining = plan.tail_s[stage] - plan.stage_s[stage]
         tickets = []
         given = run.given
-        select = self.dispatcher.select
+        dispatcher = self.dispatcher
+        select, weight = dispatcher.select, dispatcher.weight
+        call_time, on_dispatch = self.estimator.call_time, self.load.on_dispatch
         for index, call in enumerate(workflow.stages[stage].calls):
             ticket = CallTicket(self.next_seq, run, stage, call, now, deadline, remaining, index)
             self.next_seq += 1
@@ -148,7 +150,11 @@ class GlobalScheduler:
                 i = select(ticket, now)
             except NoInstanceError:
                 continue  # parked: instance stays -1
-            self.charge(ticket, i, now)
+            # `charge`, inlined (the same three steps, in its order)
+            ticket.instance = i
+            ticket.work_s = call_time(i, call)
+            ticket.weight = weight(ticket, now)
+            on_dispatch(ticket)
         return tickets
 
     def dispatch(self, ticket: CallTicket, now: float) -> int:
@@ -291,14 +297,15 @@ class AdmissionEngine(Protocol):
 class InstanceScheduler:
     """One instance: its local queue in front of its engine's admission check."""
 
-    __slots__ = ("_on_admit", "engine", "queue")
+    __slots__ = ("admit_hook", "engine", "queue")
 
     def __init__(self, queue: LocalQueue, engine: AdmissionEngine) -> None:
         self.queue = queue
         self.engine = engine
-        # The hook, unless the queue keeps the base class's (which does nothing).
         hook = queue.on_admit
-        self._on_admit = None if type(queue).on_admit is LocalQueue.on_admit else hook
+        self.admit_hook = None if type(queue).on_admit is LocalQueue.on_admit else hook
+        """The queue's `on_admit`, unless it keeps the base class's (which does nothing):
+        what `admit_ready` calls on each admitted ticket (read-only outside)."""
 
     def admit_ready(self, now: float) -> list[CallTicket]:
         """Admit waiting calls in queue order while the engine has room; return them.
@@ -306,7 +313,7 @@ class InstanceScheduler:
         Head-of-line: when the queue's choice does not fit, nothing jumps it, so an urgent
         large call is not starved by a stream of small ones.
         """
-        queue, engine, on_admit = self.queue, self.engine, self._on_admit
+        queue, engine, on_admit = self.queue, self.engine, self.admit_hook
         admitted: list[CallTicket] = []
         while True:
             ticket = queue.peek(now)  # None when empty

@@ -194,14 +194,21 @@ class Simulation:
                 gc.enable()
 
     def _run(self) -> RunMetrics:
-        # The loop runs once per event: `_mark` is inlined, and so is planning each dirty
-        # instance's next event (the engine's `next_event_s`, pushed when it moved).
+        # The loop runs once per event: `_mark` is inlined, and so are each dirty
+        # instance's admissions (`InstanceScheduler.admit_ready`, with the queue's and the
+        # engine's methods bound once) and planning its next event (the engine's
+        # `next_event_s`, pushed when it moved).
         heap = self._heap
         arrivals = self._arrivals
         gen = self._gen
         planned = self._planned
         engines = self.engines
-        instances = self.instances
+        admission = [
+            (inst.queue.peek, inst.queue.pop, inst.engine.fits, inst.engine.admit, inst.admit_hook)
+            for inst in self.instances
+        ]
+        next_event = [engine.next_event_s for engine in engines]
+        advance = [engine.advance for engine in engines]
         dirty, is_dirty = self._dirty, self._is_dirty
         complete = self._complete
         heappop, heappush = heapq.heappop, heapq.heappush
@@ -222,7 +229,7 @@ class Simulation:
                 if g != gen[i]:
                     continue
                 planned[i] = inf
-                for ticket in engines[i].advance(now):
+                for ticket in advance[i](now):
                     complete(ticket, now)
                 if not is_dirty[i]:
                     is_dirty[i] = True
@@ -240,8 +247,16 @@ class Simulation:
                 break
             for i in dirty:
                 is_dirty[i] = False
-                instances[i].admit_ready(now)
-                t = engines[i].next_event_s()
+                peek, pop, fits, admit, on_admit = admission[i]
+                while True:  # `admit_ready`, inlined
+                    head = peek(now)  # None when empty
+                    if head is None or not fits(head):
+                        break
+                    pop(now)
+                    admit(head, now)
+                    if on_admit is not None:
+                        on_admit(head, now)
+                t = next_event[i]()
                 if t != planned[i]:
                     gen[i] += 1
                     planned[i] = t

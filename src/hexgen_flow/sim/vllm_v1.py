@@ -198,7 +198,13 @@ class VllmV1EngineModel:
             scale = self._scale(tokens, call.output_tokens)
         req = Request(ticket, scale, key, pblocks)
         self._reqs[ticket] = req
-        self._push_waiting(req, front=False)
+        # `_push_waiting(req, front=False)`, inlined (this runs for every call): its
+        # target is its prompt
+        self._waiting.append(req)
+        if tokens > self.max_num_batched_tokens and not self.admit_full_prompt:
+            tokens = self.max_num_batched_tokens
+        req.first = first = -(-tokens // BLOCK_SIZE)
+        self._waiting_blocks += first
         self.running += 1
         ticket.admitted_s = now
 
@@ -440,29 +446,35 @@ class VllmV1EngineModel:
 
     def _step(self) -> None:
         """Schedule and commit one step at the boundary `_t` (vLLM's `schedule`)."""
+        # Runs for every step that is not part of a segment: the blocks in use are a local
+        # (written back before any helper that reads or frees them), `len(table)` is read
+        # once, and `_alloc` and what was `_to_decode` are inlined.
         s = self._S
         budget = self.max_num_batched_tokens
         total = self._total_blocks
         prefixes = self._prefixes
         table = self._table
+        tlen = len(table)
+        curve = self._curve
         preempted = False
         dec = self._dec
         if dec.count:
             need = dec.step_blocks(s)
             if need > total - self._used:
                 preempted = self._preempt_for_decodes(s)
-            elif need:  # `_alloc`, inlined here and below
+            elif need:
                 self._used += need
                 if prefixes.cached_free > total - self._used:
                     prefixes.evict(total - self._used)
-        budget -= dec.count
+        d = dec.count  # after any preemption
+        budget -= d
         cost = 0.0
         # A step's fixed cost (scheduler, model runner, sampler) is paid once however many
         # prompts join it: the largest new prompt's prefill intercept, or the decode plane's
         # `a`; each prompt chunk adds only its marginal cost (`_chunk_s` with `marginal`,
-        # inlined: this runs for every step that is not part of a segment).
+        # inlined).
         fixed = 0.0
-        prefilled: list[Request] = []
+        prefilled: list[Request] | None = None
         tail = self._tail
         if tail is not None and not preempted:
             start = tail.done
@@ -480,81 +492,94 @@ class VllmV1EngineModel:
                     if prefixes.cached_free > total - self._used:
                         prefixes.evict(total - self._used)
                 if start == 0:
-                    fixed = self._intercept_s(tail)
-                marginal = table[end] if end < len(table) else self._curve(end)
-                marginal -= table[start] if start < len(table) else self._curve(start)
+                    fixed = tail.scale * table[0]  # `_intercept_s`
+                marginal = table[end] if end < tlen else curve(end)
+                marginal -= table[start] if start < tlen else curve(start)
                 cost += tail.scale * marginal if marginal > 0 else 0.0
                 tail.done = end
                 budget -= chunk
                 if tail.key is not None:
                     prefixes.register(tail)
                 if end == tail.target:
-                    prefilled.append(tail)
+                    prefilled = [tail]
                     self._tail = None
-        waiting, order = self._waiting, self._order
-        caching = self.enable_prefix_caching
-        max_batch = self.max_batch
-        intercept = table[0]  # the curve at zero tokens, as `_intercept_s` reads it
-        while not preempted and waiting and budget > 0 and len(order) < max_batch:
-            req = waiting[0]
-            hit, revive = prefixes.lookup(req) if caching else (0, 0)
-            blocks = self._start_blocks(req, hit) if hit else req.first
-            if blocks + revive > total - self._used:
-                if order or not hit:
-                    break
-                hit = 0  # an idle engine starts it without the cached prefix, not never
-            waiting.popleft()
-            if req.ticket.scheduled_s is None:
-                req.ticket.scheduled_s = self._t  # this step's start
-            self._waiting_blocks -= req.first
-            if hit:
-                self._used += prefixes.attach(req, hit)
-                req.ticket.cached_tokens = hit * BLOCK_SIZE
-            start = req.done
-            chunk = req.target - start
-            chunk = min(chunk, budget)
-            end = start + chunk
-            grow = (end + BLOCK_SIZE - 1) // BLOCK_SIZE - (start + BLOCK_SIZE - 1) // BLOCK_SIZE
-            if grow:
-                self._used += grow
-                if prefixes.cached_free > total - self._used:
-                    prefixes.evict(total - self._used)
-            scale = req.scale
-            fixed = max(fixed, scale * intercept)
-            marginal = table[end] if end < len(table) else self._curve(end)
-            marginal -= table[start] if start < len(table) else self._curve(start)
-            cost += scale * marginal if marginal > 0 else 0.0
-            req.done = end
-            budget -= chunk
-            req.state = PREFILL
-            order[req] = None
-            if caching:
-                prefixes.register(req)
-            if end == req.target:
-                prefilled.append(req)
-            else:
-                self._tail = req
-        d = dec.count
+        waiting = self._waiting
+        if not preempted and waiting and budget > 0:
+            order = self._order
+            caching = self.enable_prefix_caching
+            max_batch = self.max_batch
+            intercept = table[0]  # the curve at zero tokens, as `_intercept_s` reads it
+            used = self._used  # written back after the loop: nothing in it frees blocks
+            t = self._t
+            while waiting and budget > 0 and len(order) < max_batch:
+                req = waiting[0]
+                hit, revive = prefixes.lookup(req) if caching else (0, 0)
+                blocks = self._start_blocks(req, hit) if hit else req.first
+                if blocks + revive > total - used:
+                    if order or not hit:
+                        break
+                    hit = 0  # an idle engine starts it without the cached prefix, not never
+                waiting.popleft()
+                ticket = req.ticket
+                if ticket.scheduled_s is None:
+                    ticket.scheduled_s = t  # this step's start
+                self._waiting_blocks -= req.first
+                if hit:
+                    used += prefixes.attach(req, hit)
+                    ticket.cached_tokens = hit * BLOCK_SIZE
+                start = req.done
+                chunk = req.target - start
+                chunk = min(chunk, budget)
+                end = start + chunk
+                grow = (end + BLOCK_SIZE - 1) // BLOCK_SIZE - (start + BLOCK_SIZE - 1) // BLOCK_SIZE
+                if grow:
+                    used += grow
+                    if prefixes.cached_free > total - used:
+                        prefixes.evict(total - used)
+                scale = req.scale
+                fixed = max(fixed, scale * intercept)
+                marginal = table[end] if end < tlen else curve(end)
+                marginal -= table[start] if start < tlen else curve(start)
+                cost += scale * marginal if marginal > 0 else 0.0
+                req.done = end
+                budget -= chunk
+                req.state = PREFILL
+                order[req] = None
+                if caching:
+                    prefixes.register(req)
+                if end == req.target:
+                    if prefilled is None:
+                        prefilled = [req]
+                    else:
+                        prefilled.append(req)
+                else:
+                    self._tail = req
+            self._used = used
         if d:
-            cost += max(fixed, self._a) + self._b * d + self._c * dec.kv_tokens(s)
+            a = self._a
+            cost += (a if a > fixed else fixed) + self._b * d + self._c * dec.kv_tokens(s)
         else:
+            if not self._order:
+                raise RuntimeError("vllm-v1 engine model: a step with nothing to run")
             cost += fixed
-        if not d and not order:
-            raise RuntimeError("vllm-v1 engine model: a step with nothing to run")
-        self._S = s + 1
+        self._S = s = s + 1
         self._t += cost
         self._busy = True
         heap = dec.heap
-        if heap and heap[0][0] <= s + 1:
+        if heap and heap[0][0] <= s:
             self._finish_decodes()
-        for req in prefilled:
-            req.gen += 1  # the last chunk's step samples the next token
-            if req.gen >= req.out:
-                del order[req]
-                req.state = FINISHED
-                self._pending.append((req, -(-req.done // BLOCK_SIZE) - req.shared))
-            else:
-                self._to_decode(req)
+        if prefilled is not None:
+            for req in prefilled:
+                req.gen += 1  # the last chunk's step samples the next token
+                if req.gen >= req.out:
+                    del self._order[req]
+                    req.state = FINISHED
+                    self._pending.append((req, -(-req.done // BLOCK_SIZE) - req.shared))
+                else:  # `_to_decode`, inlined: its first decode step is s
+                    req.state = DECODE
+                    req.base = req.done - s
+                    req.fin = s + req.out - req.gen
+                    dec.add(req)
 
     def _preempt_for_decodes(self, s: int) -> bool:
         """Allocate this step's decode blocks in running order, preempting from the tail of
@@ -579,22 +604,16 @@ class VllmV1EngineModel:
 
     # ------------------------------------------------------------------ request states
 
-    def _to_decode(self, req: Request) -> None:
-        e = self._S  # its first decode step
-        req.state = DECODE
-        req.base = req.done - e
-        req.fin = e + req.out - req.gen
-        self._dec.add(req)
-
     def _finish_decodes(self) -> None:
         """Move the decodes whose last step is committed to the finished list."""
         s = self._S
+        order, pending = self._order, self._pending
         for req in self._dec.pop_finished(s):
-            req.done = req.base + s  # its tokens in the KV cache, for `progress`
+            req.done = done = req.base + s  # its tokens in the KV cache, for `progress`
             req.gen = req.out
-            del self._order[req]
+            del order[req]
             req.state = FINISHED
-            self._pending.append((req, -(-req.done // BLOCK_SIZE) - req.shared))
+            pending.append((req, -(-done // BLOCK_SIZE) - req.shared))
 
     def _release(self, req: Request) -> None:
         """Take a running request out of the running list and free its blocks."""
