@@ -307,6 +307,7 @@ class ClusterLoad:
         "min_kv_tokens",
         "others_in_flight",
         "others_outstanding_s",
+        "others_reported",
         "others_tokens",
         "others_weight",
         "others_weighted_outstanding_s",
@@ -350,6 +351,9 @@ class ClusterLoad:
         """Those calls' weights summed (0: not reported, e.g. by an older worker)."""
         self.others_weighted_outstanding_s = [0.0] * n
         """Those calls' weight x estimated seconds summed (0: not reported)."""
+        self.others_reported = False
+        """Whether `report_others` was ever called: False, every `others_*` entry is 0 (a
+        dispatcher skips their terms without reading them; read-only outside)."""
 
     def on_dispatch(self, ticket: CallTicket) -> None:
         i = ticket.instance
@@ -397,6 +401,7 @@ class ClusterLoad:
         `others_weight` and `others_weighted_outstanding_s` (0: not reported). Their
         KV-token-seconds are not reported: `outstanding_kv_s` stays this driver's own."""
         i = instance
+        self.others_reported = True
         in_flight, tokens = max(in_flight, 0), max(tokens, 0)
         outstanding_s = _non_negative(outstanding_s)
         self.in_flight[i] += in_flight - self.others_in_flight[i]

@@ -319,8 +319,10 @@ class MarginalLatencyDispatcher(Dispatcher):
         reported = load.others_weight if power else None
         reported_work = load.others_weighted_outstanding_s
         # Only this driver's calls (the simulator's case): every term of another driver's
-        # is 0, whatever the mean, and is left out.
-        alone = not (any(others) or any(others_work) or (reported is not None and any(reported)))
+        # is 0, whatever the mean, and is left out (not read at all when none was reported).
+        alone = not load.others_reported or not (
+            any(others) or any(others_work) or (reported is not None and any(reported))
+        )
         mean = 1.0
         if power and not alone:
             own_calls = sum(in_flight) - sum(others)

@@ -334,7 +334,19 @@ class VllmV1EngineModel:
             if blocks > free:  # the most steps whose blocks fit, fewer than n
                 n, blocks = self._fit_blocks(n, free)
             if n > 0:
-                self._start_run(n, blocks)
+                # Start the segment (once `_start_run`, inlined: a segment is planned about
+                # every other event): its constants and its end
+                self._run_s0, self._run_d, self._run_tail = s, d, tail
+                self._run_const = self._a + self._b * d + self._c * dec.kv_tokens(s) if d else 0.0
+                if tail is not None:
+                    self._run_beta = self.max_num_batched_tokens - d
+                    self._run_c0 = tail.done
+                else:
+                    self._run_beta = self._run_c0 = 0
+                self._run_blocks = blocks
+                self._run_n = n
+                self._run_t0 = t = self._t
+                self._run_end = t + self._run_dur(n)
                 return
         self._step()
 
@@ -369,23 +381,6 @@ class VllmV1EngineModel:
                 hi = mid
         return lo, need(lo)
 
-    def _start_run(self, n: int, blocks: int) -> None:
-        """Plan a segment of n steps that allocate `blocks` (`_fit_blocks`)."""
-        tail, dec = self._tail, self._dec
-        d = dec.count
-        s = self._S
-        self._run_s0, self._run_d, self._run_tail = s, d, tail
-        self._run_const = self._a + self._b * d + self._c * dec.kv_tokens(s) if d else 0.0
-        if tail is not None:
-            self._run_beta = self.max_num_batched_tokens - d
-            self._run_c0 = tail.done
-        else:
-            self._run_beta = self._run_c0 = 0
-        self._run_blocks = blocks
-        self._run_n = n
-        self._run_t0 = t = self._t
-        self._run_end = t + self._run_dur(n)
-
     def _run_dur(self, k: int) -> float:
         """Seconds of the segment's first k steps."""
         d = self._run_d
@@ -419,10 +414,14 @@ class VllmV1EngineModel:
     def _commit_run(self, k: int) -> None:
         tail = self._run_tail
         if k == self._run_n:
-            # The whole segment: it ends where `_start_run` summed, with the blocks
+            # The whole segment: it ends where `_plan` summed, with the blocks
             # `_fit_blocks` counted (one allocation of them evicts as the two below would).
             self._t = self._run_end
-            self._alloc(self._run_blocks)
+            # `_alloc(self._run_blocks)`, inlined: every segment that runs to its end
+            self._used = used = self._used + self._run_blocks
+            free = self._total_blocks - used
+            if self._prefixes.cached_free > free:
+                self._prefixes.evict(free)
             if tail is not None:
                 tail.done = self._run_c0 + k * self._run_beta
         else:
