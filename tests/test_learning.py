@@ -13,7 +13,13 @@ import pytest
 
 from cli_runner import run_json
 from hexgen_flow.cluster import parse_cluster
-from hexgen_flow.learning import CallCost, CostLearner, InstanceCostLearner, LearnerSettings
+from hexgen_flow.learning import (
+    CallCost,
+    CostLearner,
+    CostMeter,
+    InstanceCostLearner,
+    LearnerSettings,
+)
 from hexgen_flow.policies.dispatch import MarginalLatencyDispatcher
 from hexgen_flow.policies.presets import PRESETS
 from hexgen_flow.runtime import CallTicket, QueryRun
@@ -25,6 +31,8 @@ from hexgen_flow.traces import load_trace, take_queries
 from hexgen_flow.workload import LLMCall, Query, Workflow
 
 L40S = parse_cluster("L40S").instances[0]
+SETTINGS = LearnerSettings(prior_calls=2.0, memory_calls=600.0)
+"""A light prior and a long memory: the factors of exact calls come out within a few %."""
 CLUSTER = parse_cluster("A100,A100,A6000,L40S")
 
 
@@ -68,7 +76,7 @@ def served(learner: InstanceCostLearner, cost: CallCost, a: float, b: float) -> 
 
 @pytest.mark.parametrize(("a", "b"), [(1.0, 1.0), (2.0, 0.8), (0.5, 1.6), (1.3, 1.3)])
 def test_the_learner_finds_the_factors_of_calls_it_can_explain(a: float, b: float) -> None:
-    learner = InstanceCostLearner(L40S, LearnerSettings())
+    learner = InstanceCostLearner(L40S, SETTINGS)
     for cost in calls(random.Random(1), 400):
         learner.observe(served(learner, cost, a, b))
     assert learner.a == pytest.approx(a, rel=0.05)
@@ -89,7 +97,7 @@ def test_a_few_calls_move_little_and_many_move_all_the_way() -> None:
 
 def test_odd_calls_do_not_move_the_factors_far() -> None:
     rng = random.Random(3)
-    learner = InstanceCostLearner(L40S, LearnerSettings())
+    learner = InstanceCostLearner(L40S, SETTINGS)
     for cost in calls(rng, 500):
         honest = served(learner, cost, 1.5, 1.0)
         if rng.random() < 0.1:  # preempted and recomputed, or a stalled worker: 20x
@@ -113,14 +121,14 @@ def test_the_learner_follows_drift() -> None:
 
 
 def test_a_table_far_off_is_learned_not_dropped_as_outliers() -> None:
-    learner = InstanceCostLearner(L40S, LearnerSettings())
+    learner = InstanceCostLearner(L40S, SETTINGS)
     for cost in calls(random.Random(5), 800):
         learner.observe(served(learner, cost, 12.0, 1.0))  # 12x: every call an "outlier"
     assert learner.a == pytest.approx(12.0, rel=0.1)
 
 
 def test_no_factor_falls_below_the_physical_floor() -> None:
-    learner = InstanceCostLearner(L40S, LearnerSettings())
+    learner = InstanceCostLearner(L40S, SETTINGS)
     floor_a = learner.floor_prefill
     assert 0 < floor_a < 1  # aiconfigurator's L40S prefill sits far above its FLOP floor
     for cost in calls(random.Random(6), 400):
@@ -219,3 +227,52 @@ def test_rescaled_models_leave_the_prior_alone() -> None:
     assert prior.rescaled(1.0, 1.0) is prior
     with pytest.raises(ValueError, match="finite and > 0"):
         prior.rescaled(0.0, 1.0)
+
+
+def test_the_cost_meter_integrates_between_events() -> None:
+    """The coordinator's view: calls taken and returned at given times, nothing else."""
+    meter = CostMeter(1)
+    run = QueryRun(Query("q", Workflow.chain([(LLMCall("a", 1000, 100),)])), 0, 0.0, 1e9)
+    a = CallTicket(0, run, 0, LLMCall("a", 1000, 100), 0.0, 1e9)
+    b = CallTicket(1, run, 0, LLMCall("b", 500, 50), 0.0, 1e9)
+    c = CallTicket(2, run, 0, LLMCall("c", 300, 10), 0.0, 1e9)
+    meter.taken(a, 0.0)
+    meter.taken(b, 2.0)
+    cost_b = meter.finished(b, 4.0)
+    cost_a = meter.finished(a, 6.0, service_s=5.5)
+    assert cost_a is not None and cost_b is not None
+    assert cost_b.mean_batch == pytest.approx(2.0) and cost_b.others_calls == 0
+    assert cost_b.service_s == pytest.approx(2.0)
+    assert cost_a.mean_batch == pytest.approx(8 / 6)  # 1 call, then 2, then 1: 2 s each
+    assert cost_a.others_calls == 1 and cost_a.others_prompt_tokens == 500
+    assert cost_a.service_s == 5.5  # as the engine reported it
+    assert cost_a.mean_kv_tokens == pytest.approx((1050 * 6 + 525 * 2) / 6)
+    meter.taken(c, 6.0)
+    meter.dropped(c, 7.0)
+    assert meter.finished(c, 8.0) is None and meter.held == 0
+
+
+def test_a_learner_carries_on_from_its_kept_state() -> None:
+    cluster = parse_cluster("A100,L40S")
+    first = CostLearner(cluster, SETTINGS)
+    stream = calls(random.Random(8), 300)
+    for cost in stream[:200]:
+        first.observe(served(first.instances[1], dataclasses.replace(cost, instance=1), 2.0, 1.2))
+    kept = first.states(cluster)
+    second = CostLearner(cluster, SETTINGS)
+    assert second.restore(cluster, kept) == [0, 1]
+    assert second.factors() == first.factors()
+    for cost in stream[200:]:  # the same calls next: the same factors
+        call = dataclasses.replace(cost, instance=1)
+        assert first.observe(served(first.instances[1], call, 2.0, 1.2)) == second.observe(
+            served(second.instances[1], call, 2.0, 1.2)
+        )
+    assert second.factors() == first.factors()
+    # Kept over other numbers (another calibration, another GPU in the slot): ignored.
+    other = parse_cluster("A100,L40S", calibration="chess-measured")
+    assert CostLearner(other).restore(other, kept) == []
+    swapped = parse_cluster("A100,A6000")
+    assert CostLearner(swapped).restore(swapped, kept) == [0]
+    # A state that is not one is ignored, not trusted.
+    broken = {"A100#0": "{not json", "L40S#1": '{"gpu": "L40S", "a": "x"}'}
+    assert CostLearner(cluster).restore(cluster, broken) == []

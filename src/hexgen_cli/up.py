@@ -127,6 +127,12 @@ def register(commands: Any) -> None:
         "coordinator's, reject)",
     )
     up.add_argument(
+        "--learn-costs",
+        action="store_true",
+        help="the coordinator learns each instance's prefill and decode costs online from the "
+        "calls it served, with the calibration as the prior (default: off)",
+    )
+    up.add_argument(
         "--retention-s",
         type=positive_float,
         default=None,
@@ -205,6 +211,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
             alpha=args.alpha,
             slo_scale=args.slo_scale,
             admission=args.admission,
+            learn_costs=args.learn_costs,
             retention_s=args.retention_s,
             max_call_attempts=args.max_call_attempts,
             time_scale=args.time_scale,
@@ -313,6 +320,7 @@ def _print_up(cluster: Any, args: argparse.Namespace) -> None:
         f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}"
         for flag, value in (
             ("admission", args.admission),
+            ("learns costs", "online" if args.learn_costs else None),
             ("retention", args.retention_s),
             ("max call attempts", args.max_call_attempts),
         )

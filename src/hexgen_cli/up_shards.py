@@ -33,6 +33,8 @@ def _coordinator_args(args: argparse.Namespace) -> tuple[str, ...]:
     if args.alpha is not None:
         out += ["--alpha", repr(args.alpha)]
     out += ["--admission", args.admission or "off"]
+    if args.learn_costs:
+        out += ["--learn-costs"]
     if args.retention_s is not None:
         out += ["--retention-s", repr(args.retention_s)]
     if args.max_call_attempts is not None:

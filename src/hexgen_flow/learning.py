@@ -51,18 +51,23 @@ One implementation serves the simulator and the coordinator alike.
 
 from __future__ import annotations
 
+import json
 import math
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from hexgen_flow.cluster import Cluster, InstanceSpec
 from hexgen_flow.errors import ConfigError, HexgenFlowError
 from hexgen_flow.latency import LatencyModel
 from hexgen_flow.roofline import decode_step_floor_s, prefill_floor_s
+from hexgen_flow.runtime import CallTicket
 
 __all__ = [
     "CallCost",
     "CostLearner",
+    "CostMeter",
     "InstanceCostLearner",
     "LearnedFactors",
     "LearnerSettings",
@@ -77,6 +82,9 @@ CAUCHY_SCALE = 0.7
 nearly fully, ones 4x off count about a fifth."""
 FLOOR_PROMPT_TOKENS = 4096
 """Prompt length at which the prefill floor is compared with the calibrated prefill."""
+MAX_HELD = 4096
+"""Calls a `CostMeter` holds at most: past it the oldest is dropped (a driver that missed
+a call's end must not grow it without bound)."""
 FLOOR_CONTEXT_TOKENS = 2048
 """Context at which the decode-step floor is compared with the calibrated batch-1 step."""
 
@@ -109,9 +117,9 @@ class CallCost:
 class LearnerSettings:
     """How fast and how far the learner moves from the calibration."""
 
-    prior_calls: float = 4.0
+    prior_calls: float = 8.0
     """How many calls the calibration counts as (n0)."""
-    memory_calls: float = 500.0
+    memory_calls: float = 400.0
     """Calls after which an old call weighs 1/e of a new one."""
     refit_calls: int = 8
     """Calls of an instance between two refits."""
@@ -266,6 +274,37 @@ class InstanceCostLearner:
     def factors(self) -> LearnedFactors:
         return LearnedFactors(self.a, self.b, self.calls, self.dropped)
 
+    def state(self) -> dict[str, Any]:
+        """Everything it learned, as JSON-able values (`restore` takes it back)."""
+        return {
+            "a": self.a,
+            "b": self.b,
+            "calls": self.calls,
+            "dropped": self.dropped,
+            "dropped_run": self._dropped_run,
+            "since_fit": self._since_fit,
+            "sums": list(self._sums),
+        }
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """Carry on from `state` (`state`); ConfigError when it is not one."""
+        try:
+            sums = [float(x) for x in state["sums"]]
+            a, b = float(state["a"]), float(state["b"])
+            values = (a, b, float(state["dropped_run"]), *sums)
+            calls, dropped = int(state["calls"]), int(state["dropped"])
+            since_fit = int(state["since_fit"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"not a cost learner's state: {exc}") from None
+        if len(sums) != 6 or not all(math.isfinite(v) for v in values) or min(a, b) <= 0:
+            raise ConfigError("not a cost learner's state: bad numbers")
+        self.a = max(a, self.floor_prefill)
+        self.b = max(b, self.floor_decode)
+        self.calls, self.dropped = max(calls, 0), max(dropped, 0)
+        self._dropped_run = max(float(state["dropped_run"]), 0.0)
+        self._since_fit = max(since_fit, 0)
+        self._sums = sums
+
 
 def _floors(prior: LatencyModel) -> tuple[float, float]:
     """The least (prefill, decode) factors the physics allow on `prior`'s hardware."""
@@ -309,3 +348,178 @@ class CostLearner:
 
     def factors(self) -> Sequence[LearnedFactors]:
         return [learner.factors() for learner in self.instances]
+
+    def states(self, cluster: Cluster) -> dict[str, str]:
+        """Each instance's learned state as JSON, by instance name, with what it was
+        learned over (GPU, model, calibration): what a coordinator keeps across restarts."""
+        return {
+            inst.name: json.dumps(
+                {
+                    "gpu": inst.gpu,
+                    "model": inst.model,
+                    "calibration": cluster.calibration.name,
+                    **learner.state(),
+                }
+            )
+            for inst, learner in zip(cluster.instances, self.instances, strict=True)
+        }
+
+    def restore(self, cluster: Cluster, states: Mapping[str, str]) -> list[int]:
+        """Take back the states `states` kept of instances that are still what they were
+        (same name, GPU, model and calibration); return the instances restored. Anything
+        else is ignored: an instance that changed starts from its calibration again."""
+        restored = []
+        for inst, learner in zip(cluster.instances, self.instances, strict=True):
+            text = states.get(inst.name)
+            if text is None:
+                continue
+            try:
+                state = json.loads(text)
+                if not isinstance(state, dict):
+                    continue
+                same = (state.get("gpu"), state.get("model"), state.get("calibration"))
+                if same != (inst.gpu, inst.model, cluster.calibration.name):
+                    continue
+                learner.restore(state)
+            except (ValueError, ConfigError):
+                continue
+            restored.append(inst.index)
+        return restored
+
+
+class CostMeter:
+    """What each finished call cost one instance (`CallCost`), from the events its driver
+    sees and nothing of the engine's insides: a call handed to the engine (`taken`), a
+    call back (`finished`), a call lost or withdrawn (`dropped`). The simulator meters its
+    engine models with it (`hexgen_flow.sim.metering`), the coordinator its workers.
+
+    Between events the number of calls held is constant, so the time integrals of the
+    calls held and of the KV tokens they hold (each its prompt and half its output) are
+    exact sums; a call's means are their growth over its service. The calls taken after
+    a call and before it finished shared its steps: their prompts, less what the engine
+    found cached (as it said, for a call back; the recent share, for one still held: a
+    driver hears of a call's cache hits when it is back), are its ``others``.
+    """
+
+    __slots__ = (
+        "_area",
+        "_backs",
+        "_cached_share",
+        "_held",
+        "_kv",
+        "_kv_area",
+        "_log",
+        "_log_base",
+        "_started",
+        "_t",
+        "instance",
+        "step_tokens",
+    )
+
+    def __init__(self, instance: int, step_tokens: int = 0) -> None:
+        self.instance = instance
+        self.step_tokens = step_tokens
+        """The engine's chunked-prefill budget per step (0: unknown, or it prefills alone)."""
+        self._area = 0.0  # integral of the calls held over time, up to _t
+        self._kv_area = 0.0  # integral of the KV tokens they hold, up to _t
+        self._kv = 0.0  # KV tokens the calls held now hold
+        self._held = 0  # calls held now
+        self._t = 0.0
+        self._log: deque[CallTicket] = deque()  # calls taken, oldest first
+        self._log_base = 0  # the position of _log[0] among every call taken
+        self._started: dict[CallTicket, tuple[float, float, int, float]] = {}
+        """Per call held: the integrals when it was taken, its place in the log, when."""
+        self._backs = 0  # calls back so far
+        self._cached_share = 0.0
+        """The share of a prompt found cached, over the recent calls back (what a call still
+        held is assumed to find: a driver learns its cached tokens only when it is back)."""
+
+    @property
+    def held(self) -> int:
+        """Calls taken and neither finished nor dropped."""
+        return self._held
+
+    def _advance(self, now: float) -> None:
+        if now > self._t:
+            dt = now - self._t
+            self._area += self._held * dt
+            self._kv_area += self._kv * dt
+            self._t = now
+
+    @staticmethod
+    def _kv_of(ticket: CallTicket) -> float:
+        call = ticket.call
+        return call.input_tokens + call.output_tokens / 2
+
+    def taken(self, ticket: CallTicket, now: float) -> None:
+        """The engine took `ticket` at `now` (a call taken again is taken anew)."""
+        started = self._started
+        if ticket in started:
+            self.dropped(ticket, now)
+        while len(started) >= MAX_HELD:
+            self.dropped(next(iter(started)), now)
+        self._advance(now)
+        self._held += 1
+        self._kv += self._kv_of(ticket)
+        self._log.append(ticket)
+        position = self._log_base + len(self._log) - 1
+        self._started[ticket] = (self._area, self._kv_area, position, now)
+
+    def dropped(self, ticket: CallTicket, now: float) -> None:
+        """`ticket` left the engine without a result worth learning from."""
+        self._advance(now)
+        if self._started.pop(ticket, None) is not None:
+            self._held -= 1
+            self._kv -= self._kv_of(ticket)
+        self._trim()
+
+    def finished(
+        self, ticket: CallTicket, now: float, service_s: float | None = None
+    ) -> CallCost | None:
+        """`ticket` came back at `now`: what it cost (None if it was not taken here).
+        `service_s`: its service time as the engine reports it; by default from its
+        first step (`CallTicket.scheduled_s`, else when it was taken) to `now`."""
+        self._advance(now)
+        started = self._started.pop(ticket, None)
+        if started is None:
+            return None
+        self._held -= 1
+        self._kv -= self._kv_of(ticket)
+        area0, kv0, position, taken_s = started
+        if service_s is None:
+            start = ticket.scheduled_s if ticket.scheduled_s is not None else taken_s
+            service_s = now - start
+        span = now - taken_s
+        call = ticket.call
+        if call.input_tokens > 0:
+            share = min(ticket.cached_tokens, call.input_tokens) / call.input_tokens
+            self._backs += 1  # a plain mean over the first 20, then recent ones weigh more
+            self._cached_share += max(0.05, 1 / self._backs) * (share - self._cached_share)
+        log, held, others, tokens = self._log, self._started, 0, 0.0
+        uncached = 1.0 - self._cached_share
+        for k in range(position + 1 - self._log_base, len(log)):
+            other = log[k]
+            others += 1
+            if other in held:
+                tokens += other.call.input_tokens * uncached
+            else:
+                tokens += other.call.input_tokens - other.cached_tokens
+        self._trim()
+        return CallCost(
+            self.instance,
+            call.input_tokens,
+            call.output_tokens,
+            service_s,
+            max((self._area - area0) / span, 1.0) if span > 0 else 1.0,
+            (self._kv_area - kv0) / span if span > 0 else self._kv_of(ticket),
+            ticket.cached_tokens,
+            others,
+            round(tokens),
+            self.step_tokens,
+        )
+
+    def _trim(self) -> None:
+        log, held = self._log, self._started
+        while log and log[0] not in held:  # nobody still held was taken before it
+            log.popleft()
+            self._log_base += 1

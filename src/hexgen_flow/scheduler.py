@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+from collections.abc import Mapping
 from typing import Protocol
 
 from hexgen_flow.cluster import Cluster
@@ -82,6 +83,21 @@ class GlobalScheduler:
         self.dispatcher.costs_changed()
         self.budget.costs_changed()
         return True
+
+    def restore_costs(self, states: Mapping[str, str]) -> list[int]:
+        """Carry on learning from states a restarted driver kept (`CostLearner.states`):
+        the instances restored believe what was learned at once. Without `learn_costs`,
+        does nothing."""
+        learner = self.learner
+        if learner is None:
+            return []
+        restored = learner.restore(self.cluster, states)
+        for i in restored:
+            self.estimator.recalibrate(i, learner.model(i))
+        if restored:
+            self.dispatcher.costs_changed()
+            self.budget.costs_changed()
+        return restored
 
     def make_queue(self, instance: int) -> LocalQueue:
         """The preset's local queue for `instance` (used where the instance runs)."""

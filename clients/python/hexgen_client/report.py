@@ -81,6 +81,10 @@ def status_json(status: coordinator_pb2.ClusterStatusResponse) -> dict[str, Any]
                 "kv_used_tokens": i.kv_used_tokens,
                 "kv_capacity_tokens": i.kv_capacity_tokens,
                 "outstanding_s": i.outstanding_s,
+                # 0 when the coordinator does not learn costs (--learn-costs)
+                "learned_prefill_factor": i.learned_prefill_factor,
+                "learned_decode_factor": i.learned_decode_factor,
+                "learned_calls": i.learned_calls,
             }
             for i in status.instances
         ],
@@ -129,7 +133,7 @@ def status_lines(status: coordinator_pb2.ClusterStatusResponse, address: str) ->
         f"{status.queries_failed} failed, {status.queries_rejected} rejected",
         "",
     ]
-    header = (
+    header: tuple[str, ...] = (
         "slot",
         "instance",
         "model",
@@ -141,6 +145,9 @@ def status_lines(status: coordinator_pb2.ClusterStatusResponse, address: str) ->
         "KV used",
         "outstanding",
     )
+    learning = any(i.learned_prefill_factor > 0 for i in status.instances)
+    if learning:  # --learn-costs: what each instance costs over its calibration
+        header = (*header, "learned cost")
     rows = [header]
     for i in sorted(status.instances, key=lambda i: i.index):
         kv = (
@@ -160,6 +167,14 @@ def status_lines(status: coordinator_pb2.ClusterStatusResponse, address: str) ->
                 str(i.queued),
                 kv,
                 f"{i.outstanding_s:.1f} s",
+                *(
+                    (
+                        f"prefill x{i.learned_prefill_factor:.2f} decode "
+                        f"x{i.learned_decode_factor:.2f} ({i.learned_calls} calls)",
+                    )
+                    if learning
+                    else ()
+                ),
             )
         )
     widths = [max(len(row[c]) for row in rows) for c in range(len(header))]

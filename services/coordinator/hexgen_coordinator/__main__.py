@@ -195,6 +195,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[CoordinatorConfig, str]:
         help="allow listening beyond loopback without API keys and TLS (protected mode off)",
     )
     parser.add_argument(
+        "--learn-costs",
+        action=argparse.BooleanOptionalAction,
+        default=defaults.learn_costs,
+        help="learn each instance's prefill and decode costs online from the calls it served, "
+        "with the calibration as the prior (default: off; hexgen_flow.learning)",
+    )
+    parser.add_argument(
         "--gc-tuning",
         action=argparse.BooleanOptionalAction,
         default=defaults.gc_tuning,
@@ -333,6 +340,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[CoordinatorConfig, str]:
         tls_ca=args.tls_ca or "",
         insecure=args.insecure,
         gc_tuning=args.gc_tuning,
+        learn_costs=args.learn_costs,
         event_loop=args.event_loop,
         pipelined_redis=args.pipelined_redis,
     )

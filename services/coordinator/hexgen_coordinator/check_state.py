@@ -53,6 +53,7 @@ _FIXED = (
     "admitted",
     "finished",
     "alpha:history",
+    "learned",  # the cost learners' states (--learn-costs)
     "lease",  # a coordinator shard's (hexgen_coordinator.shards)
 )
 _TUNER = ("tuner:runs", "tuner:alpha_history", "tuner:run_seq")

@@ -21,6 +21,7 @@ from hexgen_coordinator.store import COMPLETE_DUPLICATE, FailureResult, Workflow
 from hexgen_coordinator.views import QueryViews
 from hexgen_coordinator.write_behind import WriteBehind
 from hexgen_flow.cluster import Cluster
+from hexgen_flow.learning import CostMeter
 from hexgen_flow.runtime import CallTicket
 from hexgen_flow.scheduler import GlobalScheduler
 
@@ -52,6 +53,16 @@ class Completions:
         self.dispatch = dispatch
         self.writes = writes
         self.views = views
+        self.meters = (
+            [CostMeter(i) for i in range(len(cluster))] if scheduler.learner is not None else None
+        )
+        """What each call costs its instance (`CallCost`), for the scheduler's cost learner
+        (`--learn-costs`); None: it does not learn."""
+
+    def _meter_dropped(self, ticket: CallTicket, slot: int) -> None:
+        """A call left its worker without a result to learn from."""
+        if self.meters is not None and 0 <= slot < len(self.meters):
+            self.meters[slot].dropped(ticket, self.ledger.clock.now())
 
     def on_started(self, link: WorkerLink, msg: wpb.CallStarted) -> None:
         ledger = self.ledger
@@ -61,6 +72,8 @@ class Completions:
             return
         if ticket.instance == link.slot:
             ledger.started.add(msg.call_id)  # running: no longer moved on a new deadline
+            if self.meters is not None:
+                self.meters[link.slot].taken(ticket, ledger.clock.now())
         record_event(
             entry,
             K.QUERY_EVENT_KIND_CALL_STARTED,
@@ -173,6 +186,15 @@ class Completions:
             ledger.started.discard(call_id)
             ledger.drop_prompt(entry, call_id)  # Redis's copy went with the completion
             ledger.completions += 1
+            if self.meters is not None and ran_on >= 0:
+                ticket.cached_tokens = max(msg.cached_tokens, 0)  # as the engine says
+                # The worker's own times where it gives them: the engine's service alone.
+                service = (
+                    msg.finished_s - msg.started_s if msg.finished_s > msg.started_s > 0 else None
+                )
+                cost = self.meters[ran_on].finished(ticket, now, service)
+                if cost is not None:
+                    self.scheduler.observe_cost(cost)
             released = self.scheduler.complete(ticket, now)
             stages_released = sorted({t.stage for t in released})
             if result.applied and tuple(stages_released) != tuple(sorted(result.released)):
@@ -304,6 +326,7 @@ class Completions:
             log.warning("redis refused the failure of %s (status %d)", call_id, result.status)
             return
         failed_on = ticket.instance if ticket.instance >= 0 else link.slot
+        self._meter_dropped(ticket, link.slot)
         self.ledger.started.discard(call_id)
         self.scheduler.withdraw(ticket)  # off the failing instance while it waits
         self.writes.persist(entry, [ticket])
@@ -331,6 +354,7 @@ class Completions:
                 or ledger.tickets.get(call_id) is not ticket
             ):
                 return  # the query ended, or the call completed (a result resent), meanwhile
+            self._meter_dropped(ticket, slot)
             why = f"its worker died while running it ({reason})"
             result = await self._count_failure(
                 entry,
@@ -428,6 +452,7 @@ class Completions:
                 link = ledger.links[ticket.instance]
                 if link is not None:
                     link.send(wpb.ConnectResponse(cancel=wpb.CancelCall(call_id=ticket.call_id)))
+                self._meter_dropped(ticket, ticket.instance)
             self.scheduler.withdraw(ticket)
             del ledger.tickets[ticket.call_id]
             ledger.started.discard(ticket.call_id)

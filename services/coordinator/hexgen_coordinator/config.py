@@ -87,6 +87,10 @@ class CoordinatorConfig:
     workers show no certificate."""
     insecure: bool = False
     """Listen on a non-loopback address without protection (protected mode off)."""
+    learn_costs: bool = False
+    """Learn each instance's prefill and decode costs online from the calls its worker
+    served, with the calibration as the prior (`hexgen_flow.learning`): dispatch, the
+    urgency queues' estimates, stage budgets and admission plan with what was learned."""
     gc_tuning: bool = True
     """Freeze the objects alive after start-up and raise the young generation's threshold
     (`hexgen_service.gc_tuning`), so full collections stay short."""

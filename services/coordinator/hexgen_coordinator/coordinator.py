@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
 from hexgen_api.v1 import coordinator_pb2 as cpb
 from hexgen_api.v1 import worker_pb2 as wpb
@@ -59,6 +60,9 @@ __all__ = ["Coordinator", "SlotTakenError", "UnknownQueryError", "WorkerLink"]
 
 log = logging.getLogger(__name__)
 
+LEARNED_SAVE_S = 5.0
+"""Wall seconds between two writes of the learned costs to Redis (`--learn-costs`)."""
+
 
 class Coordinator:
     def __init__(
@@ -78,6 +82,8 @@ class Coordinator:
         self.cluster = parse_cluster(config.cluster, config.model, config.calibration)
         preset = resolve_policy(config.policy)
         self.scheduler = GlobalScheduler(self.cluster, preset, seed=config.seed)
+        if config.learn_costs:
+            self.scheduler.learn_costs()
         self.store = WorkflowStore(
             redis,
             config.redis_prefix,
@@ -177,6 +183,14 @@ class Coordinator:
         if alpha is not None and self.scheduler.alpha is not None:
             self.scheduler.set_alpha(alpha)
         self.ledger.queries_finished = int(await self.redis.xlen(self.store.finished_key))
+        if self.scheduler.learner is not None:
+            restored = self.scheduler.restore_costs(await self.store.learned())
+            if restored:
+                log.info(
+                    "cost learning carries on for %s",
+                    ", ".join(self.cluster.instances[i].name for i in restored),
+                )
+            self._tasks.append(asyncio.create_task(self._keep_learned()))
         if not self.config.redis_cluster:  # a cluster's memory is per node
             memory = RedisMemory(self.redis, self.config.redis_memory_limit)
             await memory.start()
@@ -192,9 +206,33 @@ class Coordinator:
         self._tasks.append(asyncio.create_task(watch_loop_lag(lag.observe)))
         self._tasks.append(asyncio.create_task(self._sessions.close_idle()))
 
+    async def _keep_learned(self) -> None:
+        """Write what the cost learners learned to Redis every `LEARNED_SAVE_S` wall
+        seconds when it changed (a crash loses at most that much learning; `stop` writes
+        the rest)."""
+        saved: dict[str, str] = {}
+        while True:
+            await asyncio.sleep(LEARNED_SAVE_S)
+            saved = await self._save_learned(saved)
+
+    async def _save_learned(self, saved: dict[str, str]) -> dict[str, str]:
+        learner = self.scheduler.learner
+        if learner is None:
+            return saved
+        states = learner.states(self.cluster)
+        changed = {k: v for k, v in states.items() if saved.get(k) != v}
+        if changed:
+            try:
+                await self.store.save_learned(changed)
+            except RedisError as exc:  # the next round tries again
+                log.warning("could not keep the learned costs in Redis: %s", exc)
+                return saved
+        return states
+
     async def stop(self) -> None:
         await self._admission.stop()
         await self.flush()
+        await self._save_learned({})
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:

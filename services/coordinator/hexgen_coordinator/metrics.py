@@ -230,3 +230,23 @@ class _Present(Collector):
             for name, value in values.items():
                 families[name].add_metric([inst.name], float(value))
         yield from families.values()
+        learner = self.scheduler.learner
+        if learner is not None:
+            factor = GaugeMetricFamily(
+                "hexgen_flow_instance_learned_cost_factor",
+                "What the instance really costs over what its calibration says, as learned "
+                "online from its calls (--learn-costs): part=prefill or decode; 1 = the "
+                "calibration is right.",
+                labels=["instance", "part"],
+            )
+            observed = GaugeMetricFamily(
+                "hexgen_flow_instance_learned_calls",
+                "Calls the instance's cost learner took in (dropped outliers included).",
+                labels=["instance"],
+            )
+            for inst, learned in zip(self.cluster.instances, learner.factors(), strict=True):
+                factor.add_metric([inst.name, "prefill"], learned.prefill)
+                factor.add_metric([inst.name, "decode"], learned.decode)
+                observed.add_metric([inst.name], float(learned.calls))
+            yield factor
+            yield observed

@@ -29,6 +29,8 @@ Key layout (every key starts with the configured prefix P, default ``hf:``)::
     P finished             stream one entry per finished query, with its shape (a workflow
                                   session's shape is known only here)
     P alpha:history        list   JSON of the latest alpha changes
+    P learned              hash   instance name -> JSON of its cost learner's state (with
+                                  --learn-costs: what a restarted coordinator carries on from)
 
 No id can make two keys collide: a query's keys sit in different namespaces (``q:``,
 ``ev:``, ``pr:``), and none can spell a fixed key.
@@ -421,6 +423,16 @@ class WorkflowStore:
             pipe.rpush(history, json.dumps({"time_s": now, "alpha": alpha, "reason": reason}))
             pipe.ltrim(history, -ALPHA_HISTORY_MAX, -1)
             await pipe.execute()
+
+    async def learned(self) -> dict[str, str]:
+        """The cost learners' states kept by `save_learned`, by instance name."""
+        raw = await self.redis.hgetall(f"{self.prefix}learned")
+        return {k.decode(): v.decode() for k, v in raw.items()}
+
+    async def save_learned(self, states: Mapping[str, str]) -> None:
+        if states:
+            fields: dict[str | bytes, bytes | float | int | str] = dict(states.items())
+            await self.redis.hset(f"{self.prefix}learned", mapping=fields)
 
     # ------------------------------------------------------------------ queries
 

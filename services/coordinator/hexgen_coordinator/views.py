@@ -180,9 +180,12 @@ class QueryViews:
     def status(self) -> cpb.ClusterStatusResponse:
         ledger = self.ledger
         load = self.scheduler.load
+        learner = self.scheduler.learner
+        learned = learner.factors() if learner is not None else None
         instances = []
         for inst in self.cluster.instances:
             link = ledger.links[inst.index]
+            factors = learned[inst.index] if learned is not None else None
             instances.append(
                 cpb.InstanceStatus(
                     index=inst.index,
@@ -200,6 +203,9 @@ class QueryViews:
                     outstanding_s=load.outstanding_s[inst.index],
                     others_in_flight=load.others_in_flight[inst.index],
                     others_weight=load.others_weight[inst.index],
+                    learned_prefill_factor=factors.prefill if factors else 0.0,
+                    learned_decode_factor=factors.decode if factors else 0.0,
+                    learned_calls=factors.calls if factors else 0,
                 )
             )
         return cpb.ClusterStatusResponse(

@@ -118,6 +118,7 @@ def finished_message(event: CallFinished) -> worker_pb2.CallFinished:
         finished_s=event.finished_s,
         error=event.error,
         attempt=event.attempt,
+        cached_tokens=event.cached_tokens,
     )
 
 

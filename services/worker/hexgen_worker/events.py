@@ -54,6 +54,8 @@ class CallFinished:
     """Non-empty when the engine failed the call; the coordinator retries it elsewhere."""
     attempt: int = 0
     """The dispatch attempt this result answers (the worker's state sets it)."""
+    cached_tokens: int = 0
+    """Prompt tokens the engine found in its prefix cache (0: none, or it does not say)."""
 
 
 @dataclass(frozen=True, slots=True)

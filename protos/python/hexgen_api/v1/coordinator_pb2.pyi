@@ -539,6 +539,9 @@ class InstanceStatus(_message.Message):
     OUTSTANDING_S_FIELD_NUMBER: _builtins.int
     OTHERS_IN_FLIGHT_FIELD_NUMBER: _builtins.int
     OTHERS_WEIGHT_FIELD_NUMBER: _builtins.int
+    LEARNED_PREFILL_FACTOR_FIELD_NUMBER: _builtins.int
+    LEARNED_DECODE_FACTOR_FIELD_NUMBER: _builtins.int
+    LEARNED_CALLS_FIELD_NUMBER: _builtins.int
     index: _builtins.int
     name: _builtins.str
     gpu: _builtins.str
@@ -568,6 +571,13 @@ class InstanceStatus(_message.Message):
     none were reported (a worker older than the report counts them at this coordinator's
     mean weight).
     """
+    learned_prefill_factor: _builtins.float
+    """With --learn-costs: what the instance really costs over what its calibration says,
+    as learned from its calls (1 = the calibration is right; 0 = not learning), and the
+    calls the learner took in.
+    """
+    learned_decode_factor: _builtins.float
+    learned_calls: _builtins.int
     def __init__(
         self,
         *,
@@ -586,10 +596,13 @@ class InstanceStatus(_message.Message):
         outstanding_s: _builtins.float = ...,
         others_in_flight: _builtins.int = ...,
         others_weight: _builtins.float = ...,
+        learned_prefill_factor: _builtins.float = ...,
+        learned_decode_factor: _builtins.float = ...,
+        learned_calls: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["connected", b"connected", "engine", b"engine", "gpu", b"gpu", "in_flight", b"in_flight", "index", b"index", "kv_capacity_tokens", b"kv_capacity_tokens", "kv_used_tokens", b"kv_used_tokens", "model", b"model", "name", b"name", "others_in_flight", b"others_in_flight", "others_weight", b"others_weight", "outstanding_s", b"outstanding_s", "queued", b"queued", "running", b"running", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["connected", b"connected", "engine", b"engine", "gpu", b"gpu", "in_flight", b"in_flight", "index", b"index", "kv_capacity_tokens", b"kv_capacity_tokens", "kv_used_tokens", b"kv_used_tokens", "learned_calls", b"learned_calls", "learned_decode_factor", b"learned_decode_factor", "learned_prefill_factor", b"learned_prefill_factor", "model", b"model", "name", b"name", "others_in_flight", b"others_in_flight", "others_weight", b"others_weight", "outstanding_s", b"outstanding_s", "queued", b"queued", "running", b"running", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -495,6 +495,7 @@ class CallFinished(_message.Message):
     FINISHED_S_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     ATTEMPT_FIELD_NUMBER: _builtins.int
+    CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     call_id: _builtins.str
     output_tokens: _builtins.int
     text: _builtins.str
@@ -507,6 +508,10 @@ class CallFinished(_message.Message):
     """
     attempt: _builtins.int
     """DispatchCall.attempt of the dispatch this result answers."""
+    cached_tokens: _builtins.int
+    """Prompt tokens the engine found in its prefix cache (0: none, or the engine does not
+    say). The coordinator's cost learner (--learn-costs) charges prefill for the rest.
+    """
     def __init__(
         self,
         *,
@@ -517,10 +522,11 @@ class CallFinished(_message.Message):
         finished_s: _builtins.float = ...,
         error: _builtins.str = ...,
         attempt: _builtins.int = ...,
+        cached_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "call_id", b"call_id", "error", b"error", "finished_s", b"finished_s", "output_tokens", b"output_tokens", "started_s", b"started_s", "text", b"text"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "cached_tokens", b"cached_tokens", "call_id", b"call_id", "error", b"error", "finished_s", b"finished_s", "output_tokens", b"output_tokens", "started_s", b"started_s", "text", b"text"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

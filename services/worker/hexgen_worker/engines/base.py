@@ -296,6 +296,7 @@ class RequestEngine(Engine):
                 started_s=running.started_s,
                 finished_s=self.clock.now(),
                 error=error,
+                cached_tokens=ticket.cached_tokens,
             )
         )
 

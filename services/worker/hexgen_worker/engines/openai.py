@@ -219,6 +219,9 @@ class OpenAIEngine(RequestEngine):
                 usage = chunk.get("usage")
                 if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
                     usage_tokens = usage["completion_tokens"]
+                details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+                if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+                    ticket.cached_tokens = details["cached_tokens"]  # when the server says
         return "".join(parts), usage_tokens if usage_tokens is not None else chunks
 
 

@@ -226,6 +226,7 @@ class SimulatedEngine(Engine):
                 text=text,
                 started_s=started_s,
                 finished_s=model_time - self._offset,
+                cached_tokens=ticket.cached_tokens,
             )
         )
 

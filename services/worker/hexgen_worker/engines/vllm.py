@@ -265,4 +265,7 @@ class VllmEngine(RequestEngine):
                     parts.append(completion.text)
                     self.emit(CallTokens(ticket.call_id, completion.text))
                 tokens += len(completion.token_ids)
+            cached = getattr(output, "num_cached_tokens", None)  # vLLM V1 says, on each output
+            if isinstance(cached, int) and cached > 0:
+                ticket.cached_tokens = cached
         return "".join(parts), tokens

@@ -1,0 +1,237 @@
+"""The coordinator learns what its workers really cost (``--learn-costs``), in real processes.
+
+The coordinator plans with ``aiconfigurator`` while its two L40S workers' simulated engines
+(the documented stand-in for a GPU) run ``chess-measured``, whose L40S prefill is about 90x
+faster, below the physical floor (which the learner will not cross). After a few dozen
+calls each, the learned factors the coordinator exports to Prometheus have moved the right
+way and agree with what the simulator learns from the same calls; a coordinator without
+the option exports none.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+from prometheus_client.parser import text_string_to_metric_families
+
+from hexgen_client.client import CoordinatorClient
+from hexgen_coordinator.coordinator import LEARNED_SAVE_S
+from hexgen_flow.cluster import DEFAULT_MODEL, parse_cluster
+from hexgen_flow.learning import CostLearner
+from hexgen_flow.policies.presets import PRESETS
+from hexgen_flow.sim.simulator import SimConfig, Simulation
+from hexgen_flow.workload import LLMCall, Query, Workflow
+from hexgen_launch.cluster_config import worker_argv
+from hexgen_launch.processes import free_port
+from redis_here import REDIS_URL, needs_redis
+
+pytestmark = needs_redis
+
+GPUS = ("A100", "L40S")
+STATUS = (sys.executable, "-m", "hexgen_cli", "status")
+LEARNED_METRICS = "hexgen_flow_instance_learned"
+LEARNING_GPUS = ("L40S", "L40S")
+"""Two alike instances share the calls evenly, so each sees dozens."""
+
+
+class _Mesh:
+    def __init__(self, folder: Path, *, learn: bool, gpus: tuple[str, ...] = GPUS) -> None:
+        self.prefix = f"hf-learn-{uuid.uuid4().hex[:8]}:"
+        self.address = f"127.0.0.1:{free_port()}"
+        port = free_port()
+        self.metrics = f"http://127.0.0.1:{port}/metrics"
+        log = (folder / "coordinator.log").open("w")
+        argv = [
+            sys.executable, "-m", "hexgen_coordinator", "--listen", self.address,
+            "--redis-url", REDIS_URL, "--redis-prefix", self.prefix,
+            "--cluster", ",".join(gpus), "--calibration", "aiconfigurator",
+            "--time-scale", "200", "--admission", "off",
+            "--metrics-listen", f"127.0.0.1:{port}",
+            *(["--learn-costs"] if learn else []),
+        ]  # fmt: skip
+        self.coordinator_argv = argv
+        self.log = log
+        self.procs = [subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)]
+        for slot, gpu in enumerate(gpus):
+            worker = worker_argv(
+                sys.executable,
+                self.address,
+                slot,
+                gpu,
+                DEFAULT_MODEL,
+                calibration="chess-measured",
+            )
+            self.procs.append(
+                subprocess.Popen(worker, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            )
+
+    def kill_and_restart_coordinator(self) -> None:
+        self.procs[0].kill()
+        self.procs[0].wait(timeout=30)
+        self.procs[0] = subprocess.Popen(
+            self.coordinator_argv, stdout=self.log, stderr=subprocess.STDOUT
+        )
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.terminate()
+        for proc in self.procs:
+            proc.wait(timeout=30)
+        client = redis.Redis.from_url(REDIS_URL)
+        keys = list(client.scan_iter(match=self.prefix + "*"))
+        if keys:
+            client.delete(*keys)
+        client.close()
+
+
+def _scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = httpx.get(url, timeout=5).text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def _queries(n: int) -> list[Query]:
+    rng = random.Random(5)
+    out = []
+    for q in range(n):
+        stages = [
+            tuple(
+                LLMCall("generate_candidate", rng.randint(1000, 12000), rng.randint(20, 400))
+                for _ in range(rng.randint(1, 2))
+            )
+            for _ in range(3)
+        ]
+        out.append(Query(f"learn-{q}", Workflow.chain(stages)))
+    return out
+
+
+def _run(mesh: _Mesh, queries: list[Query]) -> None:
+    async def run() -> None:
+        async with CoordinatorClient(mesh.address) as client:
+            status = await client.wait_ready(timeout_s=30)
+            deadline = time.monotonic() + 30
+            while not all(i.connected for i in status.instances):
+                assert time.monotonic() < deadline, "the workers did not connect"
+                await asyncio.sleep(0.05)
+                status = await client.status()
+            for query in queries:
+                await client.submit(query)
+            for query in queries:
+                async for _event in client.watch(query.query_id):
+                    pass
+
+    asyncio.run(run())
+
+
+@pytest.fixture
+def learning_mesh(tmp_path: Path) -> Iterator[_Mesh]:
+    mesh = _Mesh(tmp_path, learn=True, gpus=LEARNING_GPUS)
+    yield mesh
+    mesh.stop()
+
+
+@pytest.fixture
+def plain_mesh(tmp_path: Path) -> Iterator[_Mesh]:
+    mesh = _Mesh(tmp_path, learn=False)
+    yield mesh
+    mesh.stop()
+
+
+def test_the_coordinator_learns_what_its_workers_cost(learning_mesh: _Mesh) -> None:
+    queries = _queries(24)
+    _run(learning_mesh, queries)
+    m = _scrape(learning_mesh.metrics)
+
+    def factor(instance: str, part: str) -> float:
+        key = (("instance", instance), ("part", part))
+        return m[("hexgen_flow_instance_learned_cost_factor", key)]
+
+    instances = ("L40S#0", "L40S#1")
+    for instance in instances:
+        assert m[("hexgen_flow_instance_learned_calls", (("instance", instance),))] >= 30
+    planner = parse_cluster(",".join(LEARNING_GPUS), calibration="aiconfigurator")
+    floor = CostLearner(planner).instances[0].floor_prefill
+    # The engines' L40S prefill is ~90x faster than planned, below the physical floor: the
+    # learner goes most of the way down, and never below the floor.
+    for instance in instances:
+        assert floor <= factor(instance, "prefill") < 0.5
+    # `hexgen-flow status` shows the same, beside each instance.
+    shown = subprocess.run(
+        [*STATUS, "--coordinator", learning_mesh.address],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    assert "learned cost" in shown
+    doc = json.loads(
+        subprocess.run(
+            [*STATUS, "--json", "--coordinator", learning_mesh.address],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout
+    )
+    for row in doc["instances"]:
+        assert row["learned_prefill_factor"] == factor(row["name"], "prefill")
+        assert row["learned_decode_factor"] == factor(row["name"], "decode")
+        assert f"prefill x{row['learned_prefill_factor']:.2f}" in shown
+    # One implementation in both drivers: the simulator, given the same calls, the same
+    # beliefs and engines, learns factors close to the coordinator's (arrivals and the
+    # wall clock's jitter differ a little).
+    truth = parse_cluster(",".join(LEARNING_GPUS), calibration="chess-measured")
+    config = SimConfig(qps=100.0, learn_costs=True)
+    sim = Simulation(queries, planner, PRESETS["hexgen-flow"], config, truth=truth)
+    sim.run()
+    assert sim.scheduler.learner is not None
+    for instance, learned in zip(instances, sim.scheduler.learner.factors(), strict=True):
+        assert factor(instance, "prefill") == pytest.approx(learned.prefill, rel=0.3)
+        assert factor(instance, "decode") == pytest.approx(learned.decode, rel=0.3)
+
+
+def test_a_coordinator_killed_carries_on_from_what_it_learned(learning_mesh: _Mesh) -> None:
+    _run(learning_mesh, _queries(8))
+    time.sleep(LEARNED_SAVE_S + 1.5)  # the learner's state is written every LEARNED_SAVE_S
+    before = _scrape(learning_mesh.metrics)
+    learned = {key: v for key, v in before.items() if key[0].startswith(LEARNED_METRICS)}
+    assert learned and all(v > 0 for v in learned.values())
+    learning_mesh.kill_and_restart_coordinator()  # SIGKILL: no goodbye write
+    deadline = time.monotonic() + 30
+    after: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    while not all(key in after for key in learned):
+        assert time.monotonic() < deadline, "the coordinator did not come back learning"
+        time.sleep(0.1)
+        with contextlib.suppress(httpx.HTTPError):
+            after = _scrape(learning_mesh.metrics)
+    assert {key: after[key] for key in learned} == learned
+
+
+def test_without_the_option_nothing_is_learned(plain_mesh: _Mesh) -> None:
+    _run(plain_mesh, _queries(2))
+    m = _scrape(plain_mesh.metrics)
+    shown = subprocess.run(
+        [*STATUS, "--coordinator", plain_mesh.address],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    assert "learned cost" not in shown and "L40S#1" in shown
+    assert not any(name.startswith("hexgen_flow_instance_learned") for name, _ in m)
+    assert m[("hexgen_flow_instance_connected", (("instance", "L40S#1"),))] == 1
