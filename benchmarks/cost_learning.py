@@ -36,7 +36,17 @@ from hexgen_flow.sim.simulator import SimConfig, Simulation
 from hexgen_flow.traces import load_traces, take_queries
 from hexgen_flow.workload import Query
 
-ROUTERS = ("vllm", "ray-serve", "least-requests", "least-work", "llf", "llm-d", "dynamo")
+ROUTERS = (
+    "vllm",
+    "ray-serve",
+    "least-requests",
+    "least-work",
+    "llf",
+    "llm-d",
+    "dynamo",
+    "llm-d-predicted",
+    "autellix",
+)
 """Every router preset: the best router of a row is the lowest P95 among them."""
 
 

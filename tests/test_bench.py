@@ -142,7 +142,14 @@ def test_results_do_not_depend_on_the_worker_count(tmp_path: Path) -> None:
 def test_the_plans_measure_against_load_aware_routers() -> None:
     assert set(LOAD_AWARE) <= set(PRESETS)
     # The new routers come last, so every earlier preset keeps its place (and its colour).
-    assert FULL_PLAN.presets[-4:] == ("least-requests", "least-work", "llm-d", "dynamo")
+    assert FULL_PLAN.presets[-6:] == (
+        "least-requests",
+        "least-work",
+        "llm-d",
+        "dynamo",
+        "llm-d-predicted",
+        "autellix",
+    )
     assert set(LOAD_AWARE) <= set(FULL_PLAN.goodput_policies)
     quick = [p for p in QUICK_PLAN.presets if p in LOAD_AWARE]
     assert any(PRESETS[p].queue.name == "fcfs" for p in quick)

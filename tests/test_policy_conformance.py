@@ -233,7 +233,8 @@ def _cluster_with_small(small_index: int) -> Cluster:
 
 def _dispatch_sequence(name: str, cluster: Cluster, seed: int, n: int = 80) -> list[int]:
     """Dispatch a mixed stream through `name`, keeping the load ledger as the driver does
-    (completing earlier calls now and then); check every choice can hold its call."""
+    (completing earlier calls now and then, and telling the dispatcher, `on_complete`);
+    check every choice can hold its call."""
     ctx = _ctx(cluster, seed)
     dispatcher: Dispatcher = DISPATCHERS.create(name, ctx)
     load = ctx.load
@@ -255,7 +256,9 @@ def _dispatch_sequence(name: str, cluster: Cluster, seed: int, n: int = 80) -> l
         in_flight.append(ticket)
         choices.append(i)
         if traffic.random() < 0.4:
-            load.on_complete(in_flight.pop(traffic.randrange(len(in_flight))))
+            done = in_flight.pop(traffic.randrange(len(in_flight)))
+            load.on_complete(done)
+            dispatcher.on_complete(done, seq + 0.5)  # as `GlobalScheduler.complete` does
     return choices
 
 

@@ -37,6 +37,8 @@ LOAD_AWARE: tuple[str, ...] = (
     "llf",
     "llm-d",
     "dynamo",
+    "llm-d-predicted",
+    "autellix",
 )
 """The load-aware router presets: the routers people run instead of round-robin. Every
 ratio over `BASELINE` is reported beside the ratio over the best of these in the plan (per

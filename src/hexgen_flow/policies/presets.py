@@ -161,6 +161,24 @@ PRESETS: dict[str, Preset] = {
             _PAPER_BUDGET,
             "NVIDIA Dynamo's KV router: least new prefill + decode KV tokens + FCFS",
         ),
+        # Stronger baselines: a router that learns latency online, and a program-aware
+        # scheduler for agents (neither knows deadlines or latency tables).
+        Preset(
+            "llm-d-predicted",
+            PolicyRef("predicted-latency"),
+            PolicyRef("fcfs"),
+            _PAPER_BUDGET,
+            "llm-d's predicted-latency router: lowest TTFT + TPOT x tokens, learnt online "
+            "per instance from the calls it placed + FCFS",
+        ),
+        Preset(
+            "autellix",
+            PolicyRef("autellix-lb"),
+            PolicyRef("atlas"),
+            _PAPER_BUDGET,
+            "Autellix: long calls kept on their program's engine, short ones least loaded + "
+            "ATLAS (program's least attained service, multi-level, anti-starvation)",
+        ),
     )
 }
 

@@ -19,6 +19,7 @@ from hexgen_flow.policies.base import LocalQueue
 from hexgen_flow.runtime import CallTicket, PolicyContext
 
 __all__ = [
+    "AtlasQueue",
     "FcfsQueue",
     "KeyedQueue",
     "LeastLaxityQueue",
@@ -306,3 +307,163 @@ class QlmQueue(LocalQueue):
 
     def __len__(self) -> int:
         return len(self._members)
+
+
+_MAX_PROGRAMS = 100_000
+"""Programs (queries) whose attained service an `AtlasQueue` remembers; the oldest are
+forgotten past this (a queue is never told when a query ends)."""
+
+
+class AtlasQueue(LocalQueue):
+    """Autellix's ATLAS: least attained service of the program first, in levels, starvation-proof.
+
+    Autellix (Luo et al., 2025) prioritises each LLM call by the service its program (here:
+    the query) has attained so far, so that short programs are not stuck behind long ones
+    at the call or the program level. ATLAS, its form for programs whose calls fork and
+    join, counts a program's service along its critical path: each stage (a fork's
+    parallel calls are its threads) adds its longest call. Priorities are discretised into
+    `levels` queues with boundaries `quantum_s` x `growth`^k seconds of attained service, FCFS
+    within a queue; a call that has waited `starvation_ratio` x its program's attained
+    service (at least `quantum_s`) is promoted to the top, ahead of the levels, in release
+    order.
+
+    Reads: the ticket's own fields only: `query_id`, `stage`, and of the calls this queue
+    admitted (`on_admit`) their `finished_s` and `scheduled_s` (else `admitted_s`) once they
+    finish: the service attained is measured, never estimated (no deadlines, no latency
+    tables). Each instance's queue counts what its own instance served: Autellix's process
+    table is global, but Autellix's load balancer keeps a long program's calls on one
+    engine, so its queue there sees nearly all of it. A program's level is fixed when its
+    call is queued (attained service grows only as calls finish); Autellix also demotes a
+    running call that outlives its quantum, which needs preemption our engines do not do.
+    Ties: release order.
+
+    Parameters:
+        quantum_s: attained seconds that end the first level (> 0).
+        growth: each level's boundary over the previous one's (> 1).
+        levels: number of priority levels (>= 1).
+        starvation_ratio: a call waiting this many times its program's attained service
+            (at least `quantum_s`) is promoted to the top (> 0).
+    """
+
+    def __init__(
+        self,
+        ctx: PolicyContext,
+        instance: int,
+        *,
+        quantum_s: float = 2.0,
+        growth: float = 2.0,
+        levels: int = 8,
+        starvation_ratio: float = 3.0,
+    ) -> None:
+        super().__init__(ctx, instance)
+        if quantum_s <= 0:
+            raise ConfigError(f"quantum_s must be > 0, got {quantum_s}")
+        if growth <= 1:
+            raise ConfigError(f"growth must be > 1, got {growth}")
+        if levels < 1:
+            raise ConfigError(f"levels must be >= 1, got {levels}")
+        if starvation_ratio <= 0:
+            raise ConfigError(f"starvation_ratio must be > 0, got {starvation_ratio}")
+        self._quantum = quantum_s
+        self._growth = growth
+        self._levels = levels
+        self._ratio = starvation_ratio
+        self._queued: list[tuple[int, int, int, CallTicket]] = []  # (level, seq, token, t)
+        self._starving: list[tuple[float, int, int, CallTicket]] = []  # (promote at, ...)
+        self._promoted: list[tuple[int, int, CallTicket]] = []  # (seq, token, t)
+        self._live: dict[int, int] = {}  # seq -> token of the live push
+        self._up: set[int] = set()  # tokens promoted
+        self._pushes = 0
+        self._admitted: list[CallTicket] = []  # admitted here, service not counted yet
+        self._stage_service: dict[tuple[str, int], float] = {}
+        self.attained: dict[str, float] = {}
+        """query_id -> seconds of service along its critical path, as finished here."""
+
+    def level(self, attained_s: float) -> int:
+        """The priority level of a program that has attained `attained_s` (0: the top)."""
+        level, bound = 0, self._quantum
+        while level < self._levels - 1 and attained_s >= bound:
+            level += 1
+            bound *= self._growth
+        return level
+
+    def _account(self) -> None:
+        """Count the service of the admitted calls that have finished since."""
+        admitted = self._admitted
+        if not admitted:
+            return
+        keep = []
+        stage_service, attained = self._stage_service, self.attained
+        for t in admitted:
+            finished = t.finished_s
+            if finished is None:
+                keep.append(t)
+                continue
+            start = t.scheduled_s if t.scheduled_s is not None else t.admitted_s
+            if start is None:
+                continue
+            service = max(finished - start, 0.0)
+            key = (t.query_id, t.stage)
+            before = stage_service.get(key, 0.0)
+            if service > before:
+                stage_service[key] = service
+                attained[t.query_id] = attained.get(t.query_id, 0.0) + service - before
+        self._admitted = keep
+        while len(attained) > _MAX_PROGRAMS:
+            del attained[next(iter(attained))]
+        while len(stage_service) > _MAX_PROGRAMS:
+            del stage_service[next(iter(stage_service))]
+
+    def push(self, ticket: CallTicket, now: float) -> None:
+        self._account()
+        attained = self.attained.get(ticket.query_id, 0.0)
+        level = self.level(attained)
+        ticket.key = level
+        self._pushes += 1
+        token = self._pushes
+        heapq.heappush(self._queued, (level, ticket.seq, token, ticket))
+        starve_at = now + self._ratio * max(attained, self._quantum)
+        heapq.heappush(self._starving, (starve_at, ticket.seq, token, ticket))
+        self._live[ticket.seq] = token
+
+    def _top(self, now: float) -> tuple[CallTicket, bool] | None:
+        """The next call and whether it was promoted; promotes the calls starving by now."""
+        live, up = self._live, self._up
+        starving, promoted = self._starving, self._promoted
+        while starving and starving[0][0] <= now:
+            _, seq, token, t = heapq.heappop(starving)
+            if live.get(seq) == token:
+                up.add(token)
+                heapq.heappush(promoted, (seq, token, t))
+        while promoted and live.get(promoted[0][0]) != promoted[0][1]:
+            up.discard(heapq.heappop(promoted)[1])  # removed since
+        if promoted:
+            return promoted[0][2], True
+        queued = self._queued
+        while queued and (live.get(queued[0][1]) != queued[0][2] or queued[0][2] in up):
+            heapq.heappop(queued)  # removed, pushed again, or promoted since
+        return (queued[0][3], False) if queued else None
+
+    def peek(self, now: float) -> CallTicket | None:
+        top = self._top(now)
+        return top[0] if top else None
+
+    def pop(self, now: float) -> CallTicket:
+        top = self._top(now)
+        assert top is not None, "pop from an empty queue"
+        ticket, promoted = top
+        if promoted:
+            self._up.discard(heapq.heappop(self._promoted)[1])
+        else:
+            heapq.heappop(self._queued)
+        del self._live[ticket.seq]
+        return ticket
+
+    def remove(self, ticket: CallTicket) -> bool:
+        return self._live.pop(ticket.seq, None) is not None
+
+    def on_admit(self, ticket: CallTicket, now: float) -> None:
+        self._admitted.append(ticket)
+
+    def __len__(self) -> int:
+        return len(self._live)

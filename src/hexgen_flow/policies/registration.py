@@ -3,6 +3,7 @@ three registries defined here."""
 
 from __future__ import annotations
 
+from hexgen_flow.policies.autellix import AutellixDispatcher
 from hexgen_flow.policies.base import Dispatcher, LocalQueue, StageBudget
 from hexgen_flow.policies.budget import DagStageBudget, EndToEndBudget, TemplateStageBudget
 from hexgen_flow.policies.dispatch import (
@@ -13,8 +14,10 @@ from hexgen_flow.policies.dispatch import (
     RoundRobinDispatcher,
     WorkloadBalancedDispatcher,
 )
+from hexgen_flow.policies.predicted_latency import PredictedLatencyDispatcher
 from hexgen_flow.policies.prefix_routers import KvOverlapDispatcher, PrefixQueueDispatcher
 from hexgen_flow.policies.queues import (
+    AtlasQueue,
     FcfsQueue,
     LeastLaxityQueue,
     QlmQueue,
@@ -35,6 +38,8 @@ DISPATCHERS.register("least-work", LeastWorkDispatcher)
 DISPATCHERS.register("least-requests", LeastRequestsDispatcher)
 DISPATCHERS.register("prefix-queue", PrefixQueueDispatcher)
 DISPATCHERS.register("kv-overlap", KvOverlapDispatcher)
+DISPATCHERS.register("predicted-latency", PredictedLatencyDispatcher)
+DISPATCHERS.register("autellix-lb", AutellixDispatcher)
 
 QUEUES: Registry[LocalQueue] = Registry("queue policy")
 QUEUES.register("urgency", UrgencyQueue)
@@ -43,6 +48,7 @@ QUEUES.register("llf", LeastLaxityQueue)
 QUEUES.register("vtc", VirtualTokenCounterQueue)
 QUEUES.register("qlm", QlmQueue)
 QUEUES.register("sjf", ShortestJobFirstQueue)
+QUEUES.register("atlas", AtlasQueue)
 
 BUDGETS: Registry[StageBudget] = Registry("stage budget")
 BUDGETS.register("template", TemplateStageBudget)
