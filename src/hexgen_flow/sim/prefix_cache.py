@@ -95,7 +95,11 @@ class PrefixCache:
         if entry is None:
             return 0, 0
         # Its last prompt token is always computed: that step samples the first output.
-        hit = min(entry.blocks, req.pblocks, (req.target - 1) // self._block_size)
+        # min(entry.blocks, req.pblocks, last), without the builtin's call (a hot path)
+        hit, pblocks = entry.blocks, req.pblocks
+        hit = pblocks if pblocks < hit else hit
+        last = (req.target - 1) // self._block_size
+        hit = last if last < hit else hit
         return hit, entry.blocks if hit and entry.refs == 0 else 0
 
     def attach(self, req: PrefixUser, hit: int) -> int:
@@ -116,7 +120,8 @@ class PrefixCache:
     def register(self, req: PrefixUser) -> None:
         """Cache the full prefix blocks `req` (with a prefix key) has computed beyond its
         entry's. No block changes hands between used and free."""
-        computed = min(req.pblocks, req.done // self._block_size)
+        computed, pblocks = req.done // self._block_size, req.pblocks
+        computed = pblocks if pblocks < computed else computed  # min(), without the call
         if computed <= req.shared:
             return
         entry = req.entry

@@ -321,7 +321,8 @@ class VllmV1EngineModel:
         elif d and self._waiting_blocked(s, free):
             n = 1 << 62
         if n > 0 and d:
-            n = min(n, dec.next_fin() - s)
+            left = dec.next_fin() - s  # steps to the next finish
+            n = left if left < n else n  # min(n, left), without the builtin's call
         if n > 0:
             # Within a segment no cached prefix may be evicted: an eviction can unblock the
             # waiting head (it no longer has cached blocks to take back), so it ends one.
@@ -478,7 +479,7 @@ class VllmV1EngineModel:
         if tail is not None and not preempted:
             start = tail.done
             chunk = tail.target - start
-            chunk = min(chunk, budget)
+            chunk = budget if budget < chunk else chunk  # min(chunk, budget)
             end = start + chunk
             grow = (end + BLOCK_SIZE - 1) // BLOCK_SIZE - (start + BLOCK_SIZE - 1) // BLOCK_SIZE
             if grow > total - self._used:
@@ -528,7 +529,7 @@ class VllmV1EngineModel:
                     ticket.cached_tokens = hit * BLOCK_SIZE
                 start = req.done
                 chunk = req.target - start
-                chunk = min(chunk, budget)
+                chunk = budget if budget < chunk else chunk  # min(chunk, budget)
                 end = start + chunk
                 grow = (end + BLOCK_SIZE - 1) // BLOCK_SIZE - (start + BLOCK_SIZE - 1) // BLOCK_SIZE
                 if grow:
@@ -536,7 +537,8 @@ class VllmV1EngineModel:
                     if prefixes.cached_free > total - used:
                         prefixes.evict(total - used)
                 scale = req.scale
-                fixed = max(fixed, scale * intercept)
+                first = scale * intercept
+                fixed = first if first > fixed else fixed  # max(fixed, first)
                 marginal = table[end] if end < tlen else curve(end)
                 marginal -= table[start] if start < tlen else curve(start)
                 cost += scale * marginal if marginal > 0 else 0.0
