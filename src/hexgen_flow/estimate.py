@@ -13,6 +13,7 @@ comparison between estimates.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Literal
 
@@ -166,13 +167,18 @@ class Estimator:
         plan = self._plans.get(key)
         if plan is None:
             mean = self.mean_time
+            # A plan is built for every query: `mean_time`'s memo of the "call" means is read
+            # here, and a stage's slowest call is found in the loop (max's first largest).
+            means = self._call_means if mode == "call" else {}
             stage_s = []
             for stage in workflow.stages:
-                calls = stage.calls
-                if len(calls) == 1:
-                    stage_s.append(mean(calls[0], mode))
-                else:
-                    stage_s.append(max(mean(c, mode) for c in calls))
+                slowest = -math.inf
+                for c in stage.calls:
+                    t = means.get((c.input_tokens, c.output_tokens))
+                    if t is None:
+                        t = mean(c, mode)
+                    slowest = t if t > slowest else slowest
+                stage_s.append(slowest)
             plan = WorkflowPlan(workflow, stage_s)
             if len(self._plans) >= PLAN_CACHE_MAX:  # a service plans endless workflows
                 self._plans.clear()

@@ -311,7 +311,8 @@ class Simulation:
                 self._rebudget(run, now)
             else:
                 self._released.pop(run.index, None)
-        self._enqueue(released, now)
+        if released:
+            self._enqueue(released, now)
         if run is not None and run.finished_s is not None:
             q = run.query
             self.scheduler.forget(q)
@@ -326,6 +327,8 @@ class Simulation:
             return
         waiting = [t for t in tickets if t.admitted_s is None]
         self._released[run.index] = waiting
+        if not waiting:
+            return  # nothing to revise (`rebudget` of no tickets changes nothing)
         scheduler = self.scheduler
         for ticket in scheduler.rebudget(waiting, now):
             queue = self.instances[ticket.instance].queue
