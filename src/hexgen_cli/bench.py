@@ -7,7 +7,12 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from hexgen_cli.options import add_calibration_option, add_engine_options, positive_int
+from hexgen_cli.options import (
+    add_calibration_option,
+    add_engine_options,
+    add_planner_calibration_option,
+    positive_int,
+)
 from hexgen_flow.cluster import parse_cluster
 from hexgen_flow.errors import ConfigError
 from hexgen_flow.sim.engines import prefix_caching_of
@@ -44,6 +49,12 @@ def register(commands: Any) -> None:
         help="worker processes (default 2; 1 runs everything in this process)",
     )
     add_calibration_option(bench, file_default=False)
+    add_planner_calibration_option(bench)
+    bench.add_argument(
+        "--learn-costs",
+        action="store_true",
+        help="every simulation's scheduler learns each instance's costs online (default: off)",
+    )
     add_engine_options(bench)  # the band runs prefix caching both on and off
     bench.set_defaults(handler=_cmd_bench)
 
@@ -54,10 +65,21 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     plan = QUICK_PLAN if args.quick else FULL_PLAN
     if args.calibration is not None:
         plan = dataclasses.replace(plan, calibration=args.calibration)
+    plan = dataclasses.replace(
+        plan,
+        planner_calibration=args.planner_calibration,
+        planner_error=tuple((g, p, d) for g, (p, d) in (args.planner_error or {}).items()),
+        learn_costs=args.learn_costs,
+    )
     caching = prefix_caching_of(args.engine, args.prefix_caching)
     plan = dataclasses.replace(plan, engine=args.engine, prefix_caching=caching)
     for _, spec in plan.clusters:  # a cluster the calibration cannot run fails here, once
         parse_cluster(spec, calibration=plan.calibration)
+        if plan.planner_calibration is not None:
+            try:
+                parse_cluster(spec, calibration=plan.planner_calibration)
+            except ConfigError as exc:
+                raise ConfigError(f"--planner-calibration: {exc}") from None
     out: Path = args.out
     try:
         out.mkdir(parents=True, exist_ok=True)

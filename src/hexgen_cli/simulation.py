@@ -111,7 +111,7 @@ def _add_run_options(parser: argparse.ArgumentParser, *, policy_help: str) -> No
         action="store_true",
         help="the scheduler learns each instance's prefill and decode costs online from the "
         "calls it served, with the planner's calibration as the prior (docs/design.md, "
-        '"Learning what each instance costs")',
+        '"Truth, belief and learning what each instance costs")',
     )
     add_engine_options(parser)
     parser.add_argument("--policy", default=DEFAULT_POLICY, metavar="NAME", help=policy_help)

@@ -76,6 +76,13 @@ class BenchPlan:
     """(label, cluster spec); the first is the cluster of the goodput and sweep parts."""
     calibration: str = DEFAULT_CALIBRATION
     """Where every simulation's latency numbers come from (``--calibration``)."""
+    planner_calibration: str | None = None
+    """What every policy, the α tuner and admission believe (``--planner-calibration``);
+    None: each simulation's own calibration (an exact planner)."""
+    planner_error: tuple[tuple[str, float, float], ...] = ()
+    """(GPU type, prefill factor, decode factor) the planner misjudges (``--planner-error``)."""
+    learn_costs: bool = False
+    """Whether the scheduler learns each instance's costs online (``--learn-costs``)."""
     engine: str = DEFAULT_ENGINE_MODEL
     """The simulated engine model of every instance (``--engine``)."""
     prefix_caching: bool = True
@@ -202,7 +209,12 @@ class Task:
     tenants: bool = False
     """Assign `TENANTS` to the queries alternately."""
     calibration: str = DEFAULT_CALIBRATION
-    """The cluster's latency calibration."""
+    """The cluster's latency calibration (what the engines run)."""
+    planner_calibration: str | None = None
+    """What the planner believes (None: `calibration`)."""
+    planner_error: tuple[tuple[str, float, float], ...] = ()
+    """(GPU type, prefill factor, decode factor) the planner misjudges."""
+    learn_costs: bool = False
     engine: str = DEFAULT_ENGINE_MODEL
     prefix_caching: bool = False
     goodput: tuple[float, float, float] = (0.95, 2.0, 0.005)
@@ -244,6 +256,9 @@ def plan_tasks(plan: BenchPlan) -> list[Task]:
                 tenants=tenants,
                 goodput=(plan.goodput_target, plan.goodput_max_qps, plan.goodput_resolution),
                 calibration=calibration,
+                planner_calibration=plan.planner_calibration,
+                planner_error=plan.planner_error,
+                learn_costs=plan.learn_costs,
                 engine=plan.engine,
                 prefix_caching=prefix_caching,
             )

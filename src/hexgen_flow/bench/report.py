@@ -22,6 +22,24 @@ def _vs_router(ratio: float | None, router: str | None) -> str:
     return f"{fmt(ratio, '.2f', 'x')} over `{router}`"
 
 
+def _planner_lines(meta: dict[str, Any]) -> list[str]:
+    """What the planner believed, when it was not simply the engines' table."""
+    planner = meta.get("planner_calibration", meta["calibration"])
+    errors = meta.get("planner_error") or {}
+    learn = meta.get("learn_costs", False)
+    if planner == meta["calibration"] and not errors and not learn:
+        return []
+    text = f"Planner: every policy, the alpha tuner and admission believe `{planner}`"
+    if errors:
+        text += " with " + ", ".join(
+            f"{gpu} prefill x{e['prefill']:g} decode x{e['decode']:g}" for gpu, e in errors.items()
+        )
+    text += " while the engines run the calibration above"
+    if learn:
+        text += "; every scheduler learns each instance's costs online (`--learn-costs`)"
+    return [text + ' (docs/design.md, "Truth, belief and learning what each instance costs").', ""]
+
+
 def _summary_lines(plan: BenchPlan, doc: dict[str, Any]) -> list[str]:
     head = doc["headline"]
     x1_label, x1 = plan.clusters[0]
@@ -105,6 +123,7 @@ def render_markdown(plan: BenchPlan, doc: dict[str, Any]) -> str:
         f"{' with prefix caching' if meta['prefix_caching'] else ''} (docs/design.md, "
         '"Simulated engine"); every figure below rests on both.',
         "",
+        *_planner_lines(meta),
         *_summary_lines(plan, doc),
         *_matrix_lines(plan, doc),
         *_goodput_lines(plan, doc),

@@ -27,6 +27,19 @@ def cached_cluster(spec: str, calibration: str | None = None) -> Cluster:
 
 
 @lru_cache(maxsize=32)
+def cached_planner(
+    spec: str,
+    calibration: str,
+    planner_calibration: str | None,
+    planner_error: tuple[tuple[str, float, float], ...],
+) -> Cluster:
+    """What the planner believes of `spec` (the engines' cluster itself when exact)."""
+    belief = cached_cluster(spec, planner_calibration or calibration)
+    errors = {gpu: (p, d) for gpu, p, d in planner_error if gpu in belief.gpus}
+    return belief.misjudged(errors) if errors else belief
+
+
+@lru_cache(maxsize=32)
 def cached_queries(trace: str, num_queries: int | None, tenants: bool) -> tuple[Query, ...]:
     queries = take_queries(load_traces([trace]), num_queries)
     if tenants:
@@ -38,9 +51,14 @@ def cached_queries(trace: str, num_queries: int | None, tenants: bool) -> tuple[
 
 
 def _run_once(
-    queries: Sequence[Query], cluster: Cluster, preset_name: str, config: SimConfig
+    queries: Sequence[Query],
+    cluster: Cluster,
+    preset_name: str,
+    config: SimConfig,
+    truth: Cluster | None = None,
 ) -> tuple[RunMetrics, TuningResult | None, int]:
-    """One simulation (alpha auto-tuned first when the preset has one); also the number of
+    """One simulation (alpha auto-tuned first when the preset has one, on what the planner
+    believes: `cluster`; the engines run `truth`, default `cluster`); also the number of
     simulations it took."""
     preset = PRESETS[preset_name]
     tuning = None
@@ -49,7 +67,7 @@ def _run_once(
         tuning = auto_tune(queries, cluster, preset, config)
         preset = preset.with_alpha(tuning.alpha)
         sims += len(tuning.curve)
-    return simulate(queries, cluster, preset, config), tuning, sims
+    return simulate(queries, cluster, preset, config, truth=truth), tuning, sims
 
 
 def _run_record(metrics: RunMetrics, tuning: TuningResult | None) -> dict[str, Any]:
@@ -118,7 +136,11 @@ def find_goodput(
 
 def run_task(task: Task) -> dict[str, Any]:
     """Run one task; returns its result record (plus "sims": simulations run)."""
-    cluster = cached_cluster(task.cluster, task.calibration)
+    truth = cached_cluster(task.cluster, task.calibration)
+    cluster = cached_planner(
+        task.cluster, task.calibration, task.planner_calibration, task.planner_error
+    )
+    engines = None if cluster is truth else truth
     queries = cached_queries(task.trace, task.num_queries, task.tenants)
 
     def config(qps: float) -> SimConfig:
@@ -129,10 +151,11 @@ def run_task(task: Task) -> dict[str, Any]:
             arrival_cv=task.arrival_cv,
             engine=task.engine,
             prefix_caching=task.prefix_caching,
+            learn_costs=task.learn_costs,
         )
 
     if task.kind == "run":
-        metrics, tuning, sims = _run_once(queries, cluster, task.preset, config(task.qps))
+        metrics, tuning, sims = _run_once(queries, cluster, task.preset, config(task.qps), engines)
         return {**_run_record(metrics, tuning), "sims": sims}
     if task.kind == "goodput":
         target, max_qps, resolution = task.goodput
@@ -141,7 +164,7 @@ def run_task(task: Task) -> dict[str, Any]:
 
         def attainment(qps: float) -> float:
             nonlocal total
-            metrics, _, sims = _run_once(queries, cluster, task.preset, config(qps))
+            metrics, _, sims = _run_once(queries, cluster, task.preset, config(qps), engines)
             alphas[qps] = metrics.alpha
             total += sims
             return metrics.slo_attainment
