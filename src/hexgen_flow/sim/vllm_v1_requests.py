@@ -116,12 +116,13 @@ class DecodeBatch:
         """Blocks the decodes allocate in `steps` steps from step `s`."""
         if not self.count or steps <= 0:
             return 0
-        size = self._size
-        cycles, rest = divmod(steps, size)
+        size, mask = self._size, self._mask
+        # divmod(steps, size) for a power-of-two size, without the builtin's call
+        cycles, rest = steps // size, steps & mask
         need = cycles * self.count
         if rest:
             phase = self._phase
-            first = s & self._mask
+            first = s & mask
             end = first + rest
             if end <= size:
                 need += sum(phase[first:end])
