@@ -17,6 +17,7 @@ from hexgen_client.addresses import (  # no grpc at import
     DEFAULT_COORDINATOR,
     split_addresses,
 )
+from hexgen_flow.alpha import alpha_problem
 from hexgen_flow.calibration import DEFAULT_CALIBRATION, calibration_names, resolve_calibration
 from hexgen_flow.errors import HexgenFlowError
 from hexgen_flow.metrics import json_safe
@@ -96,7 +97,7 @@ def alpha_or_auto(text: str) -> float | None:
         raise argparse.ArgumentTypeError(
             f"expected a number in [0, 1] or 'auto', got {text!r}"
         ) from None
-    if not 0.0 <= value <= 1.0:  # False for NaN too
+    if alpha_problem(value) is not None:
         raise argparse.ArgumentTypeError(f"must be in [0, 1] or 'auto', got {text}")
     return value
 

@@ -14,6 +14,7 @@ import random
 from collections.abc import Mapping
 from typing import Protocol
 
+from hexgen_flow.alpha import alpha_problem
 from hexgen_flow.cluster import Cluster
 from hexgen_flow.errors import ConfigError
 from hexgen_flow.estimate import Estimator
@@ -114,8 +115,8 @@ class GlobalScheduler:
         """Change the dispatcher's α from now on (the online tuner's knob)."""
         if not hasattr(self.dispatcher, "alpha"):
             raise ConfigError(f"policy {self.preset.name!r} has no alpha")
-        if not 0.0 <= alpha <= 1.0:
-            raise ConfigError(f"alpha must be in [0, 1], got {alpha}")
+        if (problem := alpha_problem(alpha)) is not None:
+            raise ConfigError(f"alpha {problem}, got {alpha}")
         self.dispatcher.alpha = alpha
 
     def slo_of(self, query: Query, default_scale: float) -> float:

@@ -46,6 +46,7 @@ from hexgen_coordinator.store import WorkflowStore
 from hexgen_coordinator.views import QueryViews, UnknownQueryError
 from hexgen_coordinator.workers import WorkerSlots
 from hexgen_coordinator.write_behind import WriteBehind
+from hexgen_flow.alpha import alpha_problem
 from hexgen_flow.cluster import parse_cluster
 from hexgen_flow.policies.presets import resolve_policy
 from hexgen_flow.runtime import CallTicket
@@ -300,8 +301,8 @@ class Coordinator:
         previous = self.scheduler.alpha
         if previous is None:
             raise InvalidFieldError("alpha", f"policy {self.config.policy!r} has no alpha")
-        if not 0.0 <= alpha <= 1.0:
-            raise InvalidFieldError("alpha", f"must be in [0, 1], got {alpha}")
+        if (problem := alpha_problem(alpha)) is not None:
+            raise InvalidFieldError("alpha", f"{problem}, got {alpha}")
         self.scheduler.set_alpha(alpha)
         await self.store.set_alpha(alpha, self.clock.now(), reason)
         return previous
