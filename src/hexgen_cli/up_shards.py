@@ -28,20 +28,27 @@ _POLL_S = 0.2
 
 
 def _coordinator_args(args: argparse.Namespace) -> tuple[str, ...]:
-    """The coordinators' options from `up`'s (the cluster and time scale go separately)."""
-    out = ["--policy", args.policy, "--slo-scale", repr(args.slo_scale)]
-    if args.alpha is not None:
-        out += ["--alpha", repr(args.alpha)]
-    out += ["--admission", args.admission or "off"]
-    if args.learn_costs:
-        out += ["--learn-costs"]
-    if args.retention_s is not None:
-        out += ["--retention-s", repr(args.retention_s)]
-    if args.max_call_attempts is not None:
-        out += ["--max-call-attempts", str(args.max_call_attempts)]
-    if args.calibration is not None:
-        out += ["--calibration", args.calibration]
-    return tuple(out)
+    """The coordinators' options from `up`'s (the cluster and time scale go separately),
+    rendered from the coordinator's settings as `up` renders its one coordinator's
+    (`hexgen_launch.cluster_config.coordinator_config`: the defaults that differ with
+    shards are said there)."""
+    from hexgen_launch.cluster_config import (  # noqa: PLC0415 - loads the mesh's plumbing
+        LocalClusterConfig,
+        sharded_coordinator_args,
+    )
+
+    return sharded_coordinator_args(
+        LocalClusterConfig(
+            calibration=args.calibration,
+            policy=args.policy,
+            alpha=args.alpha,
+            slo_scale=args.slo_scale,
+            admission=args.admission,
+            learn_costs=args.learn_costs,
+            retention_s=args.retention_s,
+            max_call_attempts=args.max_call_attempts,
+        )
+    )
 
 
 def cmd_up_sharded(args: argparse.Namespace, auth_dir: Path | None) -> int:

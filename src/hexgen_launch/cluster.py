@@ -50,6 +50,7 @@ from hexgen_launch.cluster_config import (
     LocalClusterConfig,
     WorkerLaunch,
     coordinator_argv,
+    coordinator_config,
     gateway_argv,
     redis_login,
     secure_argv,
@@ -491,12 +492,7 @@ def _check_config(config: LocalClusterConfig) -> None:
     """The coordinator options and the restart policy, checked before anything starts."""
     if config.redis_cluster and config.redis_url is None:
         raise ConfigError("redis_cluster: give the redis_url of a node of the Redis Cluster")
-    if config.admission is not None and config.admission not in ("reject", "best-effort", "off"):
-        raise ConfigError(f"admission {config.admission!r}: expected reject, best-effort or off")
-    if config.retention_s is not None and not config.retention_s > 0:
-        raise ConfigError(f"retention must be > 0 s, got {config.retention_s}")
-    if config.max_call_attempts is not None and config.max_call_attempts < 1:
-        raise ConfigError(f"max call attempts must be >= 1, got {config.max_call_attempts}")
+    coordinator_config(config)  # the coordinator's own checks (--admission, --retention-s, ...)
     if not 0 < config.restart_delay_s <= config.restart_max_delay_s:
         raise ConfigError(
             f"restart delays: need 0 < {config.restart_delay_s} <= {config.restart_max_delay_s}"

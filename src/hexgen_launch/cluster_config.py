@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from hexgen_client.addresses import (
     DEFAULT_COORDINATOR,
@@ -17,17 +18,22 @@ from hexgen_client.addresses import (
 from hexgen_flow.calibration import DEFAULT_CALIBRATION
 from hexgen_flow.cluster import DEFAULT_CLUSTER
 from hexgen_service.auth_dir import AuthDir
+from hexgen_service.coordinator_config import CoordinatorConfig
+from hexgen_service.coordinator_config import coordinator_argv as render_coordinator_argv
 from hexgen_service.redis_keys import CLUSTER_PREFIX as DEFAULT_CLUSTER_PREFIX
 
 __all__ = [
     "DEFAULT_CLUSTER_PREFIX",
     "DEFAULT_GATEWAY",
+    "SHARDED_ADMISSION",
     "LocalClusterConfig",
     "WorkerLaunch",
     "coordinator_argv",
+    "coordinator_config",
     "gateway_argv",
     "redis_login",
     "secure_argv",
+    "sharded_coordinator_args",
     "tuner_argv",
     "worker_argv",
 ]
@@ -67,6 +73,8 @@ class LocalClusterConfig:
     """The coordinator's default SLO scale (SLO = scale x SLO_base)."""
     admission: str | None = None
     """The coordinator's ``--admission``: reject, best-effort or off; None: its default."""
+    learn_costs: bool = False
+    """The coordinator's ``--learn-costs``: learn each instance's costs online."""
     retention_s: float | None = None
     """The coordinator's ``--retention-s`` (how long a finished query stays in Redis);
     None: its default."""
@@ -169,6 +177,39 @@ def _redis_prefix_args(config: LocalClusterConfig) -> list[str]:
     return ["--redis-prefix", config.redis_prefix, "--redis-cluster"]
 
 
+SHARDED_ADMISSION = "off"
+"""The ``--admission`` of `up --shards`' coordinators when none is given: they have
+always admitted everything (`hexgen_launch.sharded_mesh.ShardedMeshConfig`), while
+``hexgen-flow up``'s coordinator keeps its own default (reject). The one place the two
+launchers' coordinator settings differ."""
+
+
+def coordinator_config(config: LocalClusterConfig, *, sharded: bool = False) -> CoordinatorConfig:
+    """The coordinator settings that `up`'s options (`config`) ask for, every other one at
+    the coordinator's default; `sharded`: for `up --shards`' coordinators (the launcher
+    gives the addresses, the cluster and the time scale, these the rest)."""
+    given: dict[str, Any] = {
+        "policy": config.policy,
+        "slo_scale": config.slo_scale,
+        "learn_costs": config.learn_costs,
+    }
+    # Options left at None go unsaid: the coordinator's own defaults apply.
+    for name in ("alpha", "admission", "retention_s", "max_call_attempts"):
+        if getattr(config, name) is not None:
+            given[name] = getattr(config, name)
+    if sharded:
+        given.setdefault("admission", SHARDED_ADMISSION)
+        given["calibration"] = config.calibration
+    return CoordinatorConfig(**given)
+
+
+def sharded_coordinator_args(config: LocalClusterConfig) -> tuple[str, ...]:
+    """The options `up --shards` gives its coordinators besides those the sharded mesh
+    gives (addresses, shards, cluster, time scale): `coordinator_config`'s (sharded) that
+    differ from the coordinator's defaults."""
+    return tuple(render_coordinator_argv(coordinator_config(config, sharded=True)))
+
+
 def coordinator_argv(
     config: LocalClusterConfig,
     listen: str,
@@ -178,33 +219,29 @@ def coordinator_argv(
     worker_token_file: Path | None = None,
     worker_listen: str | None = None,
 ) -> list[str]:
-    """The coordinator's command line; `calibration`: the ``--calibration`` value that
-    selects the cluster's calibration from any directory (None: the default)."""
-    argv = [
-        config.python, "-m", "hexgen_coordinator",
-        "--listen", listen,
-        *(["--worker-listen", worker_listen] if worker_listen else []),
-        "--redis-url", redis_url,
-        *_redis_prefix_args(config),
-        "--cluster", config.cluster,
-        "--policy", config.policy,
-        "--time-scale", repr(config.time_scale),
-        "--slo-scale", repr(config.slo_scale),
-    ]  # fmt: skip
-    if config.alpha is not None:
-        argv += ["--alpha", repr(config.alpha)]
-    # Options left at None go unsaid: the coordinator's own defaults apply.
-    if config.admission is not None:
-        argv += ["--admission", config.admission]
-    if config.retention_s is not None:
-        argv += ["--retention-s", repr(config.retention_s)]
-    if config.max_call_attempts is not None:
-        argv += ["--max-call-attempts", str(config.max_call_attempts)]
-    if metrics is not None:
-        argv += ["--metrics-listen", metrics]
+    """The coordinator's command line: the options of the settings (`coordinator_config`)
+    that differ from its defaults, the workers' token file and `config.coordinator_args`;
+    `calibration`: the ``--calibration`` value that selects the cluster's calibration from
+    any directory (None: the default)."""
+    settings = replace(
+        coordinator_config(config),
+        listen=listen,
+        worker_listen=worker_listen or "",
+        redis_url=redis_url,
+        # on a Redis Cluster the default prefix goes unsaid: the coordinator's cluster
+        # default (with a hash tag) applies
+        redis_prefix=config.redis_prefix,
+        redis_cluster=config.redis_cluster,
+        cluster=config.cluster,
+        time_scale=config.time_scale,
+        # the default goes unsaid, so that a default mesh's command lines are what they were
+        calibration=None if calibration == DEFAULT_CALIBRATION else calibration,
+        metrics_listen=metrics or "",
+    )
+    argv = [config.python, "-m", "hexgen_coordinator", *render_coordinator_argv(settings)]
     if worker_token_file is not None:
         argv += ["--worker-token-file", str(worker_token_file)]
-    return argv + _calibration_args(calibration) + list(config.coordinator_args)
+    return argv + list(config.coordinator_args)
 
 
 def tuner_argv(

@@ -31,7 +31,12 @@ import redis
 from hexgen_client.addresses import DEFAULT_REDIS_PREFIX
 from hexgen_flow.cluster import parse_cluster
 from hexgen_flow.errors import ConfigError
-from hexgen_launch.cluster_config import DEFAULT_CLUSTER_PREFIX, redis_login, secure_argv
+from hexgen_launch.cluster_config import (
+    DEFAULT_CLUSTER_PREFIX,
+    SHARDED_ADMISSION,
+    redis_login,
+    secure_argv,
+)
 from hexgen_launch.processes import ManagedProcess, RedisServer, free_port, stop_processes
 from hexgen_service.auth import read_secret
 from hexgen_service.auth_dir import AuthDir
@@ -59,7 +64,8 @@ class ShardedMeshConfig:
     time_scale: float = 20.0
     lease_ttl_s: float = 2.0
     resume_grace_s: float = 1.0
-    extra_coordinator_args: tuple[str, ...] = ("--admission", "off")
+    extra_coordinator_args: tuple[str, ...] = ("--admission", SHARDED_ADMISSION)
+    """More coordinator options (`hexgen-flow up --shards`: `sharded_coordinator_args`)."""
     start_timeout_s: float = 45.0
     tuner: bool = False
     """Run one α tuner for every shard (``--shards``: all shards' traffic, α to every
