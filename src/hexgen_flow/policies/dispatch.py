@@ -262,10 +262,12 @@ class MarginalLatencyDispatcher(Dispatcher):
         instances = ctx.cluster.instances
         self._rebuild()
         self._all = range(len(instances))
-        self._chosen: tuple[CallTicket, float, int, int, bool, int, float] | None = None
+        self._chosen: tuple[CallTicket, float, int, int, bool, int] | None = None
         """(ticket, now, instance, calls in flight there, prefix caching, prefix homes'
-        changes, tail weight) of the last `select`: `weight` right after it
-        (`GlobalScheduler.charge`) reads the weight back when nothing it depends on moved."""
+        changes) of the last `select`, and `_chosen_w` the tail weight it gave: `weight`
+        right after it (`GlobalScheduler.charge`) reads the weight back when nothing it
+        depends on moved."""
+        self._chosen_w = 1.0
 
     def _rebuild(self) -> None:
         """The per-instance terms `select` reads, from the estimator's models."""
@@ -376,7 +378,8 @@ class MarginalLatencyDispatcher(Dispatcher):
             if score < best_score or (score == best_score and n < best_n):
                 best, best_score, best_n, best_w = i, score, n, w
         caching, changes = load.prefix_caching, load.prefix_homes.changes
-        self._chosen = (ticket, now, best, best_n, caching, changes, best_w)
+        self._chosen = (ticket, now, best, best_n, caching, changes)
+        self._chosen_w = best_w
         return best
 
     def _own(
@@ -408,18 +411,10 @@ class MarginalLatencyDispatcher(Dispatcher):
         i = ticket.instance
         load = self.ctx.load
         n = load.in_flight[i]
-        chosen = self._chosen
-        if chosen is not None:
-            last, at, where, calls, caching, changes, w = chosen
-            if (
-                last is ticket
-                and at == now
-                and where == i
-                and calls == n
-                and caching == load.prefix_caching
-                and changes == load.prefix_homes.changes
-            ):
-                return w  # `select` weighed it on this very state
+        # `select` weighed it on this very state (one tuple comparison: a ticket equals
+        # only itself)
+        if self._chosen == (ticket, now, i, n, load.prefix_caching, load.prefix_homes.changes):
+            return self._chosen_w
         # prefix_home is still the previous call's home: this one is not charged yet
         _, own, _, _ = self._own(i, ticket.call, load.prefix_home(ticket), n)
         return self._tail_weight(ticket, own, now)

@@ -63,7 +63,9 @@ class KeyedQueue(LocalQueue):
 
     def peek(self, now: float) -> CallTicket | None:
         heap = self._heap
-        if heap and self._members.get(heap[0][1]) == heap[0][2]:
+        if not heap:
+            return None  # empty: `_top` would say so
+        if self._members.get(heap[0][1]) == heap[0][2]:
             return heap[0][3]  # a live top: `_top` would return it as it is
         top = self._top()
         return top[3] if top else None
