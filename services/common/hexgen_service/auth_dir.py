@@ -29,8 +29,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hexgen_flow.errors import ConfigError
+from hexgen_service import redis_schema as schema
 from hexgen_service.auth import KeyStore, Role, check_tenant
 from hexgen_service.certs import DEFAULT_SERVER_NAMES, CertificateAuthority, write_private
+from hexgen_service.redis_schema import DEFAULT_PREFIX
 from hexgen_service.worker_token import write_token
 
 __all__ = [
@@ -102,7 +104,7 @@ REDIS_SHARD_COMMANDS: dict[str, tuple[str, ...]] = {
 on one key of each shard only (`_SHARD_COMMAND_KEYS`): a mesh of one coordinator takes no
 lease and has one clock, so its users are not given them."""
 
-_SHARD_COMMAND_KEYS = {"coordinator": "~{}lease", "tuner": "%R~{}meta"}
+_SHARD_COMMAND_KEYS = {"coordinator": "~{}" + schema.LEASE, "tuner": "%R~{}" + schema.META}
 """The one key of each shard (its prefix in the braces) that a user's `REDIS_SHARD_COMMANDS`
 may touch, in a Redis 7 selector of its own: the coordinator's SET, GET and DEL reach the
 leases (`hexgen_coordinator.shards.lease_key`), never a query's state, nor can code a thief
@@ -135,7 +137,9 @@ def redis_commands(user: str, *, sharded: bool = False) -> tuple[str, ...]:
     return REDIS_COMMANDS[user] + (REDIS_SHARD_COMMANDS[user] if sharded else ())
 
 
-def redis_keys(user: str, prefix: str = "hf:", *, shards: Sequence[str] = ()) -> tuple[str, ...]:
+def redis_keys(
+    user: str, prefix: str = DEFAULT_PREFIX, *, shards: Sequence[str] = ()
+) -> tuple[str, ...]:
     """The key patterns of `user`. One coordinator (no `shards`): ``~P*`` the coordinator
     (every key of the mesh); the tuner ``%R~P admitted`` and ``%R~P finished`` (read only)
     and ``~P tuner:*`` (its own keys). With `shards` the coordinator gets ``~S*`` of every
@@ -152,19 +156,19 @@ def redis_keys(user: str, prefix: str = "hf:", *, shards: Sequence[str] = ()) ->
         return tuple(f"~{s}*" for s in state)
     if user == "tuner":
         window = [f"%R~{s}{key}" for s in state for key in _WINDOW]
-        return (*window, f"~{_key_pattern(prefix)}tuner:*")
+        return (*window, f"~{_key_pattern(prefix)}{schema.TUNER_NS}*")
     if user == "health":
         return ()
     raise ConfigError(f"redis user: no ACL for {user!r} (known: {', '.join(REDIS_USERS)})")
 
 
-_WINDOW = ("admitted", "finished")
+_WINDOW = (schema.ADMITTED, schema.FINISHED)
 """The streams the tuner reads its window from, of the mesh or of each shard
 (`hexgen_tuner.window`)."""
 
 
 def redis_acl_line(
-    user: str, password: str, prefix: str = "hf:", *, shards: Sequence[str] = ()
+    user: str, password: str, prefix: str = DEFAULT_PREFIX, *, shards: Sequence[str] = ()
 ) -> str:
     """One line of a Redis ACL file: `user`, its password as a SHA-256 (Redis stores no
     plain password), its keys (`redis_keys`: under `prefix`, or the `shards`' prefixes),
@@ -251,7 +255,7 @@ class AuthDir:
         tenants: Sequence[str] = (),
         *,
         server_names: Sequence[str] = (),
-        redis_prefix: str = "hf:",
+        redis_prefix: str = DEFAULT_PREFIX,
         shards: Sequence[str] = (),
     ) -> list[Path]:
         """Create what is missing; return the files written (existing ones are kept).

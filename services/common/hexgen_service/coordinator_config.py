@@ -17,6 +17,7 @@ from hexgen_flow.cluster import DEFAULT_CLUSTER, DEFAULT_MODEL
 from hexgen_flow.errors import ConfigError
 from hexgen_service.auth import read_secret
 from hexgen_service.event_loop import EVENT_LOOPS
+from hexgen_service.redis_schema import DEFAULT_PREFIX
 from hexgen_service.redis_sentinel import REDIS_URL_HELP, check_redis_url
 from hexgen_service.settings import (
     add_options,
@@ -64,7 +65,7 @@ class CoordinatorConfig:
     )
     """The password of the Redis user (``--redis-password-file``); empty: none."""
     redis_prefix: str = setting(
-        "hf:",
+        DEFAULT_PREFIX,
         "prefix of every Redis key (default %(default)s; with --redis-cluster hf:{0}:, and it "
         "must hold a {hash tag})",
     )

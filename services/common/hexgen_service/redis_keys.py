@@ -10,13 +10,9 @@ spread over the cluster's masters.
 from __future__ import annotations
 
 from hexgen_flow.errors import ConfigError
+from hexgen_service.redis_schema import CLUSTER_PREFIX, DEFAULT_PREFIX
 
 __all__ = ["CLUSTER_PREFIX", "DEFAULT_PREFIX", "cluster_prefix"]
-
-DEFAULT_PREFIX = "hf:"
-"""The key prefix on a single Redis when none is given."""
-CLUSTER_PREFIX = "hf:{0}:"
-"""The key prefix on a Redis Cluster when none is given: ``hf:`` with a hash tag."""
 
 
 def cluster_prefix(prefix: str | None, default: str = DEFAULT_PREFIX, *, cluster: bool) -> str:

@@ -1,6 +1,6 @@
 """`python -m hexgen_coordinator.check_state`: an fsck for the workflow state in Redis.
 
-Reads every key under the prefix (`hexgen_coordinator.store` documents the layout) and
+Reads every key under the prefix (`hexgen_service.redis_schema` owns the layout) and
 counts what should never happen:
 
 - duplicate completions: a query counted down more often than it has completed calls (a
@@ -35,7 +35,9 @@ from redis.exceptions import RedisClusterException
 
 from hexgen_coordinator.redis_retry import cluster_prefix
 from hexgen_flow.errors import HexgenFlowError
+from hexgen_service import redis_schema as schema
 from hexgen_service.auth import read_secret
+from hexgen_service.redis_schema import DEFAULT_PREFIX, F, M, S
 from hexgen_service.redis_sentinel import (
     REDIS_URL_HELP,
     check_redis_url,
@@ -45,18 +47,9 @@ from hexgen_service.redis_sentinel import (
 
 __all__ = ["StateReport", "check_state", "main"]
 
-_FIXED = (
-    "meta",
-    "qseq",
-    "active",
-    "completions",
-    "admitted",
-    "finished",
-    "alpha:history",
-    "learned",  # the cost learners' states (--learn-costs)
-    "lease",  # a coordinator shard's (hexgen_coordinator.shards)
-)
-_TUNER = ("tuner:runs", "tuner:alpha_history", "tuner:run_seq")
+_FIXED = schema.COORDINATOR_KEYS
+"""The coordinator's fixed keys (`hexgen_service.redis_schema`)."""
+_TUNER = schema.TUNER_KEYS
 """The tuner's keys under the same prefix (capped lists and a counter)."""
 
 
@@ -105,27 +98,27 @@ def check_state(
     kept: list[str] = []
     for raw in client.scan_iter(match=_escape(prefix) + "*", count=1000):
         key = _text(raw)
-        rest = key[len(prefix) :]
         if key in fixed:
             continue
-        if rest.startswith("q:"):
-            queries.append(rest[2:])
-        elif rest.startswith("ev:"):
-            logs.append(rest[3:])
-        elif rest.startswith("pr:"):
-            kept.append(rest[3:])
+        where = schema.classify_key(prefix, key)
+        if where is not None and where[0] == "query":
+            queries.append(where[1])
+        elif where is not None and where[0] == "events":
+            logs.append(where[1])
+        elif where is not None and where[0] == "prompts":
+            kept.append(where[1])
         else:
             report.orphan_keys += 1
             report.note(f"orphan key {key!r}: not part of the layout")
-    active = {_text(m) for m in client.smembers(prefix + "active")}
-    meta = {_text(k): _text(v) for k, v in client.hgetall(prefix + "meta").items()}
+    active = {_text(m) for m in client.smembers(schema.key(prefix, schema.ACTIVE))}
+    meta = {_text(k): _text(v) for k, v in client.hgetall(schema.key(prefix, schema.META)).items()}
     now_s = None
-    if "epoch_unix_s" in meta and "time_scale" in meta:
-        now_s = (time.time() - float(meta["epoch_unix_s"])) * float(meta["time_scale"])
+    if M.EPOCH_UNIX_S in meta and M.TIME_SCALE in meta:
+        now_s = (time.time() - float(meta[M.EPOCH_UNIX_S])) * float(meta[M.TIME_SCALE])
     stored: set[str] = set()
     fields_of: dict[str, dict[str, bytes]] = {}
     for query_id in queries:
-        key = f"{prefix}q:{query_id}"
+        key = schema.query_key(prefix, query_id)
         kind = _text(client.type(key))  # type: ignore[no-untyped-call]
         if kind == "none":
             continue  # expired between the scan and now: nothing is wrong with that
@@ -140,9 +133,11 @@ def check_state(
         fields_of[query_id] = fields
         _check_query(report, query_id, fields, client.pttl(key), active, now_s, stuck_after_s)
     for query_id in kept:
-        _check_prompts(report, client, f"{prefix}pr:{query_id}", fields_of.get(query_id))
+        _check_prompts(
+            report, client, schema.prompts_key(prefix, query_id), fields_of.get(query_id)
+        )
     for query_id in logs:
-        key = f"{prefix}ev:{query_id}"
+        key = schema.events_key(prefix, query_id)
         ttl = client.pttl(key)
         if query_id not in stored and ttl == -1:  # -2: expired meanwhile
             report.orphan_keys += 1
@@ -150,9 +145,11 @@ def check_state(
     for query_id in active - stored:
         report.stuck_queries += 1
         report.note(f"query {query_id!r} is in the active set but not stored")
+    call_id_field = schema.StreamField.CALL_ID.encode()
     seen = Counter(
-        _text(entry.get(b"call_id", b""))
-        for _, entry in client.xrange(prefix + "completions")  # trimmed: bounded
+        _text(entry.get(call_id_field, b""))
+        # trimmed: bounded
+        for _, entry in client.xrange(schema.key(prefix, schema.COMPLETIONS))
     )
     for call_id, count in seen.items():
         if call_id and count > 1:
@@ -171,10 +168,12 @@ def _check_prompts(
     calls = [_text(c) for c in client.hkeys(key)]
     if not calls:
         return  # emptied meanwhile
-    state = _text(fields.get("state", b"")) if fields is not None else ""
+    state = _text(fields.get(F.STATE, b"")) if fields is not None else ""
     for call_id in calls:
-        done = fields is not None and _text(fields.get(f"c:{call_id}", b"")) in ("done", "skipped")
-        if state == "running" and not done:
+        done = fields is not None and schema.is_done(
+            fields.get(schema.call_field(schema.DONE, call_id))
+        )
+        if state == S.RUNNING and not done:
             report.kept_prompts += 1
             continue
         report.stale_prompts += 1
@@ -191,40 +190,46 @@ def _check_query(
     now_s: float | None,
     stuck_after_s: float | None,
 ) -> None:
-    f = {k: _text(v) for k, v in raw.items() if k not in ("submit", "shape")}
+    f = {k: _text(v) for k, v in raw.items() if k not in (F.SUBMIT, F.SHAPE)}
     report.queries += 1
     try:
-        state = f["state"]
-        total, left = int(f["calls_total"]), int(f["calls_left"])
-        stages = int(f["stages_total"])
-        stages_done = int(f["stages_done"])
+        state = f[F.STATE]
+        total, left = int(f[F.CALLS_TOTAL]), int(f[F.CALLS_LEFT])
+        stages = int(f[F.STAGES_TOTAL])
+        stages_done = int(f[F.STAGES_DONE])
     except (KeyError, ValueError):
         report.orphan_keys += 1
         report.note(f"query {query_id!r}: an unreadable hash")
         return
     report.calls += total
-    done = sum(1 for k, v in f.items() if k.startswith("c:") and v in ("done", "skipped"))
+    done = sum(
+        1
+        for k, v in f.items()
+        if schema.parse_call_field(k, schema.DONE) is not None and schema.is_done(v)
+    )
     counted = total - left
     if left < 0 or counted > done or stages_done > stages:
         report.duplicate_completions += max(counted - done, 1)
         report.note(f"query {query_id!r}: {counted} counted down, {done} calls complete")
     for k in range(stages):
-        if int(f.get(f"s{k}:left", 0)) < 0 or int(f.get(f"s{k}:deps", 0)) < 0:
+        left_k = int(f.get(schema.stage_field(k, schema.STAGE_LEFT), 0))
+        deps_k = int(f.get(schema.stage_field(k, schema.STAGE_DEPS), 0))
+        if left_k < 0 or deps_k < 0:
             report.duplicate_completions += 1
             report.note(f"query {query_id!r}: stage {k} counted below zero")
     if done > counted:
         report.missing_completions += done - counted
         report.note(f"query {query_id!r}: {done} calls complete, {counted} counted down")
-    if state == "succeeded" and (left != 0 or done != total):
+    if state == S.SUCCEEDED and (left != 0 or done != total):
         report.missing_completions += max(left, total - done, 1)
         report.note(f"query {query_id!r} succeeded with {done} of {total} calls complete")
-    if state == "running":
+    if state == S.RUNNING:
         report.running += 1
         if query_id not in active:
             report.stuck_queries += 1
             report.note(f"query {query_id!r} runs but is not in the active set")
         elif stuck_after_s is not None and now_s is not None:
-            age = now_s - float(f.get("arrival_s", now_s))
+            age = now_s - float(f.get(F.ARRIVAL_S, now_s))
             if age > stuck_after_s:
                 report.stuck_queries += 1
                 report.note(f"query {query_id!r} still runs {age:.0f} s after it arrived")
@@ -297,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     password = None
     try:
         check_redis_url(args.redis_url, cluster=args.redis_cluster)
-        prefix = cluster_prefix(args.prefix, "hf:", cluster=args.redis_cluster)
+        prefix = cluster_prefix(args.prefix, DEFAULT_PREFIX, cluster=args.redis_cluster)
         if args.redis_password_file:
             password = read_secret(args.redis_password_file, "--redis-password-file")
     except HexgenFlowError as exc:

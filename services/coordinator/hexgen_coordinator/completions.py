@@ -24,6 +24,7 @@ from hexgen_flow.cluster import Cluster
 from hexgen_flow.learning import CostMeter
 from hexgen_flow.runtime import CallTicket
 from hexgen_flow.scheduler import GlobalScheduler
+from hexgen_service.redis_schema import CompletionEntry, encode_completion
 
 __all__ = ["Completions"]
 
@@ -145,19 +146,21 @@ class Completions:
             # worker that reports the result is the one that ran it.
             ran_on = ticket.instance if ticket.instance >= 0 else link.slot
             inst = self.cluster.instances[ran_on] if ran_on >= 0 else None
-            record: dict[str, str | int | float] = {
-                "query_id": query_id,
-                "call_id": call_id,
-                "stage": stage,
-                "step": ticket.call.step,
-                "input_tokens": ticket.call.input_tokens,
-                "output_tokens": msg.output_tokens or ticket.call.output_tokens,
-                "instance": inst.name if inst else "",
-                "gpu": inst.gpu if inst else "",
-                "released_s": repr(ticket.released_s),
-                "started_s": repr(msg.started_s),
-                "finished_s": repr(msg.finished_s or now),
-            }
+            record = encode_completion(
+                CompletionEntry(
+                    query_id=query_id,
+                    call_id=call_id,
+                    stage=stage,
+                    step=ticket.call.step,
+                    input_tokens=ticket.call.input_tokens,
+                    output_tokens=msg.output_tokens or ticket.call.output_tokens,
+                    instance=inst.name if inst else "",
+                    gpu=inst.gpu if inst else "",
+                    released_s=ticket.released_s,
+                    started_s=msg.started_s,
+                    finished_s=msg.finished_s or now,
+                )
+            )
             dependents = run.query.workflow.dependents[stage]
             result = await until_stored(
                 f"completing {call_id}",
@@ -188,6 +191,8 @@ class Completions:
             ledger.completions += 1
             if self.meters is not None and ran_on >= 0:
                 ticket.cached_tokens = max(msg.cached_tokens, 0)  # as the engine says
+                if msg.output_tokens > 0:  # what it generated, not what was declared
+                    ticket.output_tokens = msg.output_tokens
                 # The worker's own times where it gives them: the engine's service alone.
                 service = (
                     msg.finished_s - msg.started_s if msg.finished_s > msg.started_s > 0 else None

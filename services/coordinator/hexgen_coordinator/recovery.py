@@ -25,7 +25,9 @@ from hexgen_coordinator.session_store import stored_workflow
 from hexgen_coordinator.store import StoredQuery, WorkflowStore, prompts_digest
 from hexgen_flow.runtime import CallTicket
 from hexgen_flow.scheduler import GlobalScheduler
+from hexgen_service import redis_schema as schema
 from hexgen_service.convert import parse_submit
+from hexgen_service.redis_schema import F, S
 
 __all__ = ["Recovery"]
 
@@ -64,7 +66,7 @@ class Recovery:
         max_seq = -1
         for query_id in ids:
             stored = await self.store.load(query_id)
-            if stored is None or stored.fields.get("state") != "running":
+            if stored is None or stored.fields.get(F.STATE) != S.RUNNING:
                 continue
             logged = int(await self.redis.llen(self.store.evkey(query_id)))
             max_seq = max(max_seq, self._resume_query(stored, logged))
@@ -85,7 +87,7 @@ class Recovery:
         stored = await self.store.load(query_id)
         if (
             stored is None
-            or stored.fields.get("state") != "running"
+            or stored.fields.get(F.STATE) != S.RUNNING
             or query_id in self.ledger.active
         ):
             return
@@ -102,10 +104,10 @@ class Recovery:
         built = stored_workflow(stored)
         query = built.query
         f = stored.fields
-        run = self.scheduler.admit(query, int(f["index"]), float(f["arrival_s"]), float(f["slo_s"]))
+        run = self.scheduler.admit(query, int(f[F.INDEX]), float(f[F.ARRIVAL_S]), float(f[F.SLO_S]))
         span = self.tracer.start_span("query (resumed)", attributes={"query.id": query.query_id})
         # Stored before prompts were kept apart: no digest, and the submission held them.
-        digest = f.get("digest") or prompts_digest(
+        digest = f.get(F.DIGEST) or prompts_digest(
             parse_submit(cpb.SubmitQueryRequest.FromString(stored.submit))[1]
         )
         entry = ActiveQuery(
@@ -121,7 +123,7 @@ class Recovery:
                 last_call_wall=time.monotonic(),  # the idle clock starts again
                 open=built.session_open,
                 closed_stages=built.closed_stages,
-                skipped={c[2:] for c, v in f.items() if c.startswith("c:") and v == "skipped"},
+                skipped=stored.skipped(),
                 last_done_s=self.ledger.clock.now(),
             )
         ledger.active[query.query_id] = entry
@@ -133,12 +135,12 @@ class Recovery:
                     chat = built.chats.get(call_id, ())
                     nbytes = len(text.encode("utf-8")) + sum(len(c.encode()) for _, c in chat)
                     ledger.hold_prompt(entry, call_id, nbytes)
-        run.calls_left = int(f["calls_left"])
+        run.calls_left = int(f[F.CALLS_LEFT])
         released = []
         for k in range(len(stages)):
-            run.stage_calls_left[k] = int(f[f"s{k}:left"])
-            run.deps_left[k] = int(f[f"s{k}:deps"])
-            rel, fin = stored.stage(k, "rel"), stored.stage(k, "fin")
+            run.stage_calls_left[k] = int(f[schema.stage_field(k, schema.STAGE_LEFT)])
+            run.deps_left[k] = int(f[schema.stage_field(k, schema.STAGE_DEPS)])
+            rel, fin = stored.stage(k, schema.STAGE_REL), stored.stage(k, schema.STAGE_FIN)
             run.stage_finished_s[k] = float(fin) if fin is not None else None
             if rel is not None:
                 released.append((float(rel), k))
@@ -149,7 +151,7 @@ class Recovery:
             computed = self.scheduler.budget.deadline(run, k, rel_s)  # replays budget state
             if run.stage_finished_s[k] is not None:
                 continue
-            dl = stored.stage(k, "dl")
+            dl = stored.stage(k, schema.STAGE_DL)
             deadline = float(dl) if dl is not None else computed
             for index, call in enumerate(stages[k].calls):
                 call_id = call_id_of(query.query_id, k, index)

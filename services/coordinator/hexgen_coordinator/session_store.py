@@ -38,7 +38,9 @@ from hexgen_api.v1 import workflow_pb2 as wfpb
 from hexgen_coordinator.ledger import call_id_of
 from hexgen_coordinator.store import LUA_HELPERS, StoredQuery, WorkflowStore
 from hexgen_flow.workload import LLMCall, Query, Stage, Workflow, canonical_step
+from hexgen_service import redis_schema as schema
 from hexgen_service.convert import parse_submit, stage_names
+from hexgen_service.redis_schema import F, S
 
 __all__ = [
     "GIVE_APPLIED",
@@ -159,7 +161,7 @@ class SessionStore:
         ]
         args: list[Any] = [
             query_id,
-            "1" if close_session else "0",
+            schema.STAGE_CLOSED_YES if close_session else "0",
             repr(now),
             store.retention_ms,
             store.stream_maxlen,
@@ -192,7 +194,7 @@ def stored_workflow(stored: StoredQuery) -> StoredWorkflow:
     opened, prompts = parse_submit(request)
     names = stage_names(request.workflow)
     f = stored.fields
-    session = f.get("session")
+    session = f.get(F.SESSION)
     kept = {c: wfpb.LLMCall.FromString(blob) for c, blob in stored.prompts.items()}
     if session is None:
         for k, stage_prompts in enumerate(prompts):
@@ -204,9 +206,9 @@ def stored_workflow(stored: StoredQuery) -> StoredWorkflow:
             prompts[k] = tuple(texts)
         return StoredWorkflow(opened, prompts, names, None, set(), False, 0.0, {})
     stages = list(opened.workflow.stages)
-    total = int(f.get("stages_total", len(stages)))
+    total = int(f.get(F.STAGES_TOTAL, len(stages)))
     for k in range(len(stages), total):  # stages added by a call that named a new one
-        name = f.get(f"x:{k}", f"stage{k}")
+        name = f.get(schema.call_field(schema.STAGE_NAME, k), f"stage{k}")
         stages.append(Stage(step=canonical_step(name), calls=(LLMCall("x", 1, 1),)))
         names.append(name)
         prompts.append(("",))
@@ -217,7 +219,7 @@ def stored_workflow(stored: StoredQuery) -> StoredWorkflow:
         n = 0
         while True:
             call_id = call_id_of(opened.query_id, k, n)
-            raw = f.get(f"g:{call_id}")
+            raw = f.get(schema.call_field(schema.GIVEN, call_id))
             if raw is None:
                 break
             pb = wfpb.LLMCall.FromString(base64.b64decode(raw))
@@ -245,14 +247,18 @@ def stored_workflow(stored: StoredQuery) -> StoredWorkflow:
         slo_s=opened.slo_s,
         slo_scale=opened.slo_scale,
     )
-    closed = {k for k in range(len(stages)) if f.get(f"z:{k}") == "1"}
+    closed = {
+        k
+        for k in range(len(stages))
+        if f.get(schema.call_field(schema.STAGE_CLOSED, k)) == schema.STAGE_CLOSED_YES
+    }
     return StoredWorkflow(
         query,
         prompts,
         names,
         given,
         closed,
-        session == "open",
-        float(f.get("idle_s", 0.0)),
+        session == S.OPEN,
+        float(f.get(F.IDLE_S, 0.0)),
         chats,
     )

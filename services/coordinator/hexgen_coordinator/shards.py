@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 
 from hexgen_flow.errors import ConfigError
+from hexgen_service import redis_schema as schema
 from hexgen_service.errors import SHARD_OWNER_KEY
 
 __all__ = ["OWNER_METADATA", "LeaseLostError", "ShardLease", "ShardMap", "lease_key"]
@@ -69,7 +70,7 @@ class LeaseLostError(RuntimeError):
 
 
 def lease_key(prefix: str) -> str:
-    return prefix + "lease"
+    return schema.key(prefix, schema.LEASE)
 
 
 @dataclass(frozen=True, slots=True)

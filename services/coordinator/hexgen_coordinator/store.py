@@ -1,39 +1,8 @@
 """Workflow state in Redis: the coordinator's memory that survives it.
 
-Key layout (every key starts with the configured prefix P, default ``hf:``)::
-
-    P meta                 hash   epoch_unix_s, time_scale, alpha
-    P qseq                 string arrival counter of queries (query_seq)
-    P active               set    ids of running queries (what a restarted coordinator resumes)
-    P q:{id}               hash   the query: submit (SubmitQueryRequest bytes without its
-                                  prompts), shape (the same, what the streams keep),
-                                  digest (SHA-256 of its prompts: what a resubmission of
-                                  the same id is matched against), tenant, index, arrival_s, slo_s,
-                                  deadline_s, state, reason, finished_s, calls_total,
-                                  calls_left, stages_total, stages_done;
-                                  per stage k: s{k}:left, s{k}:deps, s{k}:rel, s{k}:fin, s{k}:dl;
-                                  per call: p:{call_id} = "slot:seq:attempt", where it was
-                                  last dispatched; c:{call_id} = "done" once complete
-                                  ("skipped": a session's call never given);
-                                  f:{call_id} = failed attempts; a workflow session's
-                                  fields: see `hexgen_coordinator.session_store`
-    P ev:{id}              list   the query's events (QueryEvent bytes), in order
-    P pr:{id}              hash   call_id -> the call's prompt (LLMCall bytes: prompt and chat
-                                  messages), only while the call may still run: the
-                                  completion of a call drops its prompt, the end of the query
-                                  (succeeded, failed, cancelled) drops them all
-    P completions          stream one entry per finished call
-    P admitted             stream one entry per admitted workflow declared whole, with its
-                                  shape (what the tuner replays: its window is the latest
-                                  admitted queries, finished or not)
-    P finished             stream one entry per finished query, with its shape (a workflow
-                                  session's shape is known only here)
-    P alpha:history        list   JSON of the latest alpha changes
-    P learned              hash   instance name -> JSON of its cost learner's state (with
-                                  --learn-costs: what a restarted coordinator carries on from)
-
-No id can make two keys collide: a query's keys sit in different namespaces (``q:``,
-``ev:``, ``pr:``), and none can spell a fixed key.
+The key layout, every field name and format, and the streams' entries are
+`hexgen_service.redis_schema`'s (one table, there): this module writes and reads them
+through its names.
 
 Prompts are the bulk of what a query stores, so they are kept apart and only as long as a
 call may need its prompt again (a redispatch after a crash): nothing a client sent
@@ -73,6 +42,8 @@ import redis.asyncio as aioredis
 
 from hexgen_coordinator.group_commit import GroupCommit
 from hexgen_coordinator.pipelined_redis import Command, PipelinedRedis
+from hexgen_service import redis_schema as schema
+from hexgen_service.redis_schema import DEFAULT_PREFIX, F, M, Placement, parse_placement
 
 __all__ = [
     "COMPLETE_APPLIED",
@@ -288,30 +259,6 @@ class FailureResult:
         return self.status == 2
 
 
-@dataclass(frozen=True, slots=True)
-class Placement:
-    """Where a call was dispatched: a slot, the call's release order, the attempt."""
-
-    slot: int
-    seq: int
-    attempt: int
-
-    def encode(self) -> str:
-        return f"{self.slot}:{self.seq}:{self.attempt}"
-
-
-def parse_placement(value: str) -> Placement | None:
-    """A p:{id} field's placement; None for anything unreadable."""
-    parts = value.split(":")
-    if len(parts) not in (2, 3):
-        return None
-    try:
-        nums = [int(p) for p in parts]
-    except ValueError:
-        return None
-    return Placement(nums[0], nums[1], nums[2] if len(nums) == 3 else 0)
-
-
 def prompts_digest(prompts: Sequence[Sequence[str]]) -> str:
     """SHA-256 of a query's prompts (per stage, per call): what tells a resubmission of the
     same id with the same content from one with other content, once the prompts
@@ -333,26 +280,36 @@ class StoredQuery:
         return float(self.fields[name])
 
     def stage(self, k: int, name: str) -> str | None:
-        return self.fields.get(f"s{k}:{name}")
+        """Stage k's field `name` (one of `redis_schema.STAGE_FIELDS`)."""
+        return self.fields.get(schema.stage_field(k, name))
 
     def done(self, call_id: str) -> bool:
         """Finished, or skipped by its workflow session."""
-        return self.fields.get(f"c:{call_id}") in ("done", "skipped")
+        return schema.is_done(self.fields.get(schema.call_field(schema.DONE, call_id)))
+
+    def skipped(self) -> set[str]:
+        """The calls its workflow session skipped (never given)."""
+        return {
+            call_id
+            for name, value in self.fields.items()
+            if (call_id := schema.parse_call_field(name, schema.DONE)) is not None
+            and value == schema.CALL_SKIPPED
+        }
 
     def placement(self, call_id: str) -> Placement | None:
         """Where the call was last dispatched (None: never, as far as Redis knows)."""
-        value = self.fields.get(f"p:{call_id}")
+        value = self.fields.get(schema.call_field(schema.PLACED, call_id))
         return parse_placement(value) if value is not None else None
 
     def failures(self, call_id: str) -> int:
-        return int(self.fields.get(f"f:{call_id}", 0))
+        return int(self.fields.get(schema.call_field(schema.FAILURES, call_id), 0))
 
 
 class WorkflowStore:
     def __init__(
         self,
         redis: aioredis.Redis[bytes],
-        prefix: str = "hf:",
+        prefix: str = DEFAULT_PREFIX,
         *,
         retention_s: float = 3600.0,
         stream_maxlen: int = 10_000,
@@ -377,62 +334,66 @@ class WorkflowStore:
     # ------------------------------------------------------------------ keys
 
     def qkey(self, query_id: str) -> str:
-        return f"{self.prefix}q:{query_id}"
+        return schema.query_key(self.prefix, query_id)
 
     def evkey(self, query_id: str) -> str:
-        return f"{self.prefix}ev:{query_id}"
+        return schema.events_key(self.prefix, query_id)
 
     def prkey(self, query_id: str) -> str:
-        return f"{self.prefix}pr:{query_id}"
+        return schema.prompts_key(self.prefix, query_id)
+
+    def key(self, name: str) -> str:
+        """A fixed key (`redis_schema.COORDINATOR_KEYS`)."""
+        return schema.key(self.prefix, name)
 
     @property
     def active_key(self) -> str:
-        return f"{self.prefix}active"
+        return self.key(schema.ACTIVE)
 
     @property
     def completions_key(self) -> str:
-        return f"{self.prefix}completions"
+        return self.key(schema.COMPLETIONS)
 
     @property
     def admitted_key(self) -> str:
-        return f"{self.prefix}admitted"
+        return self.key(schema.ADMITTED)
 
     @property
     def finished_key(self) -> str:
-        return f"{self.prefix}finished"
+        return self.key(schema.FINISHED)
 
     # ------------------------------------------------------------------ cluster meta
 
     async def epoch(self, now_unix: float, time_scale: float) -> tuple[float, float]:
         """The cluster clock: kept from the first coordinator, so times survive restarts."""
-        key = f"{self.prefix}meta"
-        await self.redis.hsetnx(key, "epoch_unix_s", repr(now_unix))
-        await self.redis.hsetnx(key, "time_scale", repr(time_scale))
-        epoch, scale = await self.redis.hmget(key, ["epoch_unix_s", "time_scale"])
+        key = self.key(schema.META)
+        await self.redis.hsetnx(key, M.EPOCH_UNIX_S, repr(now_unix))
+        await self.redis.hsetnx(key, M.TIME_SCALE, repr(time_scale))
+        epoch, scale = await self.redis.hmget(key, [M.EPOCH_UNIX_S, M.TIME_SCALE])
         assert epoch is not None and scale is not None  # set just above
         return float(epoch), float(scale)
 
     async def alpha(self) -> float | None:
-        value = await self.redis.hget(f"{self.prefix}meta", "alpha")
+        value = await self.redis.hget(self.key(schema.META), M.ALPHA)
         return float(value) if value is not None else None
 
     async def set_alpha(self, alpha: float, now: float, reason: str) -> None:
-        history = f"{self.prefix}alpha:history"
+        history = self.key(schema.ALPHA_HISTORY)
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(f"{self.prefix}meta", "alpha", repr(alpha))
-            pipe.rpush(history, json.dumps({"time_s": now, "alpha": alpha, "reason": reason}))
+            pipe.hset(self.key(schema.META), M.ALPHA, repr(alpha))
+            pipe.rpush(history, schema.encode_alpha_change(now, alpha, reason))
             pipe.ltrim(history, -ALPHA_HISTORY_MAX, -1)
             await pipe.execute()
 
     async def learned(self) -> dict[str, str]:
         """The cost learners' states kept by `save_learned`, by instance name."""
-        raw = await self.redis.hgetall(f"{self.prefix}learned")
+        raw = await self.redis.hgetall(self.key(schema.LEARNED))
         return {k.decode(): v.decode() for k, v in raw.items()}
 
     async def save_learned(self, states: Mapping[str, str]) -> None:
         if states:
             fields: dict[str | bytes, bytes | float | int | str] = dict(states.items())
-            await self.redis.hset(f"{self.prefix}learned", mapping=fields)
+            await self.redis.hset(self.key(schema.LEARNED), mapping=fields)
 
     # ------------------------------------------------------------------ queries
 
@@ -474,7 +435,7 @@ class WorkflowStore:
             args += [calls, deps]
         args += [
             query_id,
-            "" if session_idle_s is None else "open",
+            "" if session_idle_s is None else schema.S.OPEN,
             repr(session_idle_s or 0.0),
             self.stream_maxlen,
             digest,
@@ -483,7 +444,7 @@ class WorkflowStore:
             args += [call_id, blob]
         keys = [
             self.qkey(query_id),
-            f"{self.prefix}qseq",
+            self.key(schema.QSEQ),
             self.active_key,
             self.admitted_key,
             self.prkey(query_id),
@@ -507,9 +468,9 @@ class WorkflowStore:
         commands: list[Command] = []
         fields: list[str] = []
         for call_id, p in placements.items():
-            fields += [f"p:{call_id}", p.encode()]
+            fields += [schema.call_field(schema.PLACED, call_id), schema.format_placement(p)]
         for k, d in stage_deadlines.items():
-            fields += [f"s{k}:dl", repr(d)]
+            fields += [schema.stage_field(k, schema.STAGE_DL), repr(d)]
         if fields:
             commands.append(("HSET", qkey, *fields))
         if events:
@@ -615,8 +576,8 @@ class WorkflowStore:
         if not raw:
             return None
         fields = {(k.decode() if isinstance(k, bytes) else k): v for k, v in raw.items()}
-        submit = fields.pop("submit")
-        fields.pop("shape", None)
+        submit = fields.pop(F.SUBMIT)
+        fields.pop(F.SHAPE, None)
         text = {k: (v.decode() if isinstance(v, bytes) else str(v)) for k, v in fields.items()}
         prompts = {
             (k.decode() if isinstance(k, bytes) else k): (v if isinstance(v, bytes) else v.encode())

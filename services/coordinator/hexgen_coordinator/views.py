@@ -19,15 +19,18 @@ from hexgen_flow.cluster import Cluster
 from hexgen_flow.metrics import percentile
 from hexgen_flow.runtime import QueryRun
 from hexgen_flow.scheduler import GlobalScheduler
+from hexgen_service import redis_schema as schema
+from hexgen_service.redis_schema import F, S
 
 __all__ = ["QueryViews", "UnknownQueryError"]
 
 _STATES = {
-    "running": cpb.QUERY_STATE_RUNNING,
-    "succeeded": cpb.QUERY_STATE_SUCCEEDED,
-    "cancelled": cpb.QUERY_STATE_CANCELLED,
-    "failed": cpb.QUERY_STATE_FAILED,
+    S.RUNNING: cpb.QUERY_STATE_RUNNING,
+    S.SUCCEEDED: cpb.QUERY_STATE_SUCCEEDED,
+    S.CANCELLED: cpb.QUERY_STATE_CANCELLED,
+    S.FAILED: cpb.QUERY_STATE_FAILED,
 }
+"""A stored query's state (`redis_schema.F.STATE`) on the wire."""
 
 
 class UnknownQueryError(LookupError):
@@ -72,9 +75,7 @@ class QueryViews:
         workflow = entry.run.query.workflow if entry is not None else built.query.workflow
         names = entry.session.names if entry is not None and entry.session else built.names
         skipped_ids = (
-            entry.session.skipped
-            if entry is not None and entry.session
-            else {c[2:] for c, v in stored.fields.items() if c.startswith("c:") and v == "skipped"}
+            entry.session.skipped if entry is not None and entry.session else stored.skipped()
         )
         deadlines: dict[int, float] = {}
         now = self.ledger.clock.now()
@@ -88,8 +89,9 @@ class QueryViews:
                     deadlines[k] = self.scheduler.budget.revise(run, k, now)  # if released now
         stages = []
         for k, stage in enumerate(workflow.stages):
-            released, finished = stored.stage(k, "rel"), stored.stage(k, "fin")
-            left = int(stored.stage(k, "left") or len(stage.calls))
+            released = stored.stage(k, schema.STAGE_REL)
+            finished = stored.stage(k, schema.STAGE_FIN)
+            left = int(stored.stage(k, schema.STAGE_LEFT) or len(stage.calls))
             skipped = sum(
                 1 for i in range(len(stage.calls)) if f"{stored.query_id}/{k}.{i}" in skipped_ids
             )
@@ -105,7 +107,7 @@ class QueryViews:
                 calls_given=len(stage.calls) if given is None else given,
                 released_s=float(released) if released is not None else 0.0,
                 finished_s=float(finished) if finished is not None else 0.0,
-                deadline_s=deadlines.get(k, float(stored.stage(k, "dl") or 0.0)),
+                deadline_s=deadlines.get(k, float(stored.stage(k, schema.STAGE_DL) or 0.0)),
             )
             if entry is not None:
                 run = entry.run
@@ -145,21 +147,21 @@ class QueryViews:
     def info_of_stored(self, stored: StoredQuery) -> cpb.QueryInfo:
         f = stored.fields
         # A session counts one call more in Redis: its own, done when it is closed.
-        session = int("session" in f)
-        hold = f.get("session") == "open"
+        session = int(F.SESSION in f)
+        hold = f.get(F.SESSION) == S.OPEN
         return cpb.QueryInfo(
             query_id=stored.query_id,
-            tenant=f["tenant"],
-            state=_STATES.get(f["state"], cpb.QUERY_STATE_UNSPECIFIED),
-            arrival_s=float(f["arrival_s"]),
-            slo_s=float(f["slo_s"]),
-            deadline_s=float(f["deadline_s"]),
-            finished_s=float(f["finished_s"]),
-            stages_total=int(f["stages_total"]),
-            stages_done=int(f["stages_done"]),
-            calls_total=int(f["calls_total"]) - session,
-            calls_done=int(f["calls_total"]) - int(f["calls_left"]) - (session and not hold),
-            failure_reason=f.get("reason", ""),
+            tenant=f[F.TENANT],
+            state=_STATES.get(f[F.STATE], cpb.QUERY_STATE_UNSPECIFIED),
+            arrival_s=float(f[F.ARRIVAL_S]),
+            slo_s=float(f[F.SLO_S]),
+            deadline_s=float(f[F.DEADLINE_S]),
+            finished_s=float(f[F.FINISHED_S]),
+            stages_total=int(f[F.STAGES_TOTAL]),
+            stages_done=int(f[F.STAGES_DONE]),
+            calls_total=int(f[F.CALLS_TOTAL]) - session,
+            calls_done=int(f[F.CALLS_TOTAL]) - int(f[F.CALLS_LEFT]) - (session and not hold),
+            failure_reason=f.get(F.REASON, ""),
             session=bool(session),
             session_open=bool(hold),
         )

@@ -8,13 +8,13 @@ from urllib.parse import urlsplit
 
 from hexgen_client.addresses import (
     DEFAULT_COORDINATOR,
-    DEFAULT_REDIS_PREFIX,
     DEFAULT_REDIS_URL,
     DEFAULT_TUNER,
 )
 from hexgen_flow.errors import ConfigError
 from hexgen_service.exposure import refuse_open_metrics, refuse_unprotected
 from hexgen_service.redis_keys import cluster_prefix
+from hexgen_service.redis_schema import DEFAULT_PREFIX
 from hexgen_service.tls import TlsFiles
 
 __all__ = ["TunerConfig"]
@@ -31,8 +31,8 @@ class TunerConfig:
     coordinator's address, comma-separated."""
     redis_url: str = DEFAULT_REDIS_URL
     """The Redis the coordinator writes its ``admitted`` and ``finished`` streams to."""
-    redis_prefix: str = DEFAULT_REDIS_PREFIX
-    """Prefix of every key: reads ``P + "admitted"`` and ``P + "finished"``, writes
+    redis_prefix: str = DEFAULT_PREFIX
+    """Prefix of every key: reads ``P admitted`` and ``P finished``, writes
     ``P + "tuner:..."``; on a Redis Cluster the coordinator's, with its hash tag
     (`cluster_prefix`)."""
     redis_cluster: bool = False

@@ -1,9 +1,11 @@
 """What the tuner keeps in Redis, so that a restarted tuner still answers ``ListTuningRuns``
 and ``GetAlpha``:
 
-- ``P + "tuner:runs"``: a list of JSON `TuningRunRecord`, newest first, capped;
-- ``P + "tuner:alpha_history"``: a list of JSON `AlphaChange`, oldest first, capped;
-- ``P + "tuner:run_seq"``: the counter behind the run ids (``tune-000001``, ...).
+- ``P tuner:runs``: a list of JSON `TuningRunRecord`, newest first, capped;
+- ``P tuner:alpha_history``: a list of JSON `AlphaChange`, oldest first, capped;
+- ``P tuner:run_seq``: the counter behind the run ids (``tune-000001``, ...).
+
+(Their names are `hexgen_service.redis_schema`'s, with the coordinator's keys.)
 
 Non-finite numbers (an α not known, a P95 of a run where nothing finished) are stored as
 JSON ``null`` and read back as NaN.
@@ -20,6 +22,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from hexgen_flow.tuning import AlphaPoint
+from hexgen_service import redis_schema as schema
 
 __all__ = ["AlphaChange", "TunerStore", "TuningRunRecord"]
 
@@ -146,15 +149,15 @@ class TunerStore:
 
     @property
     def runs_key(self) -> str:
-        return self.prefix + "tuner:runs"
+        return schema.key(self.prefix, schema.TUNER_RUNS)
 
     @property
     def history_key(self) -> str:
-        return self.prefix + "tuner:alpha_history"
+        return schema.key(self.prefix, schema.TUNER_ALPHA_HISTORY)
 
     @property
     def seq_key(self) -> str:
-        return self.prefix + "tuner:run_seq"
+        return schema.key(self.prefix, schema.TUNER_RUN_SEQ)
 
     async def next_run_id(self) -> str:
         """A run id no earlier run of this tuner (or of a restarted one) has used."""

@@ -1,9 +1,10 @@
 """The tuning window: the most recently admitted queries, rebuilt as the simulator's input.
 
 The coordinator appends one entry per admitted workflow declared whole to the Redis stream
-``P + "admitted"`` (``query_id, tenant, arrival_s, slo_s`` in cluster seconds, as strings,
+``P admitted`` (``query_id, tenant, arrival_s, slo_s`` in cluster seconds, as strings,
 and ``submit``, the serialized `SubmitQueryRequest` without its prompts), and one entry per
-finished query to ``P + "finished"`` (the same fields and ``finished_s``). A window is the
+finished query to ``P finished`` (the same fields and ``finished_s``): the published
+contract `hexgen_service.redis_schema` declares and decodes (`decode_query_entry`). A window is the
 last N queries by arrival over both streams: a declared workflow counts from the moment it
 is admitted, so a change of load or mix reaches the window one query latency sooner than
 through finished queries alone; a workflow session (whose calls are not known until it
@@ -18,7 +19,6 @@ admitted queries with the same function).
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
@@ -29,8 +29,10 @@ from hexgen_api.v1 import coordinator_pb2
 from hexgen_flow.errors import HexgenFlowError
 from hexgen_flow.tuning import TuningWindow
 from hexgen_flow.workload import Query
+from hexgen_service import redis_schema as schema
 from hexgen_service.convert import query_from_submit
 from hexgen_service.errors import InvalidFieldError
+from hexgen_service.redis_schema import FinishedEntry, decode_query_entry
 
 __all__ = [
     "RecentQuery",
@@ -50,11 +52,11 @@ StreamEntry = tuple[bytes | str, Mapping[bytes, bytes]]
 
 
 def admitted_key(prefix: str) -> str:
-    return prefix + "admitted"
+    return schema.key(prefix, schema.ADMITTED)
 
 
 def finished_key(prefix: str) -> str:
-    return prefix + "finished"
+    return schema.key(prefix, schema.FINISHED)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,35 +73,22 @@ class RecentQuery:
     """The SLO the coordinator resolved for it, seconds."""
 
 
-def _number(fields: Mapping[bytes, bytes], name: str) -> float:
-    raw = fields.get(name.encode())
-    if raw is None:
-        raise ValueError(f"field {name!r} is missing")
-    value = float(raw)
-    if not math.isfinite(value):
-        raise ValueError(f"field {name!r} is not finite: {raw!r}")
-    return value
-
-
 def parse_entry(fields: Mapping[bytes, bytes]) -> RecentQuery:
     """One entry of either stream as a `RecentQuery` (an entry without ``finished_s`` is an
     admitted one); ValueError naming the problem otherwise."""
-    submit = fields.get(b"submit")
-    if submit is None:
-        raise ValueError("field 'submit' is missing")
+    entry = decode_query_entry(fields)
+    field = repr(schema.StreamField.SUBMIT)
     try:
-        request = coordinator_pb2.SubmitQueryRequest.FromString(submit)
+        request = coordinator_pb2.SubmitQueryRequest.FromString(entry.submit)
         query = query_from_submit(request)
     except (InvalidFieldError, HexgenFlowError) as exc:
-        raise ValueError(f"field 'submit': {exc}") from None
+        raise ValueError(f"field {field}: {exc}") from None
     except Exception as exc:  # protobuf's DecodeError has no stable public home
-        raise ValueError(f"field 'submit' is not a SubmitQueryRequest ({exc})") from None
-    tenant = fields.get(b"tenant")
-    if tenant:
-        query = replace(query, tenant=tenant.decode())
-    arrival_s = _number(fields, "arrival_s")
-    finished_s = _number(fields, "finished_s") if b"finished_s" in fields else None
-    slo_s = _number(fields, "slo_s")
+        raise ValueError(f"field {field} is not a SubmitQueryRequest ({exc})") from None
+    if entry.tenant:
+        query = replace(query, tenant=entry.tenant)
+    arrival_s, slo_s = entry.arrival_s, entry.slo_s
+    finished_s = entry.finished_s if isinstance(entry, FinishedEntry) else None
     if arrival_s < 0 or (finished_s is not None and finished_s < arrival_s):
         raise ValueError(f"times out of order: arrival_s {arrival_s}, finished_s {finished_s}")
     if slo_s <= 0:
@@ -166,7 +155,7 @@ def window_from_entries(entries: Sequence[StreamEntry], size: int | None = None)
 
 
 async def _entries(client: aioredis.Redis[bytes], prefix: str, size: int) -> list[StreamEntry]:
-    """The last `size` entries of ``prefix + "admitted"`` then of ``prefix + "finished"``,
+    """The last `size` entries of ``P admitted`` then of ``P finished``,
     each oldest first (a coordinator from before the ``admitted`` stream writes only the
     second)."""
     try:
@@ -186,7 +175,7 @@ async def _entries(client: aioredis.Redis[bytes], prefix: str, size: int) -> lis
 
 async def read_window(client: aioredis.Redis[bytes], prefix: str, size: int) -> TrafficWindow:
     """The last `size` queries by arrival of the last `size` entries of each stream,
-    ``prefix + "admitted"`` and ``prefix + "finished"``."""
+    ``P admitted`` and ``P finished``."""
     return window_from_entries(await _entries(client, prefix, size), size)
 
 
@@ -201,7 +190,9 @@ async def read_sharded_window(
     cluster's whole traffic, and the α tuned on it is every shard's."""
     clocks: list[tuple[str, float, float]] = []
     for prefix in prefixes:
-        raw_epoch, raw_scale = await client.hmget(prefix + "meta", ["epoch_unix_s", "time_scale"])
+        raw_epoch, raw_scale = await client.hmget(
+            schema.key(prefix, schema.META), [schema.M.EPOCH_UNIX_S, schema.M.TIME_SCALE]
+        )
         if raw_epoch is not None and raw_scale is not None:
             clocks.append((prefix, float(raw_epoch), float(raw_scale)))
     if not clocks:
