@@ -32,7 +32,8 @@ from hexgen_cli.options import (
     print_rows,
 )
 from hexgen_flow.cluster import DEFAULT_CLUSTER, DEFAULT_MODEL, Cluster, parse_cluster
-from hexgen_flow.errors import ConfigError
+from hexgen_flow.errors import ConfigError, HexgenFlowError
+from hexgen_flow.lengths import DEFAULT_MAX_TOKENS, OutputLengths
 from hexgen_flow.metrics import RunMetrics
 from hexgen_flow.policies.presets import PRESETS, Preset, resolve_policy
 from hexgen_flow.sim.simulator import SimConfig, Simulation
@@ -113,6 +114,22 @@ def _add_run_options(parser: argparse.ArgumentParser, *, policy_help: str) -> No
         "calls it served, with the planner's calibration as the prior (docs/design.md, "
         '"Truth, belief and learning what each instance costs")',
     )
+    parser.add_argument(
+        "--output-lengths",
+        type=output_lengths,
+        default=OutputLengths.KNOWN,
+        metavar="known|learned|max-tokens",
+        help="what the scheduler knows of each call's output length: the workload's (known, "
+        "the default), a per-step prediction learned from finished calls (learned), or the "
+        "cap --max-tokens (max-tokens); the engines always generate the workload's",
+    )
+    parser.add_argument(
+        "--max-tokens",
+        type=positive_int,
+        default=DEFAULT_MAX_TOKENS,
+        metavar="N",
+        help=f"the cap believed under --output-lengths max-tokens (default {DEFAULT_MAX_TOKENS})",
+    )
     add_engine_options(parser)
     parser.add_argument("--policy", default=DEFAULT_POLICY, metavar="NAME", help=policy_help)
     parser.add_argument(
@@ -182,6 +199,14 @@ class RunSetup:
         return None if self.planner is self.cluster else self.cluster
 
 
+def output_lengths(text: str) -> OutputLengths:
+    """``--output-lengths``: known, learned or max-tokens."""
+    try:
+        return OutputLengths.parse(text)
+    except HexgenFlowError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _setup(args: argparse.Namespace) -> RunSetup:
     preset = resolve_policy(args.policy)
     traces = tuple(args.trace or [DEFAULT_TRACE])
@@ -208,6 +233,8 @@ def _setup(args: argparse.Namespace) -> RunSetup:
         engine=args.engine,
         prefix_caching=args.prefix_caching,
         learn_costs=args.learn_costs,
+        output_lengths=args.output_lengths,
+        max_tokens=args.max_tokens,
     )
     return RunSetup(traces, queries, cluster, preset, config, planner, args.planner_error)
 
@@ -233,6 +260,11 @@ def planner_row(run: RunSetup) -> tuple[str, str]:
         text += " (the engines run the calibration above)"
     if run.config.learn_costs:
         text += "; learns each instance's costs online"
+    lengths = run.config.output_lengths
+    if lengths is OutputLengths.LEARNED:
+        text += "; predicts output lengths per step (learned)"
+    elif lengths is OutputLengths.MAX_TOKENS:
+        text += f"; believes every output {run.config.max_tokens} tokens (max-tokens)"
     return ("planner", text)
 
 
@@ -290,6 +322,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
             gpu: {"prefill": p, "decode": d} for gpu, (p, d) in (run.planner_errors or {}).items()
         }
         doc["learn_costs"] = run.config.learn_costs
+        doc["output_lengths"] = run.config.output_lengths.value
         learner = sim.scheduler.learner
         if learner is not None:
             doc["learned"] = [

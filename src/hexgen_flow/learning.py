@@ -448,8 +448,7 @@ class CostMeter:
 
     @staticmethod
     def _kv_of(ticket: CallTicket) -> float:
-        call = ticket.call
-        return call.input_tokens + call.output_tokens / 2
+        return ticket.call.input_tokens + ticket.output_tokens / 2
 
     def taken(self, ticket: CallTicket, now: float) -> None:
         """The engine took `ticket` at `now` (a call taken again is taken anew)."""
@@ -508,7 +507,7 @@ class CostMeter:
         return CallCost(
             self.instance,
             call.input_tokens,
-            call.output_tokens,
+            ticket.output_tokens,
             service_s,
             max((self._area - area0) / span, 1.0) if span > 0 else 1.0,
             (self._kv_area - kv0) / span if span > 0 else self._kv_of(ticket),

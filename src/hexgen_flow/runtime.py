@@ -157,6 +157,7 @@ class CallTicket:
         "index",
         "instance",
         "key",
+        "output_tokens",
         "query_deadline_s",
         "query_id",
         "query_seq",
@@ -197,6 +198,12 @@ class CallTicket:
         self.index = index
         """Position of the call within its stage."""
         self.call = call
+        """The call as the scheduler believes it (`hexgen_flow.lengths`: its output tokens may
+        be a prediction)."""
+        self.output_tokens = call.output_tokens
+        """The output tokens the call really generates: what an engine runs (the simulator
+        sets it from the workload when the scheduler only predicts lengths; a coordinator
+        from what the worker reported)."""
         self.call_id = ""
         """Identifier across processes (the services set it; the simulator needs none)."""
         self.released_s = released_s
@@ -253,6 +260,7 @@ class CallTicket:
         ticket.stage = stage
         ticket.index = 0
         ticket.call = call
+        ticket.output_tokens = call.output_tokens
         ticket.call_id = call_id
         ticket.released_s = released_s
         ticket.deadline_s = deadline_s

@@ -48,7 +48,7 @@ class AdmittingSimulation(Simulation):
         """The ids of the refused queries."""
 
     def _arrive(self, index: int, now: float) -> None:
-        query = self.queries[index]
+        query = self.planned(index)  # admission plans with the lengths the scheduler believes
         slo_s = self.slo_of(query)
         prediction = self.admission.predict(
             query.workflow,

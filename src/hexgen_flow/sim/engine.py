@@ -67,15 +67,16 @@ class BatchingEngineModel:
         call = ticket.call
         return (
             self.running < self.max_batch
-            and self.kv_used + call.input_tokens + call.output_tokens <= self.kv_capacity
+            and self.kv_used + call.input_tokens + ticket.output_tokens <= self.kv_capacity
         )
 
     def admit(self, ticket: CallTicket, now: float) -> None:
         """Start `ticket` at `now` (the caller checked `fits`)."""
         self._sync(now)
         call = ticket.call
-        prefill, decode = self._split(call.input_tokens, call.output_tokens)
-        self.kv_used += call.input_tokens + call.output_tokens
+        out = ticket.output_tokens  # what it really generates (its call may hold a belief)
+        prefill, decode = self._split(call.input_tokens, out)
+        self.kv_used += call.input_tokens + out
         self.running += 1
         ticket.admitted_s = now
         start = self._prefill_end if self._prefilling else now
@@ -103,7 +104,7 @@ class BatchingEngineModel:
             else:
                 return False
         call = ticket.call
-        self.kv_used -= call.input_tokens + call.output_tokens
+        self.kv_used -= call.input_tokens + ticket.output_tokens
         self.running -= 1
         return True
 
@@ -129,7 +130,7 @@ class BatchingEngineModel:
         while decoding and decoding[0][0] <= limit:
             ticket = heapq.heappop(decoding)[2]
             call = ticket.call
-            self.kv_used -= call.input_tokens + call.output_tokens
+            self.kv_used -= call.input_tokens + ticket.output_tokens
             self.running -= 1
             ticket.finished_s = now
             done.append(ticket)

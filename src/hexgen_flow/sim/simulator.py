@@ -20,6 +20,13 @@ from dataclasses import dataclass
 from hexgen_flow.cluster import Cluster
 from hexgen_flow.errors import ConfigError
 from hexgen_flow.estimate import Estimator
+from hexgen_flow.lengths import (
+    DEFAULT_MAX_TOKENS,
+    MaxTokensBelief,
+    OutputLengthPredictor,
+    OutputLengths,
+    believed_query,
+)
 from hexgen_flow.metrics import QueryOutcome, RunMetrics
 from hexgen_flow.policies.presets import Preset
 from hexgen_flow.runtime import CallTicket, QueryRun
@@ -55,6 +62,12 @@ class SimConfig:
     """Prefix caching in the engine model; None (the default) is the engine's own default,
     made explicit on construction: on for vllm-v1, as vLLM V1 serves; prefill-first has
     none (`hexgen_flow.sim.engines.prefix_caching_of`)."""
+    output_lengths: OutputLengths = OutputLengths.KNOWN
+    """What the scheduler knows of each call's output length (`hexgen_flow.lengths`): the
+    workload's (known), a prediction learned from finished calls (learned), or the cap
+    `max_tokens` (max-tokens); the engines always generate the workload's."""
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    """The cap every call is believed to have under ``max-tokens`` (a trace states none)."""
     learn_costs: bool = False
     """Whether the scheduler learns each instance's latency model online from the calls it
     served (`hexgen_flow.learning`), with the calibration as its prior; off, it believes
@@ -117,6 +130,14 @@ class Simulation:
             create_engine_model(config.engine, inst, prefix_caching=config.prefix_caching)
             for inst in self.truth.instances
         ]
+        self._belief: OutputLengthPredictor | MaxTokensBelief | None = None
+        """What the scheduler believes of output lengths; None: it knows them."""
+        if config.output_lengths is OutputLengths.LEARNED:
+            self._belief = OutputLengthPredictor()
+        elif config.output_lengths is OutputLengths.MAX_TOKENS:
+            self._belief = MaxTokensBelief(config.max_tokens)
+        self._believed: dict[int, Query] = {}
+        """Each arrived query as the scheduler believes it (`planned`)."""
         self._metered: list[MeteredEngine] | None = None
         if config.learn_costs:
             self.scheduler.learn_costs()
@@ -275,9 +296,20 @@ class Simulation:
     def _arrive(self, index: int, now: float) -> None:
         self._start(index, now, self.slo_of(self.queries[index]))
 
+    def planned(self, index: int) -> Query:
+        """Query `index` as the scheduler sees it: with the output lengths it believes
+        (`SimConfig.output_lengths`), taken when the query arrives."""
+        belief = self._belief
+        if belief is None:
+            return self.queries[index]
+        believed = self._believed.get(index)
+        if believed is None:
+            believed = self._believed[index] = believed_query(self.queries[index], belief)
+        return believed
+
     def _start(self, index: int, now: float, slo_s: float) -> QueryRun:
         """Admit query `index` at `now` and release its first stages."""
-        query = self.queries[index]
+        query = self.planned(index)
         run = self.scheduler.admit(query, index, now, slo_s)
         self._admitted.append((query, now, slo_s))
         for stage in query.workflow.roots:
@@ -287,6 +319,10 @@ class Simulation:
     def _enqueue(self, tickets: list[CallTicket], now: float) -> None:
         if not tickets:
             return
+        if self._belief is not None:  # the engines generate what the workload says
+            stages = self.queries[tickets[0].query_seq].workflow.stages
+            for ticket in tickets:
+                ticket.output_tokens = stages[ticket.stage].calls[ticket.index].output_tokens
         instances, is_dirty = self.instances, self._is_dirty
         for ticket in tickets:
             i = ticket.instance
@@ -300,6 +336,8 @@ class Simulation:
 
     def _complete(self, ticket: CallTicket, now: float) -> None:
         self.calls_done += 1
+        if self._belief is not None:
+            self._belief.observe(ticket.call.step, ticket.output_tokens)
         if self._metered is not None:
             cost = self._metered[ticket.instance].take_cost(ticket)
             if cost is not None:
@@ -314,6 +352,7 @@ class Simulation:
         if released:
             self._enqueue(released, now)
         if run is not None and run.finished_s is not None:
+            self._believed.pop(run.index, None)
             q = run.query
             self.scheduler.forget(q)
             self._outcomes.append(QueryOutcome(q.query_id, q.tenant, run.arrival_s, now, run.slo_s))

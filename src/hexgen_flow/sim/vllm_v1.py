@@ -193,9 +193,10 @@ class VllmV1EngineModel:
         if self.enable_prefix_caching:
             key = (ticket.query_id, call.step)
             pblocks = int(self.prefix_share * tokens) // BLOCK_SIZE
-        scale = self._scales.get((tokens, call.output_tokens))
+        out = ticket.output_tokens  # what it really generates (its call may be a belief)
+        scale = self._scales.get((tokens, out))
         if scale is None:
-            scale = self._scale(tokens, call.output_tokens)
+            scale = self._scale(tokens, out)
         req = Request(ticket, scale, key, pblocks)
         self._reqs[ticket] = req
         # `_push_waiting(req, front=False)`, inlined (this runs for every call): its

@@ -49,7 +49,7 @@ class Request:
         call = ticket.call
         self.ticket = ticket
         self.prompt = call.input_tokens
-        self.out = call.output_tokens
+        self.out = ticket.output_tokens  # what it really generates (its call may be a belief)
         self.scale = scale  # its prefill over the prefill curve: what its chunks scale by
         self.key = key  # prefix-cache key, or None
         self.pblocks = pblocks  # full blocks of its shared prefix
