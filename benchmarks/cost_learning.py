@@ -30,11 +30,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from hexgen_flow.cluster import Cluster, parse_cluster
+from hexgen_flow.lengths import OutputLengths
 from hexgen_flow.metrics import RunMetrics
 from hexgen_flow.policies.presets import PRESETS
 from hexgen_flow.sim.simulator import SimConfig, Simulation
 from hexgen_flow.traces import load_traces, take_queries
 from hexgen_flow.workload import Query
+
+LENGTHS = [OutputLengths.KNOWN]
+"""What every scheduler knows of output lengths (``--output-lengths``), for `run`."""
 
 ROUTERS = (
     "vllm",
@@ -92,7 +96,7 @@ def run(
     preset = PRESETS[policy]
     if preset.has_alpha:
         preset = preset.with_alpha(0.5)
-    config = SimConfig(qps=qps, seed=seed, learn_costs=learn)
+    config = SimConfig(qps=qps, seed=seed, learn_costs=learn, output_lengths=LENGTHS[0])
     exact = belief is truth
     return Simulation(queries, belief, preset, config, truth=None if exact else truth).run()
 
@@ -105,7 +109,14 @@ def main() -> int:
     parser.add_argument("--trace", default="trace1")
     parser.add_argument("--cluster", default="A100,A100,A6000,L40S")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--output-lengths",
+        choices=[m.value for m in OutputLengths],
+        default="known",
+        help="what every scheduler knows of output lengths (default known)",
+    )
     args = parser.parse_args()
+    LENGTHS[0] = OutputLengths(args.output_lengths)
     queries = take_queries(load_traces([args.trace]), args.queries)
     rows: list[dict[str, Any]] = []
     started = time.perf_counter()
@@ -154,7 +165,8 @@ def main() -> int:
         return 0
     print(
         f"{args.trace} x {args.queries} queries at {args.qps:g} queries/s on {args.cluster}, "
-        f"seeds {' '.join(map(str, args.seeds))}; P95 (s), mean over seeds; alpha 0.5"
+        f"seeds {' '.join(map(str, args.seeds))}; P95 (s), mean over seeds; alpha 0.5; "
+        f"output lengths {args.output_lengths}"
     )
     header = (
         f"{'setting':<40} {'best router':>16} {'hexgen':>8} {'+learn':>8} {'exact':>8} "

@@ -12,6 +12,7 @@ from hexgen_flow.bench.plan import Task
 from hexgen_flow.bench.report import _planner_lines
 from hexgen_flow.bench.tasks import cached_queries, run_task
 from hexgen_flow.cluster import parse_cluster
+from hexgen_flow.lengths import OutputLengths
 from hexgen_flow.policies.presets import PRESETS
 from hexgen_flow.sim.simulator import SimConfig, simulate
 
@@ -69,3 +70,13 @@ def test_the_report_names_the_planner_only_when_it_is_not_exact() -> None:
 def test_a_bad_planner_calibration_fails_before_anything_runs() -> None:
     proc = run_cli("bench", "--quick", "--planner-calibration", "nonsense", "--out", "/dev/null/x")
     assert "--planner-calibration" in one_error_line(proc)
+
+
+def test_a_task_can_predict_output_lengths() -> None:
+    learned = dataclasses.replace(EXACT, output_lengths="learned")
+    got = run_task(learned)
+    queries = cached_queries("trace1", 60, False)
+    cluster = parse_cluster(CLUSTER, calibration="aiconfigurator")
+    config = SimConfig(qps=0.3, seed=2, prefix_caching=True, output_lengths=OutputLengths.LEARNED)
+    expected = simulate(queries, cluster, PRESETS["least-work"], config)
+    assert got["p95_s"] == expected.latency_summary()["p95"] != run_task(EXACT)["p95_s"]

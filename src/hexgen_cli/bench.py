@@ -15,6 +15,7 @@ from hexgen_cli.options import (
 )
 from hexgen_flow.cluster import parse_cluster
 from hexgen_flow.errors import ConfigError
+from hexgen_flow.lengths import OutputLengths
 from hexgen_flow.sim.engines import prefix_caching_of
 
 __all__ = ["register"]
@@ -55,6 +56,12 @@ def register(commands: Any) -> None:
         action="store_true",
         help="every simulation's scheduler learns each instance's costs online (default: off)",
     )
+    bench.add_argument(
+        "--output-lengths",
+        choices=[m.value for m in OutputLengths],
+        default=OutputLengths.KNOWN.value,
+        help="what every scheduler knows of output lengths (default known)",
+    )
     add_engine_options(bench)  # the band runs prefix caching both on and off
     bench.set_defaults(handler=_cmd_bench)
 
@@ -70,6 +77,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         planner_calibration=args.planner_calibration,
         planner_error=tuple((g, p, d) for g, (p, d) in (args.planner_error or {}).items()),
         learn_costs=args.learn_costs,
+        output_lengths=args.output_lengths,
     )
     caching = prefix_caching_of(args.engine, args.prefix_caching)
     plan = dataclasses.replace(plan, engine=args.engine, prefix_caching=caching)

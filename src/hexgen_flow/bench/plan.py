@@ -83,6 +83,9 @@ class BenchPlan:
     """(GPU type, prefill factor, decode factor) the planner misjudges (``--planner-error``)."""
     learn_costs: bool = False
     """Whether the scheduler learns each instance's costs online (``--learn-costs``)."""
+    output_lengths: str = "known"
+    """What the scheduler knows of output lengths (``--output-lengths``:
+    `hexgen_flow.lengths.OutputLengths`)."""
     engine: str = DEFAULT_ENGINE_MODEL
     """The simulated engine model of every instance (``--engine``)."""
     prefix_caching: bool = True
@@ -215,6 +218,7 @@ class Task:
     planner_error: tuple[tuple[str, float, float], ...] = ()
     """(GPU type, prefill factor, decode factor) the planner misjudges."""
     learn_costs: bool = False
+    output_lengths: str = "known"
     engine: str = DEFAULT_ENGINE_MODEL
     prefix_caching: bool = False
     goodput: tuple[float, float, float] = (0.95, 2.0, 0.005)
@@ -259,6 +263,7 @@ def plan_tasks(plan: BenchPlan) -> list[Task]:
                 planner_calibration=plan.planner_calibration,
                 planner_error=plan.planner_error,
                 learn_costs=plan.learn_costs,
+                output_lengths=plan.output_lengths,
                 engine=plan.engine,
                 prefix_caching=prefix_caching,
             )

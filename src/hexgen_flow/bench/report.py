@@ -27,7 +27,8 @@ def _planner_lines(meta: dict[str, Any]) -> list[str]:
     planner = meta.get("planner_calibration", meta["calibration"])
     errors = meta.get("planner_error") or {}
     learn = meta.get("learn_costs", False)
-    if planner == meta["calibration"] and not errors and not learn:
+    lengths = meta.get("output_lengths", "known")
+    if planner == meta["calibration"] and not errors and not learn and lengths == "known":
         return []
     text = f"Planner: every policy, the alpha tuner and admission believe `{planner}`"
     if errors:
@@ -37,6 +38,8 @@ def _planner_lines(meta: dict[str, Any]) -> list[str]:
     text += " while the engines run the calibration above"
     if learn:
         text += "; every scheduler learns each instance's costs online (`--learn-costs`)"
+    if lengths != "known":
+        text += f"; output lengths: `{lengths}` (the engines generate the workload's)"
     return [text + ' (docs/design.md, "Truth, belief and learning what each instance costs").', ""]
 
 

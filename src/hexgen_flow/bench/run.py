@@ -190,6 +190,7 @@ def _assemble(plan: BenchPlan, results: dict[tuple[Any, ...], dict[str, Any]]) -
             "planner_calibration": plan.planner_calibration or plan.calibration,
             "planner_error": {gpu: {"prefill": p, "decode": d} for gpu, p, d in plan.planner_error},
             "learn_costs": plan.learn_costs,
+            "output_lengths": plan.output_lengths,
             "engine": plan.engine,
             "prefix_caching": plan.prefix_caching,
             "qps": list(plan.qps),

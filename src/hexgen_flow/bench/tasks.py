@@ -10,6 +10,7 @@ from typing import Any
 
 from hexgen_flow.bench.plan import TENANTS, Task
 from hexgen_flow.cluster import Cluster, parse_cluster
+from hexgen_flow.lengths import OutputLengths
 from hexgen_flow.metrics import RunMetrics
 from hexgen_flow.policies.presets import PRESETS
 from hexgen_flow.sim.simulator import SimConfig, simulate
@@ -152,6 +153,7 @@ def run_task(task: Task) -> dict[str, Any]:
             engine=task.engine,
             prefix_caching=task.prefix_caching,
             learn_costs=task.learn_costs,
+            output_lengths=OutputLengths.parse(task.output_lengths),
         )
 
     if task.kind == "run":
