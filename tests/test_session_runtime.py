@@ -5,11 +5,13 @@ re-budgeting of queued calls when a stage finishes."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from hexgen_flow.cluster import parse_cluster
 from hexgen_flow.policies.presets import resolve_policy
-from hexgen_flow.scheduler import GlobalScheduler
+from hexgen_flow.scheduler import CallMoved, DeadlineChanged, GlobalScheduler
 from hexgen_flow.sim.simulator import SimConfig, Simulation
 from hexgen_flow.templates import TEMPLATES, template
 from hexgen_flow.workload import LLMCall, Query, Stage, Workflow
@@ -83,6 +85,35 @@ def test_rebudget_and_better_instance() -> None:
     assert on_a6000.instance == 0 and scheduler.load.in_flight == [3, 0]
     assert scheduler.better_instance(on_a6000, 1.0) is None  # stays where it can make it
     assert scheduler.rebudget(waiting, 1.0) == []  # nothing new
+
+
+def test_revise_waiting_is_the_one_decision_both_drivers_carry_out() -> None:
+    """The core's frozen actions: a new deadline for every waiting call whose deadline
+    changed, a move (charged to the ledger) for one that would be late where it waits; a
+    driver that cannot reach an instance (`movable`) gets the new deadline only."""
+    for movable, moves in ((None, True), (lambda i: i == 1, False)):
+        scheduler = _scheduler("round-robin+urgency")
+        run = scheduler.admit(_session(scheduler, slo_s=40.0), 0, 0.0, 40.0)
+        scheduler.release(run, 0, 0.0)  # A100
+        waiting = scheduler.release(run, 1, 0.0)  # A6000, then A100
+        on_a6000, on_a100 = waiting
+        actions = scheduler.revise_waiting(waiting, 1.0, movable=movable)
+        deadline = scheduler.budget.revise(run, 1, 1.0)
+        if moves:
+            assert actions == (
+                CallMoved(on_a6000, 1, 0, deadline),
+                DeadlineChanged(on_a100, deadline),
+            )
+            assert on_a6000.instance == 0 and scheduler.load.in_flight == [3, 0]
+        else:  # the A100 is out of reach: nothing moves
+            assert actions == (
+                DeadlineChanged(on_a6000, deadline),
+                DeadlineChanged(on_a100, deadline),
+            )
+            assert on_a6000.instance == 1 and scheduler.load.in_flight == [2, 1]
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            actions[0].deadline_s = 0.0  # type: ignore[misc]
+        assert scheduler.revise_waiting(waiting, 1.0, movable=movable) == ()  # nothing new
 
 
 def test_the_simulator_moves_a_queued_call_when_a_parallel_branch_finishes() -> None:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import random
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from hexgen_flow.alpha import alpha_problem
@@ -25,7 +26,37 @@ from hexgen_flow.policies.registration import BUDGETS, DISPATCHERS, QUEUES
 from hexgen_flow.runtime import CallTicket, ClusterLoad, PolicyContext, QueryRun
 from hexgen_flow.workload import LLMCall, Query
 
-__all__ = ["AdmissionEngine", "GlobalScheduler", "InstanceScheduler"]
+__all__ = [
+    "AdmissionEngine",
+    "CallMoved",
+    "DeadlineChanged",
+    "GlobalScheduler",
+    "InstanceScheduler",
+    "WaitingAction",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class DeadlineChanged:
+    """A waiting call's stage deadline changed: its instance re-orders its queue."""
+
+    ticket: CallTicket
+    deadline_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class CallMoved:
+    """A waiting call moves from `source` to `target`, where it meets its new deadline and
+    where it waits would not (the ledger already charges `target`)."""
+
+    ticket: CallTicket
+    source: int
+    target: int
+    deadline_s: float
+
+
+WaitingAction = DeadlineChanged | CallMoved
+"""What `GlobalScheduler.revise_waiting` tells a driver to carry out."""
 
 
 class GlobalScheduler:
@@ -188,7 +219,7 @@ class GlobalScheduler:
         ticket.weight = self.dispatcher.weight(ticket, now)
         self.load.on_dispatch(ticket)
 
-    def rebudget(self, waiting: list[CallTicket], now: float) -> list[CallTicket]:
+    def rebudget(self, waiting: Sequence[CallTicket], now: float) -> list[CallTicket]:
         """A stage finished: give the calls still waiting (released, not started) the
         deadline their stage gets from the time left now (`StageBudget.revise`). Returns
         the tickets whose deadline changed; the driver tells their instances."""
@@ -206,6 +237,34 @@ class GlobalScheduler:
                 ticket.deadline_s = deadline
                 changed.append(ticket)
         return changed
+
+    def revise_waiting(
+        self,
+        waiting: Sequence[CallTicket],
+        now: float,
+        movable: Callable[[int], bool] | None = None,
+    ) -> tuple[WaitingAction, ...]:
+        """A stage of their query finished: the calls of `waiting` (released, dispatched and
+        not started: the driver knows which) get the deadline their stage gets from the time
+        left now (`rebudget`); one that would then be late where it waits, and would not be
+        on another instance, moves there (`better_instance`, `move`) when `movable` (default:
+        every instance) accepts both ends. Returns what the driver carries out, in order:
+        the simulator re-queues, the coordinator tells the workers. The one place this
+        decision is made, for both."""
+        actions: list[WaitingAction] = []
+        for ticket in self.rebudget(waiting, now):
+            here = ticket.instance
+            better = None
+            if here >= 0 and (movable is None or movable(here)):
+                better = self.better_instance(ticket, now)
+                if better is not None and movable is not None and not movable(better):
+                    better = None
+            if better is None:
+                actions.append(DeadlineChanged(ticket, ticket.deadline_s))
+            else:
+                self.move(ticket, better)
+                actions.append(CallMoved(ticket, here, better, ticket.deadline_s))
+        return tuple(actions)
 
     def finish_estimate(self, ticket: CallTicket, instance: int, now: float) -> float:
         """When `ticket` would finish on `instance`: its single-request time after the

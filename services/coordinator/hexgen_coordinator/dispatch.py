@@ -21,7 +21,7 @@ from hexgen_coordinator.write_behind import WriteBehind
 from hexgen_flow.cluster import Cluster
 from hexgen_flow.policies.base import NoInstanceError
 from hexgen_flow.runtime import CallTicket
-from hexgen_flow.scheduler import GlobalScheduler
+from hexgen_flow.scheduler import CallMoved, GlobalScheduler
 from hexgen_service.convert import ticket_to_dispatch
 from hexgen_service.telemetry import traceparent_of
 
@@ -215,10 +215,10 @@ class Dispatch:
     # ------------------------------------------------------------------ re-budgeting
 
     def rebudget(self, entry: ActiveQuery, now: float) -> None:
-        """A stage of `entry` finished: its calls still waiting (released, not started) get
-        the deadline their stage gets from the time left now (`GlobalScheduler.rebudget`);
-        their workers hear of it (UpdateDeadline), and a call that can no longer meet its
-        deadline where it waits, and can elsewhere, moves there."""
+        """A stage of `entry` finished: its calls still waiting (released, not started) are
+        revised by the core (`GlobalScheduler.revise_waiting`, the simulator's very rule):
+        their workers hear of a new deadline (UpdateDeadline), and a call the core moves is
+        cancelled where it waited and sent where it goes (both ends connected)."""
         ledger, run = self.ledger, entry.run
         query_id = run.query.query_id
         waiting: list[CallTicket] = []
@@ -235,8 +235,12 @@ class Dispatch:
                     and ticket.released_s < now
                 ):
                     waiting.append(ticket)
-        changed = self.scheduler.rebudget(waiting, now)
-        for ticket in changed:
+        links = ledger.links
+        actions = self.scheduler.revise_waiting(
+            waiting, now, movable=lambda i: links[i] is not None
+        )
+        for action in actions:
+            ticket = action.ticket
             record_event(
                 entry,
                 K.QUERY_EVENT_KIND_DEADLINE_UPDATED,
@@ -245,31 +249,32 @@ class Dispatch:
                 call_id=ticket.call_id,
                 text=f"{ticket.deadline_s:.3f}",
             )
-            link = ledger.links[ticket.instance] if ticket.instance >= 0 else None
+            if isinstance(action, CallMoved):
+                source = links[action.source]
+                assert source is not None  # `movable` held for both ends
+                source.send(wpb.ConnectResponse(cancel=wpb.CancelCall(call_id=ticket.call_id)))
+                record_event(
+                    entry,
+                    K.QUERY_EVENT_KIND_CALL_REDISPATCHED,
+                    now,
+                    stage=ticket.stage,
+                    call_id=ticket.call_id,
+                    text=f"moved from {self.cluster.instances[action.source].name}: its new "
+                    f"deadline can be met on {self.cluster.instances[action.target].name} "
+                    "and not there",
+                )
+                self.send([ticket])
+                continue
+            link = links[ticket.instance] if ticket.instance >= 0 else None
             if link is None:
                 continue  # waiting for its prompt or for an instance: nothing to tell
-            better = self.scheduler.better_instance(ticket, now)
-            if better is None or ledger.links[better] is None:
-                link.send(
-                    wpb.ConnectResponse(
-                        deadline=wpb.UpdateDeadline(
-                            call_id=ticket.call_id, deadline_s=ticket.deadline_s
-                        )
+            link.send(
+                wpb.ConnectResponse(
+                    deadline=wpb.UpdateDeadline(
+                        call_id=ticket.call_id, deadline_s=action.deadline_s
                     )
                 )
-                continue
-            link.send(wpb.ConnectResponse(cancel=wpb.CancelCall(call_id=ticket.call_id)))
-            old = self.cluster.instances[ticket.instance].name
-            self.scheduler.move(ticket, better)
-            record_event(
-                entry,
-                K.QUERY_EVENT_KIND_CALL_REDISPATCHED,
-                now,
-                stage=ticket.stage,
-                call_id=ticket.call_id,
-                text=f"moved from {old}: its new deadline can be met on "
-                f"{self.cluster.instances[better].name} and not there",
             )
-            self.send([ticket])
+        changed = [action.ticket for action in actions]
         if changed:
             self.writes.persist(entry, changed)

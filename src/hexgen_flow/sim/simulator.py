@@ -30,7 +30,7 @@ from hexgen_flow.lengths import (
 from hexgen_flow.metrics import QueryOutcome, RunMetrics
 from hexgen_flow.policies.presets import Preset
 from hexgen_flow.runtime import CallTicket, QueryRun
-from hexgen_flow.scheduler import GlobalScheduler, InstanceScheduler
+from hexgen_flow.scheduler import CallMoved, GlobalScheduler, InstanceScheduler
 from hexgen_flow.sim.arrivals import arrival_times
 from hexgen_flow.sim.engines import (
     DEFAULT_ENGINE_MODEL,
@@ -368,16 +368,15 @@ class Simulation:
         self._released[run.index] = waiting
         if not waiting:
             return  # nothing to revise (`rebudget` of no tickets changes nothing)
-        scheduler = self.scheduler
-        for ticket in scheduler.rebudget(waiting, now):
-            queue = self.instances[ticket.instance].queue
-            queue.remove(ticket)
-            better = scheduler.better_instance(ticket, now)
-            if better is not None:
-                scheduler.move(ticket, better)
+        instances = self.instances
+        for action in self.scheduler.revise_waiting(waiting, now):
+            ticket = action.ticket
+            if isinstance(action, CallMoved):
+                instances[action.source].queue.remove(ticket)
                 self.calls_moved += 1
-                queue = self.instances[better].queue
-            queue.push(ticket, now)
+            else:
+                instances[ticket.instance].queue.remove(ticket)  # re-queued on its new key
+            instances[ticket.instance].queue.push(ticket, now)
             self._mark(ticket.instance)
 
     def _metrics(self) -> RunMetrics:
