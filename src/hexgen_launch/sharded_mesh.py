@@ -38,6 +38,7 @@ from hexgen_launch.cluster_config import (
     secure_argv,
 )
 from hexgen_launch.processes import ManagedProcess, RedisServer, free_port, stop_processes
+from hexgen_service import redis_schema
 from hexgen_service.auth import read_secret
 from hexgen_service.auth_dir import AuthDir
 
@@ -253,7 +254,9 @@ class LocalShardedMesh:
         """Each shard's lease holder (its coordinator's client address), None if none."""
         client = self._redis()
         try:
-            values = [client.get(p + "lease") for p in self.config.prefixes]
+            values = [
+                client.get(redis_schema.key(p, redis_schema.LEASE)) for p in self.config.prefixes
+            ]
         finally:
             client.close()
         return [v.decode() if v is not None else None for v in values]
@@ -266,7 +269,7 @@ class LocalShardedMesh:
         done: Counter[str] = Counter()
         try:
             for prefix in self.config.prefixes:
-                entries = client.xrange(prefix + "completions")
+                entries = client.xrange(redis_schema.key(prefix, redis_schema.COMPLETIONS))
                 done.update(fields[b"call_id"].decode() for _, fields in entries)
         finally:
             client.close()
