@@ -7,7 +7,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from hexgen_client.addresses import (
     DEFAULT_COORDINATOR,
@@ -21,6 +21,8 @@ from hexgen_service.auth_dir import AuthDir
 from hexgen_service.coordinator_config import CoordinatorConfig
 from hexgen_service.coordinator_config import coordinator_argv as render_coordinator_argv
 from hexgen_service.redis_keys import CLUSTER_PREFIX as DEFAULT_CLUSTER_PREFIX
+from hexgen_service.worker_config import EngineKind, WorkerConfig
+from hexgen_service.worker_config import worker_argv as render_worker_argv
 
 __all__ = [
     "DEFAULT_CLUSTER_PREFIX",
@@ -286,18 +288,21 @@ def worker_argv(
 ) -> list[str]:
     """The command line of the worker that takes `slot` (a `gpu` serving `model`) with
     `engine` (default simulated), latency from `calibration` (None: the default) and `extra`
-    options; its id is stable, so a restarted worker resumes its slot."""
-    return [
-        python, "-m", "hexgen_worker",
-        "--coordinator", coordinator,
-        "--worker-id", f"local-worker-{slot}",
-        "--slot", str(slot),
-        "--gpu", gpu,
-        "--model", model,
-        "--engine", engine,
-        *_calibration_args(calibration),
-        *extra,
-    ]  # fmt: skip
+    options; its id is stable, so a restarted worker resumes its slot. Rendered through the
+    worker's settings (`hexgen_service.worker_config`): the required options, the slot, and
+    ``--model`` and ``--engine`` even when they are the defaults, as they always were."""
+    settings = WorkerConfig(
+        coordinator=coordinator,
+        worker_id=f"local-worker-{slot}",
+        slot=slot,
+        gpu=gpu,
+        model=model,
+        engine=cast(EngineKind, engine),
+        # the default goes unsaid, so that a default mesh's command lines are what they were
+        calibration=None if calibration == DEFAULT_CALIBRATION else calibration,
+    )
+    rendered = render_worker_argv(settings, also=("slot", "model", "engine"))
+    return [python, "-m", "hexgen_worker", *rendered, *extra]
 
 
 def secure_argv(auth: AuthDir, service: str) -> list[str]:

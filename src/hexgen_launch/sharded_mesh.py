@@ -41,6 +41,7 @@ from hexgen_launch.processes import ManagedProcess, RedisServer, free_port, stop
 from hexgen_service import redis_schema
 from hexgen_service.auth import read_secret
 from hexgen_service.auth_dir import AuthDir
+from hexgen_service.worker_config import WorkerConfig, worker_argv
 
 __all__ = ["SPARE_PREFIX", "CoordinatorProcess", "LocalShardedMesh", "ShardedMeshConfig"]
 
@@ -155,16 +156,20 @@ class LocalShardedMesh:
             self.coordinators.append(self._coordinator(k, prefixes))
             if k == cfg.shards - 1:
                 self._wait_leases(prefixes)
-        doors = [arg for c in self.coordinators for arg in ("--coordinator", c.worker_door)]
+        doors = [c.worker_door for c in self.coordinators]
         for slot, instance in enumerate(parse_cluster(cfg.cluster).instances):
+            settings = WorkerConfig(
+                coordinator=doors[0],
+                extra_coordinators=tuple(doors[1:]),
+                worker_id=f"worker-{slot}",
+                slot=slot,
+                gpu=instance.gpu,
+                calibration=cfg.calibration or None,
+                log_level="WARNING",
+            )
             argv = [
                 sys.executable, "-m", "hexgen_worker",
-                *doors,
-                "--worker-id", f"worker-{slot}",
-                "--slot", str(slot),
-                "--gpu", instance.gpu,
-                "--log-level", "WARNING",
-                *(["--calibration", cfg.calibration] if cfg.calibration else []),
+                *worker_argv(settings, also=("slot",)),
                 *self._token(),
                 *self._secure("worker"),
             ]  # fmt: skip

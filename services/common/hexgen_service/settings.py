@@ -7,10 +7,15 @@ a parsed command line (`from_args`) and the command line of a configuration (`to
 so that a service, its launchers and their tests cannot disagree on a flag, a default or a
 check (`hexgen_service.coordinator_config` is the coordinator's).
 
-Option types follow the field's: ``str``, ``int``, ``float``, ``X | None`` (None: not
-given, the service decides), ``bool`` (``--flag``/``--no-flag``) and ``tuple[str, ...]``
-(one comma-separated value). A secret is never put on a command line (every user of the
-machine can read one): its option names a file (``secret_file``) that `from_args` reads.
+Option types follow the field's: ``str`` (or a ``Literal`` of strings), ``int``, ``float``,
+``X | None`` (None: not given, the service decides), ``bool`` (``--flag``/``--no-flag``)
+and ``tuple[str, ...]`` (one comma-separated value). A secret is never put on a command
+line (every user of the machine can read one): its option names a file (``secret_file``)
+that `from_args` reads.
+
+A setting may also be one the service's own parser spells (``by_hand``: an option of a form
+this module has no type for, such as one given again and again), or no option at all
+(``code_only``: set from code; its check's message names the field).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ __all__ = [
     "in_range",
     "option_of",
     "setting",
+    "setting_factory",
     "to_argv",
 ]
 
@@ -56,6 +62,17 @@ class Option:
     choices: tuple[str, ...] | None = None
     check: Check | None = None
     """The value's range or format check (`check_settings` runs every one)."""
+    required: bool = False
+    """The command line must give it (argparse's ``required``); `to_argv` always renders it."""
+    parse: Callable[[str], Any] | None = None
+    """The option's argparse ``type`` when not the field's (e.g. ``str.upper``)."""
+    by_hand: bool = False
+    """The service's parser declares, parses and renders this option itself (a form this
+    module has no type for, e.g. one given again and again): `add_options`, `from_args`
+    and `to_argv` leave it out; `check_settings` still runs its check."""
+    code_only: bool = False
+    """Not an option: set from code only. `add_options`, `from_args` and `to_argv` leave it
+    out; `check_settings` runs its check, naming the field rather than a flag."""
     flag: str = ""
     """The option; empty: ``--`` and the field's name with dashes."""
     declared_elsewhere: bool = False
@@ -76,10 +93,27 @@ def setting(
     flag: str = "",
     declared_elsewhere: bool = False,
     secret_file: Callable[[str, str], str] | None = None,
+    required: bool = False,
+    parse: Callable[[str], Any] | None = None,
+    by_hand: bool = False,
+    code_only: bool = False,
 ) -> T:
     """A dataclass field with its default and its command-line `Option`."""
-    option = Option(help, metavar, choices, check, flag, declared_elsewhere, secret_file)
+    option = Option(
+        help, metavar, choices, check, required=required, parse=parse, by_hand=by_hand,
+        code_only=code_only, flag=flag, declared_elsewhere=declared_elsewhere,
+        secret_file=secret_file,
+    )  # fmt: skip
     return field(default=default, metadata={_KEY: option})
+
+
+def setting_factory(
+    factory: Callable[[], T], help: str | None = None, *, flag: str = "", by_hand: bool = False
+) -> T:
+    """A field whose default is made by `factory` (a mutable one, e.g. ``dict``); such a
+    setting has no generated option: its service spells it (`by_hand`) or it is code-only."""
+    option = Option(help, flag=flag, by_hand=by_hand, code_only=not by_hand)
+    return field(default_factory=factory, metadata={_KEY: option})
 
 
 # ------------------------------------------------------------------------------ checks
@@ -137,7 +171,16 @@ def _settings(cls: type) -> Iterator[_Setting]:
         if not isinstance(option, Option):
             raise TypeError(f"{cls.__name__}.{f.name} is not made with setting()")
         flag = option.flag or "--" + f.name.replace("_", "-")
-        yield _Setting(f.name, option, flag, _kind(hints[f.name], f.name), f.default)
+        if option.code_only:
+            yield _Setting(f.name, option, f.name, object, f.default)
+        elif option.by_hand:
+            yield _Setting(f.name, option, flag, object, f.default)
+        else:
+            yield _Setting(f.name, option, flag, _kind(hints[f.name], f.name), f.default)
+
+
+def _on_the_command_line(s: _Setting) -> bool:
+    return not (s.option.by_hand or s.option.code_only)
 
 
 def _kind(hint: Any, name: str) -> type:
@@ -145,6 +188,10 @@ def _kind(hint: Any, name: str) -> type:
         args = [a for a in typing.get_args(hint) if a is not type(None)]
         if len(args) == 1:
             return _kind(args[0], name)
+    if typing.get_origin(hint) is typing.Literal and all(
+        isinstance(a, str) for a in typing.get_args(hint)
+    ):
+        return str  # its values are the option's choices
     if typing.get_origin(hint) is tuple and typing.get_args(hint) == (str, ...):
         return tuple
     if hint in (str, int, float, bool):
@@ -163,7 +210,7 @@ def add_options(parser: argparse.ArgumentParser, cls: type) -> None:
     """An option for every setting of `cls` (but those declared elsewhere). Every option
     defaults to None (not given): `from_args` leaves those at the field's default."""
     for s in _settings(cls):
-        if s.option.declared_elsewhere:
+        if s.option.declared_elsewhere or not _on_the_command_line(s):
             continue
         help_text = s.option.help
         if help_text is not None:
@@ -173,14 +220,20 @@ def add_options(parser: argparse.ArgumentParser, cls: type) -> None:
             parser.add_argument(s.flag, dest=s.name, metavar=metavar, help=help_text)
         elif s.kind is bool:
             parser.add_argument(
-                s.flag, dest=s.name, action=argparse.BooleanOptionalAction, help=help_text
+                s.flag,
+                dest=s.name,
+                action=argparse.BooleanOptionalAction,
+                required=s.option.required,
+                help=help_text,
             )
         else:
+            kind = float if s.kind is float else int if s.kind is int else str
             parser.add_argument(
                 s.flag,
                 dest=s.name,
-                type=float if s.kind is float else int if s.kind is int else str,
+                type=s.option.parse or kind,
                 choices=s.option.choices,
+                required=s.option.required,
                 metavar=s.option.metavar,
                 help=help_text,
             )
@@ -190,11 +243,14 @@ def _shown(default: Any) -> str:
     return ",".join(default) if isinstance(default, tuple) else str(default)
 
 
-def from_args(cls: type[T], args: argparse.Namespace) -> T:
+def from_args(cls: type[T], args: argparse.Namespace, by_hand: dict[str, Any] | None = None) -> T:
     """The settings of a command line parsed by `add_options`' options: what was given,
-    the defaults for the rest; checked (`ConfigError` naming the flag)."""
-    given: dict[str, Any] = {}
+    the defaults for the rest, and the values of the options the service parsed itself
+    (`by_hand`); checked (`ConfigError` naming the flag)."""
+    given: dict[str, Any] = dict(by_hand or {})
     for s in _settings(cls):
+        if not _on_the_command_line(s):
+            continue
         value = getattr(args, s.name, None)
         if value is None:
             continue
@@ -222,14 +278,18 @@ def check_settings(config: Any) -> None:
 # ------------------------------------------------------------------------------ argv
 
 
-def to_argv(config: Any, *, only_changed: bool = True) -> list[str]:
+def to_argv(config: Any, *, only_changed: bool = True, also: tuple[str, ...] = ()) -> list[str]:
     """The options that give `config` (with `only_changed`, just those that differ from
-    the defaults), in field order. A secret that is set cannot be rendered: `ValueError`
+    the defaults, the required ones and the fields named in `also`), in field order; not
+    those the service spells by hand. A secret that is set cannot be rendered: `ValueError`
     (its file option is the caller's to give)."""
     out: list[str] = []
     for s in _settings(type(config)):
+        if not _on_the_command_line(s):
+            continue
         value = getattr(config, s.name)
-        if only_changed and _same(value, s.default):
+        said = s.option.required or s.name in also
+        if only_changed and not said and _same(value, s.default):
             continue
         if s.option.secret_file is not None:
             if value != s.default:
