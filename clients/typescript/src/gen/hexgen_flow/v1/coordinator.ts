@@ -370,6 +370,14 @@ export interface InstanceStatus {
    * mean weight).
    */
   othersWeight: number;
+  /**
+   * With --learn-costs: what the instance really costs over what its calibration says,
+   * as learned from its calls (1 = the calibration is right; 0 = not learning), and the
+   * calls the learner took in.
+   */
+  learnedPrefillFactor: number;
+  learnedDecodeFactor: number;
+  learnedCalls: number;
 }
 
 export interface ClusterStatusResponse {
@@ -2238,6 +2246,9 @@ function createBaseInstanceStatus(): InstanceStatus {
     outstandingS: 0,
     othersInFlight: 0,
     othersWeight: 0,
+    learnedPrefillFactor: 0,
+    learnedDecodeFactor: 0,
+    learnedCalls: 0,
   };
 }
 
@@ -2287,6 +2298,15 @@ export const InstanceStatus: MessageFns<InstanceStatus> = {
     }
     if (message.othersWeight !== 0) {
       writer.uint32(121).double(message.othersWeight);
+    }
+    if (message.learnedPrefillFactor !== 0) {
+      writer.uint32(129).double(message.learnedPrefillFactor);
+    }
+    if (message.learnedDecodeFactor !== 0) {
+      writer.uint32(137).double(message.learnedDecodeFactor);
+    }
+    if (message.learnedCalls !== 0) {
+      writer.uint32(144).int64(message.learnedCalls);
     }
     return writer;
   },
@@ -2424,6 +2444,30 @@ export const InstanceStatus: MessageFns<InstanceStatus> = {
             message.othersWeight = reader.double();
             continue;
           }
+          case 16: {
+            if (tag !== 129) {
+              break;
+            }
+
+            message.learnedPrefillFactor = reader.double();
+            continue;
+          }
+          case 17: {
+            if (tag !== 137) {
+              break;
+            }
+
+            message.learnedDecodeFactor = reader.double();
+            continue;
+          }
+          case 18: {
+            if (tag !== 144) {
+              break;
+            }
+
+            message.learnedCalls = longToNumber(reader.int64());
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -2481,6 +2525,21 @@ export const InstanceStatus: MessageFns<InstanceStatus> = {
         : isSet(object.others_weight)
         ? globalThis.Number(object.others_weight)
         : 0,
+      learnedPrefillFactor: isSet(object.learnedPrefillFactor)
+        ? globalThis.Number(object.learnedPrefillFactor)
+        : isSet(object.learned_prefill_factor)
+        ? globalThis.Number(object.learned_prefill_factor)
+        : 0,
+      learnedDecodeFactor: isSet(object.learnedDecodeFactor)
+        ? globalThis.Number(object.learnedDecodeFactor)
+        : isSet(object.learned_decode_factor)
+        ? globalThis.Number(object.learned_decode_factor)
+        : 0,
+      learnedCalls: isSet(object.learnedCalls)
+        ? globalThis.Number(object.learnedCalls)
+        : isSet(object.learned_calls)
+        ? globalThis.Number(object.learned_calls)
+        : 0,
     };
   },
 
@@ -2531,6 +2590,15 @@ export const InstanceStatus: MessageFns<InstanceStatus> = {
     if (message.othersWeight !== 0) {
       obj.othersWeight = floatToJson(message.othersWeight);
     }
+    if (message.learnedPrefillFactor !== 0) {
+      obj.learnedPrefillFactor = floatToJson(message.learnedPrefillFactor);
+    }
+    if (message.learnedDecodeFactor !== 0) {
+      obj.learnedDecodeFactor = floatToJson(message.learnedDecodeFactor);
+    }
+    if (message.learnedCalls !== 0) {
+      obj.learnedCalls = Math.round(message.learnedCalls);
+    }
     return obj;
   },
 
@@ -2554,6 +2622,9 @@ export const InstanceStatus: MessageFns<InstanceStatus> = {
     message.outstandingS = object.outstandingS ?? 0;
     message.othersInFlight = object.othersInFlight ?? 0;
     message.othersWeight = object.othersWeight ?? 0;
+    message.learnedPrefillFactor = object.learnedPrefillFactor ?? 0;
+    message.learnedDecodeFactor = object.learnedDecodeFactor ?? 0;
+    message.learnedCalls = object.learnedCalls ?? 0;
     return message;
   },
 };
