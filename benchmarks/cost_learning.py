@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from hexgen_flow.bench.plan import BASELINE, LOAD_AWARE
 from hexgen_flow.cluster import Cluster, parse_cluster
 from hexgen_flow.lengths import OutputLengths
 from hexgen_flow.metrics import RunMetrics
@@ -37,20 +38,7 @@ from hexgen_flow.sim.simulator import SimConfig, Simulation
 from hexgen_flow.traces import load_traces, take_queries
 from hexgen_flow.workload import Query
 
-LENGTHS = [OutputLengths.KNOWN]
-"""What every scheduler knows of output lengths (``--output-lengths``), for `run`."""
-
-ROUTERS = (
-    "vllm",
-    "ray-serve",
-    "least-requests",
-    "least-work",
-    "llf",
-    "llm-d",
-    "dynamo",
-    "llm-d-predicted",
-    "autellix",
-)
+ROUTERS = (BASELINE, *LOAD_AWARE)
 """Every router preset: the best router of a row is the lowest P95 among them."""
 
 
@@ -92,11 +80,12 @@ def run(
     qps: float,
     seed: int,
     learn: bool,
+    lengths: OutputLengths,
 ) -> RunMetrics:
     preset = PRESETS[policy]
     if preset.has_alpha:
         preset = preset.with_alpha(0.5)
-    config = SimConfig(qps=qps, seed=seed, learn_costs=learn, output_lengths=LENGTHS[0])
+    config = SimConfig(qps=qps, seed=seed, learn_costs=learn, output_lengths=lengths)
     exact = belief is truth
     return Simulation(queries, belief, preset, config, truth=None if exact else truth).run()
 
@@ -116,7 +105,7 @@ def main() -> int:
         help="what every scheduler knows of output lengths (default known)",
     )
     args = parser.parse_args()
-    LENGTHS[0] = OutputLengths(args.output_lengths)
+    lengths = OutputLengths(args.output_lengths)
     queries = take_queries(load_traces([args.trace]), args.queries)
     rows: list[dict[str, Any]] = []
     started = time.perf_counter()
@@ -134,12 +123,12 @@ def main() -> int:
         for seed in args.seeds:
             for policy, learn in runs:
                 name = policy + (" +learn" if learn else "")
-                m = run(queries, belief, truth, policy, args.qps, seed, learn)
+                m = run(queries, belief, truth, policy, args.qps, seed, learn, lengths)
                 p95.setdefault(name, []).append(m.latency_summary()["p95"])
                 within.setdefault(name, []).append(m.slo_attainment)
                 last_arrival = max(o.arrival_s for o in m.outcomes)
                 spans.setdefault(name, []).append(m.makespan_s / max(last_arrival, 1e-9))
-            exact = run(queries, truth, truth, "hexgen-flow", args.qps, seed, False)
+            exact = run(queries, truth, truth, "hexgen-flow", args.qps, seed, False, lengths)
             p95.setdefault("hexgen-flow exact", []).append(exact.latency_summary()["p95"])
         mean = {name: statistics.fmean(v) for name, v in p95.items()}
         best = min(ROUTERS, key=lambda r: mean[r])

@@ -19,6 +19,7 @@ from hexgen_cli.options import (
     positive_int,
     print_rows,
 )
+from hexgen_cli.up_settings import coordinator_fields
 from hexgen_cli.up_shards import cmd_up_sharded
 from hexgen_client.addresses import (  # constants only: no grpc at import time
     DEFAULT_COORDINATOR,
@@ -206,14 +207,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     cluster = LocalCluster(  # checks the cluster and the policy before starting anything
         LocalClusterConfig(
             cluster=args.cluster,
-            calibration=args.calibration,
-            policy=args.policy,
-            alpha=args.alpha,
-            slo_scale=args.slo_scale,
-            admission=args.admission,
-            learn_costs=args.learn_costs,
-            retention_s=args.retention_s,
-            max_call_attempts=args.max_call_attempts,
+            **coordinator_fields(args),
             time_scale=args.time_scale,
             listen=args.listen,
             redis_url=args.redis_url,

@@ -20,6 +20,7 @@ from pathlib import Path
 from hexgen_cli.auth import usage_rows
 from hexgen_cli.foreground import run_in_foreground
 from hexgen_cli.options import PROG, info, print_rows
+from hexgen_cli.up_settings import coordinator_fields
 from hexgen_flow.errors import ConfigError
 
 __all__ = ["cmd_up_sharded"]
@@ -37,18 +38,7 @@ def _coordinator_args(args: argparse.Namespace) -> tuple[str, ...]:
         sharded_coordinator_args,
     )
 
-    return sharded_coordinator_args(
-        LocalClusterConfig(
-            calibration=args.calibration,
-            policy=args.policy,
-            alpha=args.alpha,
-            slo_scale=args.slo_scale,
-            admission=args.admission,
-            learn_costs=args.learn_costs,
-            retention_s=args.retention_s,
-            max_call_attempts=args.max_call_attempts,
-        )
-    )
+    return sharded_coordinator_args(LocalClusterConfig(**coordinator_fields(args)))
 
 
 def cmd_up_sharded(args: argparse.Namespace, auth_dir: Path | None) -> int:
