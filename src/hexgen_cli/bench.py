@@ -8,14 +8,13 @@ from pathlib import Path
 from typing import Any
 
 from hexgen_cli.options import (
+    add_belief_options,
     add_calibration_option,
     add_engine_options,
-    add_planner_calibration_option,
     positive_int,
 )
 from hexgen_flow.cluster import parse_cluster
 from hexgen_flow.errors import ConfigError
-from hexgen_flow.lengths import OutputLengths
 from hexgen_flow.sim.engines import prefix_caching_of
 
 __all__ = ["register"]
@@ -50,18 +49,7 @@ def register(commands: Any) -> None:
         help="worker processes (default 2; 1 runs everything in this process)",
     )
     add_calibration_option(bench, file_default=False)
-    add_planner_calibration_option(bench)
-    bench.add_argument(
-        "--learn-costs",
-        action="store_true",
-        help="every simulation's scheduler learns each instance's costs online (default: off)",
-    )
-    bench.add_argument(
-        "--output-lengths",
-        choices=[m.value for m in OutputLengths],
-        default=OutputLengths.KNOWN.value,
-        help="what every scheduler knows of output lengths (default known)",
-    )
+    add_belief_options(bench, max_tokens=False)  # max-tokens: its default cap
     add_engine_options(bench)  # the band runs prefix caching both on and off
     bench.set_defaults(handler=_cmd_bench)
 
@@ -77,7 +65,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         planner_calibration=args.planner_calibration,
         planner_error=tuple((g, p, d) for g, (p, d) in (args.planner_error or {}).items()),
         learn_costs=args.learn_costs,
-        output_lengths=args.output_lengths,
+        output_lengths=args.output_lengths.value,
     )
     caching = prefix_caching_of(args.engine, args.prefix_caching)
     plan = dataclasses.replace(plan, engine=args.engine, prefix_caching=caching)

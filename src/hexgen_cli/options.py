@@ -20,6 +20,7 @@ from hexgen_client.addresses import (  # no grpc at import
 from hexgen_flow.alpha import alpha_problem
 from hexgen_flow.calibration import DEFAULT_CALIBRATION, calibration_names, resolve_calibration
 from hexgen_flow.errors import HexgenFlowError
+from hexgen_flow.lengths import DEFAULT_MAX_TOKENS, OutputLengths
 from hexgen_flow.metrics import json_safe
 from hexgen_flow.sim.engines import DEFAULT_ENGINE_MODEL, ENGINE_MODELS, check_engine_model
 
@@ -150,9 +151,11 @@ def add_calibration_option(parser: argparse.ArgumentParser, *, file_default: boo
     )
 
 
-def add_planner_calibration_option(parser: argparse.ArgumentParser) -> None:
-    """``--planner-calibration``: what the scheduler believes, apart from what the simulated
-    engines execute (``--calibration``)."""
+def add_belief_options(parser: argparse.ArgumentParser, *, max_tokens: bool = True) -> None:
+    """What the simulated scheduler believes and learns, apart from what the simulated
+    engines execute (``--calibration``): ``--planner-calibration``, ``--planner-error``,
+    ``--learn-costs``, ``--output-lengths`` and (`max_tokens`) ``--max-tokens``
+    (docs/design.md, "Truth, belief and learning what each instance costs")."""
     parser.add_argument(
         "--planner-calibration",
         type=calibration,
@@ -170,6 +173,40 @@ def add_planner_calibration_option(parser: argparse.ArgumentParser) -> None:
         help="the planner believes these GPU types' prefill or decode times F (G) times what "
         "its calibration says, e.g. L40S:prefill=3,A6000:prefill=3 (default: no error)",
     )
+    parser.add_argument(
+        "--learn-costs",
+        action="store_true",
+        help="the scheduler learns each instance's prefill and decode costs online from the "
+        "calls it served, with the planner's calibration as the prior (docs/design.md, "
+        '"Truth, belief and learning what each instance costs")',
+    )
+    parser.add_argument(
+        "--output-lengths",
+        type=output_lengths,
+        default=OutputLengths.KNOWN,
+        metavar="known|learned|max-tokens",
+        help="what the scheduler knows of each call's output length: the workload's (known, "
+        "the default), a per-step prediction learned from finished calls (learned)"
+        + (", or the cap --max-tokens (max-tokens)" if max_tokens else ", or a cap (max-tokens)")
+        + "; the engines always generate the workload's",
+    )
+    if max_tokens:
+        parser.add_argument(
+            "--max-tokens",
+            type=positive_int,
+            default=DEFAULT_MAX_TOKENS,
+            metavar="N",
+            help="the cap believed under --output-lengths max-tokens "
+            f"(default {DEFAULT_MAX_TOKENS})",
+        )
+
+
+def output_lengths(text: str) -> OutputLengths:
+    """``--output-lengths``: known, learned or max-tokens."""
+    try:
+        return OutputLengths.parse(text)
+    except HexgenFlowError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def planner_errors(text: str) -> dict[str, tuple[float, float]]:

@@ -20,9 +20,9 @@ from hexgen_cli.options import (
     DEFAULT_SLO_SCALE,
     DEFAULT_TRACE,
     PROG,
+    add_belief_options,
     add_calibration_option,
     add_engine_options,
-    add_planner_calibration_option,
     alpha_or_auto,
     info,
     integer,
@@ -32,8 +32,8 @@ from hexgen_cli.options import (
     print_rows,
 )
 from hexgen_flow.cluster import DEFAULT_CLUSTER, DEFAULT_MODEL, Cluster, parse_cluster
-from hexgen_flow.errors import ConfigError, HexgenFlowError
-from hexgen_flow.lengths import DEFAULT_MAX_TOKENS, OutputLengths
+from hexgen_flow.errors import ConfigError
+from hexgen_flow.lengths import OutputLengths
 from hexgen_flow.metrics import RunMetrics
 from hexgen_flow.policies.presets import PRESETS, Preset, resolve_policy
 from hexgen_flow.sim.simulator import SimConfig, Simulation
@@ -106,30 +106,7 @@ def _add_run_options(parser: argparse.ArgumentParser, *, policy_help: str) -> No
         help=f"model every instance serves unless the cluster file says (default {DEFAULT_MODEL})",
     )
     add_calibration_option(parser)
-    add_planner_calibration_option(parser)
-    parser.add_argument(
-        "--learn-costs",
-        action="store_true",
-        help="the scheduler learns each instance's prefill and decode costs online from the "
-        "calls it served, with the planner's calibration as the prior (docs/design.md, "
-        '"Truth, belief and learning what each instance costs")',
-    )
-    parser.add_argument(
-        "--output-lengths",
-        type=output_lengths,
-        default=OutputLengths.KNOWN,
-        metavar="known|learned|max-tokens",
-        help="what the scheduler knows of each call's output length: the workload's (known, "
-        "the default), a per-step prediction learned from finished calls (learned), or the "
-        "cap --max-tokens (max-tokens); the engines always generate the workload's",
-    )
-    parser.add_argument(
-        "--max-tokens",
-        type=positive_int,
-        default=DEFAULT_MAX_TOKENS,
-        metavar="N",
-        help=f"the cap believed under --output-lengths max-tokens (default {DEFAULT_MAX_TOKENS})",
-    )
+    add_belief_options(parser)
     add_engine_options(parser)
     parser.add_argument("--policy", default=DEFAULT_POLICY, metavar="NAME", help=policy_help)
     parser.add_argument(
@@ -197,14 +174,6 @@ class RunSetup:
     def truth(self) -> Cluster | None:
         """What `Simulation` takes as ``truth``: None when the planner is exact."""
         return None if self.planner is self.cluster else self.cluster
-
-
-def output_lengths(text: str) -> OutputLengths:
-    """``--output-lengths``: known, learned or max-tokens."""
-    try:
-        return OutputLengths.parse(text)
-    except HexgenFlowError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _setup(args: argparse.Namespace) -> RunSetup:
