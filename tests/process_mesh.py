@@ -42,8 +42,11 @@ class ProcessMesh:
         *,
         cluster: str = "A100,A100",
         redis_url: str = REDIS_URL,
+        worker_calibration: str | None = None,
     ) -> None:
         self.logs = logs
+        self.worker_calibration = worker_calibration
+        """What the workers' simulated engines run (None: their default)."""
         self.gpus = cluster.split(",")
         self.redis_url = redis_url
         self.prefix = f"test-mesh-{uuid.uuid4().hex[:8]}:"
@@ -100,7 +103,14 @@ class ProcessMesh:
         return (self.logs / f"{name}.log").read_text(errors="replace")
 
     def start_worker(self, slot: int) -> None:
-        argv = worker_argv(sys.executable, self.address, slot, self.gpus[slot], MODEL)
+        argv = worker_argv(
+            sys.executable,
+            self.address,
+            slot,
+            self.gpus[slot],
+            MODEL,
+            calibration=self.worker_calibration,
+        )
         self._start(f"worker-{slot}", argv)
 
     def kill_worker(self, slot: int) -> None:

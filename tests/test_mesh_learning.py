@@ -17,25 +17,22 @@ import random
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from hexgen_client.client import CoordinatorClient
 from hexgen_coordinator.coordinator import LEARNED_SAVE_S
-from hexgen_flow.cluster import DEFAULT_MODEL, parse_cluster
+from hexgen_flow.cluster import parse_cluster
 from hexgen_flow.learning import CostLearner
 from hexgen_flow.policies.presets import PRESETS
 from hexgen_flow.sim.simulator import SimConfig, Simulation
 from hexgen_flow.workload import LLMCall, Query, Workflow
-from hexgen_launch.cluster_config import worker_argv
 from hexgen_launch.processes import free_port
-from redis_here import REDIS_URL, needs_redis
+from redis_here import needs_redis
 
 pytestmark = needs_redis
 
@@ -46,54 +43,28 @@ LEARNING_GPUS = ("L40S", "L40S")
 """Two alike instances share the calls evenly, so each sees dozens."""
 
 
-class _Mesh:
+class _Mesh(ProcessMesh):
+    """The coordinator plans with aiconfigurator, the workers' engines run chess-measured."""
+
     def __init__(self, folder: Path, *, learn: bool, gpus: tuple[str, ...] = GPUS) -> None:
-        self.prefix = f"hf-learn-{uuid.uuid4().hex[:8]}:"
-        self.address = f"127.0.0.1:{free_port()}"
         port = free_port()
         self.metrics = f"http://127.0.0.1:{port}/metrics"
-        log = (folder / "coordinator.log").open("w")
-        argv = [
-            sys.executable, "-m", "hexgen_coordinator", "--listen", self.address,
-            "--redis-url", REDIS_URL, "--redis-prefix", self.prefix,
-            "--cluster", ",".join(gpus), "--calibration", "aiconfigurator",
-            "--time-scale", "200", "--admission", "off",
+        coordinator_args = [
+            "--calibration", "aiconfigurator", "--admission", "off",
             "--metrics-listen", f"127.0.0.1:{port}",
             *(["--learn-costs"] if learn else []),
         ]  # fmt: skip
-        self.coordinator_argv = argv
-        self.log = log
-        self.procs = [subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)]
-        for slot, gpu in enumerate(gpus):
-            worker = worker_argv(
-                sys.executable,
-                self.address,
-                slot,
-                gpu,
-                DEFAULT_MODEL,
-                calibration="chess-measured",
-            )
-            self.procs.append(
-                subprocess.Popen(worker, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            )
-
-    def kill_and_restart_coordinator(self) -> None:
-        self.procs[0].kill()
-        self.procs[0].wait(timeout=30)
-        self.procs[0] = subprocess.Popen(
-            self.coordinator_argv, stdout=self.log, stderr=subprocess.STDOUT
+        super().__init__(
+            folder,
+            coordinator_args,
+            time_scale=200.0,
+            cluster=",".join(gpus),
+            worker_calibration="chess-measured",
         )
 
-    def stop(self) -> None:
-        for proc in self.procs:
-            proc.terminate()
-        for proc in self.procs:
-            proc.wait(timeout=30)
-        client = redis.Redis.from_url(REDIS_URL)
-        keys = list(client.scan_iter(match=self.prefix + "*"))
-        if keys:
-            client.delete(*keys)
-        client.close()
+    def kill_and_restart_coordinator(self) -> None:
+        self.kill_coordinator()
+        self.start_coordinator()
 
 
 def _scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -123,12 +94,6 @@ def _queries(n: int) -> list[Query]:
 def _run(mesh: _Mesh, queries: list[Query]) -> None:
     async def run() -> None:
         async with CoordinatorClient(mesh.address) as client:
-            status = await client.wait_ready(timeout_s=30)
-            deadline = time.monotonic() + 30
-            while not all(i.connected for i in status.instances):
-                assert time.monotonic() < deadline, "the workers did not connect"
-                await asyncio.sleep(0.05)
-                status = await client.status()
             for query in queries:
                 await client.submit(query)
             for query in queries:
