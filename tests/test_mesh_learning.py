@@ -32,6 +32,7 @@ from hexgen_flow.policies.presets import PRESETS
 from hexgen_flow.sim.simulator import SimConfig, Simulation
 from hexgen_flow.workload import LLMCall, Query, Workflow
 from hexgen_launch.processes import free_port
+from process_mesh import ProcessMesh
 from redis_here import needs_redis
 
 pytestmark = needs_redis
