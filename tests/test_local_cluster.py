@@ -6,6 +6,7 @@ tests/test_supervision.py."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 import signal
@@ -17,8 +18,11 @@ from pathlib import Path
 
 import pytest
 import redis
+import yaml
 
+from hexgen_client.client import CoordinatorClient
 from hexgen_flow.errors import ConfigError
+from hexgen_flow.traces import load_trace, take_queries
 from hexgen_launch.cluster import (
     DEFAULT_GATEWAY,
     LocalCluster,
@@ -30,6 +34,7 @@ from hexgen_launch.cluster import (
 )
 from hexgen_launch.errors import ClusterError
 from hexgen_launch.processes import ManagedProcess, RedisServer, resolve_address, stop_processes
+from hexgen_launch.replay import replay
 
 needs_redis_server = pytest.mark.skipif(
     subprocess.run(["which", "redis-server"], capture_output=True, check=False).returncode != 0,
@@ -250,3 +255,38 @@ def test_sigterm_escalates_to_sigkill_after_the_grace_period(tmp_path: Path) -> 
     assert polite.returncode == -signal.SIGTERM
     assert stubborn.returncode == -signal.SIGKILL
     assert not stubborn.running and not polite.running
+
+
+@needs_redis_server
+def test_a_cluster_file_of_its_own_gpu_types_runs_a_mesh(tmp_path: Path) -> None:
+    """A cluster file that defines a GPU type the catalogue lacks (a CPU core serving
+    SmolLM2, as the real-engine benchmarks run) starts a mesh whose workers resolve that
+    type through the file (--gpus-file) and serve queries; the welcome names the slots
+    inline, and the workers read those names with the file's types too."""
+    root = Path(__file__).resolve().parents[1]
+    doc = yaml.safe_load((root / "examples/cpu-1core-cluster.yaml").read_text())
+    doc["instances"] = [{**doc["instances"][0], "count": 2}]
+    doc["calibration"] = f"measured:{root}/examples/profiles/smollm2-135m-vllm-cpu-1core.yaml"
+    cluster_file = tmp_path / "cluster.yaml"
+    cluster_file.write_text(yaml.safe_dump(doc))
+    config = LocalClusterConfig(
+        cluster=str(cluster_file),
+        policy="hexgen-flow",
+        listen="127.0.0.1:0",
+        tuner=False,
+        time_scale=20.0,
+        log_dir=tmp_path / "logs",
+    )
+    mesh = LocalCluster(config)
+    assert mesh.gpus == ("CPU-1core", "CPU-1core")
+    assert mesh.gpus_file == str(cluster_file.resolve())
+    assert "--gpus-file" in mesh._worker_argv(1)
+    assert LocalCluster(LocalClusterConfig(cluster="A100,L40S")).gpus_file is None
+    queries = take_queries(load_trace(str(root / "benchmarks/workloads/smollm2-replay.jsonl")), 2)
+
+    async def run(address: str) -> int:
+        async with CoordinatorClient(address) as client:
+            return (await replay(client, queries, 1.0, seed=0)).completed
+
+    with mesh:
+        assert asyncio.run(run(mesh.coordinator_address)) == 2

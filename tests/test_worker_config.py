@@ -52,6 +52,7 @@ NON_DEFAULT: dict[str, Any] = {
     "gpu": "L40S",
     "model": "llama-3.1-8b",
     "calibration": "aiconfigurator",
+    "gpus_file": "examples/cpu-1core-cluster.yaml",
     "engine": "openai",
     "engine_model": "prefill-first",
     "prefix_caching": False,
@@ -286,3 +287,21 @@ def test_the_worker_process_exits_2_with_one_line(argv: list[str], message: str)
     assert proc.returncode == 2
     assert proc.stderr.startswith(f"hexgen-worker: error: {message}")
     assert proc.stderr.count("\n") == 1 and proc.stdout == ""
+
+
+def test_a_gpu_type_of_the_cluster_file_resolves_only_with_gpus_file() -> None:
+    """A cluster file may define GPU types of its own (examples/cpu-1core-cluster.yaml: one
+    CPU core); a worker of that cluster resolves its --gpu with the file's entries."""
+    root = Path(__file__).resolve().parents[1]
+    base = WorkerConfig(
+        worker_id="w",
+        gpu="CPU-1core",
+        model="smollm2-135m",
+        calibration=f"measured:{root}/examples/profiles/smollm2-135m-vllm-cpu-1core.yaml",
+    )
+    with pytest.raises(ConfigError, match="unknown GPU type 'CPU-1core'"):
+        base.resolved()
+    config = dataclasses.replace(base, gpus_file=str(root / "examples/cpu-1core-cluster.yaml"))
+    resolved = config.resolved()
+    assert resolved.gpu == "CPU-1core"
+    assert resolved.kv_cache_tokens == config.instance_spec().kv_cache_tokens > 0

@@ -40,7 +40,14 @@ from hexgen_flow.errors import ConfigError
 from hexgen_flow.hardware import GpuCatalogue, gpu_catalogue
 from hexgen_flow.latency import LatencyModel, latency_model, resolve_model
 
-__all__ = ["DEFAULT_CLUSTER", "DEFAULT_MODEL", "Cluster", "InstanceSpec", "parse_cluster"]
+__all__ = [
+    "DEFAULT_CLUSTER",
+    "DEFAULT_MODEL",
+    "Cluster",
+    "InstanceSpec",
+    "cluster_file_catalogue",
+    "parse_cluster",
+]
 
 DEFAULT_MODEL = "llama-3.1-70b"
 DEFAULT_CLUSTER = "A100,A100,A6000,L40S"
@@ -160,9 +167,16 @@ def _int_setting(entry: dict[str, Any], key: str, default: int, where: str) -> i
 _REPEAT = re.compile(r"^(?P<gpu>[A-Za-z0-9_-]+?)(?:[x*](?P<count>\d+))?$")
 
 
-def parse_cluster(text: str, model: str = DEFAULT_MODEL, calibration: str | None = None) -> Cluster:
+def parse_cluster(
+    text: str,
+    model: str = DEFAULT_MODEL,
+    calibration: str | None = None,
+    catalogue: GpuCatalogue | None = None,
+) -> Cluster:
     """Parse ``A100,A100,A6000,L40S`` / ``A100x2,A6000`` or the path of a YAML file, with
-    latency from `calibration`: None takes the file's ``calibration:``, else the default."""
+    latency from `calibration`: None takes the file's ``calibration:``, else the default.
+    An inline list's GPU names resolve in `catalogue` (default: the shipped one; a file
+    brings its own ``gpus:``)."""
     path = Path(text)
     if text.endswith((".yaml", ".yml")) or path.is_file():
         return _load_yaml(path, model, calibration)
@@ -175,7 +189,7 @@ def parse_cluster(text: str, model: str = DEFAULT_MODEL, calibration: str | None
         if count < 1:
             raise ConfigError(f"--cluster: {part.strip()!r}: the count after x must be >= 1")
         entries.extend({"gpu": match["gpu"], "model": model} for _ in range(count))
-    return Cluster.build(entries, text, calibration=calibration)
+    return Cluster.build(entries, text, catalogue, calibration=calibration)
 
 
 _FILE_KEYS = frozenset({"model", "calibration", "gpus", "instances"})
@@ -191,7 +205,7 @@ def _reject_unknown(item: dict[str, Any], known: frozenset[str], where: str) -> 
         raise ConfigError(f"{where}: unknown key {unknown[0]!r} (keys: {', '.join(sorted(known))})")
 
 
-def _load_yaml(path: Path, model: str, calibration: str | None) -> Cluster:
+def _read_yaml(path: Path) -> dict[str, Any]:
     try:
         doc = yaml.safe_load(path.read_text())
     except FileNotFoundError:
@@ -200,10 +214,28 @@ def _load_yaml(path: Path, model: str, calibration: str | None) -> Cluster:
         raise ConfigError(f"cluster file {path} is not valid YAML: {exc}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("instances"), list):
         raise ConfigError(f"cluster file {path}: expected a mapping with an 'instances' list")
-    _reject_unknown(doc, _FILE_KEYS, f"cluster file {path}")
+    return doc
+
+
+def _file_catalogue(doc: dict[str, Any], path: Path) -> GpuCatalogue:
     catalogue = gpu_catalogue()
     if "gpus" in doc:
         catalogue = catalogue.extended(doc["gpus"], f"cluster file {path}: gpus")
+    return catalogue
+
+
+def cluster_file_catalogue(path: str) -> GpuCatalogue:
+    """The shipped GPU catalogue plus the ``gpus:`` entries of cluster file `path`: what
+    a worker of such a cluster resolves its ``--gpu`` in (``--gpus-file``), so that a GPU
+    type only the file defines (a CPU core serving a small model, say) names its slot."""
+    file = Path(path)
+    return _file_catalogue(_read_yaml(file), file)
+
+
+def _load_yaml(path: Path, model: str, calibration: str | None) -> Cluster:
+    doc = _read_yaml(path)
+    _reject_unknown(doc, _FILE_KEYS, f"cluster file {path}")
+    catalogue = _file_catalogue(doc, path)
     default_model = str(doc.get("model", model))
     named = doc.get("calibration")
     if named is not None and not isinstance(named, str):

@@ -42,8 +42,9 @@ from types import TracebackType
 import grpc
 
 from hexgen_api.v1 import coordinator_pb2, coordinator_pb2_grpc
-from hexgen_flow.cluster import parse_cluster
+from hexgen_flow.cluster import cluster_file_catalogue, parse_cluster
 from hexgen_flow.errors import ConfigError
+from hexgen_flow.hardware import gpu_catalogue
 from hexgen_flow.policies.presets import resolve_policy
 from hexgen_launch.cluster_config import (
     DEFAULT_GATEWAY,
@@ -101,6 +102,16 @@ class LocalCluster:
         self.calibration = cluster.calibration
         """The cluster's calibration, which every service is started with."""
         self.gpus = tuple(inst.gpu for inst in self.instances)
+        file = Path(self.config.cluster)
+        self.gpus_file = (
+            str(file.resolve())
+            if cluster.description == self.config.cluster
+            and file.is_file()
+            and len(cluster_file_catalogue(str(file)).gpus) > len(gpu_catalogue().gpus)
+            else None
+        )
+        """The cluster file, when it defines GPU types of its own: the workers resolve
+        their ``--gpu`` with it (``--gpus-file``)."""
         if len(self.config.workers) > len(self.instances):
             raise ConfigError(
                 f"{len(self.config.workers)} worker launches for a cluster of "
@@ -421,6 +432,7 @@ class LocalCluster:
             launch.engine,
             [*launch.args, *extra],
             self.calibration.argument,
+            self.gpus_file,
         )
 
     def _secure(self, service: str) -> list[str]:

@@ -285,9 +285,11 @@ def worker_argv(
     engine: str = "simulated",
     extra: Sequence[str] = (),
     calibration: str | None = None,
+    gpus_file: str | None = None,
 ) -> list[str]:
     """The command line of the worker that takes `slot` (a `gpu` serving `model`) with
-    `engine` (default simulated), latency from `calibration` (None: the default) and `extra`
+    `engine` (default simulated), latency from `calibration` (None: the default), `gpu`
+    resolved with `gpus_file`'s GPU types (the cluster file, when it defines any) and `extra`
     options; its id is stable, so a restarted worker resumes its slot. Rendered through the
     worker's settings (`hexgen_service.worker_config`): the required options, the slot, and
     ``--model`` and ``--engine`` even when they are the defaults, as they always were."""
@@ -300,6 +302,7 @@ def worker_argv(
         engine=cast(EngineKind, engine),
         # the default goes unsaid, so that a default mesh's command lines are what they were
         calibration=None if calibration == DEFAULT_CALIBRATION else calibration,
+        gpus_file=gpus_file,
     )
     rendered = render_worker_argv(settings, also=("slot", "model", "engine"))
     return [python, "-m", "hexgen_worker", *rendered, *extra]

@@ -22,8 +22,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from hexgen_flow.cluster import DEFAULT_MODEL, Cluster, InstanceSpec
+from hexgen_flow.cluster import DEFAULT_MODEL, Cluster, InstanceSpec, cluster_file_catalogue
 from hexgen_flow.errors import ConfigError
+from hexgen_flow.hardware import GpuCatalogue
 from hexgen_flow.latency import latency_model, resolve_model
 from hexgen_flow.sim.engines import DEFAULT_ENGINE_MODEL, ENGINE_MODELS, prefix_caching_of
 from hexgen_service.auth import read_secret
@@ -98,6 +99,15 @@ class WorkerConfig:
     )
     """Where the latency numbers of the simulated engine and the local queue's estimates
     come from (``--calibration``); None: ``chess-measured``. The coordinator's, in a mesh."""
+    gpus_file: str | None = setting(
+        None,
+        "a cluster file whose gpus: entries define GPU types the shipped catalogue lacks "
+        "(the coordinator's --cluster file)",
+        metavar="FILE",
+    )
+    """A cluster file whose ``gpus:`` entries define GPU types the shipped catalogue lacks
+    (``--gpus-file``): ``--gpu`` is resolved in the catalogue they extend. A launcher gives
+    a mesh's workers the coordinator's ``--cluster`` file when it defines any."""
     engine: EngineKind = setting("simulated", choices=ENGINE_KINDS)  # noqa: RUF009 (a Literal)
     """Engine behind the local queue: simulated, openai or vllm."""
     engine_model: str = setting(
@@ -249,7 +259,7 @@ class WorkerConfig:
         except ConfigError as exc:
             raise ConfigError(f"--engine-model: {exc}") from None
         model = resolve_model(self.model).name
-        lat = latency_model(model, self.gpu, calibration=self.calibration)
+        lat = latency_model(model, self.gpu, catalogue=self.catalogue, calibration=self.calibration)
         kv = lat.kv_capacity_tokens if self.kv_cache_tokens is None else self.kv_cache_tokens
         max_batch = lat.max_batch if self.max_batch is None else self.max_batch
         if kv <= 0:
@@ -285,8 +295,16 @@ class WorkerConfig:
             "kv_cache_tokens": config.kv_cache_tokens,
             "max_batch": config.max_batch,
         }
-        cluster = Cluster.build([entry], f"worker {config.worker_id}", calibration=self.calibration)
+        cluster = Cluster.build(
+            [entry], f"worker {config.worker_id}", self.catalogue, calibration=self.calibration
+        )
         return cluster.instances[0]
+
+    @property
+    def catalogue(self) -> GpuCatalogue | None:
+        """What ``--gpu`` is resolved in: the shipped catalogue plus ``--gpus-file``'s GPU
+        types (None: the shipped catalogue alone)."""
+        return None if self.gpus_file is None else cluster_file_catalogue(self.gpus_file)
 
 
 # ------------------------------------------------------------------------------ the options

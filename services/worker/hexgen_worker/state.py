@@ -40,6 +40,7 @@ from opentelemetry.trace import Status, StatusCode
 from hexgen_flow.cluster import Cluster, parse_cluster
 from hexgen_flow.errors import ConfigError, UnknownNameError
 from hexgen_flow.estimate import Estimator
+from hexgen_flow.hardware import GpuCatalogue
 from hexgen_flow.policies.registration import QUEUES
 from hexgen_flow.runtime import CallTicket, ClusterLoad, PolicyContext
 from hexgen_flow.scheduler import InstanceScheduler
@@ -135,6 +136,7 @@ class WorkerState:
         send: Callable[[int, CallReport], None],
         coordinators: Sequence[str] = ("coordinator",),
         calibration: str | None = None,
+        catalogue: GpuCatalogue | None = None,
         tracer: trace.Tracer | None = None,
         metrics: WorkerMetrics | None = None,
     ) -> None:
@@ -148,6 +150,9 @@ class WorkerState:
         self.model = model
         self.calibration = calibration
         """Where the local queue's latency estimates come from (None: the default)."""
+        self.catalogue = catalogue
+        """What `gpu` is resolved in when the welcome's cluster file is not on this
+        machine (None: the shipped catalogue; `WorkerConfig.catalogue`)."""
         self.kv_cache_tokens = kv_cache_tokens
         """KV-cache tokens declared: a call larger than this can never run here."""
         self._send = send
@@ -309,7 +314,7 @@ class WorkerState:
         cluster = self._clusters.get(text)
         if cluster is None or (text in self._stand_ins and slot >= len(cluster)):
             try:
-                cluster = parse_cluster(text, self.model, self.calibration)
+                cluster = parse_cluster(text, self.model, self.calibration, self.catalogue)
             except UnknownNameError:
                 raise
             except ConfigError as exc:
@@ -324,7 +329,10 @@ class WorkerState:
                     "kv_cache_tokens": self.kv_cache_tokens,
                 }
                 cluster = Cluster.build(
-                    [entry] * (max(slot, 0) + 1), f"{text} (stand-in)", calibration=self.calibration
+                    [entry] * (max(slot, 0) + 1),
+                    f"{text} (stand-in)",
+                    self.catalogue,
+                    calibration=self.calibration,
                 )
                 self._stand_ins.add(text)
             self._clusters[text] = cluster

@@ -99,6 +99,7 @@ class Worker:
             gpu=config.gpu,
             model=config.model,
             calibration=config.calibration,
+            catalogue=config.catalogue,
             kv_cache_tokens=config.kv_cache_tokens or 0,
             send=self._send,
             coordinators=config.coordinators,
