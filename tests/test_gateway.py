@@ -126,7 +126,8 @@ async def test_a_three_stage_workflow_by_headers_only(up: Up) -> None:
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert text.startswith("[simulated ") and text.endswith(f" {max_tokens} tokens")
         assert chunks[0].choices[0].delta.role == "assistant"
-        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+        # The placeholder is max_tokens long: generation ended at the limit.
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
         assert chunks[-1].usage is not None
         assert chunks[-1].usage.completion_tokens == max_tokens
 
@@ -357,13 +358,14 @@ def test_a_second_gateway_continues_the_workflow_the_first_opened(up: Up, tmp_pa
 
 
 @contextmanager
-def _gateway(tmp_path: Path, coordinator: str) -> Iterator[str]:
-    """`python -m hexgen_gateway` on a free port in front of `coordinator`, listening."""
+def _gateway(tmp_path: Path, coordinator: str, *options: str) -> Iterator[str]:
+    """`python -m hexgen_gateway` on a free port in front of `coordinator` (with
+    `options`), listening."""
     listen = f"127.0.0.1:{free_port()}"
     log = (tmp_path / "gateway.log").open("w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "hexgen_gateway", "--listen", listen,
-         "--coordinator", coordinator, "--log-level", "WARNING"],
+         "--coordinator", coordinator, "--log-level", "WARNING", *options],
         stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
     try:

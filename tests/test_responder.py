@@ -142,10 +142,12 @@ def test_revise_of_another_error_answers_the_heuristic_query() -> None:
 
 
 def test_the_simulated_engine_keeps_its_placeholder_for_other_prompts() -> None:
+    from hexgen_worker.engines.base import CallRequest
     from hexgen_worker.engines.simulated import _synthetic_answer
 
-    assert _synthetic_answer(None) is None
-    assert _synthetic_answer("user: hello\nassistant:") is None
-    answer = _synthetic_answer(gateway_prompt(prompts.keywords_prompt("How many albums?")))
-    assert body(answer) == '["album"]'
+    assert _synthetic_answer(CallRequest(None)) is None
+    assert _synthetic_answer(CallRequest("user: hello\nassistant:")) is None
+    prompt = gateway_prompt(prompts.keywords_prompt("How many albums?"))
+    answer = _synthetic_answer(CallRequest(prompt))
+    assert answer is not None and body(answer[0]) == '["album"]'
     assert SimulatedEngine.kind == "simulated"

@@ -165,7 +165,7 @@ class Worker:
         self, call: CallTicket, prompt: str, messages: tuple[ChatMessage, ...] = ()
     ) -> DispatchOutcome:
         """Dispatch as the worker's link does: through the DispatchCall message."""
-        pb = ticket_to_dispatch(call, prompt, "", messages)
+        pb = ticket_to_dispatch(call, prompt, "", [(m.role, m.content) for m in messages])
         return self.state.dispatch(
             dispatch_to_ticket(pb), prompt=pb.prompt, messages=dispatch_messages(pb)
         )

@@ -257,13 +257,16 @@ class CoordinatorClient:
         max_tokens: int = 0,
         input_tokens: int = 0,
         step: str = "",
-        messages: Sequence[tuple[str, str]] = (),
+        messages: Sequence[tuple[str, str] | workflow_pb2.ChatMessage] = (),
+        options: workflow_pb2.CallOptions | None = None,
     ) -> AsyncGenerator[coordinator_pb2.RunCallResponse, None]:
         """Give one call of an open session's `stage` and stream its events: the first
         response names the call (``call_id``) and its stage deadline (``deadline_s``);
         the stream ends with the call's CALL_FINISHED (or the query's end). 0 tokens: the
         coordinator estimates the prompt's, and takes the expected call's max tokens. A chat
-        request gives its `messages` (role, content) too, `prompt` being their rendering."""
+        request gives its `messages` (role, content, or whole `ChatMessage`s with tool calls)
+        too, `prompt` being their rendering; `options` (sampling, stop, seed, tools,
+        response_format) go to the engine, which honours them or fails the call naming one."""
         request = coordinator_pb2.RunCallRequest(
             workflow_id=workflow_id,
             stage=stage,
@@ -272,7 +275,13 @@ class CoordinatorClient:
                 prompt=prompt,
                 input_tokens=input_tokens,
                 output_tokens=max_tokens,
-                messages=[workflow_pb2.ChatMessage(role=r, content=c) for r, c in messages],
+                messages=[
+                    m
+                    if isinstance(m, workflow_pb2.ChatMessage)
+                    else workflow_pb2.ChatMessage(role=m[0], content=m[1])
+                    for m in messages
+                ],
+                options=options,
             ),
         )
         async with aclosing(

@@ -327,12 +327,20 @@ def ticket_to_dispatch(
     ticket: CallTicket,
     prompt: str = "",
     traceparent: str = "",
-    messages: Sequence[tuple[str, str]] = (),
+    messages: Sequence[tuple[str, str] | workflow_pb2.ChatMessage] = (),
+    options: workflow_pb2.CallOptions | None = None,
 ) -> worker_pb2.DispatchCall:
-    """The DispatchCall of a ticket; `messages` are a chat request's (role, content)."""
+    """The DispatchCall of a ticket; `messages` are a chat request's ((role, content), or
+    whole messages), `options` how to generate (sampling, tools, response_format)."""
     call = ticket.call
     return worker_pb2.DispatchCall(
-        messages=[workflow_pb2.ChatMessage(role=r, content=c) for r, c in messages],
+        messages=[
+            m
+            if isinstance(m, workflow_pb2.ChatMessage)
+            else workflow_pb2.ChatMessage(role=m[0], content=m[1])
+            for m in messages
+        ],
+        options=options,
         call_id=ticket.call_id,
         query_id=ticket.query_id,
         tenant=ticket.tenant,

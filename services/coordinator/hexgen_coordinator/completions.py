@@ -219,10 +219,13 @@ class Completions:
                 call_id=call_id,
                 instance=inst.name if inst else "",
                 text=msg.text,
+                finished=msg,
             )
             span = ledger.call_spans.pop(call_id, None)
             if span is not None:
                 span.set_attribute("gen_ai.usage.output_tokens", msg.output_tokens)
+                if msg.finish_reason:
+                    span.set_attribute("gen_ai.response.finish_reasons", [msg.finish_reason])
                 span.end()
             stage_finished = run.stage_finished_s[stage] is not None
             if stage_finished:

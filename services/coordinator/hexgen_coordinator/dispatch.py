@@ -98,6 +98,7 @@ class Dispatch:
             ledger.metrics.dispatched_on[ticket.instance].inc()
             ticket.attempt += 1  # a completion is taken only from the latest attempt
             instance = self.cluster.instances[ticket.instance]
+            chat = entry.chats.get(ticket.call_id)
             span = self.tracer.start_span(
                 "call",
                 context=trace.set_span_in_context(entry.stage_spans.get(ticket.stage, entry.span)),
@@ -111,7 +112,7 @@ class Dispatch:
                     "hexgen.deadline_s": ticket.deadline_s,
                     # OpenTelemetry's GenAI semantic conventions
                     "gen_ai.operation.name": "chat"
-                    if ticket.call_id in entry.chats
+                    if chat is not None and chat.messages
                     else "text_completion",
                     "gen_ai.request.model": instance.model,
                     "gen_ai.request.max_tokens": ticket.call.output_tokens,
@@ -130,7 +131,8 @@ class Dispatch:
                         ticket,
                         prompts[index] if index < len(prompts) else "",
                         traceparent_of(span),
-                        entry.chats.get(ticket.call_id, ()),
+                        chat.messages if chat is not None else (),
+                        chat.options if chat is not None and chat.HasField("options") else None,
                     )
                 )
             )

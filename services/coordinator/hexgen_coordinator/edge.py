@@ -108,8 +108,9 @@ def request_limits(config: CoordinatorConfig) -> dict[str, int]:
     """The largest request (serialized bytes) each method takes, by method name; a method
     not named takes `SMALL_REQUEST_BYTES`. Sized to the coordinator's own input limits: a
     submission to ``--max-request-bytes``, a call given to a session to its prompt and its
-    chat messages (``--max-prompt-bytes`` each), an expected workflow to its shape."""
-    call = 2 * config.max_prompt_bytes + _ENVELOPE_BYTES
+    chat messages and its options (``--max-prompt-bytes`` each), an expected workflow to
+    its shape."""
+    call = 3 * config.max_prompt_bytes + _ENVELOPE_BYTES
     return {
         "SubmitQuery": config.max_request_bytes,
         "RunQuery": config.max_request_bytes,

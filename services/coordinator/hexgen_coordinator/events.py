@@ -13,6 +13,7 @@ import weakref
 from collections.abc import AsyncIterator
 
 from hexgen_api.v1 import coordinator_pb2 as cpb
+from hexgen_api.v1 import worker_pb2 as wpb
 from hexgen_coordinator.ledger import ActiveQuery, Ledger
 from hexgen_coordinator.store import WorkflowStore
 from hexgen_coordinator.views import QueryViews
@@ -51,7 +52,10 @@ def record_event(
     call_id: str = "",
     instance: str = "",
     text: str = "",
+    finished: wpb.CallFinished | None = None,
 ) -> None:
+    """Log an event and hand it to the watchers; `finished` (CALL_FINISHED) is the
+    worker's report, whose finish reason, tool calls and token counts the event carries."""
     event = cpb.QueryEvent(
         query_id=entry.run.query.query_id,
         kind=kind,
@@ -62,6 +66,11 @@ def record_event(
         text=text,
         sequence=entry.event_base + len(entry.events),
     )
+    if finished is not None:
+        event.finish_reason = finished.finish_reason
+        event.tool_calls.extend(finished.tool_calls)
+        event.prompt_tokens = finished.prompt_tokens
+        event.output_tokens = finished.output_tokens
     if kind != K.QUERY_EVENT_KIND_CALL_TOKENS:  # token chunks are live only
         entry.events.append(event)
     for watcher in list(entry.watchers):

@@ -20,7 +20,7 @@ from opentelemetry import trace
 from hexgen_api.v1 import coordinator_pb2 as cpb
 from hexgen_coordinator.config import CoordinatorConfig
 from hexgen_coordinator.dispatch import Dispatch
-from hexgen_coordinator.ledger import ActiveQuery, Ledger, SessionState, call_id_of
+from hexgen_coordinator.ledger import ActiveQuery, Ledger, SessionState, call_id_of, chat_bytes
 from hexgen_coordinator.session_store import stored_workflow
 from hexgen_coordinator.store import StoredQuery, WorkflowStore, prompts_digest
 from hexgen_flow.runtime import CallTicket
@@ -132,8 +132,7 @@ class Recovery:
             for index, text in enumerate(texts):
                 call_id = call_id_of(query.query_id, k, index)
                 if text and not stored.done(call_id):
-                    chat = built.chats.get(call_id, ())
-                    nbytes = len(text.encode("utf-8")) + sum(len(c.encode()) for _, c in chat)
+                    nbytes = len(text.encode("utf-8")) + chat_bytes(built.chats.get(call_id))
                     ledger.hold_prompt(entry, call_id, nbytes)
         run.calls_left = int(f[F.CALLS_LEFT])
         released = []

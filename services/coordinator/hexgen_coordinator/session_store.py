@@ -35,7 +35,7 @@ from typing import Any, Literal
 
 from hexgen_api.v1 import coordinator_pb2 as cpb
 from hexgen_api.v1 import workflow_pb2 as wfpb
-from hexgen_coordinator.ledger import call_id_of
+from hexgen_coordinator.ledger import call_id_of, chat_part
 from hexgen_coordinator.store import LUA_HELPERS, StoredQuery, WorkflowStore
 from hexgen_flow.workload import LLMCall, Query, Stage, Workflow, canonical_step
 from hexgen_service import redis_schema as schema
@@ -183,8 +183,8 @@ class StoredWorkflow:
     closed_stages: set[int]
     session_open: bool
     idle_s: float
-    chats: dict[str, tuple[tuple[str, str], ...]]
-    """Chat calls' messages by call id."""
+    chats: dict[str, wfpb.LLMCall]
+    """Calls' chat messages and options (`chat_part`) by call id."""
 
 
 def stored_workflow(stored: StoredQuery) -> StoredWorkflow:
@@ -213,7 +213,7 @@ def stored_workflow(stored: StoredQuery) -> StoredWorkflow:
         names.append(name)
         prompts.append(("",))
     given: list[int] = []
-    chats: dict[str, tuple[tuple[str, str], ...]] = {}
+    chats: dict[str, wfpb.LLMCall] = {}
     for k, stage in enumerate(stages):
         calls, texts = list(stage.calls), list(prompts[k])
         n = 0
@@ -228,8 +228,11 @@ def stored_workflow(stored: StoredQuery) -> StoredWorkflow:
                 pb.prompt = held.prompt
                 del pb.messages[:]
                 pb.messages.extend(held.messages)
-            if pb.messages:
-                chats[call_id] = tuple((m.role, m.content) for m in pb.messages)
+                if held.HasField("options"):
+                    pb.options.CopyFrom(held.options)
+            chat = chat_part(pb)
+            if chat is not None:
+                chats[call_id] = chat
             call = LLMCall(pb.step or stage.step, pb.input_tokens, pb.output_tokens)
             if n < len(calls):
                 calls[n], texts[n] = call, pb.prompt

@@ -44,7 +44,7 @@ from hexgen_coordinator.completions import Completions
 from hexgen_coordinator.config import CoordinatorConfig
 from hexgen_coordinator.dispatch import Dispatch
 from hexgen_coordinator.events import WATCH_BUFFER, check_not_behind, record_event
-from hexgen_coordinator.ledger import ActiveQuery, Ledger, call_id_of
+from hexgen_coordinator.ledger import ActiveQuery, Ledger, call_id_of, chat_part
 from hexgen_coordinator.redis_retry import until_stored
 from hexgen_coordinator.session_store import GIVE_APPLIED, GIVE_DUPLICATE, GiveMode, SessionStore
 from hexgen_coordinator.views import QueryViews
@@ -158,14 +158,13 @@ class Sessions:
             check_text("call.step", request.call.step, self.limits.max_id_bytes, self.limits)
         limit = self.limits.max_prompt_bytes
         if limit is not None:
-            # A chat call's messages are its prompt too (`prompt` is their rendering).
-            sizes = [("call.prompt", len(request.call.prompt.encode("utf-8")))]
-            sizes.append(
-                (
-                    "call.messages",
-                    sum(len(m.content.encode("utf-8")) for m in request.call.messages),
-                )
-            )
+            # A chat call's messages are its prompt too (`prompt` is their rendering), and
+            # its options (tools' JSON Schemas) are kept with them.
+            sizes = [
+                ("call.prompt", len(request.call.prompt.encode("utf-8"))),
+                ("call.messages", sum(m.ByteSize() for m in request.call.messages)),
+                ("call.options", request.call.options.ByteSize()),
+            ]
             for field, size in sizes:
                 if size > limit:
                     raise InvalidFieldError(field, f"must be at most {limit} bytes, got {size}")
@@ -301,8 +300,10 @@ class Sessions:
             given.input_tokens or max(1, math.ceil(len(given.prompt) / CHARS_PER_TOKEN)),
             given.output_tokens or (expected.output_tokens if expected else DEFAULT_OUTPUT_TOKENS),
         )
-        prompt_bytes = len(given.prompt.encode("utf-8")) + sum(
-            len(m.content.encode("utf-8")) for m in given.messages
+        prompt_bytes = (
+            len(given.prompt.encode("utf-8"))
+            + sum(m.ByteSize() for m in given.messages)
+            + given.options.ByteSize()
         )
         # A session is held to a submission's limits, call by call.
         admission = self.admission
@@ -345,14 +346,19 @@ class Sessions:
                 texts.append(given.prompt)
             entry.prompts[stage] = tuple(texts)
         call_id = call_id_of(query_id, stage, index)
-        if given.messages:
-            entry.chats[call_id] = tuple((m.role, m.content) for m in given.messages)
+        chat = chat_part(given)
+        if chat is not None:
+            entry.chats[call_id] = chat
         ledger.hold_prompt(entry, call_id, prompt_bytes)
         blob = wfpb.LLMCall(
             step=call.step, input_tokens=call.input_tokens, output_tokens=call.output_tokens
         ).SerializeToString()
         text = (
-            wfpb.LLMCall(prompt=given.prompt, messages=given.messages).SerializeToString()
+            wfpb.LLMCall(
+                prompt=given.prompt,
+                messages=given.messages,
+                options=given.options if given.HasField("options") else None,
+            ).SerializeToString()
             if prompt_bytes
             else b""
         )

@@ -76,6 +76,20 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[GatewayConfig, str]
         help="wall seconds a request may take before it is cancelled and answered 504 "
         f"(default {d.request_timeout_s:g})",
     )
+    parser.add_argument(
+        "--session-idle-s",
+        type=float,
+        default=d.session_idle_s,
+        help="wall seconds without a call after which a workflow this gateway opened is "
+        "closed (a request's X-Hexgen-Idle-S overrides it; 0: the coordinator's "
+        f"--session-idle-s) (default {d.session_idle_s:g})",
+    )
+    parser.add_argument(
+        "--no-metrics",
+        dest="metrics",
+        action="store_false",
+        help="do not serve GET /metrics (the gateway's Prometheus metrics)",
+    )
     security = parser.add_argument_group("security (docs/security.md)")
     add_tls_options(security, serves="HTTPS")
     security.add_argument(
@@ -114,6 +128,8 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[GatewayConfig, str]
             tls_ca=args.tls_ca,
             api_key_file=args.api_key_file,
             insecure=args.insecure,
+            session_idle_s=args.session_idle_s or None,
+            metrics=args.metrics,
         )
         check_files(config)
     except HexgenFlowError as exc:

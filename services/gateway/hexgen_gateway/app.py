@@ -5,7 +5,10 @@
   ``"stream": true`` the answer is server-sent events (``data: {chunk}``, ending with
   ``data: [DONE]``), chunks in OpenAI's format;
 - ``GET /v1/models``: the models of the cluster's instances (ClusterStatus);
+  ``GET /v1/models/{id}``: one of them, 404 (``model_not_found``) for another;
 - ``GET /health``: 200 when the coordinator answers ClusterStatus, 503 otherwise;
+- ``GET /metrics``: the gateway's own Prometheus metrics (`hexgen_gateway.metrics`:
+  requests by route and status, 429s, latency, finish reasons; ``--no-metrics``: 404);
 - ``POST /v1/workflows/{id}/close``: close a workflow (HexGen-Flow's own): it ends when
   its last call finishes, instead of after the coordinator's idle timeout.
 
@@ -61,6 +64,7 @@ from hexgen_gateway.mapping import (
     WorkflowContext,
     WorkflowMapper,
 )
+from hexgen_gateway.metrics import GatewayMetrics, RequestMetrics
 from hexgen_gateway.openai_api import (
     ParsedRequest,
     chunk,
@@ -108,7 +112,12 @@ class Gateway:
                 api_key=read_secret(config.api_key_file, "--api-key-file"),
                 tls_ca=config.tls_ca,
             )
-        self.mapper = WorkflowMapper(self.client, request_timeout_s=config.request_timeout_s)
+        self.mapper = WorkflowMapper(
+            self.client,
+            request_timeout_s=config.request_timeout_s,
+            session_idle_s=config.session_idle_s,
+        )
+        self.metrics = GatewayMetrics()
         self._status: OrderedDict[str, tuple[float, coordinator_pb2.ClusterStatusResponse]] = (
             OrderedDict()
         )
@@ -259,11 +268,28 @@ class Gateway:
             span.end()
             raise
         model = await self.model_of(parsed.model, started.instance)
-        use = usage(parsed.call.input_tokens, started.completion_tokens)
+        use = usage(started.prompt_tokens, started.completion_tokens)
+        self._finished(span, started)
         span.end()
-        return JSONResponse(
-            completion_body(parsed, new_id(parsed), model, text, use), headers=headers
+        body = completion_body(
+            parsed,
+            new_id(parsed),
+            model,
+            text,
+            use,
+            started.finish_reason or "stop",
+            started.tool_calls,
         )
+        return JSONResponse(body, headers=headers)
+
+    def _finished(self, span: trace.Span, started: StartedCall) -> None:
+        """A call's answer is complete: its usage and finish reason on the request's span
+        and in the metrics."""
+        reason = started.finish_reason or "stop"
+        span.set_attribute("gen_ai.usage.input_tokens", started.prompt_tokens)
+        span.set_attribute("gen_ai.usage.output_tokens", started.completion_tokens)
+        span.set_attribute("gen_ai.response.finish_reasons", [reason])
+        self.metrics.finished(reason, started.prompt_tokens, started.completion_tokens)
 
     async def _events(
         self, parsed: ParsedRequest, started: StartedCall, span: trace.Span
@@ -275,9 +301,12 @@ class Gateway:
             yield _sse(chunk(parsed, ident, model, text="" if parsed.chat else None, role=True))
             async for piece in started.deltas():
                 yield _sse(chunk(parsed, ident, model, text=piece))
-            yield _sse(chunk(parsed, ident, model, finish=True))
+            if started.tool_calls and parsed.chat:
+                yield _sse(chunk(parsed, ident, model, tool_calls=started.tool_calls))
+            yield _sse(chunk(parsed, ident, model, finish=started.finish_reason or "stop"))
+            self._finished(span, started)
             if parsed.include_usage:
-                use = usage(parsed.call.input_tokens, started.completion_tokens)
+                use = usage(started.prompt_tokens, started.completion_tokens)
                 yield _sse(chunk(parsed, ident, model, use=use))
             finished = True
         except OpenAIError as exc:  # the status line is sent: the error is a chunk
@@ -364,15 +393,24 @@ class Gateway:
 
     async def models_response(self) -> Response:
         models = await self.models()
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": [
-                    {"id": name, "object": "model", "created": 0, "owned_by": OWNER}
-                    for name in models
-                ],
-            }
-        )
+        return JSONResponse({"object": "list", "data": [_model(name) for name in models]})
+
+    async def model_response(self, model_id: str) -> Response:
+        """One model of the cluster (``GET /v1/models/{id}``); 404 for any other."""
+        models = await self.models()
+        if model_id not in models:
+            raise OpenAIError(
+                404,
+                f"the model {model_id!r} does not exist: the cluster serves "
+                f"{', '.join(models) or 'no model yet'}",
+                param="model",
+                code="model_not_found",
+            )
+        return JSONResponse(_model(model_id))
+
+
+def _model(name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": OWNER}
 
 
 def _sse(body: dict[str, Any]) -> str:
@@ -411,6 +449,7 @@ def create_app(config: GatewayConfig | None = None) -> FastAPI:
     )
     app.state.gateway = gateway
     app.add_middleware(CallerKey)
+    app.add_middleware(RequestMetrics, metrics=gateway.metrics)
 
     async def openai_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, OpenAIError)
@@ -441,6 +480,17 @@ def create_app(config: GatewayConfig | None = None) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> Response:
         return await gateway.models_response()
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> Response:
+        return await gateway.model_response(model_id)
+
+    if gateway.config.metrics:
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            body, content_type = gateway.metrics.exposition()
+            return Response(body, media_type=content_type)
 
     @app.get("/health")
     async def health() -> Response:

@@ -53,6 +53,13 @@ class GatewayConfig:
     always carry their own ``Authorization: Bearer`` key and never this one. Empty: none."""
     insecure: bool = False
     """Listen beyond loopback over plain HTTP (protected mode refuses it otherwise)."""
+    session_idle_s: float | None = 60.0
+    """Wall seconds without a call after which the coordinator closes a workflow this
+    gateway opened (a request's ``X-Hexgen-Idle-S`` overrides it on the workflow's first
+    request): agent frameworks rarely close their workflows. None: the coordinator's
+    ``--session-idle-s``."""
+    metrics: bool = True
+    """Serve ``GET /metrics`` (the gateway's Prometheus metrics) on the API's port."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.default_max_tokens <= MAX_TOKENS_PER_CALL:
@@ -68,6 +75,10 @@ class GatewayConfig:
                 raise ConfigError(f"{name.replace('_', '-')} must be finite and > 0, got {value}")
         if not self.models_ttl_s >= 0:
             raise ConfigError(f"models ttl must be >= 0, got {self.models_ttl_s}")
+        if self.session_idle_s is not None and not (
+            math.isfinite(self.session_idle_s) and self.session_idle_s > 0
+        ):
+            raise ConfigError(f"session-idle-s must be finite and > 0, got {self.session_idle_s}")
         if not self.default_stage.strip():
             raise ConfigError("the default stage must be a non-empty name")
         if (self.tls_cert is None) != (self.tls_key is None):

@@ -87,7 +87,8 @@ def from_coordinator(exc: CoordinatorError, param_of: Mapping[str, str]) -> Open
     """The OpenAI error for a coordinator's error. `param_of` maps the coordinator's field
     (the path before the first ``": "`` of an INVALID_ARGUMENT's details, e.g.
     ``query.workflow.stages[0].calls[0].output_tokens``) by its last part (``output_tokens``)
-    or whole to the request's own name for it (``max_tokens``)."""
+    or whole to the request's own name for it (``max_tokens``), which the error's param and
+    message then name."""
     details = exc.details
     if isinstance(exc, CoordinatorOverloadedError):
         return OpenAIError(
@@ -110,8 +111,13 @@ def from_coordinator(exc: CoordinatorError, param_of: Mapping[str, str]) -> Open
     if code == grpc.StatusCode.PERMISSION_DENIED:
         return OpenAIError(403, details, code="permission_denied")
     if code == grpc.StatusCode.INVALID_ARGUMENT:
-        field = details.split(": ", 1)[0] if ": " in details else ""
-        return bad_request(details, _param(field, param_of) if field else None)
+        field, _, why = details.partition(": ") if ": " in details else ("", "", details)
+        if not field:
+            return bad_request(details, None)
+        param = _param(field, param_of)
+        # The message names the request's field too, not the coordinator's
+        # (``max_tokens: ...``, not ``expected.stages[0].calls[0].output_tokens: ...``).
+        return bad_request(f"{param}: {why}", param)
     if code == grpc.StatusCode.ALREADY_EXISTS:
         return OpenAIError(409, details, code="conflict")
     if code == grpc.StatusCode.FAILED_PRECONDITION:  # e.g. a call for a workflow that ended

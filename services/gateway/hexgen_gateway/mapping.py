@@ -17,11 +17,21 @@
   at once: nobody will give it a call, and it must not wait for the idle timeout, counted
   as work by admission. A named workflow goes on (its other calls are wanted).
 - The ids the headers give (workflow, stage, template) are at most `MAX_ID_CHARACTERS`
-  (the coordinator accepts no longer one): 400 naming the header.
+  (the coordinator accepts no longer one): 400 naming the header. A header that is given
+  empty (``X-Hexgen-Stage: ``) is a 400 too, not taken for its default.
+- Idle sessions end: a workflow is opened with an idle timeout (``X-Hexgen-Idle-S`` on
+  its first request, else the gateway's ``--session-idle-s``, 60 s by default): a
+  framework that never closes its workflows leaves none running for longer; the
+  coordinator closes it after that many wall seconds without a call.
+- The call's options (sampling, stop, seed, tools, response_format) travel with it to
+  the engine. An engine that cannot honour one fails the call with ``unsupported option
+  <field>: ...``; the request is then answered 400 naming that field.
 - The call declares ``input_tokens`` = the prompt's characters / 4 (rounded up, at least
   1; a tokenizer-free estimate, good enough for scheduling), ``output_tokens`` =
   max_tokens. The text is the CALL_TOKENS chunks as they stream (when the engine streams)
-  and the rest of CALL_FINISHED's full text.
+  and the rest of CALL_FINISHED's full text; its finish reason, tool calls and token
+  counts are CALL_FINISHED's, what the engine did (the estimates stand in where the engine
+  does not say).
 """
 
 from __future__ import annotations
@@ -49,6 +59,7 @@ from hexgen_service.convert import MAX_ID_CHARACTERS
 __all__ = [
     "HEADER_CALL",
     "HEADER_DEADLINE",
+    "HEADER_IDLE",
     "HEADER_QUERY",
     "HEADER_SLO",
     "HEADER_STAGE",
@@ -71,6 +82,10 @@ HEADER_TEMPLATE = "X-Hexgen-Template"
 HEADER_QUERY = "X-Hexgen-Query"
 HEADER_CALL = "X-Hexgen-Call"
 HEADER_DEADLINE = "X-Hexgen-Deadline-S"
+HEADER_IDLE = "X-Hexgen-Idle-S"
+UNSUPPORTED_OPTION = re.compile(r"unsupported option (\w+): ([^\n]*)")
+"""How a call's error names an option its engine cannot honour (the worker's
+`hexgen_worker.engines.base.UnsupportedOptionError`), in the query's failure reason."""
 
 CHARS_PER_TOKEN = 4
 """The prompt's token estimate: characters / 4, OpenAI's rule of thumb for English."""
@@ -106,34 +121,46 @@ class WorkflowContext:
     template: str | None = None
     named: bool = True
     """Whether the workflow id came from the request (False: generated)."""
+    idle_s: float | None = None
+    """``X-Hexgen-Idle-S``: the workflow's idle timeout (None: the gateway's)."""
 
     @classmethod
     def from_headers(cls, headers: Mapping[str, str], default_stage: str) -> WorkflowContext:
         workflow = _id_header(headers, HEADER_WORKFLOW)
         stage = _id_header(headers, HEADER_STAGE) or default_stage
-        slo_text = headers.get(HEADER_SLO, "").strip()
-        slo_s: float | None = None
-        if slo_text:
-            try:
-                slo_s = float(slo_text)
-            except ValueError:
-                slo_s = math.nan
-            if not (math.isfinite(slo_s) and slo_s > 0):
-                shown = slo_text if len(slo_text) <= 40 else f"{slo_text[:40]}..."
-                raise bad_request(
-                    f"{HEADER_SLO} must be a finite number of seconds > 0, got {shown!r}",
-                    HEADER_SLO,
-                )
+        slo_s = _seconds_header(headers, HEADER_SLO)
+        idle_s = _seconds_header(headers, HEADER_IDLE)
         template = _id_header(headers, HEADER_TEMPLATE) or None
         if workflow:
-            return cls(workflow, stage, slo_s, template)
-        return cls(f"gw-{uuid.uuid4().hex}", stage, slo_s, template, named=False)
+            return cls(workflow, stage, slo_s, template, idle_s=idle_s)
+        return cls(f"gw-{uuid.uuid4().hex}", stage, slo_s, template, named=False, idle_s=idle_s)
+
+
+def _seconds_header(headers: Mapping[str, str], name: str) -> float | None:
+    """The header `name`, a finite number of seconds > 0; None when not given."""
+    text = headers.get(name, "").strip()
+    if not text:
+        return None
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        shown = text if len(text) <= 40 else f"{text[:40]}..."
+        raise bad_request(f"{name} must be a finite number of seconds > 0, got {shown!r}", name)
+    return seconds
 
 
 def _id_header(headers: Mapping[str, str], name: str) -> str:
-    """The header `name`, stripped; 400 when it is longer than any id the coordinator takes
-    (a long one would not even fit the metadata of the coordinator's error)."""
-    value = headers.get(name, "").strip()
+    """The header `name`, stripped ("" when not given); 400 when it is given empty, or
+    longer than any id the coordinator takes (a long one would not even fit the metadata
+    of the coordinator's error)."""
+    raw = headers.get(name)
+    if raw is None:
+        return ""
+    value = raw.strip()
+    if not value:
+        raise bad_request(f"{name} is empty: give an id, or leave the header out", name)
     if len(value) > MAX_ID_CHARACTERS:
         raise bad_request(
             f"{name} must be at most {MAX_ID_CHARACTERS} characters, got {len(value)}", name
@@ -149,9 +176,11 @@ class CallRequest:
     output_tokens: int
     prompt_param: str
     """The request's name for the prompt (``messages`` or ``prompt``), for errors."""
-    messages: tuple[tuple[str, str], ...] = ()
-    """A chat request's (role, content): the engine applies the model's chat template to
-    them; `prompt` is their plain rendering, for engines without one."""
+    messages: tuple[workflow_pb2.ChatMessage, ...] = ()
+    """A chat request's messages: the engine applies the model's chat template to them;
+    `prompt` is their plain rendering, for engines without one."""
+    options: workflow_pb2.CallOptions | None = None
+    """How to generate (sampling, stop, seed, tools, response_format); None: defaults."""
 
     @property
     def input_tokens(self) -> int:
@@ -172,11 +201,17 @@ class CallRequest:
             "step": HEADER_STAGE,
             "id": HEADER_STAGE,
             "prompt": self.prompt_param,
+            "messages": "messages",
             "input_tokens": self.prompt_param,
             "output_tokens": "max_tokens",
+            "max_tokens": "max_tokens",
+            "options": "tools"
+            if self.options is not None and self.options.tools_json
+            else self.prompt_param,
             "call": whole,
             "calls": whole,
             "request": self.prompt_param,
+            "idle_timeout_s": HEADER_IDLE,
         }
 
 
@@ -196,6 +231,13 @@ class StartedCall:
     """The full text, once `deltas` has ended."""
     instance: str = ""
     """The instance that ran the call (e.g. ``A100#0``)."""
+    finish_reason: str = ""
+    """Why generation ended, as the engine says ("" until the end, or when it does not)."""
+    tool_calls: tuple[workflow_pb2.ToolCall, ...] = ()
+    """The tools the model called."""
+    engine_prompt_tokens: int = 0
+    engine_output_tokens: int = 0
+    """The tokens as the engine counted them (0: it does not say)."""
     _streamed: list[str] = field(default_factory=list)
 
     @property
@@ -204,9 +246,16 @@ class StartedCall:
         return self.context.workflow
 
     @property
+    def prompt_tokens(self) -> int:
+        """The prompt's tokens: the engine's count, else the estimate (characters / 4)."""
+        return self.engine_prompt_tokens or self.call.input_tokens
+
+    @property
     def completion_tokens(self) -> int:
-        """Tokens of the text: the declared output for a simulated engine's placeholder,
-        else characters / 4."""
+        """Tokens generated: the engine's count; where it does not say, the declared output
+        for a simulated engine's placeholder, else characters / 4."""
+        if self.engine_output_tokens > 0:
+            return self.engine_output_tokens
         simulated = simulated_tokens(self.text)
         if simulated is not None:
             return self.call.output_tokens
@@ -254,6 +303,10 @@ class StartedCall:
             return [event.text]
         if kind == K.QUERY_EVENT_KIND_CALL_FINISHED:
             self.text = event.text
+            self.finish_reason = event.finish_reason
+            self.tool_calls = tuple(event.tool_calls)
+            self.engine_prompt_tokens = event.prompt_tokens
+            self.engine_output_tokens = event.output_tokens
             streamed = "".join(self._streamed)
             if event.text.startswith(streamed):
                 rest = event.text[len(streamed) :]
@@ -264,6 +317,14 @@ class StartedCall:
             )
             return []
         if kind == K.QUERY_EVENT_KIND_FAILED:
+            unsupported = UNSUPPORTED_OPTION.search(event.text)
+            if unsupported is not None:  # the engine cannot honour an option of the request
+                raise bad_request(
+                    f"the serving engine cannot honour {unsupported.group(1)}: "
+                    f"{unsupported.group(2)}",
+                    unsupported.group(1),
+                    "unsupported_parameter",
+                )
             raise OpenAIError(
                 500, f"workflow {self.query_id} failed: {event.text}", type="server_error"
             )
@@ -275,9 +336,18 @@ class StartedCall:
 class WorkflowMapper:
     """Starts the coordinator work of a request (see the module docstring)."""
 
-    def __init__(self, client: CoordinatorClient, *, request_timeout_s: float) -> None:
+    def __init__(
+        self,
+        client: CoordinatorClient,
+        *,
+        request_timeout_s: float,
+        session_idle_s: float | None = None,
+    ) -> None:
         self.client = client
         self.request_timeout_s = request_timeout_s
+        self.session_idle_s = session_idle_s
+        """The idle timeout of the workflows this gateway opens (a request's
+        ``X-Hexgen-Idle-S`` overrides it); None: the coordinator's ``--session-idle-s``."""
         self._discarding: set[asyncio.Task[None]] = set()
         """Cancellations of workflows whose call was not taken, held until done."""
         self._opened: OrderedDict[tuple[str, str], None] = OrderedDict()
@@ -318,6 +388,7 @@ class WorkflowMapper:
             max_tokens=call.output_tokens,
             input_tokens=call.input_tokens,
             messages=call.messages,
+            options=call.options,
         )
         try:
             # Open the stream now, while the request's span is current (its context travels
@@ -383,6 +454,7 @@ class WorkflowMapper:
                 template=context.template or "",
                 expected=expected,
                 slo_s=context.slo_s or 0.0,
+                idle_timeout_s=context.idle_s or self.session_idle_s or 0.0,
             )
         except CoordinatorError as exc:
             # Known with other content: opened by an earlier request (another gateway, or

@@ -5,19 +5,28 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable
+from typing import Any
 
-from hexgen_api.v1 import worker_pb2
+from hexgen_api.v1 import worker_pb2, workflow_pb2
 from hexgen_service.clock import ClusterClock
 from hexgen_service.errors import InvalidFieldError
 from hexgen_worker.config import EngineKind, WorkerConfig
-from hexgen_worker.engines.base import ChatMessage
-from hexgen_worker.events import CallFinished, CallReport, CallStarted, CallTokens, Heartbeat
+from hexgen_worker.engines.base import NO_OPTIONS, CallOptions, ChatMessage
+from hexgen_worker.events import (
+    CallFinished,
+    CallReport,
+    CallStarted,
+    CallTokens,
+    Heartbeat,
+    ToolCall,
+)
 from hexgen_worker.welcome import WelcomeSettings
 
 __all__ = [
     "DEFAULT_HEARTBEAT_INTERVAL_S",
     "ENGINE_KIND_PB",
     "dispatch_messages",
+    "dispatch_options",
     "event_request",
     "heartbeat_request",
     "hello_request",
@@ -95,7 +104,54 @@ def welcome_from_proto(pb: worker_pb2.WorkerWelcome) -> WelcomeSettings:
 
 def dispatch_messages(pb: worker_pb2.DispatchCall) -> tuple[ChatMessage, ...]:
     """A dispatched chat call's messages (empty for a plain prompt)."""
-    return tuple(ChatMessage(m.role, m.content) for m in pb.messages)
+    return tuple(
+        ChatMessage(
+            m.role,
+            m.content,
+            tuple(ToolCall(c.id, c.name, c.arguments) for c in m.tool_calls),
+            m.tool_call_id,
+            m.name,
+        )
+        for m in pb.messages
+    )
+
+
+def dispatch_options(pb: worker_pb2.DispatchCall) -> CallOptions:
+    """A dispatched call's options (`NO_OPTIONS` without any); `InvalidFieldError` naming a
+    JSON field that does not hold what OpenAI's field does."""
+    if not pb.HasField("options"):
+        return NO_OPTIONS
+    o = pb.options
+    tools = _json_field(o.tools_json, "options.tools_json", list)
+    if tools is not None and not all(isinstance(t, dict) for t in tools):
+        raise InvalidFieldError("options.tools_json", "must be a JSON list of objects")
+    choice = _json_field(o.tool_choice_json, "options.tool_choice_json", (str, dict))
+    response_format = _json_field(o.response_format_json, "options.response_format_json", dict)
+    return CallOptions(
+        temperature=o.temperature if o.HasField("temperature") else None,
+        top_p=o.top_p if o.HasField("top_p") else None,
+        stop=tuple(o.stop),
+        seed=o.seed if o.HasField("seed") else None,
+        presence_penalty=o.presence_penalty if o.HasField("presence_penalty") else None,
+        frequency_penalty=o.frequency_penalty if o.HasField("frequency_penalty") else None,
+        tools=tuple(tools or ()),
+        tool_choice=choice,
+        response_format=response_format,
+        parallel_tool_calls=o.parallel_tool_calls if o.HasField("parallel_tool_calls") else None,
+    )
+
+
+def _json_field(text: str, field: str, kind: type | tuple[type, ...]) -> Any:
+    if not text:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidFieldError(field, f"not JSON: {exc}") from None
+    if not isinstance(value, kind):
+        shape = type(value).__name__
+        raise InvalidFieldError(field, f"must be JSON of OpenAI's shape, got {shape}")
+    return value
 
 
 def event_request(event: CallReport) -> worker_pb2.ConnectRequest:
@@ -119,6 +175,12 @@ def finished_message(event: CallFinished) -> worker_pb2.CallFinished:
         error=event.error,
         attempt=event.attempt,
         cached_tokens=event.cached_tokens,
+        finish_reason=event.finish_reason,
+        tool_calls=[
+            workflow_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments)
+            for c in event.tool_calls
+        ],
+        prompt_tokens=event.prompt_tokens,
     )
 
 

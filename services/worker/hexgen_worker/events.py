@@ -8,6 +8,7 @@ messages at the edge. All times are seconds on the cluster clock.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 __all__ = [
     "CallFinished",
@@ -17,6 +18,7 @@ __all__ = [
     "CapacityReleased",
     "EngineEvent",
     "Heartbeat",
+    "ToolCall",
 ]
 
 
@@ -35,6 +37,23 @@ class CallTokens:
 
     call_id: str
     text: str
+
+
+class ToolCall(NamedTuple):
+    """One function call a model asked for (OpenAI's ``tool_calls[i]``)."""
+
+    id: str
+    name: str
+    arguments: str
+    """The arguments: a JSON object as text, as the model wrote it."""
+
+    def openai(self) -> dict[str, Any]:
+        """The call in OpenAI's shape."""
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +75,12 @@ class CallFinished:
     """The dispatch attempt this result answers (the worker's state sets it)."""
     cached_tokens: int = 0
     """Prompt tokens the engine found in its prefix cache (0: none, or it does not say)."""
+    finish_reason: str = ""
+    """Why generation ended: "stop", "length" or "tool_calls" (empty: not said)."""
+    tool_calls: tuple[ToolCall, ...] = ()
+    """The tools the model called."""
+    prompt_tokens: int = 0
+    """The prompt's tokens as the engine counted them (0: it does not say)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,6 +39,7 @@ from hexgen_service.worker_token import TOKEN_METADATA
 from hexgen_worker.config import WorkerConfig
 from hexgen_worker.convert import (
     dispatch_messages,
+    dispatch_options,
     event_request,
     heartbeat_request,
     hello_request,
@@ -302,6 +303,7 @@ class CoordinatorLink:
             pb = message.dispatch
             try:
                 ticket = dispatch_to_ticket(pb)
+                options = dispatch_options(pb)
             except (WorkloadError, ValueError) as exc:
                 state.fail(pb.call_id, f"invalid dispatch: {exc}", attempt=pb.attempt, link=link)
                 return
@@ -310,6 +312,7 @@ class CoordinatorLink:
                 link=link,
                 prompt=pb.prompt,
                 messages=dispatch_messages(pb),
+                options=options,
                 traceparent=pb.traceparent,
             )
         elif kind == "cancel":

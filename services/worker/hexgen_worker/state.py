@@ -46,7 +46,7 @@ from hexgen_flow.runtime import CallTicket, ClusterLoad, PolicyContext
 from hexgen_flow.scheduler import InstanceScheduler
 from hexgen_service.clock import ClusterClock
 from hexgen_service.telemetry import context_from_traceparent
-from hexgen_worker.engines.base import ChatMessage, Engine, translate_time
+from hexgen_worker.engines.base import NO_OPTIONS, CallOptions, ChatMessage, Engine, translate_time
 from hexgen_worker.events import (
     CallFinished,
     CallReport,
@@ -367,6 +367,7 @@ class WorkerState:
         link: int = 0,
         prompt: str = "",
         messages: Sequence[ChatMessage] = (),
+        options: CallOptions = NO_OPTIONS,
         traceparent: str = "",
     ) -> DispatchOutcome:
         """A call link `link` dispatched here (`ticket` as that coordinator sent it): queue it
@@ -426,6 +427,8 @@ class WorkerState:
             self.engine.prompts[engine_id] = prompt
         if messages:
             self.engine.messages[engine_id] = tuple(messages)
+        if options != NO_OPTIONS:
+            self.engine.options[engine_id] = options
         self.scheduler.queue.push(ticket, now)
         self.admit_ready()
         return DispatchOutcome.QUEUED
@@ -472,6 +475,7 @@ class WorkerState:
                 self.scheduler.queue.remove(call.ticket)
             self.engine.prompts.pop(engine_id, None)
             self.engine.messages.pop(engine_id, None)
+            self.engine.options.pop(engine_id, None)
         else:
             self.engine.cancel(engine_id)
         call.span.set_attribute("hexgen.cancelled", reason)

@@ -116,6 +116,10 @@ class QueryEvent(_message.Message):
     INSTANCE_FIELD_NUMBER: _builtins.int
     TEXT_FIELD_NUMBER: _builtins.int
     SEQUENCE_FIELD_NUMBER: _builtins.int
+    FINISH_REASON_FIELD_NUMBER: _builtins.int
+    TOOL_CALLS_FIELD_NUMBER: _builtins.int
+    PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    OUTPUT_TOKENS_FIELD_NUMBER: _builtins.int
     query_id: _builtins.str
     kind: Global___QueryEventKind.ValueType
     time_s: _builtins.float
@@ -129,6 +133,15 @@ class QueryEvent(_message.Message):
     """Generated text for CALL_TOKENS and CALL_FINISHED."""
     sequence: _builtins.int
     """Position in the query's event log, from 0."""
+    finish_reason: _builtins.str
+    """CALL_FINISHED: why generation ended ("stop", "length", "tool_calls"; empty: the
+    engine does not say), the tools the model called, and the tokens as the engine
+    counted them (0: it does not say).
+    """
+    prompt_tokens: _builtins.int
+    output_tokens: _builtins.int
+    @_builtins.property
+    def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[_workflow_pb2.ToolCall]: ...
     def __init__(
         self,
         *,
@@ -140,10 +153,14 @@ class QueryEvent(_message.Message):
         instance: _builtins.str = ...,
         text: _builtins.str = ...,
         sequence: _builtins.int = ...,
+        finish_reason: _builtins.str = ...,
+        tool_calls: _abc.Iterable[_workflow_pb2.ToolCall] | None = ...,
+        prompt_tokens: _builtins.int = ...,
+        output_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["call_id", b"call_id", "instance", b"instance", "kind", b"kind", "query_id", b"query_id", "sequence", b"sequence", "stage", b"stage", "text", b"text", "time_s", b"time_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["call_id", b"call_id", "finish_reason", b"finish_reason", "instance", b"instance", "kind", b"kind", "output_tokens", b"output_tokens", "prompt_tokens", b"prompt_tokens", "query_id", b"query_id", "sequence", b"sequence", "stage", b"stage", "text", b"text", "time_s", b"time_s", "tool_calls", b"tool_calls"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

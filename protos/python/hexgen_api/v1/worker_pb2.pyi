@@ -316,6 +316,7 @@ class DispatchCall(_message.Message):
     ATTEMPT_FIELD_NUMBER: _builtins.int
     MESSAGES_FIELD_NUMBER: _builtins.int
     WEIGHT_FIELD_NUMBER: _builtins.int
+    OPTIONS_FIELD_NUMBER: _builtins.int
     call_id: _builtins.str
     query_id: _builtins.str
     tenant: _builtins.str
@@ -352,6 +353,13 @@ class DispatchCall(_message.Message):
         model's chat template applies it to these.
         """
 
+    @_builtins.property
+    def options(self) -> _workflow_pb2.CallOptions:
+        """How to generate, as the client asked (the gateway's sampling options, stop, seed,
+        tools, response_format): the engine honours each option or fails the call with an
+        error naming it ("unsupported option <field>: ..."). Absent: the engine's defaults.
+        """
+
     def __init__(
         self,
         *,
@@ -373,10 +381,11 @@ class DispatchCall(_message.Message):
         attempt: _builtins.int = ...,
         messages: _abc.Iterable[_workflow_pb2.ChatMessage] | None = ...,
         weight: _builtins.float = ...,
+        options: _workflow_pb2.CallOptions | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["options", b"options"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "call_id", b"call_id", "deadline_s", b"deadline_s", "input_tokens", b"input_tokens", "messages", b"messages", "output_tokens", b"output_tokens", "prompt", b"prompt", "query_deadline_s", b"query_deadline_s", "query_id", b"query_id", "query_sequence", b"query_sequence", "released_s", b"released_s", "remaining_after_s", b"remaining_after_s", "sequence", b"sequence", "stage", b"stage", "step", b"step", "tenant", b"tenant", "traceparent", b"traceparent", "weight", b"weight"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "call_id", b"call_id", "deadline_s", b"deadline_s", "input_tokens", b"input_tokens", "messages", b"messages", "options", b"options", "output_tokens", b"output_tokens", "prompt", b"prompt", "query_deadline_s", b"query_deadline_s", "query_id", b"query_id", "query_sequence", b"query_sequence", "released_s", b"released_s", "remaining_after_s", b"remaining_after_s", "sequence", b"sequence", "stage", b"stage", "step", b"step", "tenant", b"tenant", "traceparent", b"traceparent", "weight", b"weight"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -496,6 +505,9 @@ class CallFinished(_message.Message):
     ERROR_FIELD_NUMBER: _builtins.int
     ATTEMPT_FIELD_NUMBER: _builtins.int
     CACHED_TOKENS_FIELD_NUMBER: _builtins.int
+    FINISH_REASON_FIELD_NUMBER: _builtins.int
+    TOOL_CALLS_FIELD_NUMBER: _builtins.int
+    PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     call_id: _builtins.str
     output_tokens: _builtins.int
     text: _builtins.str
@@ -512,6 +524,17 @@ class CallFinished(_message.Message):
     """Prompt tokens the engine found in its prefix cache (0: none, or the engine does not
     say). The coordinator's cost learner (--learn-costs) charges prefill for the rest.
     """
+    finish_reason: _builtins.str
+    """Why generation ended: "stop" (an end of text or a stop sequence), "length" (the
+    call's max tokens), "tool_calls" (the model called tools); empty: the engine does
+    not say.
+    """
+    prompt_tokens: _builtins.int
+    """The prompt's tokens as the engine counted them (0: it does not say)."""
+    @_builtins.property
+    def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[_workflow_pb2.ToolCall]:
+        """The tools the model called (finish_reason "tool_calls")."""
+
     def __init__(
         self,
         *,
@@ -523,10 +546,13 @@ class CallFinished(_message.Message):
         error: _builtins.str = ...,
         attempt: _builtins.int = ...,
         cached_tokens: _builtins.int = ...,
+        finish_reason: _builtins.str = ...,
+        tool_calls: _abc.Iterable[_workflow_pb2.ToolCall] | None = ...,
+        prompt_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "cached_tokens", b"cached_tokens", "call_id", b"call_id", "error", b"error", "finished_s", b"finished_s", "output_tokens", b"output_tokens", "started_s", b"started_s", "text", b"text"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "cached_tokens", b"cached_tokens", "call_id", b"call_id", "error", b"error", "finish_reason", b"finish_reason", "finished_s", b"finished_s", "output_tokens", b"output_tokens", "prompt_tokens", b"prompt_tokens", "started_s", b"started_s", "text", b"text", "tool_calls", b"tool_calls"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

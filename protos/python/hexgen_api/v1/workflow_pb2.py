@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dhexgen_flow/v1/workflow.proto\x12\x0ehexgen_flow.v1\"\x83\x01\n\x07LLMCall\x12\x0c\n\x04step\x18\x01 \x01(\t\x12\x14\n\x0cinput_tokens\x18\x02 \x01(\x05\x12\x15\n\routput_tokens\x18\x03 \x01(\x05\x12\x0e\n\x06prompt\x18\x04 \x01(\t\x12-\n\x08messages\x18\x05 \x03(\x0b\x32\x1b.hexgen_flow.v1.ChatMessage\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"h\n\x05Stage\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\t\x12&\n\x05\x63\x61lls\x18\x03 \x03(\x0b\x32\x17.hexgen_flow.v1.LLMCall\x12\r\n\x05\x61\x66ter\x18\x04 \x03(\t\x12\x0e\n\x06repeat\x18\x05 \x01(\x05\"1\n\x08Workflow\x12%\n\x06stages\x18\x01 \x03(\x0b\x32\x15.hexgen_flow.v1.StageBIZGgithub.com/hexgen-flow/hexgen-flow/clients/go/hexgenflowv1;hexgenflowv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dhexgen_flow/v1/workflow.proto\x12\x0ehexgen_flow.v1\"\xb1\x01\n\x07LLMCall\x12\x0c\n\x04step\x18\x01 \x01(\t\x12\x14\n\x0cinput_tokens\x18\x02 \x01(\x05\x12\x15\n\routput_tokens\x18\x03 \x01(\x05\x12\x0e\n\x06prompt\x18\x04 \x01(\t\x12-\n\x08messages\x18\x05 \x03(\x0b\x32\x1b.hexgen_flow.v1.ChatMessage\x12,\n\x07options\x18\x06 \x01(\x0b\x32\x1b.hexgen_flow.v1.CallOptions\"~\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12,\n\ntool_calls\x18\x03 \x03(\x0b\x32\x18.hexgen_flow.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\xef\x02\n\x0b\x43\x61llOptions\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x03 \x03(\t\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x02\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x05 \x01(\x01H\x03\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x06 \x01(\x01H\x04\x88\x01\x01\x12\x12\n\ntools_json\x18\x07 \x01(\t\x12\x18\n\x10tool_choice_json\x18\x08 \x01(\t\x12\x1c\n\x14response_format_json\x18\t \x01(\t\x12 \n\x13parallel_tool_calls\x18\n \x01(\x08H\x05\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x16\n\x14_parallel_tool_calls\"h\n\x05Stage\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\t\x12&\n\x05\x63\x61lls\x18\x03 \x03(\x0b\x32\x17.hexgen_flow.v1.LLMCall\x12\r\n\x05\x61\x66ter\x18\x04 \x03(\t\x12\x0e\n\x06repeat\x18\x05 \x01(\x05\"1\n\x08Workflow\x12%\n\x06stages\x18\x01 \x03(\x0b\x32\x15.hexgen_flow.v1.StageBIZGgithub.com/hexgen-flow/hexgen-flow/clients/go/hexgenflowv1;hexgenflowv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,11 +33,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'ZGgithub.com/hexgen-flow/hexgen-flow/clients/go/hexgenflowv1;hexgenflowv1'
   _globals['_LLMCALL']._serialized_start=50
-  _globals['_LLMCALL']._serialized_end=181
-  _globals['_CHATMESSAGE']._serialized_start=183
-  _globals['_CHATMESSAGE']._serialized_end=227
-  _globals['_STAGE']._serialized_start=229
-  _globals['_STAGE']._serialized_end=333
-  _globals['_WORKFLOW']._serialized_start=335
-  _globals['_WORKFLOW']._serialized_end=384
+  _globals['_LLMCALL']._serialized_end=227
+  _globals['_CHATMESSAGE']._serialized_start=229
+  _globals['_CHATMESSAGE']._serialized_end=355
+  _globals['_TOOLCALL']._serialized_start=357
+  _globals['_TOOLCALL']._serialized_end=412
+  _globals['_CALLOPTIONS']._serialized_start=415
+  _globals['_CALLOPTIONS']._serialized_end=782
+  _globals['_STAGE']._serialized_start=784
+  _globals['_STAGE']._serialized_end=888
+  _globals['_WORKFLOW']._serialized_start=890
+  _globals['_WORKFLOW']._serialized_end=939
 # @@protoc_insertion_point(module_scope)

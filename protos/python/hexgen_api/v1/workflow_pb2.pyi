@@ -29,6 +29,7 @@ class LLMCall(_message.Message):
     OUTPUT_TOKENS_FIELD_NUMBER: _builtins.int
     PROMPT_FIELD_NUMBER: _builtins.int
     MESSAGES_FIELD_NUMBER: _builtins.int
+    OPTIONS_FIELD_NUMBER: _builtins.int
     step: _builtins.str
     """Step type, e.g. "generate_candidate"; empty means the stage's step."""
     input_tokens: _builtins.int
@@ -44,6 +45,13 @@ class LLMCall(_message.Message):
         rendering, for engines that have none. Taken by RunCall; SubmitQuery refuses them.
         """
 
+    @_builtins.property
+    def options(self) -> Global___CallOptions:
+        """How to generate (sampling, stop, seed, tools, structured output), as the client asked:
+        the worker's engine honours each option or fails the call naming it. Taken by RunCall;
+        SubmitQuery refuses them.
+        """
+
     def __init__(
         self,
         *,
@@ -52,10 +60,11 @@ class LLMCall(_message.Message):
         output_tokens: _builtins.int = ...,
         prompt: _builtins.str = ...,
         messages: _abc.Iterable[Global___ChatMessage] | None = ...,
+        options: Global___CallOptions | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["options", b"options"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["input_tokens", b"input_tokens", "messages", b"messages", "output_tokens", b"output_tokens", "prompt", b"prompt", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["input_tokens", b"input_tokens", "messages", b"messages", "options", b"options", "output_tokens", b"output_tokens", "prompt", b"prompt", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -69,22 +78,152 @@ class ChatMessage(_message.Message):
 
     ROLE_FIELD_NUMBER: _builtins.int
     CONTENT_FIELD_NUMBER: _builtins.int
+    TOOL_CALLS_FIELD_NUMBER: _builtins.int
+    TOOL_CALL_ID_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
     role: _builtins.str
-    """"system", "user", "assistant", ..."""
+    """"system", "developer", "user", "assistant" or "tool"."""
     content: _builtins.str
+    tool_call_id: _builtins.str
+    """A tool message's answer to the tool call of this id."""
+    name: _builtins.str
+    """The speaker's name (OpenAI's optional `name`)."""
+    @_builtins.property
+    def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolCall]:
+        """An assistant message's tool calls (the model asked for them)."""
+
     def __init__(
         self,
         *,
         role: _builtins.str = ...,
         content: _builtins.str = ...,
+        tool_calls: _abc.Iterable[Global___ToolCall] | None = ...,
+        tool_call_id: _builtins.str = ...,
+        name: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "role", b"role"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "name", b"name", "role", b"role", "tool_call_id", b"tool_call_id", "tool_calls", b"tool_calls"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ChatMessage: _TypeAlias = ChatMessage  # noqa: Y015
+
+@_typing.final
+class ToolCall(_message.Message):
+    """One function call a model asked for."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    ARGUMENTS_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    """The call's id (e.g. "call_..."); a tool message answers it by this id."""
+    name: _builtins.str
+    """The function's name, one of the request's tools."""
+    arguments: _builtins.str
+    """The arguments, a JSON object as text (as the model wrote it: it may not parse)."""
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        name: _builtins.str = ...,
+        arguments: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arguments", b"arguments", "id", b"id", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ToolCall: _TypeAlias = ToolCall  # noqa: Y015
+
+@_typing.final
+class CallOptions(_message.Message):
+    """What an OpenAI-style request asks of the engine besides the prompt and max_tokens. An
+    unset field is the engine's default. The JSON fields are the request's values verbatim
+    (JSON Schemas are not restated as messages).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TEMPERATURE_FIELD_NUMBER: _builtins.int
+    TOP_P_FIELD_NUMBER: _builtins.int
+    STOP_FIELD_NUMBER: _builtins.int
+    SEED_FIELD_NUMBER: _builtins.int
+    PRESENCE_PENALTY_FIELD_NUMBER: _builtins.int
+    FREQUENCY_PENALTY_FIELD_NUMBER: _builtins.int
+    TOOLS_JSON_FIELD_NUMBER: _builtins.int
+    TOOL_CHOICE_JSON_FIELD_NUMBER: _builtins.int
+    RESPONSE_FORMAT_JSON_FIELD_NUMBER: _builtins.int
+    PARALLEL_TOOL_CALLS_FIELD_NUMBER: _builtins.int
+    temperature: _builtins.float
+    top_p: _builtins.float
+    seed: _builtins.int
+    presence_penalty: _builtins.float
+    frequency_penalty: _builtins.float
+    tools_json: _builtins.str
+    """OpenAI's `tools`: a JSON list of {"type": "function", "function": {"name",
+    "description", "parameters"}}; empty: none.
+    """
+    tool_choice_json: _builtins.str
+    """OpenAI's `tool_choice`: JSON ("auto", "none", "required" or {"type": "function",
+    "function": {"name": ...}}); empty: the engine's default ("auto" with tools).
+    """
+    response_format_json: _builtins.str
+    """OpenAI's `response_format`: JSON ({"type": "text"}, {"type": "json_object"} or
+    {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}); empty: text.
+    """
+    parallel_tool_calls: _builtins.bool
+    @_builtins.property
+    def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Stop sequences: generation ends before the first one produced."""
+
+    def __init__(
+        self,
+        *,
+        temperature: _builtins.float | None = ...,
+        top_p: _builtins.float | None = ...,
+        stop: _abc.Iterable[_builtins.str] | None = ...,
+        seed: _builtins.int | None = ...,
+        presence_penalty: _builtins.float | None = ...,
+        frequency_penalty: _builtins.float | None = ...,
+        tools_json: _builtins.str = ...,
+        tool_choice_json: _builtins.str = ...,
+        response_format_json: _builtins.str = ...,
+        parallel_tool_calls: _builtins.bool | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty", "_parallel_tool_calls", b"_parallel_tool_calls", "_presence_penalty", b"_presence_penalty", "_seed", b"_seed", "_temperature", b"_temperature", "_top_p", b"_top_p", "frequency_penalty", b"frequency_penalty", "parallel_tool_calls", b"parallel_tool_calls", "presence_penalty", b"presence_penalty", "seed", b"seed", "temperature", b"temperature", "top_p", b"top_p"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty", "_parallel_tool_calls", b"_parallel_tool_calls", "_presence_penalty", b"_presence_penalty", "_seed", b"_seed", "_temperature", b"_temperature", "_top_p", b"_top_p", "frequency_penalty", b"frequency_penalty", "parallel_tool_calls", b"parallel_tool_calls", "presence_penalty", b"presence_penalty", "response_format_json", b"response_format_json", "seed", b"seed", "stop", b"stop", "temperature", b"temperature", "tool_choice_json", b"tool_choice_json", "tools_json", b"tools_json", "top_p", b"top_p"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__frequency_penalty: _TypeAlias = _typing.Literal["frequency_penalty"]  # noqa: Y015
+    _WhichOneofArgType__frequency_penalty: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty"]  # noqa: Y015
+    _WhichOneofReturnType__parallel_tool_calls: _TypeAlias = _typing.Literal["parallel_tool_calls"]  # noqa: Y015
+    _WhichOneofArgType__parallel_tool_calls: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls"]  # noqa: Y015
+    _WhichOneofReturnType__presence_penalty: _TypeAlias = _typing.Literal["presence_penalty"]  # noqa: Y015
+    _WhichOneofArgType__presence_penalty: _TypeAlias = _typing.Literal["_presence_penalty", b"_presence_penalty"]  # noqa: Y015
+    _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
+    _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
+    _WhichOneofReturnType__temperature: _TypeAlias = _typing.Literal["temperature"]  # noqa: Y015
+    _WhichOneofArgType__temperature: _TypeAlias = _typing.Literal["_temperature", b"_temperature"]  # noqa: Y015
+    _WhichOneofReturnType__top_p: _TypeAlias = _typing.Literal["top_p"]  # noqa: Y015
+    _WhichOneofArgType__top_p: _TypeAlias = _typing.Literal["_top_p", b"_top_p"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__frequency_penalty) -> _WhichOneofReturnType__frequency_penalty | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__parallel_tool_calls) -> _WhichOneofReturnType__parallel_tool_calls | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__presence_penalty) -> _WhichOneofReturnType__presence_penalty | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__temperature) -> _WhichOneofReturnType__temperature | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__top_p) -> _WhichOneofReturnType__top_p | None: ...
+
+Global___CallOptions: _TypeAlias = CallOptions  # noqa: Y015
 
 @_typing.final
 class Stage(_message.Message):

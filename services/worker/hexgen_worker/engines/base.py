@@ -17,23 +17,29 @@ import contextlib
 import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 from hexgen_flow.errors import ConfigError
 from hexgen_flow.runtime import CallTicket
 from hexgen_flow.workload import LLMCall
 from hexgen_service.clock import ClusterClock
-from hexgen_worker.events import CallFinished, CallStarted, EngineEvent
+from hexgen_worker.events import CallFinished, CallStarted, EngineEvent, ToolCall
 
 __all__ = [
+    "NO_OPTIONS",
+    "UNSUPPORTED_OPTION",
+    "CallOptions",
     "CallRequest",
     "CapacityLedger",
     "ChatMessage",
     "Engine",
     "EngineLoad",
     "EngineUnavailableError",
+    "Generated",
     "RequestEngine",
     "RunningRequest",
+    "ToolCall",
+    "UnsupportedOptionError",
     "fit_to_context",
     "synthetic_prompt",
     "translate_time",
@@ -61,8 +67,126 @@ class ChatMessage(NamedTuple):
     """One message of a chat request (the dispatch's ``messages``)."""
 
     role: str
-    """Who speaks: "system", "user", "assistant", ..."""
+    """Who speaks: "system", "developer", "user", "assistant" or "tool"."""
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()
+    """An assistant message's tool calls."""
+    tool_call_id: str = ""
+    """A tool message's answer to this tool call."""
+    name: str = ""
+
+    def openai(self) -> dict[str, Any]:
+        """The message in OpenAI's shape (what a chat template or a server takes)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            message["tool_calls"] = [call.openai() for call in self.tool_calls]
+        if self.tool_call_id:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name:
+            message["name"] = self.name
+        return message
+
+
+class UnsupportedOptionError(ValueError):
+    """An engine cannot honour a call's option: the call fails with
+    ``unsupported option <field>: <why>`` (`UNSUPPORTED_OPTION`), which the gateway answers
+    as a 400 naming the request's field."""
+
+    def __init__(self, field: str, why: str) -> None:
+        super().__init__(f"{UNSUPPORTED_OPTION}{field}: {why}")
+        self.field = field
+
+
+UNSUPPORTED_OPTION = "unsupported option "
+"""How a call's error starts when its engine cannot honour an option (then the field)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CallOptions:
+    """How to generate, as the client asked (`hexgen_api` ``CallOptions``, the JSON fields
+    parsed); None / empty: the engine's default."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    tools: tuple[dict[str, Any], ...] = ()
+    """OpenAI's ``tools`` (``{"type": "function", "function": {...}}`` each)."""
+    tool_choice: str | dict[str, Any] | None = None
+    """``"auto"``, ``"none"``, ``"required"`` or ``{"type": "function", "function":
+    {"name": ...}}``; None: not given."""
+    response_format: dict[str, Any] | None = None
+    """``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema": {...}}``;
+    None: text."""
+    parallel_tool_calls: bool | None = None
+
+    def sampling(self) -> dict[str, Any]:
+        """The sampling options given, by their OpenAI (and vLLM) names."""
+        given = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "seed": self.seed,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+        }
+        out: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
+        if self.stop:
+            out["stop"] = list(self.stop)
+        return out
+
+    def openai(self) -> dict[str, Any]:
+        """Every option given, by its OpenAI request field: what an OpenAI-compatible
+        server is sent verbatim."""
+        out = self.sampling()
+        if self.tools:
+            out["tools"] = list(self.tools)
+        if self.tool_choice is not None:
+            out["tool_choice"] = self.tool_choice
+        if self.response_format is not None:
+            out["response_format"] = self.response_format
+        if self.parallel_tool_calls is not None:
+            out["parallel_tool_calls"] = self.parallel_tool_calls
+        return out
+
+    def may_stop_early(self) -> bool:
+        """Whether the call must be let stop before its max tokens (``ignore_eos`` would
+        break it): it has stop sequences, tools, or a JSON response_format."""
+        return bool(self.stop) or self.wants_tools() or self.json_schema() is not None
+
+    def wants_tools(self) -> bool:
+        """Whether the model may call a tool (tools given, and tool_choice not "none")."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def json_schema(self) -> dict[str, Any] | None:
+        """The JSON Schema a ``json_schema`` response_format asks for (``{}``: any JSON
+        object, for ``json_object``); None for text."""
+        rf = self.response_format
+        if rf is None or rf.get("type") in (None, "text"):
+            return None
+        if rf.get("type") == "json_object":
+            return {"type": "object"}
+        spec = rf.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        return schema if isinstance(schema, dict) else {"type": "object"}
+
+
+NO_OPTIONS = CallOptions()
+
+
+@dataclass(frozen=True, slots=True)
+class Generated:
+    """What an engine made of a call."""
+
+    text: str
+    tokens: int
+    """Tokens generated."""
+    finish_reason: str = ""
+    """"stop", "length" or "tool_calls"; empty: the engine does not say."""
+    tool_calls: tuple[ToolCall, ...] = ()
+    prompt_tokens: int = 0
+    """The prompt's tokens as the engine counted them (0: it does not say)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +198,9 @@ class CallRequest:
     messages: tuple[ChatMessage, ...] = ()
     """A chat request's messages; empty for a plain prompt. An engine that has the model's
     chat template applies it to these; one that has none generates from `prompt`."""
+    options: CallOptions = NO_OPTIONS
+    """How to generate: the engine honours each option or fails the call naming it
+    (`UnsupportedOptionError`)."""
 
 
 class Engine(ABC):
@@ -91,6 +218,9 @@ class Engine(ABC):
         self.messages: dict[str, tuple[ChatMessage, ...]] = {}
         """Chat messages of queued calls that came with some, by call id (beside their
         rendering in `prompts`); filled and emptied as `prompts` is."""
+        self.options: dict[str, CallOptions] = {}
+        """Options of queued calls that came with some, by call id; filled and emptied as
+        `prompts` is."""
 
     # ------------------------------------------------------------------ life cycle
 
@@ -135,9 +265,14 @@ class Engine(ABC):
         """Running calls and reserved KV-cache tokens."""
 
     def take_request(self, ticket: CallTicket) -> CallRequest:
-        """The prompt and chat messages dispatched with `ticket` (forgotten here)."""
+        """The prompt, chat messages and options dispatched with `ticket` (forgotten
+        here)."""
         call_id = ticket.call_id
-        return CallRequest(self.prompts.pop(call_id, None), self.messages.pop(call_id, ()))
+        return CallRequest(
+            self.prompts.pop(call_id, None),
+            self.messages.pop(call_id, ()),
+            self.options.pop(call_id, NO_OPTIONS),
+        )
 
     def take_prompt(self, ticket: CallTicket) -> str | None:
         """The prompt dispatched with `ticket`, or None when it came without one (its chat
@@ -231,10 +366,9 @@ class RequestEngine(Engine):
         self._admissions = 0
 
     @abstractmethod
-    async def generate(
-        self, ticket: CallTicket, request: CallRequest, priority: int
-    ) -> tuple[str, int]:
-        """Run the call (emitting `CallTokens` as text arrives); (text, output tokens)."""
+    async def generate(self, ticket: CallTicket, request: CallRequest, priority: int) -> Generated:
+        """Run the call (emitting `CallTokens` as text arrives): its text, output tokens,
+        finish reason and tool calls."""
 
     def fits(self, ticket: CallTicket) -> bool:
         return self._ledger.fits(ticket.call)
@@ -277,9 +411,9 @@ class RequestEngine(Engine):
 
     async def _serve(self, running: RunningRequest, request: CallRequest, priority: int) -> None:
         ticket = running.ticket
-        text, tokens, error = "", 0, ""
+        result, error = Generated("", 0), ""
         try:
-            text, tokens = await self.generate(ticket, request, priority)
+            result = await self.generate(ticket, request, priority)
         except asyncio.CancelledError:
             raise  # cancel() or close(): nothing is reported
         except Exception as exc:
@@ -291,12 +425,15 @@ class RequestEngine(Engine):
         self.emit(
             CallFinished(
                 call_id=ticket.call_id,
-                output_tokens=tokens,
-                text=text,
+                output_tokens=result.tokens,
+                text=result.text,
                 started_s=running.started_s,
                 finished_s=self.clock.now(),
                 error=error,
                 cached_tokens=ticket.cached_tokens,
+                finish_reason=result.finish_reason,
+                tool_calls=result.tool_calls,
+                prompt_tokens=result.prompt_tokens,
             )
         )
 

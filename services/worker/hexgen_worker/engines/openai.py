@@ -12,8 +12,17 @@ says. Otherwise the dispatch's prompt when it has one, else `synthetic_prompt` (
 input_tokens common one-token English words), goes to ``/v1/completions``, or with
 ``api="chat"`` to ``/v1/chat/completions`` as one user message.
 
+Options: a call's options (temperature, top_p, stop, seed, presence and frequency
+penalties, tools, tool_choice, parallel_tool_calls, response_format) go in the body
+verbatim, by their OpenAI names: the server honours them or refuses the request (the call
+then fails with the server's error). A call with tools goes to ``/v1/chat/completions``.
+The answer's ``finish_reason``, streamed ``tool_calls`` (joined by index) and usage
+(prompt and completion tokens) are reported as the server gives them.
+
 ``ignore_eos`` (a vLLM extension, on by default) makes the server generate exactly
-max_tokens, so a call costs what the workflow declared. ``send_priority`` passes the local
+max_tokens, so a call costs what the workflow declared; it is not sent with a call that
+has stop sequences, tools or a JSON response_format (such a call must be able to stop
+early). ``send_priority`` passes the local
 queue's order as vLLM's ``priority`` (lower is sooner; the server must run with
 ``--scheduling-policy priority``).
 
@@ -33,14 +42,17 @@ from typing import Any, Literal
 
 from hexgen_flow.runtime import CallTicket
 from hexgen_worker.engines.base import (
+    NO_OPTIONS,
+    CallOptions,
     CallRequest,
     ChatMessage,
     EngineUnavailableError,
+    Generated,
     RequestEngine,
     fit_to_context,
     synthetic_prompt,
 )
-from hexgen_worker.events import CallTokens
+from hexgen_worker.events import CallTokens, ToolCall
 
 __all__ = ["OpenAIEngine", "OpenAIServerError", "api_base"]
 
@@ -147,10 +159,12 @@ class OpenAIEngine(RequestEngine):
         prompt: str | None,
         priority: int,
         messages: Sequence[ChatMessage] = (),
+        options: CallOptions = NO_OPTIONS,
     ) -> dict[str, Any]:
-        """The JSON body of the call's streaming request (`is_chat` tells its endpoint)."""
+        """The JSON body of the call's streaming request (`is_chat` tells its endpoint):
+        the call's options verbatim, by their OpenAI names."""
         call = ticket.call
-        chat = self.is_chat(messages)
+        chat = self.is_chat(messages, options)
         input_tokens, max_tokens = fit_to_context(
             call.input_tokens,
             call.output_tokens,
@@ -164,37 +178,46 @@ class OpenAIEngine(RequestEngine):
             "stream_options": {"include_usage": True},
         }
         if messages:
-            body["messages"] = [{"role": m.role, "content": m.content} for m in messages]
+            body["messages"] = [m.openai() for m in messages]
         else:
             text = prompt if prompt else synthetic_prompt(input_tokens)
             if chat:
                 body["messages"] = [{"role": "user", "content": text}]
             else:
                 body["prompt"] = text
-        if self.ignore_eos:
+        if self.ignore_eos and not options.may_stop_early():
+            # (a call that may stop early, on a stop sequence or a tool call, is let stop)
             body["ignore_eos"] = True
         if self.send_priority:
             body["priority"] = priority
+        body.update(options.openai())
         return body
 
-    def is_chat(self, messages: Sequence[ChatMessage] = ()) -> bool:
-        """Whether a call with these messages goes to ``/chat/completions``."""
-        return bool(messages) or self.api == "chat"
+    def is_chat(
+        self, messages: Sequence[ChatMessage] = (), options: CallOptions = NO_OPTIONS
+    ) -> bool:
+        """Whether a call with these messages and options goes to ``/chat/completions``
+        (tools are a chat endpoint's)."""
+        return bool(messages) or self.api == "chat" or bool(options.tools)
 
-    async def generate(
-        self, ticket: CallTicket, request: CallRequest, priority: int
-    ) -> tuple[str, int]:
-        body = self.request_body(ticket, request.prompt, priority, request.messages)
-        return await self._stream(ticket, body, chat=self.is_chat(request.messages))
+    async def generate(self, ticket: CallTicket, request: CallRequest, priority: int) -> Generated:
+        body = self.request_body(
+            ticket, request.prompt, priority, request.messages, request.options
+        )
+        return await self._stream(
+            ticket, body, chat=self.is_chat(request.messages, request.options)
+        )
 
-    async def _stream(
-        self, ticket: CallTicket, body: dict[str, Any], *, chat: bool
-    ) -> tuple[str, int]:
-        """Run one streaming request; return (text, generated tokens)."""
+    async def _stream(self, ticket: CallTicket, body: dict[str, Any], *, chat: bool) -> Generated:
+        """Run one streaming request: its text, generated tokens, finish reason, tool
+        calls (their streamed pieces joined, by index) and prompt tokens."""
         path = "/chat/completions" if chat else "/completions"
         parts: list[str] = []
         chunks = 0
         usage_tokens: int | None = None
+        prompt_tokens = 0
+        finish_reason = ""
+        calls: dict[int, list[str]] = {}  # index -> [id, name, arguments]
         async with self._client.stream("POST", path, json=body) as response:
             if response.status_code >= 400:
                 detail = (await response.aread()).decode("utf-8", "replace").strip()
@@ -216,13 +239,45 @@ class OpenAIEngine(RequestEngine):
                         parts.append(piece)
                         chunks += 1
                         self.emit(CallTokens(ticket.call_id, piece))
+                    if isinstance(choice, dict):
+                        _tool_pieces(choice, calls)
+                        if isinstance(choice.get("finish_reason"), str):
+                            finish_reason = choice["finish_reason"]
                 usage = chunk.get("usage")
                 if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
                     usage_tokens = usage["completion_tokens"]
+                if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
+                    prompt_tokens = usage["prompt_tokens"]
                 details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
                 if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
                     ticket.cached_tokens = details["cached_tokens"]  # when the server says
-        return "".join(parts), usage_tokens if usage_tokens is not None else chunks
+        return Generated(
+            "".join(parts),
+            usage_tokens if usage_tokens is not None else chunks,
+            finish_reason,
+            tuple(ToolCall(*calls[i]) for i in sorted(calls)),
+            prompt_tokens,
+        )
+
+
+def _tool_pieces(choice: dict[str, Any], calls: dict[int, list[str]]) -> None:
+    """Add a streamed chat choice's ``delta.tool_calls`` pieces to `calls` (index -> id,
+    name, arguments so far): the id and name come once, the arguments in pieces."""
+    delta = choice.get("delta")
+    pieces = delta.get("tool_calls") if isinstance(delta, dict) else None
+    for n, piece in enumerate(pieces if isinstance(pieces, list) else ()):
+        if not isinstance(piece, dict):
+            continue
+        index = piece.get("index", n)
+        call = calls.setdefault(index if isinstance(index, int) else n, ["", "", ""])
+        if isinstance(piece.get("id"), str) and piece["id"]:
+            call[0] = piece["id"]
+        function = piece.get("function")
+        if isinstance(function, dict):
+            if isinstance(function.get("name"), str) and function["name"]:
+                call[1] = function["name"]
+            if isinstance(function.get("arguments"), str):
+                call[2] += function["arguments"]
 
 
 def _piece(choice: Any, *, chat: bool) -> str:

@@ -14,7 +14,13 @@ name it, and the text of every call is a placeholder such as
 ``[simulated A100] 678 tokens``, except for the Text-to-SQL agent's prompts, which get the
 synthetic responder's heuristic text (`hexgen_worker.engines.responder`: no model either),
 cut to the call's output tokens, and reported with its own token count (characters / 4,
-at most the call's output tokens). The timing stays the model's, for the declared tokens.
+at most the call's output tokens), and calls with tools or a JSON response_format, which get
+a labelled synthetic tool call or JSON that validates against the schema
+(`hexgen_worker.engines.structured`). The timing stays the model's, for the declared
+tokens. The finish reason is what happened: ``length`` for the placeholder (it is the
+declared tokens, as ``ignore_eos`` generates them) or an answer cut to them, ``stop`` for
+an answer that fit, ``tool_calls`` for a tool call. Sampling options (temperature, seed,
+stop, ...) change nothing in a simulation and are accepted.
 
 A cancelled call is aborted in the model (its KV and batch slot are freed at once); nothing
 is reported for it, and a `CapacityReleased` event tells the worker to admit again.
@@ -36,9 +42,10 @@ from hexgen_flow.sim.engines import (
     prefix_caching_of,
 )
 from hexgen_service.clock import ClusterClock
-from hexgen_worker.engines.base import Engine, EngineLoad, translate_time
+from hexgen_worker.engines.base import CallRequest, Engine, EngineLoad, translate_time
 from hexgen_worker.engines.responder import respond
-from hexgen_worker.events import CallFinished, CallStarted, CapacityReleased
+from hexgen_worker.engines.structured import structured_answer
+from hexgen_worker.events import CallFinished, CallStarted, CapacityReleased, ToolCall
 
 __all__ = ["SimulatedEngine", "simulated_text"]
 
@@ -57,16 +64,24 @@ def simulated_text(gpu: str, output_tokens: int) -> str:
     return f"[simulated {gpu}] {output_tokens} tokens"
 
 
-def _synthetic_answer(prompt: str | None) -> str | None:
-    """The responder's text for an agent prompt; None otherwise, or when it fails (a
-    responder bug must not fail the call: the placeholder is reported instead)."""
-    if prompt is None:
-        return None
+_Answer = tuple[str, tuple[ToolCall, ...], tuple[str, ...]]
+"""A synthetic answer: text, tool calls, the call's stop sequences."""
+
+
+def _synthetic_answer(request: CallRequest) -> _Answer | None:
+    """The synthetic answer to a call with tools or a JSON response_format
+    (`hexgen_worker.engines.structured`), or the responder's text for an agent prompt;
+    None otherwise, or when the responder fails (a responder bug must not fail the call:
+    the placeholder is reported instead)."""
     try:
-        return respond(prompt)
+        structured = structured_answer(request.options, request.messages, request.prompt)
+        if structured is not None:
+            return (*structured, request.options.stop)
+        text = respond(request.prompt) if request.prompt is not None else None
     except Exception:
         log.exception("simulated engine: the synthetic responder failed")
         return None
+    return (text, (), request.options.stop) if text is not None else None
 
 
 class SimulatedEngine(Engine):
@@ -95,8 +110,9 @@ class SimulatedEngine(Engine):
         """Latest model time used: the model never moves backwards."""
         self._running: dict[str, CallTicket] = {}
         self._started_s: dict[str, float] = {}
-        self._answers: dict[str, str] = {}
-        """Synthetic responder text of running calls that have one (agent prompts)."""
+        self._answers: dict[str, _Answer] = {}
+        """Synthetic answers (text, tool calls) of running calls that have one (agent
+        prompts, tools, JSON schemas)."""
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -136,7 +152,7 @@ class SimulatedEngine(Engine):
             self._model = self._new_model()
             self._offset = 0.0
             self._last = -_INF
-        answer = _synthetic_answer(self.take_prompt(ticket))
+        answer = _synthetic_answer(self.take_request(ticket))
         if answer is not None:
             self._answers[ticket.call_id] = answer
         # Events before now only: a step that would start now is planned by the run loop,
@@ -214,10 +230,19 @@ class SimulatedEngine(Engine):
         started_s = self._started_s.pop(call_id, model_time - self._offset)
         tokens = ticket.call.output_tokens
         answer = self._answers.pop(call_id, None)
-        if answer is None:
-            text = simulated_text(self.spec.gpu, tokens)
+        tool_calls: tuple[ToolCall, ...] = ()
+        if answer is None:  # ignore_eos: exactly the declared tokens, then the limit
+            text, reason = simulated_text(self.spec.gpu, tokens), "length"
+        elif answer[1]:  # tool calls: their arguments are the output
+            tool_calls, text, reason = answer[1], "", "tool_calls"
+            size = sum(len(c.arguments) for c in tool_calls)
+            tokens = min(tokens, max(1, -(-size // _CHARS_PER_TOKEN)))
         else:  # as a real engine stops at max_tokens: never more than the call's tokens
-            text = answer[: tokens * _CHARS_PER_TOKEN]
+            text = answer[0][: tokens * _CHARS_PER_TOKEN]
+            reason = "stop" if len(text) == len(answer[0]) else "length"
+            cut = min((i for s in answer[2] if (i := text.find(s)) >= 0), default=-1)
+            if cut >= 0:  # a stop sequence: generation ends before it
+                text, reason = text[:cut], "stop"
             tokens = min(tokens, max(1, -(-len(text) // _CHARS_PER_TOKEN)))
         self.emit(
             CallFinished(
@@ -227,6 +252,8 @@ class SimulatedEngine(Engine):
                 started_s=started_s,
                 finished_s=model_time - self._offset,
                 cached_tokens=ticket.cached_tokens,
+                finish_reason=reason,
+                tool_calls=tool_calls,
             )
         )
 

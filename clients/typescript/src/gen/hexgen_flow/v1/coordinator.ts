@@ -20,7 +20,7 @@ import {
   type ServiceError,
   type UntypedServiceImplementation,
 } from "@grpc/grpc-js";
-import { LLMCall, Workflow } from "./workflow.js";
+import { LLMCall, ToolCall, Workflow } from "./workflow.js";
 
 export const protobufPackage = "hexgen_flow.v1";
 
@@ -225,6 +225,15 @@ export interface QueryEvent {
   text: string;
   /** Position in the query's event log, from 0. */
   sequence: number;
+  /**
+   * CALL_FINISHED: why generation ended ("stop", "length", "tool_calls"; empty: the
+   * engine does not say), the tools the model called, and the tokens as the engine
+   * counted them (0: it does not say).
+   */
+  finishReason: string;
+  toolCalls: ToolCall[];
+  promptTokens: number;
+  outputTokens: number;
 }
 
 export interface QueryInfo {
@@ -513,7 +522,20 @@ export interface CloseWorkflowResponse {
 }
 
 function createBaseQueryEvent(): QueryEvent {
-  return { queryId: "", kind: 0, timeS: 0, stage: 0, callId: "", instance: "", text: "", sequence: 0 };
+  return {
+    queryId: "",
+    kind: 0,
+    timeS: 0,
+    stage: 0,
+    callId: "",
+    instance: "",
+    text: "",
+    sequence: 0,
+    finishReason: "",
+    toolCalls: [],
+    promptTokens: 0,
+    outputTokens: 0,
+  };
 }
 
 export const QueryEvent: MessageFns<QueryEvent> = {
@@ -541,6 +563,18 @@ export const QueryEvent: MessageFns<QueryEvent> = {
     }
     if (message.sequence !== 0) {
       writer.uint32(64).int64(message.sequence);
+    }
+    if (message.finishReason !== "") {
+      writer.uint32(74).string(message.finishReason);
+    }
+    for (const v of message.toolCalls) {
+      ToolCall.encode(v!, writer.uint32(82).fork()).join();
+    }
+    if (message.promptTokens !== 0) {
+      writer.uint32(88).int32(message.promptTokens);
+    }
+    if (message.outputTokens !== 0) {
+      writer.uint32(96).int32(message.outputTokens);
     }
     return writer;
   },
@@ -622,6 +656,38 @@ export const QueryEvent: MessageFns<QueryEvent> = {
             message.sequence = longToNumber(reader.int64());
             continue;
           }
+          case 9: {
+            if (tag !== 74) {
+              break;
+            }
+
+            message.finishReason = reader.string();
+            continue;
+          }
+          case 10: {
+            if (tag !== 82) {
+              break;
+            }
+
+            message.toolCalls.push(ToolCall.decode(reader, reader.uint32()));
+            continue;
+          }
+          case 11: {
+            if (tag !== 88) {
+              break;
+            }
+
+            message.promptTokens = reader.int32();
+            continue;
+          }
+          case 12: {
+            if (tag !== 96) {
+              break;
+            }
+
+            message.outputTokens = reader.int32();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -656,6 +722,26 @@ export const QueryEvent: MessageFns<QueryEvent> = {
       instance: isSet(object.instance) ? globalThis.String(object.instance) : "",
       text: isSet(object.text) ? globalThis.String(object.text) : "",
       sequence: isSet(object.sequence) ? globalThis.Number(object.sequence) : 0,
+      finishReason: isSet(object.finishReason)
+        ? globalThis.String(object.finishReason)
+        : isSet(object.finish_reason)
+        ? globalThis.String(object.finish_reason)
+        : "",
+      toolCalls: globalThis.Array.isArray(object?.toolCalls)
+        ? object.toolCalls.map((e: any) => ToolCall.fromJSON(e))
+        : globalThis.Array.isArray(object?.tool_calls)
+        ? object.tool_calls.map((e: any) => ToolCall.fromJSON(e))
+        : [],
+      promptTokens: isSet(object.promptTokens)
+        ? globalThis.Number(object.promptTokens)
+        : isSet(object.prompt_tokens)
+        ? globalThis.Number(object.prompt_tokens)
+        : 0,
+      outputTokens: isSet(object.outputTokens)
+        ? globalThis.Number(object.outputTokens)
+        : isSet(object.output_tokens)
+        ? globalThis.Number(object.output_tokens)
+        : 0,
     };
   },
 
@@ -685,6 +771,18 @@ export const QueryEvent: MessageFns<QueryEvent> = {
     if (message.sequence !== 0) {
       obj.sequence = Math.round(message.sequence);
     }
+    if (message.finishReason !== "") {
+      obj.finishReason = message.finishReason;
+    }
+    if (message.toolCalls?.length) {
+      obj.toolCalls = message.toolCalls.map((e) => ToolCall.toJSON(e));
+    }
+    if (message.promptTokens !== 0) {
+      obj.promptTokens = Math.round(message.promptTokens);
+    }
+    if (message.outputTokens !== 0) {
+      obj.outputTokens = Math.round(message.outputTokens);
+    }
     return obj;
   },
 
@@ -701,6 +799,10 @@ export const QueryEvent: MessageFns<QueryEvent> = {
     message.instance = object.instance ?? "";
     message.text = object.text ?? "";
     message.sequence = object.sequence ?? 0;
+    message.finishReason = object.finishReason ?? "";
+    message.toolCalls = object.toolCalls?.map((e) => ToolCall.fromPartial(e)) || [];
+    message.promptTokens = object.promptTokens ?? 0;
+    message.outputTokens = object.outputTokens ?? 0;
     return message;
   },
 };

@@ -27,13 +27,70 @@ export interface LLMCall {
    * rendering, for engines that have none. Taken by RunCall; SubmitQuery refuses them.
    */
   messages: ChatMessage[];
+  /**
+   * How to generate (sampling, stop, seed, tools, structured output), as the client asked:
+   * the worker's engine honours each option or fails the call naming it. Taken by RunCall;
+   * SubmitQuery refuses them.
+   */
+  options: CallOptions | undefined;
 }
 
 /** One message of a chat request. */
 export interface ChatMessage {
-  /** "system", "user", "assistant", ... */
+  /** "system", "developer", "user", "assistant" or "tool". */
   role: string;
   content: string;
+  /** An assistant message's tool calls (the model asked for them). */
+  toolCalls: ToolCall[];
+  /** A tool message's answer to the tool call of this id. */
+  toolCallId: string;
+  /** The speaker's name (OpenAI's optional `name`). */
+  name: string;
+}
+
+/** One function call a model asked for. */
+export interface ToolCall {
+  /** The call's id (e.g. "call_..."); a tool message answers it by this id. */
+  id: string;
+  /** The function's name, one of the request's tools. */
+  name: string;
+  /** The arguments, a JSON object as text (as the model wrote it: it may not parse). */
+  arguments: string;
+}
+
+/**
+ * What an OpenAI-style request asks of the engine besides the prompt and max_tokens. An
+ * unset field is the engine's default. The JSON fields are the request's values verbatim
+ * (JSON Schemas are not restated as messages).
+ */
+export interface CallOptions {
+  temperature?: number | undefined;
+  topP?:
+    | number
+    | undefined;
+  /** Stop sequences: generation ends before the first one produced. */
+  stop: string[];
+  seed?: number | undefined;
+  presencePenalty?: number | undefined;
+  frequencyPenalty?:
+    | number
+    | undefined;
+  /**
+   * OpenAI's `tools`: a JSON list of {"type": "function", "function": {"name",
+   * "description", "parameters"}}; empty: none.
+   */
+  toolsJson: string;
+  /**
+   * OpenAI's `tool_choice`: JSON ("auto", "none", "required" or {"type": "function",
+   * "function": {"name": ...}}); empty: the engine's default ("auto" with tools).
+   */
+  toolChoiceJson: string;
+  /**
+   * OpenAI's `response_format`: JSON ({"type": "text"}, {"type": "json_object"} or
+   * {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}); empty: text.
+   */
+  responseFormatJson: string;
+  parallelToolCalls?: boolean | undefined;
 }
 
 /** A set of calls released together: one call, or a parallel fan-out. */
@@ -58,7 +115,7 @@ export interface Workflow {
 }
 
 function createBaseLLMCall(): LLMCall {
-  return { step: "", inputTokens: 0, outputTokens: 0, prompt: "", messages: [] };
+  return { step: "", inputTokens: 0, outputTokens: 0, prompt: "", messages: [], options: undefined };
 }
 
 export const LLMCall: MessageFns<LLMCall> = {
@@ -77,6 +134,9 @@ export const LLMCall: MessageFns<LLMCall> = {
     }
     for (const v of message.messages) {
       ChatMessage.encode(v!, writer.uint32(42).fork()).join();
+    }
+    if (message.options !== undefined) {
+      CallOptions.encode(message.options, writer.uint32(50).fork()).join();
     }
     return writer;
   },
@@ -134,6 +194,14 @@ export const LLMCall: MessageFns<LLMCall> = {
             message.messages.push(ChatMessage.decode(reader, reader.uint32()));
             continue;
           }
+          case 6: {
+            if (tag !== 50) {
+              break;
+            }
+
+            message.options = CallOptions.decode(reader, reader.uint32());
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -163,6 +231,7 @@ export const LLMCall: MessageFns<LLMCall> = {
       messages: globalThis.Array.isArray(object?.messages)
         ? object.messages.map((e: any) => ChatMessage.fromJSON(e))
         : [],
+      options: isSet(object.options) ? CallOptions.fromJSON(object.options) : undefined,
     };
   },
 
@@ -183,6 +252,9 @@ export const LLMCall: MessageFns<LLMCall> = {
     if (message.messages?.length) {
       obj.messages = message.messages.map((e) => ChatMessage.toJSON(e));
     }
+    if (message.options !== undefined) {
+      obj.options = CallOptions.toJSON(message.options);
+    }
     return obj;
   },
 
@@ -196,12 +268,15 @@ export const LLMCall: MessageFns<LLMCall> = {
     message.outputTokens = object.outputTokens ?? 0;
     message.prompt = object.prompt ?? "";
     message.messages = object.messages?.map((e) => ChatMessage.fromPartial(e)) || [];
+    message.options = (object.options !== undefined && object.options !== null)
+      ? CallOptions.fromPartial(object.options)
+      : undefined;
     return message;
   },
 };
 
 function createBaseChatMessage(): ChatMessage {
-  return { role: "", content: "" };
+  return { role: "", content: "", toolCalls: [], toolCallId: "", name: "" };
 }
 
 export const ChatMessage: MessageFns<ChatMessage> = {
@@ -211,6 +286,15 @@ export const ChatMessage: MessageFns<ChatMessage> = {
     }
     if (message.content !== "") {
       writer.uint32(18).string(message.content);
+    }
+    for (const v of message.toolCalls) {
+      ToolCall.encode(v!, writer.uint32(26).fork()).join();
+    }
+    if (message.toolCallId !== "") {
+      writer.uint32(34).string(message.toolCallId);
+    }
+    if (message.name !== "") {
+      writer.uint32(42).string(message.name);
     }
     return writer;
   },
@@ -244,6 +328,30 @@ export const ChatMessage: MessageFns<ChatMessage> = {
             message.content = reader.string();
             continue;
           }
+          case 3: {
+            if (tag !== 26) {
+              break;
+            }
+
+            message.toolCalls.push(ToolCall.decode(reader, reader.uint32()));
+            continue;
+          }
+          case 4: {
+            if (tag !== 34) {
+              break;
+            }
+
+            message.toolCallId = reader.string();
+            continue;
+          }
+          case 5: {
+            if (tag !== 42) {
+              break;
+            }
+
+            message.name = reader.string();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -260,6 +368,17 @@ export const ChatMessage: MessageFns<ChatMessage> = {
     return {
       role: isSet(object.role) ? globalThis.String(object.role) : "",
       content: isSet(object.content) ? globalThis.String(object.content) : "",
+      toolCalls: globalThis.Array.isArray(object?.toolCalls)
+        ? object.toolCalls.map((e: any) => ToolCall.fromJSON(e))
+        : globalThis.Array.isArray(object?.tool_calls)
+        ? object.tool_calls.map((e: any) => ToolCall.fromJSON(e))
+        : [],
+      toolCallId: isSet(object.toolCallId)
+        ? globalThis.String(object.toolCallId)
+        : isSet(object.tool_call_id)
+        ? globalThis.String(object.tool_call_id)
+        : "",
+      name: isSet(object.name) ? globalThis.String(object.name) : "",
     };
   },
 
@@ -271,6 +390,15 @@ export const ChatMessage: MessageFns<ChatMessage> = {
     if (message.content !== "") {
       obj.content = message.content;
     }
+    if (message.toolCalls?.length) {
+      obj.toolCalls = message.toolCalls.map((e) => ToolCall.toJSON(e));
+    }
+    if (message.toolCallId !== "") {
+      obj.toolCallId = message.toolCallId;
+    }
+    if (message.name !== "") {
+      obj.name = message.name;
+    }
     return obj;
   },
 
@@ -281,6 +409,362 @@ export const ChatMessage: MessageFns<ChatMessage> = {
     const message = createBaseChatMessage();
     message.role = object.role ?? "";
     message.content = object.content ?? "";
+    message.toolCalls = object.toolCalls?.map((e) => ToolCall.fromPartial(e)) || [];
+    message.toolCallId = object.toolCallId ?? "";
+    message.name = object.name ?? "";
+    return message;
+  },
+};
+
+function createBaseToolCall(): ToolCall {
+  return { id: "", name: "", arguments: "" };
+}
+
+export const ToolCall: MessageFns<ToolCall> = {
+  encode(message: ToolCall, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.id !== "") {
+      writer.uint32(10).string(message.id);
+    }
+    if (message.name !== "") {
+      writer.uint32(18).string(message.name);
+    }
+    if (message.arguments !== "") {
+      writer.uint32(26).string(message.arguments);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): ToolCall {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseToolCall();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.id = reader.string();
+            continue;
+          }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.name = reader.string();
+            continue;
+          }
+          case 3: {
+            if (tag !== 26) {
+              break;
+            }
+
+            message.arguments = reader.string();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): ToolCall {
+    return {
+      id: isSet(object.id) ? globalThis.String(object.id) : "",
+      name: isSet(object.name) ? globalThis.String(object.name) : "",
+      arguments: isSet(object.arguments) ? globalThis.String(object.arguments) : "",
+    };
+  },
+
+  toJSON(message: ToolCall): unknown {
+    const obj: any = {};
+    if (message.id !== "") {
+      obj.id = message.id;
+    }
+    if (message.name !== "") {
+      obj.name = message.name;
+    }
+    if (message.arguments !== "") {
+      obj.arguments = message.arguments;
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<ToolCall>, I>>(base?: I): ToolCall {
+    return ToolCall.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<ToolCall>, I>>(object: I): ToolCall {
+    const message = createBaseToolCall();
+    message.id = object.id ?? "";
+    message.name = object.name ?? "";
+    message.arguments = object.arguments ?? "";
+    return message;
+  },
+};
+
+function createBaseCallOptions(): CallOptions {
+  return {
+    temperature: undefined,
+    topP: undefined,
+    stop: [],
+    seed: undefined,
+    presencePenalty: undefined,
+    frequencyPenalty: undefined,
+    toolsJson: "",
+    toolChoiceJson: "",
+    responseFormatJson: "",
+    parallelToolCalls: undefined,
+  };
+}
+
+export const CallOptions: MessageFns<CallOptions> = {
+  encode(message: CallOptions, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.temperature !== undefined) {
+      writer.uint32(9).double(message.temperature);
+    }
+    if (message.topP !== undefined) {
+      writer.uint32(17).double(message.topP);
+    }
+    for (const v of message.stop) {
+      writer.uint32(26).string(v!);
+    }
+    if (message.seed !== undefined) {
+      writer.uint32(32).int64(message.seed);
+    }
+    if (message.presencePenalty !== undefined) {
+      writer.uint32(41).double(message.presencePenalty);
+    }
+    if (message.frequencyPenalty !== undefined) {
+      writer.uint32(49).double(message.frequencyPenalty);
+    }
+    if (message.toolsJson !== "") {
+      writer.uint32(58).string(message.toolsJson);
+    }
+    if (message.toolChoiceJson !== "") {
+      writer.uint32(66).string(message.toolChoiceJson);
+    }
+    if (message.responseFormatJson !== "") {
+      writer.uint32(74).string(message.responseFormatJson);
+    }
+    if (message.parallelToolCalls !== undefined) {
+      writer.uint32(80).bool(message.parallelToolCalls);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): CallOptions {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseCallOptions();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 9) {
+              break;
+            }
+
+            message.temperature = reader.double();
+            continue;
+          }
+          case 2: {
+            if (tag !== 17) {
+              break;
+            }
+
+            message.topP = reader.double();
+            continue;
+          }
+          case 3: {
+            if (tag !== 26) {
+              break;
+            }
+
+            message.stop.push(reader.string());
+            continue;
+          }
+          case 4: {
+            if (tag !== 32) {
+              break;
+            }
+
+            message.seed = longToNumber(reader.int64());
+            continue;
+          }
+          case 5: {
+            if (tag !== 41) {
+              break;
+            }
+
+            message.presencePenalty = reader.double();
+            continue;
+          }
+          case 6: {
+            if (tag !== 49) {
+              break;
+            }
+
+            message.frequencyPenalty = reader.double();
+            continue;
+          }
+          case 7: {
+            if (tag !== 58) {
+              break;
+            }
+
+            message.toolsJson = reader.string();
+            continue;
+          }
+          case 8: {
+            if (tag !== 66) {
+              break;
+            }
+
+            message.toolChoiceJson = reader.string();
+            continue;
+          }
+          case 9: {
+            if (tag !== 74) {
+              break;
+            }
+
+            message.responseFormatJson = reader.string();
+            continue;
+          }
+          case 10: {
+            if (tag !== 80) {
+              break;
+            }
+
+            message.parallelToolCalls = reader.bool();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): CallOptions {
+    return {
+      temperature: isSet(object.temperature) ? globalThis.Number(object.temperature) : undefined,
+      topP: isSet(object.topP)
+        ? globalThis.Number(object.topP)
+        : isSet(object.top_p)
+        ? globalThis.Number(object.top_p)
+        : undefined,
+      stop: globalThis.Array.isArray(object?.stop) ? object.stop.map((e: any) => globalThis.String(e)) : [],
+      seed: isSet(object.seed) ? globalThis.Number(object.seed) : undefined,
+      presencePenalty: isSet(object.presencePenalty)
+        ? globalThis.Number(object.presencePenalty)
+        : isSet(object.presence_penalty)
+        ? globalThis.Number(object.presence_penalty)
+        : undefined,
+      frequencyPenalty: isSet(object.frequencyPenalty)
+        ? globalThis.Number(object.frequencyPenalty)
+        : isSet(object.frequency_penalty)
+        ? globalThis.Number(object.frequency_penalty)
+        : undefined,
+      toolsJson: isSet(object.toolsJson)
+        ? globalThis.String(object.toolsJson)
+        : isSet(object.tools_json)
+        ? globalThis.String(object.tools_json)
+        : "",
+      toolChoiceJson: isSet(object.toolChoiceJson)
+        ? globalThis.String(object.toolChoiceJson)
+        : isSet(object.tool_choice_json)
+        ? globalThis.String(object.tool_choice_json)
+        : "",
+      responseFormatJson: isSet(object.responseFormatJson)
+        ? globalThis.String(object.responseFormatJson)
+        : isSet(object.response_format_json)
+        ? globalThis.String(object.response_format_json)
+        : "",
+      parallelToolCalls: isSet(object.parallelToolCalls)
+        ? globalThis.Boolean(object.parallelToolCalls)
+        : isSet(object.parallel_tool_calls)
+        ? globalThis.Boolean(object.parallel_tool_calls)
+        : undefined,
+    };
+  },
+
+  toJSON(message: CallOptions): unknown {
+    const obj: any = {};
+    if (message.temperature !== undefined) {
+      obj.temperature = floatToJson(message.temperature);
+    }
+    if (message.topP !== undefined) {
+      obj.topP = floatToJson(message.topP);
+    }
+    if (message.stop?.length) {
+      obj.stop = message.stop;
+    }
+    if (message.seed !== undefined) {
+      obj.seed = Math.round(message.seed);
+    }
+    if (message.presencePenalty !== undefined) {
+      obj.presencePenalty = floatToJson(message.presencePenalty);
+    }
+    if (message.frequencyPenalty !== undefined) {
+      obj.frequencyPenalty = floatToJson(message.frequencyPenalty);
+    }
+    if (message.toolsJson !== "") {
+      obj.toolsJson = message.toolsJson;
+    }
+    if (message.toolChoiceJson !== "") {
+      obj.toolChoiceJson = message.toolChoiceJson;
+    }
+    if (message.responseFormatJson !== "") {
+      obj.responseFormatJson = message.responseFormatJson;
+    }
+    if (message.parallelToolCalls !== undefined) {
+      obj.parallelToolCalls = message.parallelToolCalls;
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<CallOptions>, I>>(base?: I): CallOptions {
+    return CallOptions.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<CallOptions>, I>>(object: I): CallOptions {
+    const message = createBaseCallOptions();
+    message.temperature = object.temperature ?? undefined;
+    message.topP = object.topP ?? undefined;
+    message.stop = object.stop?.map((e) => e) || [];
+    message.seed = object.seed ?? undefined;
+    message.presencePenalty = object.presencePenalty ?? undefined;
+    message.frequencyPenalty = object.frequencyPenalty ?? undefined;
+    message.toolsJson = object.toolsJson ?? "";
+    message.toolChoiceJson = object.toolChoiceJson ?? "";
+    message.responseFormatJson = object.responseFormatJson ?? "";
+    message.parallelToolCalls = object.parallelToolCalls ?? undefined;
     return message;
   },
 };
@@ -485,6 +969,10 @@ export const Workflow: MessageFns<Workflow> = {
   },
 };
 
+function floatToJson(value: number | null | undefined): number | string | null | undefined {
+  return typeof value === "number" && !globalThis.Number.isFinite(value) ? globalThis.String(value) : value;
+}
+
 type Builtin = Date | Function | Uint8Array | string | number | boolean | undefined;
 
 export type DeepPartial<T> = T extends Builtin ? T
@@ -496,6 +984,17 @@ export type DeepPartial<T> = T extends Builtin ? T
 type KeysOfUnion<T> = T extends T ? keyof T : never;
 export type Exact<P, I extends P> = P extends Builtin ? P
   : P & { [K in keyof P]: Exact<P[K], I[K]> } & { [K in Exclude<keyof I, KeysOfUnion<P>>]: never };
+
+function longToNumber(int64: { toString(): string }): number {
+  const num = globalThis.Number(int64.toString());
+  if (num > globalThis.Number.MAX_SAFE_INTEGER) {
+    throw new globalThis.Error("Value is larger than Number.MAX_SAFE_INTEGER");
+  }
+  if (num < globalThis.Number.MIN_SAFE_INTEGER) {
+    throw new globalThis.Error("Value is smaller than Number.MIN_SAFE_INTEGER");
+  }
+  return num;
+}
 
 function isSet(value: any): boolean {
   return value !== null && value !== undefined;
