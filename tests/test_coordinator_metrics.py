@@ -102,19 +102,29 @@ def test_metrics_count_queries_calls_latency_and_report_the_present(mesh: _Mesh)
     finished = "hexgen_flow_queries_finished_total"
     assert m[(finished, (("outcome", "succeeded"), ("tenant", "acme")))] == 3
     assert m[(finished, (("outcome", "failed"), ("tenant", "default")))] == 1
-    assert m[("hexgen_flow_query_latency_seconds_count", ())] == 3
-    assert m[("hexgen_flow_query_latency_seconds_sum", ())] > 0
+    # by tenant: the doomed query (tenant "default") failed, so only acme's are timed;
+    # default's series is there from its admission, at 0 (Prometheus's rate() sees it start)
+    assert m[("hexgen_flow_query_latency_seconds_count", (("tenant", "acme"),))] == 3
+    assert m[("hexgen_flow_query_latency_seconds_sum", (("tenant", "acme"),))] > 0
+    assert m[("hexgen_flow_query_latency_seconds_count", (("tenant", "default"),))] == 0
+    assert m[(finished, (("outcome", "cancelled"), ("tenant", "acme")))] == 0
+    # by stage (step type): each of the three chains finished its evaluate and revise stage
+    stage = "hexgen_flow_stage_latency_seconds_count"
+    assert m[(stage, (("stage", "evaluate"),))] == 3
+    assert m[(stage, (("stage", "revise"),))] == 3
     assert m[("hexgen_flow_slo_met_total", (("tenant", "acme"),))] == 3
     # 6 calls of the three queries, and the doomed call twice (its attempt limit)
-    assert m[("hexgen_flow_calls_dispatched_total", (("instance", "A100#0"),))] == 8
-    assert m[("hexgen_flow_calls_failed_total", (("instance", "A100#0"),))] == 2
+    # The instance is gpu_instance: `instance` is Prometheus's target label.
+    assert m[("hexgen_flow_calls_dispatched_total", (("gpu_instance", "A100#0"),))] == 8
+    assert m[("hexgen_flow_calls_failed_total", (("gpu_instance", "A100#0"),))] == 2
+    assert not any(dict(labels).keys() & {"instance", "job"} for _, labels in m)
     assert m[("hexgen_flow_completion_to_dispatch_seconds_count", ())] == 3  # stage 1 releases
     assert m[("hexgen_flow_submit_to_dispatch_seconds_count", ())] == 4
     assert m[("hexgen_flow_queries_running", ())] == 0
     assert m[("hexgen_flow_alpha", ())] == pytest.approx(0.5)
-    assert m[("hexgen_flow_instance_connected", (("instance", "A100#0"),))] == 1
-    assert m[("hexgen_flow_instance_kv_capacity_tokens", (("instance", "A100#0"),))] > 0
-    assert m[("hexgen_flow_instance_in_flight_calls", (("instance", "A100#0"),))] == 0
+    assert m[("hexgen_flow_instance_connected", (("gpu_instance", "A100#0"),))] == 1
+    assert m[("hexgen_flow_instance_kv_capacity_tokens", (("gpu_instance", "A100#0"),))] > 0
+    assert m[("hexgen_flow_instance_in_flight_calls", (("gpu_instance", "A100#0"),))] == 0
 
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "deploy/grafana/dashboards/hexgen-flow.json"

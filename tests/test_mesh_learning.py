@@ -124,12 +124,12 @@ def test_the_coordinator_learns_what_its_workers_cost(learning_mesh: _Mesh) -> N
     m = _scrape(learning_mesh.metrics)
 
     def factor(instance: str, part: str) -> float:
-        key = (("instance", instance), ("part", part))
+        key = (("gpu_instance", instance), ("part", part))
         return m[("hexgen_flow_instance_learned_cost_factor", key)]
 
     instances = ("L40S#0", "L40S#1")
     for instance in instances:
-        assert m[("hexgen_flow_instance_learned_calls", (("instance", instance),))] >= 30
+        assert m[("hexgen_flow_instance_learned_calls", (("gpu_instance", instance),))] >= 30
     planner = parse_cluster(",".join(LEARNING_GPUS), calibration="aiconfigurator")
     floor = CostLearner(planner).instances[0].floor_prefill
     # The engines' L40S prefill is ~90x faster than planned, below the physical floor: the
@@ -200,4 +200,4 @@ def test_without_the_option_nothing_is_learned(plain_mesh: _Mesh) -> None:
     ).stdout
     assert "learned cost" not in shown and "L40S#1" in shown
     assert not any(name.startswith("hexgen_flow_instance_learned") for name, _ in m)
-    assert m[("hexgen_flow_instance_connected", (("instance", "L40S#1"),))] == 1
+    assert m[("hexgen_flow_instance_connected", (("gpu_instance", "L40S#1"),))] == 1

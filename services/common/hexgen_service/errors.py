@@ -22,8 +22,11 @@ class InvalidFieldError(ValueError):
     """A request field that cannot be accepted; `field` is its path, e.g.
     ``workflow.stages[2].calls[0].input_tokens``."""
 
-    def __init__(self, field: str, message: str) -> None:
+    def __init__(self, field: str, message: str, *, reason: str = "invalid") -> None:
         self.field = field
+        self.reason = reason
+        """Why, in a word, for the metrics (admission's refusals: ``infeasible``,
+        ``too_large``; ``invalid`` otherwise)."""
         super().__init__(f"{field}: {message}")
 
 
@@ -39,8 +42,12 @@ class OverloadedError(RuntimeError):
     """Admission control refused a request (RESOURCE_EXHAUSTED at the edge); the client may
     retry after `retry_after_s` wall seconds (sent as the ``retry-after-s`` trailer)."""
 
-    def __init__(self, message: str, retry_after_s: float) -> None:
+    def __init__(self, message: str, retry_after_s: float, *, reason: str = "overloaded") -> None:
         self.retry_after_s = retry_after_s
+        self.reason = reason
+        """Why, in a word, for the metrics (``hexgen_flow_queries_rejected_total``'s
+        ``reason``: overloaded, running_limit, tenant_limit, rate_limit, quota,
+        redis_memory)."""
         super().__init__(message)
 
 

@@ -206,13 +206,13 @@ class Admission:
         if query_id not in self._pending:
             try:
                 best_effort = self._decide(query, now, slo_s, sum(map(sum, sizes)))
-            except (OverloadedError, InvalidFieldError):
+            except (OverloadedError, InvalidFieldError) as exc:
                 # A resubmission of a stored query is answered, never refused.
                 known = await self._known(query, digest)
                 if known is not None:
                     return known, False
                 self.ledger.queries_rejected += 1
-                self.ledger.metrics.queries_rejected.labels(query.tenant).inc()
+                self.ledger.metrics.queries_rejected.labels(query.tenant, exc.reason).inc()
                 raise
             if not best_effort and self._tracks(query.tenant):
                 # Counted in the backlog at once: submissions racing this one see it.
@@ -255,6 +255,7 @@ class Admission:
                 return known, False
             return await self.views.get_info(query_id), False
         run = self.scheduler.admit(query, index, now, slo_s)
+        self.ledger.metrics.admitted(query.tenant, (s.step for s in stages))
         session: SessionState | None = None
         if session_idle_s is not None:
             run.start_session()
@@ -385,7 +386,9 @@ class Admission:
             try:
                 self.redis_memory.check()
             except OverloadedError as exc:
-                raise OverloadedError(str(exc), self.hint_s(exc.retry_after_s, 1.0)) from None
+                raise OverloadedError(
+                    str(exc), self.hint_s(exc.retry_after_s, 1.0), reason="redis_memory"
+                ) from None
         limits = self._limits(tenant)
         quota = limits.max_prompt_bytes or self.config.max_tenant_prompt_bytes
         kept = self.ledger.prompt_bytes.get(tenant, 0)
@@ -395,6 +398,7 @@ class Admission:
                 "prompt",
                 f"{prompt_bytes} bytes of prompts are more than tenant {tenant!r} may keep "
                 f"at once ({quota} bytes, {whose})",
+                reason="too_large",
             )
         if kept + prompt_bytes > quota:
             now = self.ledger.clock.now()
@@ -403,6 +407,7 @@ class Admission:
                 f"{prompt_bytes} more would pass its quota of {quota} bytes: retry when its "
                 "calls have finished",
                 self.hint_s(self._soonest_finish_s(now, tenant)),
+                reason="quota",
             )
 
     # ------------------------------------------------------------------ the decision
@@ -438,6 +443,7 @@ class Admission:
                 f"{len(active)} queries are running (the coordinator's limit: "
                 f"{config.max_running_queries})",
                 self.hint_s(self._soonest_finish_s(now)),
+                reason="running_limit",
             )
         own = self._limits(query.tenant)
         cap = own.max_running or config.max_tenant_queries
@@ -448,6 +454,7 @@ class Admission:
                     f"tenant {query.tenant!r} has {running} queries running (limit: "
                     f"{cap}{'' if own.max_running else ' per tenant'})",
                     self.hint_s(self._soonest_finish_s(now, query.tenant)),
+                    reason="tenant_limit",
                 )
         if own.rate_qps > 0:
             bucket = self._rates.get(query.tenant)
@@ -460,6 +467,7 @@ class Admission:
                     f"tenant {query.tenant!r} submits faster than its rate "
                     f"({own.rate_qps:g} queries/s, burst {bucket.burst})",
                     self.hint_s(wait, 1.0),
+                    reason="rate_limit",
                 )
         self.check_room(query.tenant, prompt_bytes)
         if own.max_work_s > 0:
@@ -479,6 +487,7 @@ class Admission:
                 f"the query needs about {prediction.least_s:.0f} s even alone on the whole "
                 f"cluster, more than its SLO of {slo_s:.0f} s: no wait can help; ask for an "
                 f"SLO of at least {math.ceil(prediction.least_s)} s, or make it smaller",
+                reason="infeasible",
             )
         wait = self.hint_s(decision.retry_after_s)
         raise OverloadedError(
@@ -498,6 +507,7 @@ class Admission:
                 "workflow",
                 f"the query is about {work:.0f} s of work, more than tenant {tenant!r} may "
                 f"have in flight at once ({quota_s:g} s, the API keys file's max_work_s)",
+                reason="too_large",
             )
         self._sync()
         flying = self.model.tenant_work_s(tenant, self._alive)
@@ -507,6 +517,7 @@ class Admission:
                 f"tenant {tenant!r} has about {flying:.0f} s of work in flight; the query's "
                 f"{work:.0f} s more would pass its quota of {quota_s:g} s (max_work_s)",
                 self.hint_s((flying + work - quota_s) / max(capacity, 1e-9)),
+                reason="quota",
             )
 
     def hint_s(self, cluster_s: float, time_scale: float | None = None) -> float:

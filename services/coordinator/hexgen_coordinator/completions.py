@@ -231,6 +231,10 @@ class Completions:
             if stage_finished:
                 record_event(entry, K.QUERY_EVENT_KIND_STAGE_FINISHED, now, stage=stage)
                 self.dispatch.end_stage_span(entry, stage, now)
+                released_s = run.stage_released_s[stage]
+                if released_s is not None:
+                    step = run.query.workflow.stages[stage].step
+                    ledger.metrics.stage_finished(step, now - released_s)
             released = await self.settle(entry, released, now)
             if stage_finished and run.finished_s is None:
                 self.dispatch.rebudget(entry, now)
@@ -487,7 +491,7 @@ class Completions:
         if run.finished_s is not None:  # succeeded (the `finished` stream counts these)
             self.ledger.queries_finished += 1
             latency = run.finished_s - run.arrival_s
-            metrics.query_latency.observe(latency)
+            metrics.query_latency.labels(tenant).observe(latency)
             met = latency <= run.slo_s
             if met:
                 metrics.slo_met.labels(tenant).inc()

@@ -8,16 +8,21 @@ are read from the ledger when Prometheus scrapes, so they cost the hot path noth
 Times are seconds: query latency and the SLO on the cluster clock (what clients see), the
 coordinator's own overhead in wall seconds.
 
-Tenant labels are capped (`TenantLabels`): the first `DEFAULT_MAX_TENANTS` (100; the
-coordinator's ``--metrics-max-tenants``) distinct tenants seen keep a label of their own,
-every later one is counted under ``tenant="other"``, so that a flood of tenant names
-cannot grow the scrape without bound.
+Labels are bounded. An instance is ``gpu_instance`` (its name, e.g. ``A100#0``): not
+``instance``, which Prometheus gives every series of a target (its address), so a scrape
+with the default ``honor_labels: false`` would move ours to ``exported_instance`` and a
+``sum by (instance)`` would add every GPU up. Tenant labels are capped (`TenantLabels`):
+the first `DEFAULT_MAX_TENANTS` (100; the coordinator's ``--metrics-max-tenants``) distinct
+tenants seen keep a label of their own, every later one is counted under
+``tenant="other"``, so that a flood of tenant names cannot grow the scrape without bound;
+stage labels (a stage's step type, which clients name) likewise, at `DEFAULT_MAX_STAGES`.
+A refusal's ``reason`` is one of `REJECTION_REASONS`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -30,8 +35,11 @@ if TYPE_CHECKING:
     from hexgen_coordinator.ledger import Ledger
 
 __all__ = [
+    "DEFAULT_MAX_STAGES",
     "DEFAULT_MAX_TENANTS",
+    "INSTANCE_LABEL",
     "OTHER_TENANT",
+    "REJECTION_REASONS",
     "CoordinatorMetrics",
     "TenantLabelled",
     "TenantLabels",
@@ -39,11 +47,33 @@ __all__ = [
 
 DEFAULT_MAX_TENANTS = 100
 """Distinct tenants that keep a label of their own (``--metrics-max-tenants``)."""
+DEFAULT_MAX_STAGES = 50
+"""Distinct stage step types that keep a label of their own (later ones: "other")."""
 OTHER_TENANT = "other"
-"""The label of every tenant past the cap (a tenant named so shares it)."""
+"""The label of every tenant past the cap (a tenant named so shares it); of every stage
+step type past its cap too."""
+INSTANCE_LABEL = "gpu_instance"
+"""The label naming an instance (``A100#0``): never ``instance``, Prometheus's own target
+label (see the module docstring)."""
+REJECTION_REASONS = (
+    "overloaded",  # predicted to miss its SLO, or to push an admitted query past its own
+    "infeasible",  # cannot meet its SLO even alone on the whole cluster
+    "running_limit",  # --max-running-queries
+    "tenant_limit",  # the tenant's running queries (--max-tenant-queries, max_running)
+    "rate_limit",  # the tenant's rate (the keys file's rate_qps)
+    "quota",  # the tenant's kept prompts or work in flight would pass its quota
+    "too_large",  # the query alone is more than the tenant's quota
+    "redis_memory",  # Redis above --redis-memory-limit
+    "invalid",  # anything else admission refused
+)
+"""The values of ``hexgen_flow_queries_rejected_total``'s ``reason`` (the ``reason`` of
+the `OverloadedError` or `InvalidFieldError` admission raised)."""
 
 _LATENCY_BUCKETS = (5, 10, 20, 30, 60, 90, 120, 180, 240, 300, 450, 600, 900, 1800, 3600)
 _OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
+_M = TypeVar("_M", Counter, Histogram)
+
+_STAGE_BUCKETS = (0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800)
 _LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
@@ -72,16 +102,16 @@ class TenantLabels:
         return OTHER_TENANT
 
 
-class TenantLabelled:
-    """A counter whose first label is the tenant, passed through `TenantLabels` (the
-    cap): ``.labels(tenant, *others)`` as the counter's own."""
+class TenantLabelled(Generic[_M]):
+    """A counter (or histogram) whose first label is the tenant, passed through
+    `TenantLabels` (the cap): ``.labels(tenant, *others)`` as the metric's own."""
 
-    def __init__(self, counter: Counter, tenants: TenantLabels) -> None:
-        self.counter = counter
+    def __init__(self, counter: _M, tenants: TenantLabels) -> None:
+        self.counter: _M = counter
         self.tenants = tenants
 
-    def labels(self, tenant: str, *others: str) -> Counter:
-        child: Counter = self.counter.labels(self.tenants(tenant), *others)
+    def labels(self, tenant: str, *others: str) -> _M:
+        child: _M = self.counter.labels(self.tenants(tenant), *others)
         return child
 
 
@@ -107,9 +137,10 @@ class CoordinatorMetrics:
         self.queries_rejected = TenantLabelled(
             Counter(
                 "hexgen_flow_queries_rejected",
-                "Submissions refused by admission control or a running-query limit; tenants "
-                'past the cap as tenant="other".',
-                ["tenant"],
+                "Submissions refused by admission control, a limit or a quota, by tenant and "
+                "reason (overloaded, infeasible, running_limit, tenant_limit, rate_limit, "
+                'quota, too_large, redis_memory, invalid); tenants past the cap as tenant="other".',
+                ["tenant", "reason"],
                 registry=r,
             ),
             self.tenants,
@@ -123,22 +154,37 @@ class CoordinatorMetrics:
             ),
             self.tenants,
         )
-        self.query_latency = Histogram(
-            "hexgen_flow_query_latency_seconds",
-            "Arrival to end of the queries that succeeded (cluster seconds).",
-            buckets=_LATENCY_BUCKETS,
+        self.query_latency = TenantLabelled(
+            Histogram(
+                "hexgen_flow_query_latency_seconds",
+                "Arrival to end of the queries that succeeded, by tenant (cluster seconds); "
+                'tenants past the cap as tenant="other".',
+                ["tenant"],
+                buckets=_LATENCY_BUCKETS,
+                registry=r,
+            ),
+            self.tenants,
+        )
+        self.stages = TenantLabels(DEFAULT_MAX_STAGES)
+        """The cap on stage labels (step types, which clients name)."""
+        self.stage_latency = Histogram(
+            "hexgen_flow_stage_latency_seconds",
+            "A stage's release to its last call's end, by the stage's step type (cluster "
+            'seconds); step types past the first 50 seen as stage="other".',
+            ["stage"],
+            buckets=_STAGE_BUCKETS,
             registry=r,
         )
         self.calls_dispatched = Counter(
             "hexgen_flow_calls_dispatched",
             "Calls handed to an instance's worker (redispatches and retries included).",
-            ["instance"],
+            [INSTANCE_LABEL],
             registry=r,
         )
         self.calls_failed = Counter(
             "hexgen_flow_calls_failed",
             "Call attempts an engine reported as failed.",
-            ["instance"],
+            [INSTANCE_LABEL],
             registry=r,
         )
         self.completion_to_dispatch = Histogram(
@@ -149,6 +195,9 @@ class CoordinatorMetrics:
             registry=r,
         )
         self.dispatched_on: list[Counter] = []
+        self._noted_tenants: set[str] = set()
+        self._noted_stages: set[str] = set()
+        """The tenant and stage labels whose series exist (`admitted`)."""
         self.submit_to_dispatch = Histogram(
             "hexgen_flow_submit_to_dispatch_seconds",
             "Coordinator overhead: a query submitted -> its first calls handed out (wall s).",
@@ -178,6 +227,30 @@ class CoordinatorMetrics:
         names = [inst.name for inst in cluster.instances]
         self.dispatched_on = [self.calls_dispatched.labels(name) for name in names]
         """`calls_dispatched` of each instance, by slot."""
+        for name in names:  # every instance's series from the start, at 0: rate() sees them
+            self.calls_failed.labels(name)
+
+    def admitted(self, tenant: str, steps: Iterable[str]) -> None:
+        """A query of `tenant` whose stages are of `steps` was admitted: the series it will
+        count on exist from now on, at 0 (a series that first appears with a count in it
+        shows Prometheus's rate() no increase: a tenant whose first queries all end
+        between two scrapes would have no latency to plot). Bounded by the caps."""
+        label = self.tenants(tenant)
+        if label not in self._noted_tenants:
+            self._noted_tenants.add(label)
+            self.query_latency.counter.labels(label)
+            self.slo_met.counter.labels(label)
+            for outcome in ("succeeded", "failed", "cancelled"):
+                self.queries_finished.counter.labels(label, outcome)
+        for step in steps:
+            label = self.stages(step)
+            if label not in self._noted_stages:
+                self._noted_stages.add(label)
+                self.stage_latency.labels(label)
+
+    def stage_finished(self, step: str, seconds: float) -> None:
+        """Count a stage of step type `step` that took `seconds` (cluster s) to finish."""
+        self.stage_latency.labels(self.stages(step)).observe(max(seconds, 0.0))
 
 
 class _Present(Collector):
@@ -212,7 +285,7 @@ class _Present(Collector):
             "outstanding_seconds": "Estimated single-request seconds of its calls in flight.",
         }
         families = {
-            name: GaugeMetricFamily(f"hexgen_flow_instance_{name}", doc, labels=["instance"])
+            name: GaugeMetricFamily(f"hexgen_flow_instance_{name}", doc, labels=[INSTANCE_LABEL])
             for name, doc in gauges.items()
         }
         for inst in self.cluster.instances:
@@ -237,12 +310,12 @@ class _Present(Collector):
                 "What the instance really costs over what its calibration says, as learned "
                 "online from its calls (--learn-costs): part=prefill or decode; 1 = the "
                 "calibration is right.",
-                labels=["instance", "part"],
+                labels=[INSTANCE_LABEL, "part"],
             )
             observed = GaugeMetricFamily(
                 "hexgen_flow_instance_learned_calls",
                 "Calls the instance's cost learner took in (dropped outliers included).",
-                labels=["instance"],
+                labels=[INSTANCE_LABEL],
             )
             for inst, learned in zip(self.cluster.instances, learner.factors(), strict=True):
                 factor.add_metric([inst.name, "prefill"], learned.prefill)

@@ -50,6 +50,13 @@ class WorkerMetrics:
             registry=r,
         )
 
+        # Every series from the start, at 0: one that first appears with a count in it
+        # shows Prometheus's rate() no increase.
+        for outcome in ("finished", "failed"):
+            self.calls.labels(*self.labels, outcome)
+        for metric in (self.generated_tokens, self.queue_wait, self.execution):
+            metric.labels(*self.labels)
+
     def call_ended(
         self, queue_wait_s: float, execution_s: float, tokens: int, *, failed: bool
     ) -> None:
