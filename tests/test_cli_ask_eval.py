@@ -5,8 +5,11 @@ not a model's), and the recorded trace replayed by `hexgen-flow simulate`."""
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,12 +17,14 @@ import pytest
 
 from cli_runner import one_error_line, run_cli, run_json
 from hexgen_flow.traces import load_trace
+from hexgen_launch.processes import free_port
 from hexgen_sql.evaluate import execution_match
 from hexgen_sql.questions import load_questions
 from sql_fixtures import chinook_db_fixture  # noqa: F401
 from up_runner import Up, running_up
 
 TIME_SCALE = "50"
+ROOT = Path(__file__).resolve().parents[1]
 
 needs_redis_server = pytest.mark.skipif(
     subprocess.run(["which", "redis-server"], capture_output=True, check=False).returncode != 0,
@@ -143,3 +148,90 @@ def test_ask_without_a_gateway_starts_an_embedded_mesh(chinook_db: Path) -> None
     assert "SIMULATED" in proc.stderr and "synthetic" in proc.stderr
     doc = json.loads(proc.stdout)
     assert doc["synthetic"] is True and doc["rows"] == [[275]]
+
+
+@pytest.fixture(scope="module")
+def web_page(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real HTTP server that is not an OpenAI API (Python's http.server with an HTML page
+    at every path the agent asks for); its URL."""
+    root = tmp_path_factory.mktemp("web")
+    (root / "v1").mkdir()
+    for page in (root / "index.html", root / "v1" / "models"):
+        page.write_text("<html><body>a web page</body></html>\n")
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+        cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 20
+        while not _answers(port):
+            assert server.poll() is None and time.monotonic() < deadline, (
+                "http.server did not start"
+            )
+            time.sleep(0.1)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+
+
+@pytest.mark.parametrize("command", ["ask", "eval"])
+def test_a_gateway_url_that_is_not_an_openai_api_is_one_line_naming_it(
+    command: str, web_page: str, chinook_db: Path
+) -> None:
+    question = ["How many artists are there?"] if command == "ask" else ["--limit", "1"]
+    proc = run_cli(
+        command, "--db", str(chinook_db), *question, "--gateway", web_page, "--time-scale", "1"
+    )
+    line = one_error_line(proc)  # exit 2, one line, no traceback
+    assert f"{web_page}/v1 is not an OpenAI-compatible API" in line
+    assert f"GET {web_page}/v1/models answered HTTP 200" in line
+
+
+@pytest.mark.parametrize("command", ["ask", "eval"])
+def test_a_dead_gateway_is_one_line_naming_its_url(command: str, chinook_db: Path) -> None:
+    url = f"http://127.0.0.1:{free_port()}/v1"
+    question = ["How many artists are there?"] if command == "ask" else ["--limit", "1"]
+    proc = run_cli(command, "--db", str(chinook_db), *question, "--gateway", url)
+    line = one_error_line(proc)
+    assert line.startswith(f"hexgen-flow: error: cannot reach the gateway at {url}: "), line
+
+
+@needs_redis_server
+@pytest.mark.parametrize("command", ["ask", "eval"])
+def test_a_model_the_gateway_does_not_serve_is_a_usage_error(
+    command: str, up: Up, chinook_db: Path
+) -> None:
+    question = ["How many artists are there?"] if command == "ask" else ["--limit", "1"]
+    proc = run_cli(command, "--db", str(chinook_db), *question, *gateway(up), "--model", "gpt-4")
+    line = one_error_line(proc)  # exit 2, as every unknown name (README, "Bad input")
+    url = up.banner["gateway"].split(" ", 1)[0]
+    assert line == f"hexgen-flow: error: --model gpt-4: the gateway at {url} serves llama-3.1-70b"
+
+
+@needs_redis_server
+def test_the_documented_slo_refusal_is_what_runs(tmp_path: Path, chinook_db: Path) -> None:
+    """docs/text-to-sql.md: on `up --cluster A100,A6000 --time-scale 50 --no-tuner` (admission
+    on, the default) the agent's workflow is predicted at about N s, so `--slo-s R` (R < N) is
+    refused with one line and exit 1, and `--slo-s 60` runs."""
+    doc = " ".join((ROOT / "docs" / "text-to-sql.md").read_text().split())
+    claim = re.search(
+        r"predicted at about (\d+) s on A100,A6000, so `--slo-s (\d+)` is refused", doc
+    )
+    assert claim, "docs/text-to-sql.md no longer states which SLO is refused"
+    least_s, refused_slo = int(claim[1]), claim[2]
+    with running_up(
+        tmp_path, "--cluster", "A100,A6000", "--time-scale", TIME_SCALE, "--no-tuner"
+    ) as mesh:  # fmt: skip
+        url = mesh.banner["gateway"].split(" ", 1)[0]
+        ask = ["ask", "--db", str(chinook_db), "How many tracks are there in each genre?"]
+        at = ["--gateway", url, "--coordinator", mesh.coordinator]
+        refused = run_cli(*ask, *at, "--slo-s", refused_slo)
+        assert refused.returncode == 1 and refused.stdout == "", refused.stderr
+        assert "Traceback" not in refused.stderr and refused.stderr.count("\n") == 1
+        assert refused.stderr.startswith(f"hexgen-flow: error: the gateway at {url}: ")
+        assert f"needs about {least_s} s even alone" in refused.stderr, refused.stderr
+        admitted = run_cli(*ask, *at, "--slo-s", "60")
+        assert admitted.returncode == 0, admitted.stderr
+        assert admitted.stdout.splitlines()[-1].endswith("SLO 60 s: met")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -15,6 +16,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from cli_runner import run_cli
 from hexgen_client.client import CoordinatorClient
 from hexgen_flow.workload import LLMCall, Query, Workflow
 from hexgen_launch.errors import ClusterError
@@ -166,3 +168,26 @@ def test_top_shows_recent_attainment_and_each_instance(up: Up) -> None:
         [*argv, "--interval-s", "0"], capture_output=True, text=True, timeout=60, check=False
     )
     assert bad.returncode == 2 and "interval-s" in bad.stderr
+
+
+def test_top_follows_the_clock_and_names_what_each_column_reads(up: Up) -> None:
+    # The mesh runs at 50x: a replay is over in a few wall seconds, so without
+    # --interval-s a refresh comes every 20 cluster seconds (0.4 s), not every 2 s.
+    env = {**os.environ, "HEXGEN_COORDINATOR": up.coordinator}  # the variable, not a flag
+    done = subprocess.run(
+        [sys.executable, "-m", "hexgen_cli", "top", "--count", "3"],
+        capture_output=True, text=True, timeout=60, check=True, env=env,
+    )  # fmt: skip
+    screens = done.stdout.split("hexgen-flow top ")[1:]
+    assert len(screens) == 3, done.stdout
+    for screen in screens:
+        assert "(every 0.4 s = 20 cluster s)" in screen.splitlines()[0]
+        assert f"coordinator  {up.coordinator}" in screen
+        # in-flight is the coordinator's count now, running and queued the worker's last
+        # heartbeat: two readings, which the screen names.
+        assert (
+            "in-flight: calls the coordinator dispatched there and has not seen finish (now); "
+            "running, queued: the worker's engine at its last heartbeat"
+        ) in screen
+    help_text = " ".join(run_cli("top", "--help").stdout.split())
+    assert "0.4 s at time scale 50" in help_text and "$HEXGEN_COORDINATOR" in help_text

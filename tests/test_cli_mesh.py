@@ -4,7 +4,9 @@ on stderr, and the library commands never load grpc."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -111,3 +113,86 @@ def test_up_documents_supervision_and_the_coordinator_options() -> None:
         "default 127.0.0.1:8000",
     ):
         assert fragment in text
+
+
+MESH_COMMANDS = (
+    ("status",),
+    ("status", "--json"),
+    ("replay", "--qps", "1", "--num-queries", "3"),
+    ("ask", "--index", "2"),
+    ("get", "trace1-0"),
+    ("top", "--count", "1"),
+)
+
+
+@pytest.mark.parametrize("args", MESH_COMMANDS)
+def test_every_mesh_command_defaults_to_hexgen_coordinator(args: tuple[str, ...]) -> None:
+    # Where the Go and TypeScript clients' examples look: $HEXGEN_COORDINATOR, then the
+    # default address. Nothing listens at the variable's address, so the error names it.
+    address = f"127.0.0.1:{free_port()}"
+    proc = run_cli(*args, env={**os.environ, "HEXGEN_COORDINATOR": address})
+    assert_usage_error(proc)
+    assert proc.stderr == (
+        f"hexgen-flow: error: cannot reach the coordinator at {address}: "
+        "is `hexgen-flow up` running?\n"
+    )
+    # --coordinator still wins over the variable.
+    given = f"127.0.0.1:{free_port()}"
+    proc = run_cli(*args, "--coordinator", given, env={**os.environ, "HEXGEN_COORDINATOR": address})
+    assert_usage_error(proc, f"at {given}:")
+
+
+def test_a_bad_hexgen_coordinator_is_one_line_naming_it() -> None:
+    env = {**os.environ, "HEXGEN_COORDINATOR": "localhost"}
+    assert_usage_error(run_cli("status", env=env), "$HEXGEN_COORDINATOR='localhost'", "HOST:PORT")
+    # Commands that do not talk to a coordinator do not read it.
+    assert run_cli("policies", env=env).returncode == 0
+
+
+@pytest.mark.parametrize("command", ["status", "replay", "ask", "get", "top", "eval"])
+def test_the_help_of_every_mesh_command_names_hexgen_coordinator(command: str) -> None:
+    proc = run_cli(command, "--help")
+    assert proc.returncode == 0, proc.stderr
+    text = " ".join(proc.stdout.split())
+    assert "--coordinator HOST:PORT[,...]" in text
+    assert "default: $HEXGEN_COORDINATOR when set, else 127.0.0.1:50051" in text
+
+
+def _readme() -> str:
+    return " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
+
+
+def test_the_readme_demo_figures_are_what_the_simulator_predicts() -> None:
+    # `demo` prints the mesh's figures beside the simulator's for the same queries, seed,
+    # cluster, policy and alpha (the coordinator's initial 0.5); the simulator's side is
+    # deterministic, so the README's must be what `simulate` gives today. (The mesh's side
+    # depends on the machine: the README gives what it measured, and where.)
+    readme = _readme()
+    paragraph = re.search(
+        r"`hexgen-flow demo` \(trace3, 100 queries, λ 0\.5, alpha 0\.5\) measured P95 .*? "
+        r"against the simulator's ([\d.]+) s",
+        readme,
+    )
+    assert paragraph, "README's demo paragraph changed shape"
+    row = re.search(
+        r"\| mesh vs simulator, trace3, 200 queries, λ 0\.2, time scale 20 \| "
+        r"P95 ([\d.]+) s vs ([\d.]+) s .*?SLO attainment ([\d.]+) % vs ([\d.]+) %",
+        readme,
+    )
+    assert row, "README's demo row changed shape"
+    assert "`hexgen-flow demo --trace trace3 --num-queries 200 --qps 0.2 --time-scale 20`" in (
+        readme
+    )
+    for queries, qps, p95, attainment in (
+        ("100", "0.5", paragraph[1], None),
+        ("200", "0.2", row[2], row[4]),
+    ):
+        proc = run_cli(
+            "simulate", "--trace", "trace3", "--num-queries", queries, "--qps", qps,
+            "--alpha", "0.5", "--json",
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        doc = json.loads(proc.stdout)
+        assert f"{doc['latency_s']['p95']:.1f}" == p95, (queries, qps)
+        if attainment is not None:
+            assert f"{100 * doc['slo_attainment']:.0f}" == f"{float(attainment):.0f}"

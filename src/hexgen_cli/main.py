@@ -25,11 +25,12 @@ from hexgen_cli import (
     top,
     up,
 )
-from hexgen_cli.options import PROG
+from hexgen_cli.options import PROG, coordinator_addresses
+from hexgen_client.addresses import DEFAULT_COORDINATOR
 from hexgen_flow import __version__
 from hexgen_flow.errors import HexgenFlowError
 
-__all__ = ["COMMANDS", "build_parser", "main"]
+__all__ = ["COMMANDS", "COORDINATOR_ENV", "build_parser", "main"]
 
 COMMANDS = (
     "simulate",
@@ -52,6 +53,9 @@ COMMANDS = (
 )
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
+COORDINATOR_ENV = "HEXGEN_COORDINATOR"
+"""The coordinator every mesh command talks to when ``--coordinator`` is not given (the Go
+and TypeScript clients' examples and live tests read it too)."""
 
 
 class UsageError(Exception):
@@ -91,7 +95,46 @@ def build_parser() -> argparse.ArgumentParser:
     demo.register(commands)
     top.register(commands)
     auth.register(commands)
+    for command in commands.choices.values():
+        _coordinator_from_environment(command)
     return parser
+
+
+class _FromEnvironment(str):
+    """``--coordinator``'s default when `COORDINATOR_ENV` is set: argparse checks a string
+    default with the option's type only when the option is not given, so a bad value is
+    refused only by the commands that would use it, naming the variable."""
+
+    __slots__ = ()
+
+
+def _coordinator_from_environment(parser: argparse.ArgumentParser) -> None:
+    """``--coordinator`` (`hexgen_cli.options.add_coordinator_option`) defaults to
+    ``$HEXGEN_COORDINATOR`` when that is set and not empty, and says so in ``--help``."""
+    for action in parser._actions:  # argparse has no public list of a parser's actions
+        if action.dest != "coordinator" or "--coordinator" not in action.option_strings:
+            continue
+        action.help = (
+            f"the coordinator's address (default: ${COORDINATOR_ENV} when set, else "
+            f"{DEFAULT_COORDINATOR}); a sharded mesh's coordinators as a comma list (each "
+            "query goes to its shard's owner)"
+        )
+        value = os.environ.get(COORDINATOR_ENV, "").strip()
+        if value:
+            action.default = _FromEnvironment(value)
+            action.type = _checked_coordinator
+
+
+def _checked_coordinator(text: str) -> str:
+    """`coordinator_addresses`, naming ``$HEXGEN_COORDINATOR`` when the value came from it."""
+    if not isinstance(text, _FromEnvironment):
+        return coordinator_addresses(text)
+    try:
+        return coordinator_addresses(text)
+    except argparse.ArgumentTypeError as exc:
+        raise argparse.ArgumentTypeError(
+            f"${COORDINATOR_ENV}={text!r} is not a coordinator address: {exc}"
+        ) from None
 
 
 def _one_line(message: str) -> str:

@@ -41,6 +41,7 @@ __all__ = [
     "EMBEDDED_TIME_SCALE",
     "Gateway",
     "add_agent_options",
+    "check_gateway",
     "extend_ask",
     "make_agent",
     "open_gateway",
@@ -56,6 +57,8 @@ SYNTHETIC_NOTE = (
 )
 MAX_ROWS_SHOWN = 20
 MAX_RETRIES = 6
+GATEWAY_CHECK_TIMEOUT_S = 10.0
+"""How long `check_gateway` waits for the gateway's list of models."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,20 +213,82 @@ def _answers(base_url: str) -> bool:
         return False
 
 
+def _credentials(args: argparse.Namespace) -> tuple[str | None, str | None]:
+    """(API key, CA file) to call the gateway with: ``--api-key-file`` or
+    ``$HEXGEN_FLOW_API_KEY``, ``--tls-ca`` or ``$HEXGEN_FLOW_TLS_CA``."""
+    from hexgen_client.credentials import api_key_from_env  # noqa: PLC0415 - loads grpc
+    from hexgen_launch.security import ca_from_env, read_secret  # noqa: PLC0415
+
+    key = read_secret(args.api_key_file, "--api-key-file") if args.api_key_file else None
+    return api_key_from_env(key), ca_from_env(args.tls_ca)
+
+
+def check_gateway(args: argparse.Namespace, base_url: str) -> list[str]:
+    """The models the gateway at `base_url` lists (``GET /models``), before any question is
+    asked; `ConfigError` (one line, exit 2) naming the URL when nothing answers there, when
+    what answers is not an OpenAI-compatible API, when it refuses the key, or when
+    ``--model`` is not one of its models."""
+    import httpx  # noqa: PLC0415 - a mesh dependency
+
+    key, ca = _credentials(args)
+    url = f"{base_url}/models"
+    try:
+        response = httpx.get(
+            url,
+            headers={"Authorization": f"Bearer {key}"} if key else None,
+            timeout=GATEWAY_CHECK_TIMEOUT_S,
+            verify=ssl.create_default_context(cafile=ca) if ca else True,
+        )
+    except httpx.HTTPError as exc:
+        reason = " ".join(str(exc).split()) or type(exc).__name__
+        raise ConfigError(
+            f"cannot reach the gateway at {base_url}: {reason} (is `{PROG} up` running, "
+            "or is --gateway the right URL?)"
+        ) from None
+    if response.status_code in (401, 403):
+        raise ConfigError(
+            f"the gateway at {base_url} refused the API key (HTTP {response.status_code} on "
+            "GET /models): give --api-key-file or $HEXGEN_FLOW_API_KEY"
+        )
+    try:
+        listed = response.json()["data"] if response.is_success else None
+        models = [str(m["id"]) for m in listed] if isinstance(listed, list) else None
+    except (ValueError, KeyError, TypeError):
+        models = None
+    if models is None:
+        kind = response.headers.get("content-type", "no content type").split(";")[0]
+        raise ConfigError(
+            f"{base_url} is not an OpenAI-compatible API: GET {url} answered HTTP "
+            f"{response.status_code} ({kind}), not a list of models; --gateway takes the "
+            "endpoint's base URL, e.g. http://127.0.0.1:8000/v1"
+        )
+    if not models:
+        raise ConfigError(f"the gateway at {base_url} lists no models")
+    if args.model is not None and args.model not in models:
+        raise ConfigError(
+            f"--model {args.model}: the gateway at {base_url} serves {', '.join(models)}"
+        )
+    return models
+
+
 @contextlib.contextmanager
 def open_gateway(args: argparse.Namespace, command: str) -> Iterator[Gateway]:
     """The gateway to use: ``--gateway``; else the local mesh's; else an embedded local
-    mesh with simulated engines, stopped at the end (said on stderr)."""
+    mesh with simulated engines, stopped at the end (said on stderr). Each is checked
+    (`check_gateway`) before it is used."""
     require_mesh(command)
     require_openai(command)
     if args.gateway:
+        base_url = _base_url(args.gateway)
+        check_gateway(args, base_url)
         # The coordinator behind it, when one answers, tells the clock and the engines.
         probed = None if args.time_scale else _probe_mesh(args)
         time_scale = args.time_scale or (probed[0] if probed else 1.0)
-        yield Gateway(_base_url(args.gateway), time_scale, probed[1] if probed else None)
+        yield Gateway(base_url, time_scale, probed[1] if probed else None)
         return
     local = _base_url(DEFAULT_GATEWAY)
     if _answers(local):
+        check_gateway(args, local)
         probed = _probe_mesh(args)
         time_scale = args.time_scale or (probed[0] if probed else 1.0)
         synthetic = probed[1] if probed else None
@@ -249,24 +314,23 @@ def open_gateway(args: argparse.Namespace, command: str) -> Iterator[Gateway]:
     )
     with LocalCluster(config) as mesh:
         assert mesh.gateway_address is not None
-        yield Gateway(_base_url(mesh.gateway_address), time_scale, True)
+        base_url = _base_url(mesh.gateway_address)
+        check_gateway(args, base_url)
+        yield Gateway(base_url, time_scale, True)
 
 
 def make_agent(args: argparse.Namespace, gateway: Gateway, db: Path) -> SqlAgent:
     from openai import AsyncOpenAI, DefaultAsyncHttpxClient  # noqa: PLC0415 - the openai extra
 
-    from hexgen_client.credentials import api_key_from_env  # noqa: PLC0415 - loads grpc
-    from hexgen_launch.security import ca_from_env, read_secret  # noqa: PLC0415
     from hexgen_sql.agent import SqlAgent  # noqa: PLC0415 - loads openai
 
     # 429s carry Retry-After, which the SDK honours: a busy mesh is waited for, a few times
     # A secured mesh: the gateway forwards the key to the coordinator and serves HTTPS
     # with a certificate of the mesh's CA.
-    key = read_secret(args.api_key_file, "--api-key-file") if args.api_key_file else None
-    ca = ca_from_env(args.tls_ca)
+    key, ca = _credentials(args)
     client = AsyncOpenAI(
         base_url=gateway.base_url,
-        api_key=api_key_from_env(key) or "unused",
+        api_key=key or "unused",
         timeout=600.0,
         max_retries=MAX_RETRIES,
         http_client=DefaultAsyncHttpxClient(verify=ssl.create_default_context(cafile=ca))
@@ -335,7 +399,7 @@ def _cmd_ask(args: argparse.Namespace) -> int:
         try:
             result = asyncio.run(agent.answer(args.question))
         except openai.APIError as exc:  # refused (429), unreachable, ...: one line, exit 1
-            info(f"{PROG}: error: {' '.join(str(exc).split())}")
+            info(f"{PROG}: error: the gateway at {gateway.base_url}: {' '.join(str(exc).split())}")
             return 1
     if args.json:
         doc = result.to_json()
