@@ -64,6 +64,9 @@ func id(t *testing.T, suffix string) string {
 	return runID + "-" + strings.ReplaceAll(t.Name(), "/", "-") + suffix
 }
 
+// longSLO (cluster seconds) is an SLO longWorkflow meets on any cluster the tests run on.
+const longSLO = 86_400
+
 func call(in, out int32) *pb.LLMCall {
 	return &pb.LLMCall{InputTokens: in, OutputTokens: out}
 }
@@ -77,7 +80,9 @@ func smallWorkflow() *pb.Workflow {
 	}}
 }
 
-// longWorkflow runs long enough (many rounds of long generations) to be cancelled.
+// longWorkflow runs long enough (many rounds of long generations) to be cancelled: about
+// 1660 cluster seconds alone on `up`'s default cluster (30 rounds of 2000 tokens), so a
+// query of it needs an SLO it can meet there (longSLO), not a multiple of SLO_base.
 func longWorkflow() *pb.Workflow {
 	return &pb.Workflow{Stages: []*pb.Stage{
 		{Id: "rounds", Step: "revise", Calls: []*pb.LLMCall{call(1000, 2000)}, Repeat: 30},
@@ -219,7 +224,10 @@ func TestLiveRun(t *testing.T) {
 
 func TestLiveCancel(t *testing.T) {
 	c, ctx := liveClient(t)
-	q := hexgenflow.Query{ID: id(t, ""), Workflow: longWorkflow(), SLOScale: 10}
+	// An SLO of a day: with SLOScale 10 (820 s on the default cluster) a coordinator with
+	// admission control (`up`'s default) refused the query, which needs about 1658 s even
+	// alone: INVALID_ARGUMENT, or RESOURCE_EXHAUSTED with a larger --admission-slack.
+	q := hexgenflow.Query{ID: id(t, ""), Workflow: longWorkflow(), SLOSeconds: longSLO}
 	if _, err := c.Submit(ctx, q); err != nil {
 		t.Fatal(err)
 	}
