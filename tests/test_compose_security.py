@@ -9,12 +9,15 @@ processes on this machine.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
 import json
 import re
 import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -34,13 +37,14 @@ from compose_file import (
 from hexgen_api.v1 import coordinator_pb2
 from hexgen_client.client import CoordinatorClient
 from hexgen_coordinator.__main__ import parse_args
+from hexgen_flow.errors import HexgenFlowError
 from hexgen_flow.traces import load_trace, take_queries
 from hexgen_gateway.__main__ import parse_config as gateway_config
 from hexgen_launch.processes import ManagedProcess, free_port, stop_processes
 from hexgen_service.auth_dir import AuthDir
 from hexgen_service.exposure import refuse_unprotected
 from hexgen_tuner.__main__ import parse_config as tuner_config
-from hexgen_worker.cli import build_parser, config_from_args
+from hexgen_worker.cli import UsageError, build_parser, config_from_args
 
 # ------------------------------------------------------------------------ its security
 
@@ -138,13 +142,11 @@ def test_every_door_serves_tls_and_checks_keys() -> None:
     assert _flag(tuner, "--coordinator") == "coordinator:50051"
 
 
-def test_every_service_takes_its_command_with_the_auth_directorys_files(
-    auth: AuthDir, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """Each service's own parser (the flags exist, the files read, protected mode passes),
-    given the compose command with /run/secrets/NAME as the auth directory's file."""
-
-    doc = compose_doc()
+def _parsed_commands(doc: dict[str, Any], auth: AuthDir) -> tuple[dict[str, Any], list[str]]:
+    """Each hexgen service's compose command read by the service's own parser (the flags
+    exist, each value passes its setting's check, the files read, protected mode passes),
+    with /run/secrets/NAME as the auth directory's file: the configurations, by service,
+    and a line for each command a parser refuses (its one-line error)."""
     files = {
         name: str(auth.path / secret["file"].removeprefix(AUTH_DIR + "/"))
         for name, secret in doc["secrets"].items()
@@ -157,16 +159,59 @@ def test_every_service_takes_its_command_with_the_auth_directorys_files(
             re.sub(r"/run/secrets/([A-Za-z0-9_-]+)", lambda m: files[m.group(1)], w) for w in words
         ]
 
-    try:
-        coordinator, _ = parse_args(argv("coordinator"))
-        tuner = tuner_config(argv("tuner"))
-        gateway, _ = gateway_config(argv("gateway"))
-        workers = [config_from_args(build_parser().parse_args(argv(w))) for w in WORKERS]
-    except SystemExit as exc:
-        raise AssertionError(f"a service refused its command: {capsys.readouterr().err}") from exc
-    assert coordinator.worker_token and coordinator.redis_password
-    assert tuner.listen == "0.0.0.0:50053" and gateway.https
-    assert [w.slot for w in workers] == [0, 1, 2, 3]
+    def worker(words: list[str]) -> Any:
+        return config_from_args(build_parser().parse_args(words))
+
+    parsers: dict[str, Callable[[list[str]], Any]] = {
+        "coordinator": lambda words: parse_args(words)[0],
+        "tuner": tuner_config,
+        "gateway": lambda words: gateway_config(words)[0],
+        **dict.fromkeys(WORKERS, worker),
+    }
+    parsed: dict[str, Any] = {}
+    refused: list[str] = []
+    for name, parse in parsers.items():
+        stderr = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(stderr):
+                parsed[name] = parse(argv(name))
+        except (SystemExit, HexgenFlowError, UsageError) as exc:
+            said = stderr.getvalue().strip() or str(exc)
+            refused.append(f"{name}: {said.split(': error: ', 1)[-1]}")
+    return parsed, refused
+
+
+def test_every_service_takes_its_command_with_the_auth_directorys_files(auth: AuthDir) -> None:
+    """Each service's own parser takes its compose command (`_parsed_commands`)."""
+    parsed, refused = _parsed_commands(compose_doc(), auth)
+    assert refused == []
+    assert parsed["coordinator"].worker_token and parsed["coordinator"].redis_password
+    assert parsed["tuner"].listen == "0.0.0.0:50053" and parsed["gateway"].https
+    assert [parsed[w].slot for w in WORKERS] == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    ("service", "word", "refusal"),
+    [
+        ("coordinator", "--admission=maybe", "argument --admission: invalid choice: 'maybe'"),
+        ("coordinator", "--max-calls=0", "--max-calls must be >= 1"),
+        ("tuner", "--no-such-option=1", "unrecognized arguments: --no-such-option=1"),
+        ("tuner", "--period-s=0", "--period-s must be a finite number of seconds > 0"),
+        ("gateway", "--default-max-tokens=0", "--default-max-tokens must be from 1 to"),
+        ("gateway", "--session-idle-s=soon", "argument --session-idle-s: invalid float value"),
+        ("worker-2", "--slot=-5", "--slot must be >= 0, or -1 for any slot, got -5"),
+        ("worker-3", "--engines=vllm", "unrecognized arguments: --engines=vllm"),
+    ],
+)
+def test_a_compose_command_with_an_unknown_or_invalid_option_is_refused(
+    auth: AuthDir, service: str, word: str, refusal: str
+) -> None:
+    """The check above can fail: an option a service does not have, or a value its
+    setting's check refuses, in a compose command is reported with the parser's line."""
+    doc = compose_doc()
+    doc["services"][service]["command"].append(word)
+    _, refused = _parsed_commands(doc, auth)
+    assert len(refused) == 1 and refused[0].startswith(f"{service}: {refusal}"), refused
 
 
 def test_redis_requires_a_login_and_each_service_has_its_own() -> None:

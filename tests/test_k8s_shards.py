@@ -12,7 +12,9 @@ door passes it."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import copy
+import io
 import shlex
 import socket
 import subprocess
@@ -35,8 +37,8 @@ from hexgen_flow.errors import ConfigError, HexgenFlowError
 from hexgen_gateway.__main__ import parse_config as gateway_config
 from hexgen_service.redis_keys import cluster_prefix
 from hexgen_tuner.__main__ import parse_config as tuner_config
+from hexgen_worker.cli import UsageError, config_from_args
 from hexgen_worker.cli import build_parser as worker_parser
-from hexgen_worker.cli import config_from_args
 from k8s_render import (
     K8S,
     ROOT,
@@ -116,10 +118,13 @@ def shard_problems(docs: list[Doc], at: Path) -> list[str]:
             with_env(a, container, docs, fields).replace("/run/secrets/", f"{secrets}/")
             for a in container["args"]
         ]
+        stderr = io.StringIO()
         try:
-            return parse(argv)
-        except (SystemExit, HexgenFlowError):
-            found.append(f"{who}: its command line is refused")
+            with contextlib.redirect_stderr(stderr):
+                return parse(argv)
+        except (SystemExit, HexgenFlowError, UsageError) as exc:
+            said = (stderr.getvalue().strip() or str(exc)).split(": error: ", 1)[-1]
+            found.append(f"{who}: its command line is refused: {said}")
             return None
 
     shards = ShardMap.parse(_shards_config(docs)["shards"]).prefixes
@@ -247,6 +252,22 @@ def _mutations() -> dict[str, tuple[Callable[[list[Doc]], None], str]]:
             "coordinator-0.coordinator-workers: advertises svc:50051",
         ),
         "clients' door shut": (no_clients_door, "gateway: no NetworkPolicy lets it reach"),
+        "an unknown tuner option": (
+            lambda d: _args(d, "Deployment", "tuner").append("--no-such-option=1"),
+            "tuner: its command line is refused: unrecognized arguments: --no-such-option=1",
+        ),
+        "a gateway value out of range": (
+            lambda d: _args(d, "Deployment", "gateway").append("--default-max-tokens=0"),
+            "gateway: its command line is refused: --default-max-tokens must be from 1 to",
+        ),
+        "a coordinator value out of range": (
+            lambda d: _args(d, "StatefulSet", "coordinator").append("--alpha=2"),
+            "coordinator-0.coordinator-workers: its command line is refused: --alpha must be",
+        ),
+        "an unknown worker option": (
+            lambda d: _args(d, "Deployment", "worker-l40s").append("--engines=vllm"),
+            "worker-l40s: its command line is refused: unrecognized arguments: --engines=vllm",
+        ),
         "two down at once": (
             lambda d: spec(d, "PodDisruptionBudget", "coordinator").update(maxUnavailable=2),
             "not one down at a time",

@@ -461,9 +461,9 @@ async def test_retune_without_a_coordinator_records_why(
     [
         (
             ["--window", "10", "--min-queries", "20"],
-            "min-queries (20) must not exceed the window (10)",
+            "--min-queries (20) must not exceed --window (10)",
         ),
-        (["--tolerance", "1.5"], "tolerance must be in [0, 1), got 1.5"),
+        (["--tolerance", "1.5"], "--tolerance must be in [0, 1), got 1.5"),
     ],
 )
 def test_tuner_command_line_errors_exit_2_with_one_line(args: list[str], error: str) -> None:

@@ -210,14 +210,16 @@ class LocalCluster:
                     redis_url,
                     self.calibration.argument,
                     self.tuner_metrics_address,
+                    self.auth,
                 )
-                argv += [*login, *self._secure("tuner")]
+                argv += login
                 self.tuner = self._process("tuner", "tuner.log", argv)
                 self.tuner.start()
                 self._wait_healthy(self.tuner, self.tuner_address)
             if self.gateway_address is not None:
-                argv = gateway_argv(config, self.gateway_address, self.coordinator_address)
-                argv += self._secure("gateway")
+                argv = gateway_argv(
+                    config, self.gateway_address, self.coordinator_address, self.auth
+                )
                 self.gateway = self._process("gateway", "gateway.log", argv)
                 self.gateway.start()
                 self._wait_healthy(self.gateway, self.gateway_address, http=True)

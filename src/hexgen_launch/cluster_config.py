@@ -20,7 +20,12 @@ from hexgen_flow.cluster import DEFAULT_CLUSTER
 from hexgen_service.auth_dir import AuthDir
 from hexgen_service.coordinator_config import CoordinatorConfig
 from hexgen_service.coordinator_config import coordinator_argv as render_coordinator_argv
+from hexgen_service.gateway_config import GatewayConfig
+from hexgen_service.gateway_config import gateway_argv as render_gateway_argv
 from hexgen_service.redis_keys import CLUSTER_PREFIX as DEFAULT_CLUSTER_PREFIX
+from hexgen_service.redis_keys import cluster_prefix
+from hexgen_service.tuner_config import TunerConfig
+from hexgen_service.tuner_config import tuner_argv as render_tuner_argv
 from hexgen_service.worker_config import EngineKind, WorkerConfig
 from hexgen_service.worker_config import worker_argv as render_worker_argv
 
@@ -35,6 +40,7 @@ __all__ = [
     "gateway_argv",
     "redis_login",
     "secure_argv",
+    "secure_settings",
     "sharded_coordinator_args",
     "tuner_argv",
     "worker_argv",
@@ -162,23 +168,6 @@ class LocalClusterConfig:
     ``WorkerLaunch()`` (a simulated engine)."""
 
 
-def _calibration_args(calibration: str | None) -> list[str]:
-    # The default goes unsaid, so that a default mesh's command lines are what they were.
-    if calibration is None or calibration == DEFAULT_CALIBRATION:
-        return []
-    return ["--calibration", calibration]
-
-
-def _redis_prefix_args(config: LocalClusterConfig) -> list[str]:
-    """``--redis-prefix P`` (and ``--redis-cluster``); on a Redis Cluster the default prefix
-    goes unsaid, so that the services take their cluster default (with a hash tag)."""
-    if not config.redis_cluster:
-        return ["--redis-prefix", config.redis_prefix]
-    if config.redis_prefix == DEFAULT_REDIS_PREFIX:
-        return ["--redis-cluster"]
-    return ["--redis-prefix", config.redis_prefix, "--redis-cluster"]
-
-
 SHARDED_ADMISSION = "off"
 """The ``--admission`` of `up --shards`' coordinators when none is given: they have
 always admitted everything (`hexgen_launch.sharded_mesh.ShardedMeshConfig`), while
@@ -253,27 +242,44 @@ def tuner_argv(
     redis_url: str,
     calibration: str | None = None,
     metrics: str | None = None,
+    auth: AuthDir | None = None,
 ) -> list[str]:
-    """The tuner's command line; `metrics`: where it serves Prometheus metrics."""
-    return [
-        config.python, "-m", "hexgen_tuner",
-        "--listen", listen,
-        "--coordinator", coordinator,
-        "--redis-url", redis_url,
-        *_redis_prefix_args(config),
-        "--period-s", repr(config.tuner_period_s),
-        *(["--metrics-listen", metrics] if metrics is not None else []),
-        *_calibration_args(calibration),
-    ]  # fmt: skip
+    """The tuner's command line, rendered through its settings
+    (`hexgen_service.tuner_config`): its addresses, the Redis prefix and the period always,
+    the calibration when not the default, `metrics`, where it serves Prometheus metrics,
+    when given, and secured with `auth`'s credentials (`secure_settings`) when given (its
+    Redis login is the caller's: `redis_login`)."""
+    settings = TunerConfig(
+        **(secure_settings(auth, "tuner") if auth is not None else {}),
+        listen=listen,
+        coordinator=coordinator,
+        redis_url=redis_url,
+        # on a Redis Cluster the default prefix is the services' cluster default (a hash tag)
+        redis_prefix=cluster_prefix(
+            None if config.redis_prefix == DEFAULT_REDIS_PREFIX else config.redis_prefix,
+            config.redis_prefix,
+            cluster=config.redis_cluster,
+        ),
+        redis_cluster=config.redis_cluster,
+        period_s=config.tuner_period_s,
+        metrics_listen=metrics or "",
+        # the default goes unsaid, so that a default mesh's command lines are what they were
+        calibration=None if calibration == DEFAULT_CALIBRATION else calibration,
+    )
+    said = ("listen", "coordinator", "redis_url", "redis_prefix", "period_s")
+    return [config.python, "-m", "hexgen_tuner", *render_tuner_argv(settings, also=said)]
 
 
-def gateway_argv(config: LocalClusterConfig, listen: str, coordinator: str) -> list[str]:
-    """The OpenAI-compatible gateway's command line."""
-    return [
-        config.python, "-m", "hexgen_gateway",
-        "--listen", listen,
-        "--coordinator", coordinator,
-    ]  # fmt: skip
+def gateway_argv(
+    config: LocalClusterConfig, listen: str, coordinator: str, auth: AuthDir | None = None
+) -> list[str]:
+    """The OpenAI-compatible gateway's command line, rendered through its settings
+    (`hexgen_service.gateway_config`): its address and the coordinator's, secured with
+    `auth`'s credentials (`secure_settings`) when given."""
+    secured = secure_settings(auth, "gateway") if auth is not None else {}
+    settings = GatewayConfig(listen=listen, coordinator=coordinator, **secured)
+    rendered = render_gateway_argv(settings, also=("listen", "coordinator"))
+    return [config.python, "-m", "hexgen_gateway", *rendered]
 
 
 def worker_argv(
@@ -323,13 +329,27 @@ def secure_argv(auth: AuthDir, service: str) -> list[str]:
     if service == "coordinator":
         return ["--api-keys-file", str(auth.keys), *tls_server, *ca]
     if service == "tuner":
-        keys = ["--api-keys-file", str(auth.keys), "--api-key-file", str(auth.tuner_key)]
-        return [*keys, *tls_server, *ca]
+        return render_tuner_argv(TunerConfig(**secure_settings(auth, service)))
     if service == "gateway":
-        return [*tls_server, *ca]
+        return render_gateway_argv(GatewayConfig(**secure_settings(auth, service)))
     if service == "worker":
         return [*ca, "--tls-cert", str(auth.worker_cert), "--tls-key", str(auth.worker_key)]
     raise ValueError(f"no secure options for {service!r}")
+
+
+def secure_settings(auth: AuthDir, service: str) -> dict[str, Any]:
+    """The settings (field -> value) that run the tuner or the gateway (`service`) secured
+    with the credentials of `auth`: the server certificate and the CA (TLS on its door,
+    the coordinator verified), and the tuner's keys (its callers' keys file, its own
+    operator key for the coordinator). Rendered by `tuner_argv`, `gateway_argv` and
+    `secure_argv`."""
+    tls: dict[str, Any] = {"tls_cert": str(auth.server_cert), "tls_key": str(auth.server_key)}
+    tls["tls_ca"] = str(auth.ca)
+    if service == "tuner":
+        return {"api_keys_file": str(auth.keys), "api_key_file": str(auth.tuner_key), **tls}
+    if service == "gateway":
+        return tls
+    raise ValueError(f"no secure settings for {service!r}")
 
 
 def redis_login(url: str, auth: AuthDir, user: str) -> tuple[str, list[str]]:

@@ -36,11 +36,16 @@ from hexgen_launch.cluster_config import (
     SHARDED_ADMISSION,
     redis_login,
     secure_argv,
+    secure_settings,
 )
 from hexgen_launch.processes import ManagedProcess, RedisServer, free_port, stop_processes
 from hexgen_service import redis_schema
 from hexgen_service.auth import read_secret
 from hexgen_service.auth_dir import AuthDir
+from hexgen_service.gateway_config import GatewayConfig
+from hexgen_service.gateway_config import gateway_argv as render_gateway_argv
+from hexgen_service.tuner_config import TunerConfig
+from hexgen_service.tuner_config import tuner_argv as render_tuner_argv
 from hexgen_service.worker_config import WorkerConfig, worker_argv
 
 __all__ = ["SPARE_PREFIX", "CoordinatorProcess", "LocalShardedMesh", "ShardedMeshConfig"]
@@ -181,26 +186,46 @@ class LocalShardedMesh:
             redis_url, login = self._redis_login("tuner")
             argv = [
                 sys.executable, "-m", "hexgen_tuner",
-                "--listen", self.tuner_address,
-                "--coordinator", self.client_addresses,
-                "--redis-url", redis_url, *login,
-                "--shards", ",".join(prefixes),
-                "--redis-prefix", cfg.tuner_prefix,
-                *self._cluster(),
-                "--period-s", repr(cfg.tuner_period_s),
-                *self._secure("tuner"),
+                *self.tuner_argv(self.tuner_address, redis_url),
+                *login,
             ]  # fmt: skip
             self._service("tuner", argv)
         if cfg.gateway:
             self.gateway_address = f"127.0.0.1:{free_port()}"
             argv = [
                 sys.executable, "-m", "hexgen_gateway",
-                "--listen", self.gateway_address,
-                "--coordinator", self.client_addresses,
-                *self._secure("gateway"),
+                *self.gateway_argv(self.gateway_address),
             ]  # fmt: skip
             self._service("gateway", argv)
         return self
+
+    # ------------------------------------------------- the tuner's and the gateway's options
+
+    def tuner_argv(self, listen: str, redis_url: str) -> list[str]:
+        """The tuner's options (but its Redis login), rendered through its settings
+        (`hexgen_service.tuner_config`): every shard and every coordinator, its own records
+        under `ShardedMeshConfig.tuner_prefix`, and a secured mesh's credentials."""
+        cfg = self.config
+        tuner = TunerConfig(
+            **(secure_settings(self.auth, "tuner") if self.auth is not None else {}),
+            listen=listen,
+            coordinator=self.client_addresses,
+            shards=cfg.prefixes,
+            redis_url=redis_url,
+            redis_prefix=cfg.tuner_prefix,
+            redis_cluster=cfg.redis_cluster,
+            period_s=cfg.tuner_period_s,
+        )
+        said = ("listen", "redis_url", "redis_prefix", "period_s")
+        return render_tuner_argv(tuner, also=said)
+
+    def gateway_argv(self, listen: str) -> list[str]:
+        """The gateway's options, rendered through its settings
+        (`hexgen_service.gateway_config`): every coordinator's address, and a secured
+        mesh's credentials."""
+        secured = secure_settings(self.auth, "gateway") if self.auth is not None else {}
+        gateway = GatewayConfig(listen=listen, coordinator=self.client_addresses, **secured)
+        return render_gateway_argv(gateway, also=("listen", "coordinator"))
 
     # ------------------------------------------------- what a secured mesh adds
 

@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 from hexgen_flow.errors import ConfigError
 
 __all__ = [
+    "LOG_LEVELS",
     "Option",
     "add_options",
     "at_least",
@@ -45,6 +46,9 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+"""The Python logging levels a service's ``--log-level`` takes (any case)."""
 
 Check = Callable[[Any], "str | None"]
 """A value's problem, worded to follow the flag ("must be > 0"), or None when it is fine."""

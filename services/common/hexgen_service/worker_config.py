@@ -30,6 +30,7 @@ from hexgen_flow.sim.engines import DEFAULT_ENGINE_MODEL, ENGINE_MODELS, prefix_
 from hexgen_service.auth import read_secret
 from hexgen_service.exposure import refuse_open_metrics
 from hexgen_service.settings import (
+    LOG_LEVELS,
     Check,
     add_options,
     check_settings,
@@ -51,7 +52,6 @@ __all__ = [
 
 EngineKind = Literal["simulated", "openai", "vllm"]
 ENGINE_KINDS: tuple[EngineKind, ...] = ("simulated", "openai", "vllm")
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
 def _at_least_got(low: int, note: str = "") -> Check:

@@ -11,11 +11,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from hexgen_client.addresses import split_addresses
 from hexgen_flow.errors import ConfigError, HexgenFlowError
-from hexgen_gateway.config import GatewayConfig
+from hexgen_gateway.config import GatewayConfig, add_gateway_options, gateway_config_from_args
 from hexgen_service.auth import API_KEY_ENV, read_secret
 from hexgen_service.exposure import is_loopback
+from hexgen_service.gateway_config import address
 from hexgen_service.telemetry import setup_logging
 from hexgen_service.tls import TlsFiles, add_tls_options, ca_from_env, channel_credentials
 
@@ -28,113 +28,25 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def _address(text: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
-    return host, int(port)
-
-
 def parse_config(argv: Sequence[str] | None = None) -> tuple[GatewayConfig, str]:
-    """The gateway's settings and its log level."""
-    d = GatewayConfig()
+    """The gateway's settings and its log level. Every option but the TLS ones
+    (`hexgen_service.tls`, shared with the other services) is a `GatewayConfig` setting,
+    declared, parsed and checked there; the files the security options name are read here
+    once (`check_files`)."""
     parser = _Parser(
         prog="python -m hexgen_gateway",
         description="The OpenAI-compatible API of a HexGen-Flow mesh: each chat or "
         "completion request becomes a workflow of the coordinator.",
     )
-    parser.add_argument("--listen", default=d.listen, help=f"HOST:PORT (default {d.listen})")
-    parser.add_argument(
-        "--coordinator",
-        action="append",
-        metavar="HOST:PORT",
-        help=f"the coordinator (default {d.coordinator}); a sharded mesh's coordinators: "
-        "repeat it or give a comma list (each workflow goes to its shard's owner)",
-    )
-    parser.add_argument(
-        "--default-stage",
-        default=d.default_stage,
-        help=f"the stage of a request without X-Hexgen-Stage (default {d.default_stage})",
-    )
-    parser.add_argument(
-        "--default-max-tokens",
-        type=int,
-        default=d.default_max_tokens,
-        help=f"output tokens of a request without max_tokens (default {d.default_max_tokens})",
-    )
-    parser.add_argument(
-        "--max-body-bytes",
-        type=int,
-        default=d.max_body_bytes,
-        help="largest request body; a larger one is answered 413 before it is read "
-        f"(default {d.max_body_bytes}, 8 MiB: the coordinator's --max-prompt-bytes must fit)",
-    )
-    parser.add_argument(
-        "--request-timeout-s",
-        type=float,
-        default=d.request_timeout_s,
-        help="wall seconds a request may take before it is cancelled and answered 504 "
-        f"(default {d.request_timeout_s:g})",
-    )
-    parser.add_argument(
-        "--session-idle-s",
-        type=float,
-        default=d.session_idle_s,
-        help="wall seconds without a call after which a workflow this gateway opened is "
-        "closed (a request's X-Hexgen-Idle-S overrides it; 0: the coordinator's "
-        f"--session-idle-s) (default {d.session_idle_s:g})",
-    )
-    parser.add_argument(
-        "--no-metrics",
-        dest="metrics",
-        action="store_false",
-        help="do not serve GET /metrics (the gateway's Prometheus metrics)",
-    )
-    security = parser.add_argument_group("security (docs/security.md)")
-    add_tls_options(security, serves="HTTPS")
-    security.add_argument(
-        "--api-key-file",
-        default=d.api_key_file,
-        metavar="FILE",
-        help="the gateway's own API key, for its /health only; requests always carry their "
-        "caller's Authorization: Bearer key (default: none)",
-    )
-    security.add_argument(
-        "--insecure",
-        action="store_true",
-        help="listen beyond loopback over plain HTTP (without --tls-cert/--tls-key)",
-    )
-    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    add_gateway_options(parser)
+    add_tls_options(parser, serves="HTTPS")
     args = parser.parse_args(argv)
     try:
-        coordinators = split_addresses(args.coordinator or d.coordinator)
-    except ConfigError as exc:
-        parser.error(f"--coordinator: {exc}")
-    for name, value in (("listen", args.listen), *(("coordinator", c) for c in coordinators)):
-        try:
-            _address(value)
-        except argparse.ArgumentTypeError as exc:
-            parser.error(f"--{name}: {exc}")
-    try:
-        config = GatewayConfig(
-            listen=args.listen,
-            coordinator=",".join(coordinators),
-            default_stage=args.default_stage,
-            default_max_tokens=args.default_max_tokens,
-            max_body_bytes=args.max_body_bytes,
-            request_timeout_s=args.request_timeout_s,
-            tls_cert=args.tls_cert,
-            tls_key=args.tls_key,
-            tls_ca=args.tls_ca,
-            api_key_file=args.api_key_file,
-            insecure=args.insecure,
-            session_idle_s=args.session_idle_s or None,
-            metrics=args.metrics,
-        )
+        config = gateway_config_from_args(args)
         check_files(config)
     except HexgenFlowError as exc:
         parser.error(str(exc))
-    return config, args.log_level.upper()
+    return config, config.log_level
 
 
 def check_files(config: GatewayConfig) -> None:
@@ -173,7 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from hexgen_gateway.app import create_app  # noqa: PLC0415 - loads fastapi
 
-    host, port = _address(config.listen)
+    host, port = address(config.listen)
     try:
         uvicorn.run(
             create_app(config),
