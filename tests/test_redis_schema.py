@@ -15,6 +15,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import itertools
+import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,6 +37,7 @@ from hexgen_service.redis_schema import (
     FinishedEntry,
     Placement,
 )
+from hexgen_tuner.store import AlphaChange as TunerAlphaChange
 from in_process_mesh import in_process_mesh
 from redis_here import REDIS_URL, needs_redis
 
@@ -444,6 +446,20 @@ def test_a_completion_entry_round_trips() -> None:
     assert list(fields) == list(schema.COMPLETION_FIELDS)
     assert fields["released_s"] == "0.1"  # as the coordinator always wrote them: repr
     assert schema.decode_completion(_as_redis(fields)) == entry
+
+
+def test_an_alpha_change_round_trips_and_both_histories_spell_it_here() -> None:
+    """One format for an α change: the coordinator's ``alpha:history`` entries (written
+    with `encode_alpha_change`) and the tuner's `AlphaChange` are the schema's."""
+    text = schema.encode_alpha_change(12.5, 0.3, "tune-000007")
+    assert json.loads(text) == {"time_s": 12.5, "alpha": 0.3, "reason": "tune-000007"}
+    change = schema.decode_alpha_change(text.encode())
+    assert change == schema.AlphaChange(12.5, 0.3, "tune-000007")
+    assert schema.AlphaChange.from_json(change.to_json()) == change
+    assert TunerAlphaChange is schema.AlphaChange
+    for garbage in ("{}", '{"time_s": 1, "alpha": "x", "reason": ""}', "[]"):
+        with pytest.raises((ValueError, KeyError, TypeError)):
+            schema.decode_alpha_change(garbage)
 
 
 def test_admitted_and_finished_entries_decode() -> None:

@@ -87,6 +87,7 @@ __all__ = [
     "TUNER_RUNS",
     "TUNER_RUN_SEQ",
     "AdmittedEntry",
+    "AlphaChange",
     "CompletionEntry",
     "F",
     "FinishedEntry",
@@ -96,6 +97,7 @@ __all__ = [
     "call_field",
     "classify_key",
     "decode_admitted",
+    "decode_alpha_change",
     "decode_completion",
     "decode_finished",
     "decode_query_entry",
@@ -370,9 +372,35 @@ class M:
     ALPHA: Final = "alpha"
 
 
+@dataclass(frozen=True, slots=True)
+class AlphaChange:
+    """One entry of an α history list (JSON ``{"time_s", "alpha", "reason"}``): the
+    coordinator's ``alpha:history`` (`time_s` on its cluster clock; the reason SetAlpha's)
+    and the tuner's ``tuner:alpha_history`` (`time_s` Unix seconds; a run id or
+    "observed at the coordinator") share it."""
+
+    time_s: float
+    alpha: float
+    reason: str
+
+    def to_json(self) -> str:
+        return encode_alpha_change(self.time_s, self.alpha, self.reason)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> AlphaChange:
+        return decode_alpha_change(text)
+
+
 def encode_alpha_change(time_s: float, alpha: float, reason: str) -> str:
-    """One entry of the ``alpha:history`` list (JSON)."""
+    """One entry of an α history list (JSON; `AlphaChange`)."""
     return json.dumps({"time_s": time_s, "alpha": alpha, "reason": reason})
+
+
+def decode_alpha_change(text: str | bytes) -> AlphaChange:
+    """An entry `encode_alpha_change` wrote (`ValueError`, `KeyError` or `TypeError` when
+    it is not one)."""
+    doc = json.loads(text)
+    return AlphaChange(float(doc["time_s"]), float(doc["alpha"]), str(doc["reason"]))
 
 
 # ---------------------------------------------------------------------------- streams

@@ -112,23 +112,10 @@ class TuningRunRecord:
         )
 
 
-@dataclass(frozen=True, slots=True)
-class AlphaChange:
-    """An α the coordinator had from `time_s` on."""
-
-    time_s: float
-    """Unix seconds."""
-    alpha: float
-    reason: str
-    """The run id that set it, or "observed at the coordinator"."""
-
-    def to_json(self) -> str:
-        return json.dumps({"time_s": self.time_s, "alpha": self.alpha, "reason": self.reason})
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> AlphaChange:
-        doc = json.loads(text)
-        return cls(float(doc["time_s"]), float(doc["alpha"]), str(doc["reason"]))
+AlphaChange = schema.AlphaChange
+"""An α the coordinator had from `time_s` (Unix seconds here) on, and why: the run id that
+set it, or "observed at the coordinator" (the entry's format is `hexgen_service.redis_schema`'s,
+shared with the coordinator's ``alpha:history``)."""
 
 
 class TunerStore:
