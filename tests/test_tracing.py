@@ -2,8 +2,9 @@
 
 The coordinator and a worker run in this process (real gRPC server on a free port, real
 Redis, the simulated engine), so the SDK's in-memory exporter sees every span both make:
-a `query` span, a `call` span per call as its child, and the worker's span of each call as
-a child of the coordinator's, joined through the `traceparent` of the dispatch message.
+a `query` span, a call span per call (``{operation} {model}``, kind CLIENT) as its child,
+and the worker's span of each call as a child of the coordinator's, joined through the
+`traceparent` of the dispatch message.
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ async def test_a_query_is_one_trace_across_coordinator_and_worker(
     (root,) = [s for s in finished if s.name == "query" and _attr(s, "query.id") == query.query_id]
     trace_id = _context(root).trace_id
     mine = [s for s in finished if _context(s).trace_id == trace_id]
-    coordinator_calls = {_attr(s, "call.id"): s for s in mine if s.name == "call" and s.parent}
+    coordinator_calls = {_attr(s, "call.id"): s for s in mine if _attr(s, "call.id") and s.parent}
     assert set(coordinator_calls) == {
         f"{query.query_id}/{k}.{i}" for k, n in enumerate((1, 2, 1)) for i in range(n)
     }
@@ -120,6 +121,11 @@ async def test_a_query_is_one_trace_across_coordinator_and_worker(
     for call_id, span in coordinator_calls.items():
         stage = int(str(call_id).rsplit("/", 1)[1].split(".")[0])
         assert _parent(span) == _context(stages[stage]).span_id, call_id
+        assert span.name == "text_completion llama-3.1-70b", span.name
+        assert span.kind == trace.SpanKind.CLIENT
+        assert _attr(span, "gen_ai.operation.name") == "text_completion"
+        assert _attr(span, "gen_ai.provider.name") == "hexgen_flow"
+        assert _attr(span, "gen_ai.response.model") == "llama-3.1-70b"
         assert _attr(span, "gen_ai.request.model") == "llama-3.1-70b"
         assert _attr(span, "gen_ai.usage.input_tokens") in (308, 961)
         assert isinstance(_attr(span, "gen_ai.usage.output_tokens"), int)

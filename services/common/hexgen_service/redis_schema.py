@@ -17,7 +17,8 @@ Key layout (every key starts with the configured prefix P, default ``hf:``)::
                                   digest (SHA-256 of its prompts: what a resubmission of
                                   the same id is matched against), tenant, index, arrival_s, slo_s,
                                   deadline_s, state, reason, finished_s, calls_total,
-                                  calls_left, stages_total, stages_done;
+                                  calls_left, stages_total, stages_done, trace (the
+                                  W3C traceparent of the workflow's root span);
                                   per stage k: s{k}:left, s{k}:deps, s{k}:rel, s{k}:fin, s{k}:dl;
                                   per call: p:{call_id} = "slot:seq:attempt", where it was
                                   last dispatched; c:{call_id} = "done" once complete
@@ -226,6 +227,10 @@ class F:
     """A workflow session's: "open" while it takes calls, then "closed"."""
     IDLE_S: Final = "idle_s"
     """A workflow session's idle timeout, wall seconds."""
+    TRACE: Final = "trace"
+    """The W3C traceparent of the query's root span (its coordinator ``query`` span): the
+    spans of every later request, call and coordinator are parented into its trace (absent
+    in a query stored before it was kept)."""
 
 
 QUERY_FIELDS: Final = frozenset(v for k, v in vars(F).items() if k.isupper() and isinstance(v, str))

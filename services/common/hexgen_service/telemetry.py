@@ -12,7 +12,11 @@ parents, and the default parent-based sampler records nothing under them.)
 
 The gRPC interceptors trace every RPC; the coordinator adds a span per workflow, stage and
 call, and passes the call's context to the worker as a W3C ``traceparent`` string inside
-the dispatch message.
+the dispatch message. A workflow is one trace: its root span's traceparent is stored with
+it (`hexgen_service.redis_schema.F.TRACE`) and given in QueryInfo and RunCall's first
+answer, and the gateway parents each later request of the workflow to it, whatever
+``traceparent`` the client sends (`hexgen_gateway.app`). The spans of a call follow
+OpenTelemetry's GenAI conventions (`hexgen_service.genai`).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import logging
 import os
 from typing import Any
 
+import grpc
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
@@ -33,6 +38,7 @@ __all__ = [
     "LOG_FORMAT",
     "client_interceptors",
     "context_from_traceparent",
+    "propagating_interceptors",
     "server_interceptors",
     "setup_logging",
     "setup_tracing",
@@ -41,6 +47,7 @@ __all__ = [
 ]
 
 _PROPAGATOR = TraceContextTextMapPropagator()
+_TRACEPARENT = "traceparent"
 _configured = False
 
 
@@ -148,6 +155,34 @@ def client_interceptors() -> list[Any]:
     from opentelemetry.instrumentation.grpc import aio_client_interceptors  # noqa: PLC0415
 
     return list(aio_client_interceptors())  # type: ignore[no-untyped-call]  # untyped library
+
+
+class _UnaryPropagating(grpc.aio.UnaryUnaryClientInterceptor):
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(_with_traceparent(details), request)
+
+
+class _StreamPropagating(grpc.aio.UnaryStreamClientInterceptor):
+    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(_with_traceparent(details), request)
+
+
+def _with_traceparent(details: Any) -> Any:
+    """`details` with the current span's W3C ``traceparent`` in its metadata."""
+    traceparent = traceparent_of(trace.get_current_span())
+    if not traceparent:
+        return details
+    metadata = [(k, v) for k, v in (details.metadata or ()) if k != _TRACEPARENT]
+    metadata.append((_TRACEPARENT, traceparent))
+    return details._replace(metadata=metadata)
+
+
+def propagating_interceptors() -> list[grpc.aio.ClientInterceptor]:
+    """Client interceptors that carry the current span's context to the server (its W3C
+    ``traceparent`` in the RPC's metadata) without a span of their own: for a caller whose
+    own span already stands for the RPC (the gateway's request span), so that the trace does
+    not hold a client span and a server span of the same name for every RPC."""
+    return [_UnaryPropagating(), _StreamPropagating()]
 
 
 def traceparent_of(span: trace.Span) -> str:

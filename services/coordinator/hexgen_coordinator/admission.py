@@ -86,6 +86,7 @@ from hexgen_service.convert import (
     without_prompts,
 )
 from hexgen_service.errors import AlreadyExistsError, InvalidFieldError, OverloadedError
+from hexgen_service.telemetry import traceparent_of
 
 __all__ = ["Admission", "context_tokens", "limits_of"]
 
@@ -224,6 +225,22 @@ class Admission:
             for i, text in enumerate(texts)
             if text
         }
+        # The workflow's root span, started before the query is stored so that its
+        # traceparent is stored with it: a restarted coordinator's spans of the query, and a
+        # gateway's spans of its later requests, are parented into its trace. Never ended
+        # (so never exported) when the id turns out to be known.
+        span = self.tracer.start_span(
+            "query",
+            attributes={
+                "query.id": query_id,
+                "query.tenant": query.tenant,
+                "query.slo_s": slo_s,
+                "query.calls": query.workflow.num_calls,
+                "query.best_effort": best_effort,
+                "gen_ai.conversation.id": query_id,
+            },
+        )
+        root = traceparent_of(span)
         self._pending.add(query_id)
         try:
             stages = query.workflow.stages
@@ -240,6 +257,7 @@ class Admission:
                 session_idle_s=session_idle_s,
                 prompts=kept,
                 digest=digest,
+                trace=root,
             )
         except BaseException:
             if provisional is not None:
@@ -271,16 +289,6 @@ class Admission:
             self._best_effort.add(query_id)
         elif self._tracks(query.tenant):
             self.model.track(run, self.config.admission_slack)
-        span = self.tracer.start_span(
-            "query",
-            attributes={
-                "query.id": query_id,
-                "query.tenant": query.tenant,
-                "query.slo_s": slo_s,
-                "query.calls": query.workflow.num_calls,
-                "query.best_effort": best_effort,
-            },
-        )
         entry = ActiveQuery(
             run,
             prompts,
@@ -288,6 +296,7 @@ class Admission:
             first_dispatch_pending=None if best_effort or session else t0,
             session=session,
             digest=digest,
+            trace=root,
         )
         active[query_id] = entry
         for k, texts in enumerate(sizes):

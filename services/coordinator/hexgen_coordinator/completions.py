@@ -223,10 +223,7 @@ class Completions:
             )
             span = ledger.call_spans.pop(call_id, None)
             if span is not None:
-                span.set_attribute("gen_ai.usage.output_tokens", msg.output_tokens)
-                if msg.finish_reason:
-                    span.set_attribute("gen_ai.response.finish_reasons", [msg.finish_reason])
-                span.end()
+                self.dispatch.end_call_span(span, msg, inst.model if inst else "")
             stage_finished = run.stage_finished_s[stage] is not None
             if stage_finished:
                 record_event(entry, K.QUERY_EVENT_KIND_STAGE_FINISHED, now, stage=stage)

@@ -22,6 +22,7 @@ from hexgen_flow.cluster import Cluster
 from hexgen_flow.policies.base import NoInstanceError
 from hexgen_flow.runtime import CallTicket
 from hexgen_flow.scheduler import CallMoved, GlobalScheduler
+from hexgen_service import genai
 from hexgen_service.convert import ticket_to_dispatch
 from hexgen_service.telemetry import traceparent_of
 
@@ -84,6 +85,20 @@ class Dispatch:
             span.set_attribute("hexgen.stage.finished_s", now)
             span.end()
 
+    @staticmethod
+    def end_call_span(span: trace.Span, finished: wpb.CallFinished, model: str) -> None:
+        """A call finished: its span ends with the GenAI response attributes, the usage the
+        engine reported (the declared prompt size stays where the engine does not count)."""
+        span.set_attributes(
+            genai.response_attributes(
+                model=model,
+                finish_reason=finished.finish_reason,
+                input_tokens=finished.prompt_tokens,
+                output_tokens=finished.output_tokens,
+            )
+        )
+        span.end()
+
     def send(self, tickets: Iterable[CallTicket]) -> None:
         """Hand dispatched tickets to their workers' streams (parked ones wait)."""
         ledger = self.ledger
@@ -99,10 +114,22 @@ class Dispatch:
             ticket.attempt += 1  # a completion is taken only from the latest attempt
             instance = self.cluster.instances[ticket.instance]
             chat = entry.chats.get(ticket.call_id)
-            span = self.tracer.start_span(
-                "call",
-                context=trace.set_span_in_context(entry.stage_spans.get(ticket.stage, entry.span)),
-                attributes={
+            options = chat.options if chat is not None and chat.HasField("options") else None
+            # OpenTelemetry's GenAI semantic conventions (`hexgen_service.genai`): the
+            # inference span, a call to a model, named "{operation} {model}".
+            operation = genai.operation_of(chat is not None and bool(chat.messages))
+            sampling, json_output = genai.proto_sampling(options)
+            attributes = genai.request_attributes(
+                operation=operation,
+                provider=genai.PROVIDER,
+                model=instance.model,
+                max_tokens=ticket.call.output_tokens,
+                sampling=sampling,
+                json_output=json_output,
+                conversation_id=ticket.query_id,
+            )
+            attributes.update(
+                {
                     "call.id": ticket.call_id,
                     "call.step": ticket.call.step,
                     "call.instance": instance.name,
@@ -110,14 +137,15 @@ class Dispatch:
                     "hexgen.workflow.id": ticket.query_id,
                     "hexgen.stage.index": ticket.stage,
                     "hexgen.deadline_s": ticket.deadline_s,
-                    # OpenTelemetry's GenAI semantic conventions
-                    "gen_ai.operation.name": "chat"
-                    if chat is not None and chat.messages
-                    else "text_completion",
-                    "gen_ai.request.model": instance.model,
-                    "gen_ai.request.max_tokens": ticket.call.output_tokens,
+                    # the declared size; the engine's count replaces it when the call ends
                     "gen_ai.usage.input_tokens": ticket.call.input_tokens,
-                },
+                }
+            )
+            span = self.tracer.start_span(
+                genai.span_name(operation, instance.model),
+                context=trace.set_span_in_context(entry.stage_spans.get(ticket.stage, entry.span)),
+                kind=trace.SpanKind.CLIENT,
+                attributes=attributes,
             )
             old = ledger.call_spans.pop(ticket.call_id, None)
             if old is not None:
@@ -132,7 +160,7 @@ class Dispatch:
                         prompts[index] if index < len(prompts) else "",
                         traceparent_of(span),
                         chat.messages if chat is not None else (),
-                        chat.options if chat is not None and chat.HasField("options") else None,
+                        options,
                     )
                 )
             )

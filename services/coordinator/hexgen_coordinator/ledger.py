@@ -112,6 +112,10 @@ class ActiveQuery:
     digest: str = ""
     """`hexgen_coordinator.store.prompts_digest` of the prompts as submitted: what a
     resubmission of the same id is matched against once prompts are dropped."""
+    trace: str = ""
+    """The W3C traceparent of the workflow's root span, as stored with the query (Redis's
+    ``trace``): `span` is that span, or after a restart a child of it; QueryInfo and the
+    first RunCall answer give it to callers ("" for a query stored before it was kept)."""
 
 
 class Ledger:

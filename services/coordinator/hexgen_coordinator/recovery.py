@@ -28,6 +28,7 @@ from hexgen_flow.scheduler import GlobalScheduler
 from hexgen_service import redis_schema as schema
 from hexgen_service.convert import parse_submit
 from hexgen_service.redis_schema import F, S
+from hexgen_service.telemetry import context_from_traceparent, traceparent_of
 
 __all__ = ["Recovery"]
 
@@ -105,13 +106,26 @@ class Recovery:
         query = built.query
         f = stored.fields
         run = self.scheduler.admit(query, int(f[F.INDEX]), float(f[F.ARRIVAL_S]), float(f[F.SLO_S]))
-        span = self.tracer.start_span("query (resumed)", attributes={"query.id": query.query_id})
+        # A child of the workflow's root span as stored: the resumed query's stages and
+        # calls stay in the workflow's trace.
+        root = f.get(F.TRACE, "")
+        span = self.tracer.start_span(
+            "query (resumed)",
+            context=context_from_traceparent(root),
+            attributes={"query.id": query.query_id, "gen_ai.conversation.id": query.query_id},
+        )
         # Stored before prompts were kept apart: no digest, and the submission held them.
         digest = f.get(F.DIGEST) or prompts_digest(
             parse_submit(cpb.SubmitQueryRequest.FromString(stored.submit))[1]
         )
         entry = ActiveQuery(
-            run, built.prompts, span, event_base=logged_events, chats=built.chats, digest=digest
+            run,
+            built.prompts,
+            span,
+            event_base=logged_events,
+            chats=built.chats,
+            digest=digest,
+            trace=root or traceparent_of(span),
         )
         if built.given is not None:
             run.given = list(built.given)

@@ -182,7 +182,9 @@ class Sessions:
                 await self._open_entry(workflow_id, entry)
                 submitted, deadline = await self._give(entry, name, request.call)
             call_id = submitted.call_id
-            yield cpb.RunCallResponse(call_id=call_id, deadline_s=deadline, event=submitted)
+            yield cpb.RunCallResponse(
+                call_id=call_id, deadline_s=deadline, event=submitted, traceparent=entry.trace
+            )
             while True:
                 event = await queue.get()
                 if event is None:

@@ -72,7 +72,7 @@ _SUBMIT = """
 -- KEYS: q, qseq, active, admitted, pr ; ARGV: submit, shape, tenant, arrival_s, slo_s,
 --        deadline_s, calls_total, stages_total, then per stage: left, deps, then query_id,
 --        session ('' for a static query, else 'open'), idle timeout of a session, maxlen,
---        digest, then call_id, prompt pairs
+--        digest, trace (the root span's traceparent), then call_id, prompt pairs
 -- returns {created, index}
 if redis.call('EXISTS', KEYS[1]) == 1 then
   return {0, tonumber(redis.call('HGET', KEYS[1], 'index'))}
@@ -91,8 +91,8 @@ for k = 0, n - 1 do
   end
 end
 redis.call('SADD', KEYS[3], ARGV[9 + 2 * n])
-redis.call('HSET', KEYS[1], 'digest', ARGV[13 + 2 * n])
-for i = 14 + 2 * n, #ARGV, 2 do
+redis.call('HSET', KEYS[1], 'digest', ARGV[13 + 2 * n], 'trace', ARGV[14 + 2 * n])
+for i = 15 + 2 * n, #ARGV, 2 do
   redis.call('HSET', KEYS[5], ARGV[i], ARGV[i + 1])
 end
 if ARGV[10 + 2 * n] ~= '' then
@@ -411,6 +411,7 @@ class WorkflowStore:
         session_idle_s: float | None = None,
         prompts: Mapping[str, bytes] | None = None,
         digest: str = "",
+        trace: str = "",
     ) -> tuple[bool, int]:
         """Record a new query (root stages released); (created, query index).
 
@@ -418,7 +419,9 @@ class WorkflowStore:
         `submit` is the submission without its prompts, `shape` what the `admitted` and
         `finished` streams keep (a session is added to `admitted` never, to `finished` when
         it ends); `prompts` (call_id -> LLMCall bytes) are kept apart, each until its call
-        completes; `digest` is `prompts_digest` of them.
+        completes; `digest` is `prompts_digest` of them. `trace` is the W3C traceparent of
+        the query's root span, kept with it (``trace``) so that a restarted coordinator's
+        spans of the query join its trace.
         """
         args: list[Any] = [
             submit,
@@ -439,6 +442,7 @@ class WorkflowStore:
             repr(session_idle_s or 0.0),
             self.stream_maxlen,
             digest,
+            trace,
         ]
         for call_id, blob in (prompts or {}).items():
             args += [call_id, blob]

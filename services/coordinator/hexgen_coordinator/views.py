@@ -142,6 +142,7 @@ class QueryViews:
             best_effort=is_best_effort(run),
             session=session is not None,
             session_open=bool(hold),
+            traceparent=entry.trace if entry is not None and entry.run is run else "",
         )
 
     def info_of_stored(self, stored: StoredQuery) -> cpb.QueryInfo:
@@ -164,6 +165,7 @@ class QueryViews:
             failure_reason=f.get(F.REASON, ""),
             session=bool(session),
             session_open=bool(hold),
+            traceparent=f.get(F.TRACE, ""),
         )
 
     def _recent(self) -> cpb.RecentOutcomes:

@@ -25,9 +25,19 @@ the coordinator's side of a request (its call refused, its workflow failed) carr
 first two. Errors are OpenAI's error bodies (`hexgen_gateway.errors`), a bug's too (500,
 ``server_error``; its traceback is logged). A body over ``--max-body-bytes`` is 413 before
 it is read; a body that is no JSON, or JSON nested too deeply, is 400 (``invalid_json``).
-Each request is a span whose parent is the request's W3C ``traceparent``; the RPCs to the
-coordinator carry the span's context in their metadata (the OpenTelemetry gRPC client
-interceptors).
+Each completion request is a span (kind SERVER, ``POST /v1/chat/completions``) with the
+GenAI attributes of the call (`hexgen_service.genai`). A workflow is one trace whatever
+the client sends: the coordinator gives the traceparent of the workflow's root span when
+the gateway opens the workflow or gives it a call (QueryInfo, RunCall's first answer), and
+the span of each later request of the workflow is its child. A client's ``traceparent`` is
+the parent of the first request's span (the workflow's trace is then the client's), and
+of a later request's when it is in the workflow's trace; one in another trace is a link.
+(A gateway that sees a running workflow for the first time, after a restart or behind a
+load balancer, learns its trace only from that request's answer: that one span is linked
+to the workflow's root, the later ones are its children.) The RPCs to the coordinator
+carry the span's context in their metadata without spans of their own
+(`hexgen_service.telemetry.propagating_interceptors`): the coordinator's server span of the
+RPC is the request span's child.
 """
 
 from __future__ import annotations
@@ -45,6 +55,7 @@ import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import trace
+from opentelemetry.context import Context
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -75,8 +86,13 @@ from hexgen_gateway.openai_api import (
     parse_completion,
     usage,
 )
+from hexgen_service import genai
 from hexgen_service.auth import read_secret
-from hexgen_service.telemetry import client_interceptors, context_from_traceparent, setup_tracing
+from hexgen_service.telemetry import (
+    context_from_traceparent,
+    propagating_interceptors,
+    setup_tracing,
+)
 
 __all__ = ["SERVICE_NAME", "Gateway", "create_app"]
 
@@ -100,7 +116,7 @@ class Gateway:
         self.client = client or CoordinatorClient(
             config.coordinator,
             timeout_s=config.rpc_timeout_s,
-            interceptors=client_interceptors(),
+            interceptors=propagating_interceptors(),
             tls_ca=config.tls_ca,
         )
         self.health_client: CoordinatorClient | None = None
@@ -220,20 +236,42 @@ class Gateway:
         default = self.config.default_max_tokens
         parsed = parse_chat(body, default) if chat else parse_completion(body, default)
         context = WorkflowContext.from_headers(request.headers, self.config.default_stage)
-        await self.check_model(parsed.model)
-        parent = context_from_traceparent(request.headers.get("traceparent", ""))
-        span = self.tracer.start_span(
-            f"POST {request.url.path}",
-            context=parent,
-            kind=trace.SpanKind.SERVER,
-            attributes={
+        parent, links = self._parent(request.headers.get("traceparent", ""), context)
+        sampling, json_output = genai.proto_sampling(parsed.call.options)
+        attributes = genai.request_attributes(
+            operation=genai.operation_of(parsed.chat),
+            provider=genai.PROVIDER,
+            model=parsed.model or "",
+            max_tokens=parsed.call.output_tokens,
+            sampling=sampling,
+            json_output=json_output,
+            conversation_id=context.workflow,
+        )
+        attributes.update(
+            {
+                "http.request.method": "POST",
+                "http.route": request.url.path,
                 "hexgen.workflow": context.workflow,
                 "hexgen.stage": context.stage,
                 "hexgen.template": context.template or "",
                 "hexgen.stream": parsed.stream,
-                "gen_ai.request.max_tokens": parsed.call.output_tokens,
-            },
+            }
         )
+        span = self.tracer.start_span(
+            f"POST {request.url.path}",
+            context=parent,
+            kind=trace.SpanKind.SERVER,
+            links=links,
+            attributes=attributes,
+        )
+        try:
+            with trace.use_span(span, end_on_exit=False):  # its RPCs are the span's children
+                await self.check_model(parsed.model)
+        except BaseException as exc:
+            if isinstance(exc, OpenAIError):
+                _failed(span, exc)
+            span.end()
+            raise
         named = {HEADER_WORKFLOW: context.workflow, HEADER_QUERY: context.workflow}
         try:
             with trace.use_span(span, end_on_exit=False):
@@ -245,6 +283,7 @@ class Gateway:
             span.end()
             raise
         span.set_attribute("hexgen.call_id", started.call_id)
+        _link_to_workflow(span, started.traceparent)
         headers = {
             HEADER_WORKFLOW: context.workflow,
             HEADER_QUERY: started.query_id,
@@ -267,9 +306,10 @@ class Gateway:
                 self._cancel_later(started)
             span.end()
             raise
-        model = await self.model_of(parsed.model, started.instance)
+        with trace.use_span(span, end_on_exit=False):
+            model = await self.model_of(parsed.model, started.instance)
         use = usage(started.prompt_tokens, started.completion_tokens)
-        self._finished(span, started)
+        self._finished(span, started, model)
         span.end()
         body = completion_body(
             parsed,
@@ -282,13 +322,36 @@ class Gateway:
         )
         return JSONResponse(body, headers=headers)
 
-    def _finished(self, span: trace.Span, started: StartedCall) -> None:
+    def _parent(
+        self, traceparent: str, context: WorkflowContext
+    ) -> tuple[Context | None, list[trace.Link]]:
+        """The parent of a request's span and its links (see the module docstring): the
+        client's ``traceparent`` where the workflow's trace is not known yet or it is in that
+        trace; else the workflow's root span, linked to the client's span if it sent one."""
+        client = context_from_traceparent(traceparent)
+        root = context_from_traceparent(self.mapper.trace_of(context))
+        if root is None:
+            return client, []
+        asked = trace.get_current_span(client).get_span_context() if client is not None else None
+        if asked is None or not asked.is_valid:
+            return root, []
+        if asked.trace_id == trace.get_current_span(root).get_span_context().trace_id:
+            return client, []
+        return root, [trace.Link(asked)]
+
+    def _finished(self, span: trace.Span, started: StartedCall, model: str) -> None:
         """A call's answer is complete: its usage and finish reason on the request's span
         and in the metrics."""
         reason = started.finish_reason or "stop"
-        span.set_attribute("gen_ai.usage.input_tokens", started.prompt_tokens)
-        span.set_attribute("gen_ai.usage.output_tokens", started.completion_tokens)
-        span.set_attribute("gen_ai.response.finish_reasons", [reason])
+        span.set_attributes(
+            genai.response_attributes(
+                model=model,
+                finish_reason=reason,
+                input_tokens=started.prompt_tokens,
+                output_tokens=started.completion_tokens,
+            )
+        )
+        span.set_attribute("http.response.status_code", 200)
         self.metrics.finished(reason, started.prompt_tokens, started.completion_tokens)
 
     async def _events(
@@ -297,14 +360,15 @@ class Gateway:
         ident = new_id(parsed)
         finished = False
         try:
-            model = await self.model_of(parsed.model)
+            with trace.use_span(span, end_on_exit=False):
+                model = await self.model_of(parsed.model)
             yield _sse(chunk(parsed, ident, model, text="" if parsed.chat else None, role=True))
             async for piece in started.deltas():
                 yield _sse(chunk(parsed, ident, model, text=piece))
             if started.tool_calls and parsed.chat:
                 yield _sse(chunk(parsed, ident, model, tool_calls=started.tool_calls))
             yield _sse(chunk(parsed, ident, model, finish=started.finish_reason or "stop"))
-            self._finished(span, started)
+            self._finished(span, started, model)
             if parsed.include_usage:
                 use = usage(started.prompt_tokens, started.completion_tokens)
                 yield _sse(chunk(parsed, ident, model, use=use))
@@ -425,6 +489,17 @@ def _too_large(limit: int, which: str) -> OpenAIError:
     )
 
 
+def _link_to_workflow(span: trace.Span, traceparent: str) -> None:
+    """A request span outside its workflow's trace (the gateway learnt the trace from this
+    request's answer) links to the workflow's root span."""
+    root = context_from_traceparent(traceparent)
+    if root is None:
+        return
+    workflow = trace.get_current_span(root).get_span_context()
+    if workflow.is_valid and workflow.trace_id != span.get_span_context().trace_id:
+        span.add_link(workflow, {"hexgen.link": "workflow root"})
+
+
 def _failed(span: trace.Span, exc: OpenAIError) -> None:
     span.set_attribute("http.response.status_code", exc.status)
     span.set_status(trace.Status(trace.StatusCode.ERROR, exc.message))
@@ -446,6 +521,11 @@ def create_app(config: GatewayConfig | None = None) -> FastAPI:
         lifespan=lifespan,
         docs_url=None,
         redoc_url=None,
+        # FastAPI's own HTTP span (recent releases trace every request once a tracer
+        # provider is set) would be a second `POST /v1/...` span per request, parented to
+        # the client's traceparent and not to the workflow: the gateway's span is the
+        # request's. (An older FastAPI keeps this unknown argument as an extra.)
+        telemetry={"tracing": False},
     )
     app.state.gateway = gateway
     app.add_middleware(CallerKey)

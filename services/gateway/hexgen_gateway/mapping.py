@@ -32,6 +32,10 @@
   and the rest of CALL_FINISHED's full text; its finish reason, tool calls and token
   counts are CALL_FINISHED's, what the engine did (the estimates stand in where the engine
   does not say).
+- The workflow's trace: OpenWorkflow's answer (`QueryInfo.traceparent`) and RunCall's first
+  one give the traceparent of the workflow's root span, remembered with the workflow's id
+  (`WorkflowMapper.trace_of`): the parent of the spans of its later requests
+  (`hexgen_gateway.app`).
 """
 
 from __future__ import annotations
@@ -238,6 +242,9 @@ class StartedCall:
     engine_prompt_tokens: int = 0
     engine_output_tokens: int = 0
     """The tokens as the engine counted them (0: it does not say)."""
+    traceparent: str = ""
+    """The W3C traceparent of the workflow's root span, as the coordinator gave it ("":
+    it did not)."""
     _streamed: list[str] = field(default_factory=list)
 
     @property
@@ -350,10 +357,23 @@ class WorkflowMapper:
         ``X-Hexgen-Idle-S`` overrides it); None: the coordinator's ``--session-idle-s``."""
         self._discarding: set[asyncio.Task[None]] = set()
         """Cancellations of workflows whose call was not taken, held until done."""
-        self._opened: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self._opened: OrderedDict[tuple[str, str], str] = OrderedDict()
         """(caller, workflow) this gateway opened (the latest `_OPENED_KEPT`): not opened
         again for that caller. Another caller naming the same workflow id opens it with its
-        own key: the coordinator, not this memory, decides whose the workflow is."""
+        own key: the coordinator, not this memory, decides whose the workflow is. The value
+        is the W3C traceparent of the workflow's root span ("" until the coordinator says),
+        the parent of the spans of the workflow's later requests (`trace_of`)."""
+
+    def trace_of(self, context: WorkflowContext) -> str:
+        """The traceparent of the root span of the request's workflow, as the coordinator
+        gave it when this gateway opened the workflow or gave it a call; "" when not known
+        (a workflow not seen yet for this caller)."""
+        return self._opened.get((caller_id(), context.workflow), "")
+
+    def _learn_trace(self, context: WorkflowContext, traceparent: str) -> None:
+        key = (caller_id(), context.workflow)
+        if traceparent and key in self._opened:
+            self._opened[key] = traceparent
 
     async def start(self, context: WorkflowContext, call: CallRequest) -> StartedCall:
         """Give the request's call to its workflow (opening it first if need be) and open
@@ -403,6 +423,7 @@ class WorkflowMapper:
         if not context.named:  # the request is the whole workflow: nothing more will come
             with contextlib.suppress(CoordinatorError):
                 await self.client.close_workflow(context.workflow)
+        self._learn_trace(context, first.traceparent)
         return StartedCall(
             context,
             first.call_id,
@@ -411,6 +432,7 @@ class WorkflowMapper:
             self.client,
             events,
             self.request_timeout_s,
+            traceparent=first.traceparent,
         )
 
     async def _discard(self, workflow: str, why: BaseException) -> None:
@@ -448,14 +470,16 @@ class WorkflowMapper:
                     )
                 ]
             )
+        traceparent = ""
         try:
-            await self.client.open_workflow(
+            opened = await self.client.open_workflow(
                 context.workflow,
                 template=context.template or "",
                 expected=expected,
                 slo_s=context.slo_s or 0.0,
                 idle_timeout_s=context.idle_s or self.session_idle_s or 0.0,
             )
+            traceparent = opened.workflow.traceparent
         except CoordinatorError as exc:
             # Known with other content: opened by an earlier request (another gateway, or
             # this one before a restart) that had other headers. Its calls are welcome.
@@ -463,7 +487,7 @@ class WorkflowMapper:
                 raise from_coordinator(exc, {**param_of, "template": HEADER_TEMPLATE}) from None
         if not context.named:  # given its one call at once: nothing to remember
             return
-        self._opened[caller_id(), context.workflow] = None
+        self._opened[caller_id(), context.workflow] = traceparent
         while len(self._opened) > _OPENED_KEPT:
             self._opened.popitem(last=False)
 

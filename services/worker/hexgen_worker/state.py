@@ -44,6 +44,7 @@ from hexgen_flow.hardware import GpuCatalogue
 from hexgen_flow.policies.registration import QUEUES
 from hexgen_flow.runtime import CallTicket, ClusterLoad, PolicyContext
 from hexgen_flow.scheduler import InstanceScheduler
+from hexgen_service import genai
 from hexgen_service.clock import ClusterClock
 from hexgen_service.telemetry import context_from_traceparent
 from hexgen_worker.engines.base import NO_OPTIONS, CallOptions, ChatMessage, Engine, translate_time
@@ -63,6 +64,10 @@ from hexgen_worker.welcome import WelcomeSettings
 __all__ = ["CallStatus", "DispatchOutcome", "WelcomeSettings", "WorkerState"]
 
 log = logging.getLogger(__name__)
+
+_REMOTE_ENGINES = frozenset({"openai"})
+"""Engines whose model runs in another process (a server they call): their spans of a call
+are of kind CLIENT, the others' INTERNAL (GenAI conventions: a model in the same process)."""
 
 
 class CallStatus(enum.IntEnum):
@@ -403,14 +408,30 @@ class WorkerState:
         if not self.accepting:
             log.info("call %s dispatched while stopping: not taken", call_id)
             return DispatchOutcome.REJECTED
-        attributes: dict[str, str | int] = {
-            "hexgen.call_id": call_id,
-            "hexgen.query_id": ticket.query_id,
-            "hexgen.step": ticket.call.step,
-            "hexgen.input_tokens": ticket.call.input_tokens,
-            "hexgen.output_tokens": ticket.call.output_tokens,
-            "hexgen.engine": self.engine.kind,
-        }
+        # OpenTelemetry's GenAI semantic conventions (`hexgen_service.genai`): the engine's
+        # execution of the call, "{engine} {operation} {model}" (the coordinator's span,
+        # its parent, is the "{operation} {model}" one).
+        operation = genai.operation_of(bool(messages))
+        response_format = (options.response_format or {}).get("type")
+        attributes = genai.request_attributes(
+            operation=operation,
+            provider=self.engine.kind,
+            model=self.model,
+            max_tokens=ticket.call.output_tokens,
+            sampling=options.sampling(),
+            json_output=response_format in ("json_object", "json_schema"),
+            conversation_id=ticket.query_id,
+        )
+        attributes.update(
+            {
+                "hexgen.call_id": call_id,
+                "hexgen.query_id": ticket.query_id,
+                "hexgen.step": ticket.call.step,
+                "hexgen.input_tokens": ticket.call.input_tokens,
+                "hexgen.output_tokens": ticket.call.output_tokens,
+                "hexgen.engine": self.engine.kind,
+            }
+        )
         work_s = 0.0
         if self.shards.links > 1:
             attributes["hexgen.coordinator"] = self.shards.names[link]
@@ -418,8 +439,12 @@ class WorkerState:
             if self._estimator is not None and self._queue_key is not None:
                 work_s = self._estimator.call_time(self._queue_key[1], ticket.call)
         span = self._tracer.start_span(
-            f"worker call {ticket.call.step}",
+            f"{self.engine.kind} {genai.span_name(operation, self.model)}",
             context=context_from_traceparent(traceparent),
+            # a model server the engine calls is a client call; a model in this process not
+            kind=trace.SpanKind.CLIENT
+            if self.engine.kind in _REMOTE_ENGINES
+            else trace.SpanKind.INTERNAL,
             attributes=attributes,
         )
         self._calls[engine_id] = _Call(ticket, link, call_id, now, span, work_s)
@@ -575,6 +600,16 @@ class WorkerState:
             span.set_attribute("hexgen.queue_wait_s", queue_wait_s)
             span.set_attribute("hexgen.execution_s", execution_s)
             span.set_attribute("hexgen.generated_tokens", event.output_tokens)
+            if not event.error:
+                span.set_attributes(
+                    genai.response_attributes(
+                        model=self.model,
+                        finish_reason=event.finish_reason,
+                        # the engine's count, else the declared size
+                        input_tokens=event.prompt_tokens or call.ticket.call.input_tokens,
+                        output_tokens=event.output_tokens,
+                    )
+                )
             if self.metrics is not None:
                 self.metrics.call_ended(
                     queue_wait_s, execution_s, event.output_tokens, failed=bool(event.error)

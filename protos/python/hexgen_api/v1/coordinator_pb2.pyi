@@ -185,6 +185,7 @@ class QueryInfo(_message.Message):
     BEST_EFFORT_FIELD_NUMBER: _builtins.int
     SESSION_FIELD_NUMBER: _builtins.int
     SESSION_OPEN_FIELD_NUMBER: _builtins.int
+    TRACEPARENT_FIELD_NUMBER: _builtins.int
     query_id: _builtins.str
     tenant: _builtins.str
     state: Global___QueryState.ValueType
@@ -206,6 +207,11 @@ class QueryInfo(_message.Message):
     session: _builtins.bool
     """A workflow session (OpenWorkflow), and whether it still takes calls."""
     session_open: _builtins.bool
+    traceparent: _builtins.str
+    """The W3C traceparent of the workflow's root span (its coordinator `query` span), kept
+    with the query in Redis: every span of the workflow, whichever request or coordinator
+    made it, is in its trace. Empty when the coordinator does not say.
+    """
     def __init__(
         self,
         *,
@@ -224,10 +230,11 @@ class QueryInfo(_message.Message):
         best_effort: _builtins.bool = ...,
         session: _builtins.bool = ...,
         session_open: _builtins.bool = ...,
+        traceparent: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["arrival_s", b"arrival_s", "best_effort", b"best_effort", "calls_done", b"calls_done", "calls_total", b"calls_total", "deadline_s", b"deadline_s", "failure_reason", b"failure_reason", "finished_s", b"finished_s", "query_id", b"query_id", "session", b"session", "session_open", b"session_open", "slo_s", b"slo_s", "stages_done", b"stages_done", "stages_total", b"stages_total", "state", b"state", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arrival_s", b"arrival_s", "best_effort", b"best_effort", "calls_done", b"calls_done", "calls_total", b"calls_total", "deadline_s", b"deadline_s", "failure_reason", b"failure_reason", "finished_s", b"finished_s", "query_id", b"query_id", "session", b"session", "session_open", b"session_open", "slo_s", b"slo_s", "stages_done", b"stages_done", "stages_total", b"stages_total", "state", b"state", "tenant", b"tenant", "traceparent", b"traceparent"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -954,9 +961,14 @@ class RunCallResponse(_message.Message):
     EVENT_FIELD_NUMBER: _builtins.int
     CALL_ID_FIELD_NUMBER: _builtins.int
     DEADLINE_S_FIELD_NUMBER: _builtins.int
+    TRACEPARENT_FIELD_NUMBER: _builtins.int
     call_id: _builtins.str
     """Set on the first response only: the call's id and its stage's deadline."""
     deadline_s: _builtins.float
+    traceparent: _builtins.str
+    """Set on the first response only: the W3C traceparent of the workflow's root span
+    (QueryInfo.traceparent), for a caller that parents its own spans of the call to it.
+    """
     @_builtins.property
     def event(self) -> Global___QueryEvent: ...
     def __init__(
@@ -965,10 +977,11 @@ class RunCallResponse(_message.Message):
         event: Global___QueryEvent | None = ...,
         call_id: _builtins.str = ...,
         deadline_s: _builtins.float = ...,
+        traceparent: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["call_id", b"call_id", "deadline_s", b"deadline_s", "event", b"event"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["call_id", b"call_id", "deadline_s", b"deadline_s", "event", b"event", "traceparent", b"traceparent"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -259,6 +259,12 @@ export interface QueryInfo {
   /** A workflow session (OpenWorkflow), and whether it still takes calls. */
   session: boolean;
   sessionOpen: boolean;
+  /**
+   * The W3C traceparent of the workflow's root span (its coordinator `query` span), kept
+   * with the query in Redis: every span of the workflow, whichever request or coordinator
+   * made it, is in its trace. Empty when the coordinator does not say.
+   */
+  traceparent: string;
 }
 
 export interface SubmitQueryRequest {
@@ -511,6 +517,11 @@ export interface RunCallResponse {
   /** Set on the first response only: the call's id and its stage's deadline. */
   callId: string;
   deadlineS: number;
+  /**
+   * Set on the first response only: the W3C traceparent of the workflow's root span
+   * (QueryInfo.traceparent), for a caller that parents its own spans of the call to it.
+   */
+  traceparent: string;
 }
 
 export interface CloseWorkflowRequest {
@@ -824,6 +835,7 @@ function createBaseQueryInfo(): QueryInfo {
     bestEffort: false,
     session: false,
     sessionOpen: false,
+    traceparent: "",
   };
 }
 
@@ -873,6 +885,9 @@ export const QueryInfo: MessageFns<QueryInfo> = {
     }
     if (message.sessionOpen !== false) {
       writer.uint32(120).bool(message.sessionOpen);
+    }
+    if (message.traceparent !== "") {
+      writer.uint32(130).string(message.traceparent);
     }
     return writer;
   },
@@ -1010,6 +1025,14 @@ export const QueryInfo: MessageFns<QueryInfo> = {
             message.sessionOpen = reader.bool();
             continue;
           }
+          case 16: {
+            if (tag !== 130) {
+              break;
+            }
+
+            message.traceparent = reader.string();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -1087,6 +1110,7 @@ export const QueryInfo: MessageFns<QueryInfo> = {
         : isSet(object.session_open)
         ? globalThis.Boolean(object.session_open)
         : false,
+      traceparent: isSet(object.traceparent) ? globalThis.String(object.traceparent) : "",
     };
   },
 
@@ -1137,6 +1161,9 @@ export const QueryInfo: MessageFns<QueryInfo> = {
     if (message.sessionOpen !== false) {
       obj.sessionOpen = message.sessionOpen;
     }
+    if (message.traceparent !== "") {
+      obj.traceparent = message.traceparent;
+    }
     return obj;
   },
 
@@ -1160,6 +1187,7 @@ export const QueryInfo: MessageFns<QueryInfo> = {
     message.bestEffort = object.bestEffort ?? false;
     message.session = object.session ?? false;
     message.sessionOpen = object.sessionOpen ?? false;
+    message.traceparent = object.traceparent ?? "";
     return message;
   },
 };
@@ -4005,7 +4033,7 @@ export const RunCallRequest: MessageFns<RunCallRequest> = {
 };
 
 function createBaseRunCallResponse(): RunCallResponse {
-  return { event: undefined, callId: "", deadlineS: 0 };
+  return { event: undefined, callId: "", deadlineS: 0, traceparent: "" };
 }
 
 export const RunCallResponse: MessageFns<RunCallResponse> = {
@@ -4018,6 +4046,9 @@ export const RunCallResponse: MessageFns<RunCallResponse> = {
     }
     if (message.deadlineS !== 0) {
       writer.uint32(25).double(message.deadlineS);
+    }
+    if (message.traceparent !== "") {
+      writer.uint32(34).string(message.traceparent);
     }
     return writer;
   },
@@ -4059,6 +4090,14 @@ export const RunCallResponse: MessageFns<RunCallResponse> = {
             message.deadlineS = reader.double();
             continue;
           }
+          case 4: {
+            if (tag !== 34) {
+              break;
+            }
+
+            message.traceparent = reader.string();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -4084,6 +4123,7 @@ export const RunCallResponse: MessageFns<RunCallResponse> = {
         : isSet(object.deadline_s)
         ? globalThis.Number(object.deadline_s)
         : 0,
+      traceparent: isSet(object.traceparent) ? globalThis.String(object.traceparent) : "",
     };
   },
 
@@ -4098,6 +4138,9 @@ export const RunCallResponse: MessageFns<RunCallResponse> = {
     if (message.deadlineS !== 0) {
       obj.deadlineS = floatToJson(message.deadlineS);
     }
+    if (message.traceparent !== "") {
+      obj.traceparent = message.traceparent;
+    }
     return obj;
   },
 
@@ -4111,6 +4154,7 @@ export const RunCallResponse: MessageFns<RunCallResponse> = {
       : undefined;
     message.callId = object.callId ?? "";
     message.deadlineS = object.deadlineS ?? 0;
+    message.traceparent = object.traceparent ?? "";
     return message;
   },
 };
