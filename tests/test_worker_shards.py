@@ -129,16 +129,19 @@ def test_calls_of_both_shards_are_ordered_together_by_deadline() -> None:
 def test_the_same_call_id_on_two_shards_is_two_calls() -> None:
     w = TwoShards()
 
+    # Outputs long enough that neither call ends between the two dispatches even on a
+    # loaded machine (at time scale 1000 a 20-token call took well under a millisecond, and
+    # the engine had finished it by the time it was asked how many calls it runs).
     async def body() -> None:
-        assert w.state.dispatch(ticket("q/0.0", 7, out=20), link=0) is DispatchOutcome.QUEUED
-        assert w.state.dispatch(ticket("q/0.0", 7, out=60), link=1) is DispatchOutcome.QUEUED
+        assert w.state.dispatch(ticket("q/0.0", 7, out=2000), link=0) is DispatchOutcome.QUEUED
+        assert w.state.dispatch(ticket("q/0.0", 7, out=6000), link=1) is DispatchOutcome.QUEUED
         assert w.engine.load().running == 2
         assert w.state.resident_call_ids(0) == ["q/0.0"] == w.state.resident_call_ids(1)
         await w.until(lambda: len(w.finished()) == 2)
         # each result goes to its own coordinator, with its own call's tokens
-        assert [(f.call_id, f.output_tokens) for f in w.finished(0)] == [("q/0.0", 20)]
-        assert [(f.call_id, f.output_tokens) for f in w.finished(1)] == [("q/0.0", 60)]
-        assert [f.output_tokens for f in w.state.unacked(0)] == [20]
+        assert [(f.call_id, f.output_tokens) for f in w.finished(0)] == [("q/0.0", 2000)]
+        assert [(f.call_id, f.output_tokens) for f in w.finished(1)] == [("q/0.0", 6000)]
+        assert [f.output_tokens for f in w.state.unacked(0)] == [2000]
         w.state.ack(["q/0.0"], link=1)
         assert w.state.unacked(1) == [] and len(w.state.unacked(0)) == 1
         # a dispatch again on link 0 resends link 0's result only
