@@ -48,14 +48,61 @@ def register(commands: Any) -> None:
         metavar="N",
         help="worker processes (default 2; 1 runs everything in this process)",
     )
+    bench.add_argument(
+        "--stable",
+        action="store_true",
+        help="run only the stable-regime part: every policy at 50/70/90 %% of the best "
+        "router's saturation rate, and goodput, under the clairvoyant and the realistic "
+        "information models (writes stable.md and stable.json; its own information models, "
+        "so no belief or calibration options)",
+    )
     add_calibration_option(bench, file_default=False)
     add_belief_options(bench, max_tokens=False)  # max-tokens: its default cap
     add_engine_options(bench)  # the band runs prefix caching both on and off
     bench.set_defaults(handler=_cmd_bench)
 
 
+def _cmd_stable(args: argparse.Namespace, out: Path) -> int:
+    import json  # noqa: PLC0415 - only this part needs them
+    import time  # noqa: PLC0415
+
+    from hexgen_flow.bench.stable import (  # noqa: PLC0415
+        QUICK_STABLE_PLAN,
+        STABLE_PLAN,
+        render_stable_markdown,
+        run_stable,
+    )
+    from hexgen_flow.metrics import json_safe  # noqa: PLC0415
+
+    given = [
+        flag
+        for flag, value in (
+            ("--calibration", args.calibration),
+            ("--planner-calibration", args.planner_calibration),
+            ("--planner-error", args.planner_error),
+            ("--learn-costs", args.learn_costs or None),
+            ("--output-lengths", None if args.output_lengths.value == "known" else True),
+        )
+        if value is not None
+    ]
+    if given:
+        raise ConfigError(
+            f"--stable runs its own information models (hexgen_flow.bench.stable): drop {given[0]}"
+        )
+    started = time.perf_counter()
+    doc = run_stable(QUICK_STABLE_PLAN if args.quick else STABLE_PLAN, workers=args.workers)
+    doc["meta"]["wall_s"] = time.perf_counter() - started
+    (out / "stable.json").write_text(json.dumps(json_safe(doc), indent=1, allow_nan=False) + "\n")
+    (out / "stable.md").write_text(render_stable_markdown(doc))
+    print(f"hexgen-flow bench: wrote stable.md, stable.json to {out}/")
+    return 0
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from hexgen_flow.bench import FULL_PLAN, QUICK_PLAN, run_bench  # noqa: PLC0415 - matplotlib is heavy; only bench needs it
+
+    if args.stable:
+        return _cmd_stable(args, _out_dir(args.out))
 
     plan = QUICK_PLAN if args.quick else FULL_PLAN
     if args.calibration is not None:
@@ -76,10 +123,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                 parse_cluster(spec, calibration=plan.planner_calibration)
             except ConfigError as exc:
                 raise ConfigError(f"--planner-calibration: {exc}") from None
-    out: Path = args.out
+    run_bench(plan, _out_dir(args.out), workers=args.workers)
+    return 0
+
+
+def _out_dir(out: Path) -> Path:
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ConfigError(f"--out {out}: cannot create the folder ({exc.strerror})") from None
-    run_bench(plan, out, workers=args.workers)
-    return 0
+    return out

@@ -17,6 +17,12 @@ Parts (each a list of independent simulation tasks, run in a process pool):
 Every plan runs the matrix and goodput; the other parts are optional (`BenchPlan.parts`: the
 README's plan leaves them out).
 
+**Stable regimes** (`stable`, ``hexgen-flow bench --stable``, its own plan `StablePlan`):
+every policy at 50, 70 and 90 % of the best router's goodput, and goodput itself, under
+the clairvoyant information model and the realistic ones (a table that is not the
+engines', no output lengths, costs and lengths learned online). The README's headline
+comes from it; the matrix's fixed rates overload the paper's cluster.
+
 Presets with an alpha run with it auto-tuned (`hexgen_flow.tuning.auto_tune`, as
 ``--alpha auto``), at every setting they are measured at.
 
@@ -29,8 +35,8 @@ Outputs in the ``--out`` folder: ``results.md`` (summary, then tables), ``result
 
 Modules: `plan` (what runs: `BenchPlan`, the full and quick plans, their tasks), `tasks`
 (one task, as a pool worker runs it), `run` (the pool, the results document, `run_bench`),
-`report` (results.md), `plots` (the PNGs) and `readme` (the README's results block, from a
-plan of its own).
+`report` (results.md), `plots` (the PNGs), `readme` (the README's results block, from a
+plan of its own) and `stable` (the stable-regime part and the README's headline block).
 """
 
 from __future__ import annotations

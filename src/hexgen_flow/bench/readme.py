@@ -184,27 +184,30 @@ def _band_lines(doc: dict[str, Any]) -> list[str]:
     return ["", *_wrap(sentence)]
 
 
-def _marker_lines(lines: list[str]) -> tuple[int, int]:
+def _marker_lines(
+    lines: list[str], begin: str = README_BEGIN, end: str = README_END
+) -> tuple[int, int]:
     """The indices of the begin and end marker lines; ValueError unless each is there once,
     on a line of its own, begin first."""
-    begins = [i for i, line in enumerate(lines) if line.strip() == README_BEGIN]
-    ends = [i for i, line in enumerate(lines) if line.strip() == README_END]
+    begins = [i for i, line in enumerate(lines) if line.strip() == begin]
+    ends = [i for i, line in enumerate(lines) if line.strip() == end]
     if len(begins) != 1 or len(ends) != 1 or begins[0] > ends[0]:
-        raise ValueError(
-            f"the README must hold one line {README_BEGIN!r}, then one line {README_END!r}"
-        )
+        raise ValueError(f"the README must hold one line {begin!r}, then one line {end!r}")
     return begins[0], ends[0]
 
 
-def readme_block(text: str) -> str:
-    """The results block of a README's `text`: the lines between its markers."""
+def readme_block(text: str, begin: str = README_BEGIN, end: str = README_END) -> str:
+    """The block of a README's `text` between the marker lines `begin` and `end` (default:
+    the results block's)."""
     lines = text.splitlines(keepends=True)
-    begin, end = _marker_lines(lines)
-    return "".join(lines[begin + 1 : end])
+    first, last = _marker_lines(lines, begin, end)
+    return "".join(lines[first + 1 : last])
 
 
-def replace_readme_block(text: str, block: str) -> str:
+def replace_readme_block(
+    text: str, block: str, begin: str = README_BEGIN, end: str = README_END
+) -> str:
     """`text` with the lines between its markers replaced by `block`."""
     lines = text.splitlines(keepends=True)
-    begin, end = _marker_lines(lines)
-    return "".join(lines[: begin + 1]) + block + "".join(lines[end:])
+    first, last = _marker_lines(lines, begin, end)
+    return "".join(lines[: first + 1]) + block + "".join(lines[last:])

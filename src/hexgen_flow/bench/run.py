@@ -39,7 +39,7 @@ from hexgen_flow.policies.presets import PRESETS
 from hexgen_flow.sim.simulator import SimConfig, simulate
 from hexgen_flow.tuning import tune_alpha
 
-__all__ = ["BenchOutcome", "run_bench", "run_plan"]
+__all__ = ["BenchOutcome", "run_bench", "run_plan", "run_tasks"]
 
 
 def _ignore_sigint() -> None:
@@ -47,7 +47,9 @@ def _ignore_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def _run_tasks(tasks: Sequence[Task], workers: int) -> dict[tuple[Any, ...], dict[str, Any]]:
+def run_tasks(tasks: Sequence[Task], workers: int) -> dict[tuple[Any, ...], dict[str, Any]]:
+    """Run `tasks` on `workers` processes (1: in this one), with a progress bar on stderr;
+    their results by task key."""
     results: dict[tuple[Any, ...], dict[str, Any]] = {}
     sims = 0
     bar = tqdm(total=len(tasks), desc="bench", unit="task", file=sys.stderr, smoothing=0.1)
@@ -343,7 +345,7 @@ def run_plan(plan: BenchPlan, *, workers: int = 2) -> dict[str, Any]:
         f"process{'es' if workers > 1 else ''}",
         file=sys.stderr,
     )
-    doc = _assemble(plan, _run_tasks(tasks, workers))
+    doc = _assemble(plan, run_tasks(tasks, workers))
     if "simulator_speed" in plan.parts:
         doc["simulator_speed"] = _measure_speed(plan)
     if "shifting_load" in plan.parts:
