@@ -2,9 +2,9 @@
 
 The ``openai`` engine sends a call's options verbatim to a real vLLM OpenAI server
 (conftest's `vllm_server`, SmolLM2-135M-Instruct): ``response_format`` ``json_schema`` comes
-back as JSON that validates against the schema (vLLM's structured output), and a
-``tool_choice`` naming a function as a tool call whose arguments validate against the
-function's parameters (vLLM constrains a named choice without a tool-call parser).
+back as JSON that validates against the schema (vLLM's structured output); a
+``tool_choice`` naming a function fails the call with the server's reason, since vLLM 0.32
+asks for a tool-call parser even for a named choice (measured here) and SmolLM2 has none.
 
 Not here, and why: ``tool_choice: "auto"`` needs the server started with
 ``--enable-auto-tool-choice --tool-call-parser NAME`` (and the in-process ``vllm`` engine
@@ -100,9 +100,10 @@ def test_structured_output_and_a_named_tool_choice_at_a_vllm_server(vllm_server:
     assert answer.error == "", answer.error
     if answer.finish_reason == "stop":  # within max_tokens: whole JSON of the schema
         jsonschema.validate(json.loads(answer.text), SCHEMA)
+    # vLLM 0.32 refuses even a named tool choice unless the server was started with a
+    # tool-call parser (measured here, 2026-12-05: HTTP 400 "tool_choice=function ...
+    # requires --tool-call-parser to be set"), and SmolLM2-135M has no parser format: the
+    # call fails with the server's reason, never with tool_calls=[] and no word.
     called = done["tool"]
-    assert called.error == "", called.error
-    [call] = called.tool_calls
-    assert call.name == "count_rows"
-    if called.finish_reason in ("stop", "tool_calls"):
-        jsonschema.validate(json.loads(call.arguments), SCHEMA)
+    assert called.tool_calls == ()
+    assert "tool_choice" in called.error and "--tool-call-parser" in called.error
