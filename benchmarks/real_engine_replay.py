@@ -77,6 +77,7 @@ from real_engine_servers import (
 )
 
 __all__ = [
+    "add_setup_options",
     "main",
     "measure",
     "predict",
@@ -321,11 +322,9 @@ def _positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:
     return parse
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        description=(__doc__ or "").splitlines()[0],
-        epilog="docs/real-engines.md, 'Predicted vs measured', has the setup and the results.",
-    )
+def add_setup_options(p: argparse.ArgumentParser) -> None:
+    """The options every real-engine benchmark takes: where vLLM and the model are, the
+    workload, what each server is, and the servers' dtype."""
     p.add_argument(
         "--vllm-python",
         default=os.environ.get(PYTHON_VAR, DEFAULT_VLLM_PYTHON),
@@ -345,6 +344,26 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="the workflows (JSONL or a trace; default: %(default)s)",
     )
+    p.add_argument(
+        "--cluster",
+        type=Path,
+        default=DEFAULT_CLUSTER,
+        metavar="FILE",
+        help="a cluster file of one instance: what each server is (default: %(default)s)",
+    )
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        help="the servers' --dtype (default float32: see docs/real-engines.md)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description=(__doc__ or "").splitlines()[0],
+        epilog="docs/real-engines.md, 'Predicted vs measured', has the setup and the results.",
+    )
+    add_setup_options(p)
     p.add_argument(
         "--num-queries",
         type=_positive(int),
@@ -372,13 +391,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="the mesh's and the simulator's policy (default vllm: round-robin, FCFS)",
     )
     p.add_argument(
-        "--cluster",
-        type=Path,
-        default=DEFAULT_CLUSTER,
-        metavar="FILE",
-        help="a cluster file of one instance: what each server is (default: %(default)s)",
-    )
-    p.add_argument(
         "--profile",
         type=Path,
         default=None,
@@ -398,11 +410,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="NAME",
         help="the simulator's engine model (SimConfig.engine; default: its default)",
-    )
-    p.add_argument(
-        "--dtype",
-        default="float32",
-        help="the servers' --dtype (default float32: see docs/real-engines.md)",
     )
     p.add_argument(
         "--out-dir",
