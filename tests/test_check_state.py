@@ -46,6 +46,9 @@ async def test_a_clean_state_passes(store: WorkflowStore) -> None:
     await store.complete("done", "done/0.0", 0, [1], 1.0, _record("done/0.0"))
     await store.complete("done", "done/1.0", 1, [], 2.0, _record("done/1.0"))
     await _two_stage(store, "running")
+    # the α history, and the one an older tuner kept (retired, harmless: no orphan)
+    await store.set_alpha(0.4, 1.0, "operator")
+    await store.redis.rpush(f"{store.prefix}tuner:alpha_history", b"{}")
     code, report = _check(store)
     assert code == 0, report
     assert (report["queries"], report["calls"], report["running"]) == (2, 4, 1)

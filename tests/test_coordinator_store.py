@@ -265,3 +265,26 @@ async def test_alpha_history_is_bounded(store: WorkflowStore) -> None:
     for n in range(ALPHA_HISTORY_MAX + 20):
         await store.set_alpha(0.5, float(n), "test")
     assert await store.redis.llen(f"{store.prefix}alpha:history") == ALPHA_HISTORY_MAX
+    history = await store.alpha_history()
+    assert len(history) == ALPHA_HISTORY_MAX and history[0].time_s == 20.0  # oldest first
+    assert [c.time_s for c in await store.alpha_history(2)] == [
+        ALPHA_HISTORY_MAX + 18.0,
+        ALPHA_HISTORY_MAX + 19.0,
+    ]
+
+
+async def test_the_alpha_history_is_every_change_kept_or_only_recorded(
+    store: WorkflowStore,
+) -> None:
+    assert await store.alpha_history() == [] and await store.alpha() is None
+    await store.record_alpha(0.5, 1.0, "--alpha at start")  # the history alone
+    assert await store.alpha() is None
+    await store.set_alpha(0.3, 2.0, "tune-000001")  # kept for a restart, and recorded
+    await store.redis.rpush(f"{store.prefix}alpha:history", b"not json")
+    await store.set_alpha(0.7, 3.0, "operator")
+    assert await store.alpha() == 0.7
+    assert [(c.time_s, c.alpha, c.reason) for c in await store.alpha_history()] == [
+        (1.0, 0.5, "--alpha at start"),
+        (2.0, 0.3, "tune-000001"),
+        (3.0, 0.7, "operator"),  # the unreadable entry skipped
+    ]

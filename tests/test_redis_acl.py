@@ -45,7 +45,7 @@ from hexgen_service.auth_dir import (
     AuthDir,
     redis_acl_line,
 )
-from hexgen_tuner.store import AlphaChange, TunerStore, TuningRunRecord
+from hexgen_tuner.store import TunerStore, TuningRunRecord
 from hexgen_tuner.window import read_window
 
 pytestmark = pytest.mark.skipif(
@@ -90,7 +90,7 @@ def test_the_line_is_exact() -> None:
         "user tuner on resetpass "
         "#2bb80d537b1da3e38bd30361aa855686bde0eacd7162fef6a25fe97bf527a25b "
         "resetkeys %R~hf:admitted %R~hf:finished ~hf:tuner:* resetchannels -@all +ping +multi "
-        "+exec +discard +xrevrange +xrange +xlen +incr +lpush +rpush +ltrim +lrange +lindex "
+        "+exec +discard +xrevrange +xrange +xlen +incr +lpush +ltrim +lrange "
         # a Redis Cluster's client (--redis-cluster) maps slots to nodes and reads the
         # commands' key positions; ASKING follows a slot that moves (tests/test_redis_cluster.py)
         "+cluster|slots +command +asking"
@@ -236,18 +236,13 @@ async def test_the_tuner_user_reads_its_window_and_keeps_its_own_keys(acl: AclRe
     acl.admin.xadd(f"{PREFIX}finished", {"query_id": "q", "tenant": "demo"})
     client = acl.aclient("tuner")
     try:
-        store = TunerStore(client, PREFIX, runs_kept=2, history_kept=2)
+        store = TunerStore(client, PREFIX, runs_kept=2)
         assert await client.ping()
         assert await store.next_run_id() == "tune-000001"
         run = TuningRunRecord("tune-000001", 1.0, 2.0, 0, 0.0, (), 0.5, 0.5, False, "test")
         for _ in range(3):
             await store.record_run(run)
         assert len(await store.runs(10)) == 2
-        for alpha in (0.1, 0.2, 0.3):
-            await store.record_alpha(AlphaChange(1.0, alpha, "test"))
-        assert [c.alpha for c in await store.alpha_history()] == [0.2, 0.3]
-        last = await store.last_alpha()
-        assert last is not None and last.alpha == 0.3
         window = await read_window(client, PREFIX, 100)
         assert window.skipped == 2  # both streams read (and found unreadable: no shape)
         assert await client.xlen(f"{PREFIX}finished") == 1
@@ -269,6 +264,12 @@ DENIED_TO_TUNER = [
     ("HSET", "hf:q:q1", "state", "succeeded"),
     ("SREM", "hf:active", "q1"),
     ("HSET", "hf:meta", "alpha", "0.9"),
+    # the α history is the coordinator's (the tuner asks it with GetAlphaHistory)
+    ("LRANGE", "hf:alpha:history", "0", "-1"),
+    ("RPUSH", "hf:alpha:history", "{}"),
+    # its own keys take only what its store does: no RPUSH, no LINDEX
+    ("RPUSH", "hf:tuner:runs", "x"),
+    ("LINDEX", "hf:tuner:runs", "0"),
     ("LRANGE", "hf:ev:q1", "0", "-1"),
     ("EVAL", "return 1", "0"),
     ("SCRIPT", "LOAD", "return 1"),

@@ -30,7 +30,7 @@ from hexgen_service.auth_dir import (
     AuthDir,
     redis_acl_line,
 )
-from hexgen_tuner.store import AlphaChange, TunerStore
+from hexgen_tuner.store import TunerStore, TuningRunRecord
 from hexgen_tuner.window import read_sharded_window
 
 pytestmark = pytest.mark.skipif(
@@ -74,7 +74,7 @@ def test_the_sharded_lines_are_exact() -> None:
         "#2bb80d537b1da3e38bd30361aa855686bde0eacd7162fef6a25fe97bf527a25b "
         "resetkeys %R~hf:{s0}:admitted %R~hf:{s0}:finished %R~hf:{s1}:admitted "
         "%R~hf:{s1}:finished ~hf:tuner:* resetchannels -@all +ping +multi +exec +discard "
-        "+xrevrange +xrange +xlen +incr +lpush +rpush +ltrim +lrange +lindex +cluster|slots "
+        "+xrevrange +xrange +xlen +incr +lpush +ltrim +lrange +cluster|slots "
         "+command +asking "
         # a selector: HMGET on the shards' clocks only
         "(%R~hf:{s0}:meta %R~hf:{s1}:meta +hmget)"
@@ -111,10 +111,11 @@ async def test_the_sharded_tuner_reads_every_shards_window_and_clock(shard_acl: 
         assert clock == [b"1001", b"10"]
         assert [f[b"query_id"] for _, f in await client.xrange(f"{SHARDS[1]}admitted")] == [b"a1"]
         assert await client.xlen(f"{SHARDS[1]}finished") == 1
-        store = TunerStore(client, PREFIX, runs_kept=2, history_kept=2)  # its own keys
+        store = TunerStore(client, PREFIX, runs_kept=2)  # its own keys
         assert await store.next_run_id() == "tune-000001"
-        await store.record_alpha(AlphaChange(1.0, 0.3, "test"))
-        assert [c.alpha for c in await store.alpha_history()] == [0.3]
+        await store.record_run(TuningRunRecord("tune-000001", 1.0, 2.0, 0, 0.0, (), 0.3, 0.3,
+                                               False, "test"))  # fmt: skip
+        assert [r.best_alpha for r in await store.runs(10)] == [0.3]
     finally:
         await client.aclose()  # type: ignore[attr-defined]  # types-redis predates aclose
     assert shard_acl.denials() == []

@@ -33,7 +33,7 @@ from hexgen_flow.errors import ConfigError
 from hexgen_launch.cluster import LocalCluster
 from hexgen_launch.replay import replay
 from hexgen_service.auth_dir import redis_acl_line
-from hexgen_tuner.store import AlphaChange, TunerStore
+from hexgen_tuner.store import TunerStore, TuningRunRecord
 from hexgen_tuner.window import read_window
 from redis_cluster_here import RedisClusterHere, needs_redis_cluster
 from replay_on_redis import assert_each_call_completed_once, mesh_config, trace3_replay
@@ -175,7 +175,7 @@ def test_the_tuner_retunes_from_the_cluster(mesh: LocalCluster) -> None:
             listed = await stub.ListTuningRuns(tuner_pb2.ListTuningRunsRequest())
             assert run.run_id in [r.run_id for r in listed.runs]
             got = await stub.GetAlpha(tuner_pb2.GetAlphaRequest())
-            assert got.history
+            assert got.history  # the coordinator's: the α it started with, at least
             return run
 
     client = _cluster_client(mesh)
@@ -249,7 +249,8 @@ async def test_the_acl_users_do_their_work_on_a_cluster(redis_cluster: RedisClus
         assert await store.active_ids() == []
         tuner = TunerStore(tuner_client, prefix)
         assert (await tuner.next_run_id()).startswith("tune-")
-        await tuner.record_alpha(AlphaChange(1.0, 0.5, "test"))  # a transaction too
+        run = TuningRunRecord("tune-000001", 1.0, 2.0, 0, 0.0, (), 0.5, 0.5, False, "test")
+        await tuner.record_run(run)  # a transaction too
         window = await read_window(tuner_client, prefix, 10)
         # Both streams read (no NOPERM): the made-up shapes above, q's in `admitted` and
         # q's and s's in `finished`.

@@ -37,7 +37,6 @@ from hexgen_service.redis_schema import (
     FinishedEntry,
     Placement,
 )
-from hexgen_tuner.store import AlphaChange as TunerAlphaChange
 from in_process_mesh import in_process_mesh
 from redis_here import REDIS_URL, needs_redis
 
@@ -149,7 +148,7 @@ _NAMESPACES = {
     *schema.CALL_NAMESPACES,
     schema.TUNER_NS,
 }
-_FIXED_NAMES = set(schema.COORDINATOR_KEYS) | set(schema.TUNER_KEYS)
+_FIXED_NAMES = set(schema.COORDINATOR_KEYS) | set(schema.TUNER_KEYS) | set(schema.RETIRED_KEYS)
 _ANYWHERE = {
     *_NAMESPACES,
     *(":" + name for name in schema.STAGE_FIELDS),
@@ -158,6 +157,7 @@ _ANYWHERE = {
     schema.QSEQ,
     schema.ALPHA_HISTORY,
     *schema.TUNER_KEYS,
+    *schema.RETIRED_KEYS,
     schema.M.EPOCH_UNIX_S,
 }
 """Literals that spell the layout wherever they stand (no other meaning in the services)."""
@@ -347,6 +347,7 @@ def test_the_lua_scripts_write_the_streams_as_the_schema_declares() -> None:
 def test_check_state_and_the_tuner_take_their_key_lists_from_the_schema() -> None:
     assert check_state_module._FIXED == schema.COORDINATOR_KEYS
     assert check_state_module._TUNER == schema.TUNER_KEYS
+    assert check_state_module._RETIRED == schema.RETIRED_KEYS
     assert redis_keys.DEFAULT_PREFIX == schema.DEFAULT_PREFIX == DEFAULT_REDIS_PREFIX
     assert redis_keys.CLUSTER_PREFIX == schema.CLUSTER_PREFIX
     assert store.Placement is Placement and store.parse_placement is schema.parse_placement
@@ -448,15 +449,21 @@ def test_a_completion_entry_round_trips() -> None:
     assert schema.decode_completion(_as_redis(fields)) == entry
 
 
-def test_an_alpha_change_round_trips_and_both_histories_spell_it_here() -> None:
-    """One format for an α change: the coordinator's ``alpha:history`` entries (written
-    with `encode_alpha_change`) and the tuner's `AlphaChange` are the schema's."""
+def test_an_alpha_change_round_trips_and_the_one_history_spells_it_here() -> None:
+    """One format for an α change, the entries of the one α history (the coordinator's
+    ``alpha:history``, written with `encode_alpha_change`); the tuner keeps none, and the
+    key an older tuner kept is a retired one, no orphan."""
     text = schema.encode_alpha_change(12.5, 0.3, "tune-000007")
     assert json.loads(text) == {"time_s": 12.5, "alpha": 0.3, "reason": "tune-000007"}
     change = schema.decode_alpha_change(text.encode())
     assert change == schema.AlphaChange(12.5, 0.3, "tune-000007")
     assert schema.AlphaChange.from_json(change.to_json()) == change
-    assert TunerAlphaChange is schema.AlphaChange
+    assert "tuner:alpha_history" in schema.RETIRED_KEYS
+    assert "tuner:alpha_history" not in schema.TUNER_KEYS
+    assert schema.classify_key("hf:", "hf:tuner:alpha_history") == (
+        "retired",
+        "tuner:alpha_history",
+    )
     for garbage in ("{}", '{"time_s": 1, "alpha": "x", "reason": ""}', "[]"):
         with pytest.raises((ValueError, KeyError, TypeError)):
             schema.decode_alpha_change(garbage)

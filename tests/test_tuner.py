@@ -1,7 +1,8 @@
 """The α tuner: the window of recent queries rebuilt from the real Redis streams, the runs
-and α history it keeps in Redis, its decision rule, its replays in the simulator, and the
-TunerService over real gRPC. Runs against the real Redis at HEXGEN_TEST_REDIS (default
-127.0.0.1:6379), each test under its own key prefix, deleted afterwards.
+it keeps in Redis, the one α history (the coordinator's, which the tuner shows), its
+decision rule, its replays in the simulator, and the TunerService over real gRPC. Runs
+against the real Redis at HEXGEN_TEST_REDIS (default 127.0.0.1:6379), each test under its
+own key prefix, deleted afterwards.
 
 The paths that need a live coordinator (a run that tunes and pushes α with SetAlpha, "too
 few queries") are covered by the mesh's end-to-end tests.
@@ -14,6 +15,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -24,19 +26,30 @@ import redis.asyncio as aioredis
 
 from hexgen_api.v1 import coordinator_pb2, tuner_pb2, tuner_pb2_grpc
 from hexgen_client.client import CoordinatorClient
+from hexgen_client.errors import CoordinatorError
+from hexgen_coordinator.config import CoordinatorConfig
+from hexgen_coordinator.coordinator import Coordinator
 from hexgen_flow.policies.presets import resolve_policy
 from hexgen_flow.traces import load_trace
-from hexgen_flow.tuning import AlphaPoint, TuningResult, TuningWindow, retune
+from hexgen_flow.tuning import (
+    AlphaPoint,
+    Decision,
+    Retune,
+    TuningResult,
+    TuningWindow,
+    retune,
+)
 from hexgen_flow.workload import Query
 from hexgen_launch.processes import free_port
+from hexgen_service import redis_schema as schema
 from hexgen_service.convert import submit_from_query
 from hexgen_service.healthcheck import check
 from hexgen_service.server import GrpcServer
 from hexgen_service.status import cluster_from_status
 from hexgen_tuner.config import TunerConfig
 from hexgen_tuner.service import SERVICE_NAME, TunerServicer
-from hexgen_tuner.store import AlphaChange, TunerStore, TuningRunRecord
-from hexgen_tuner.tuner import OBSERVED, AlphaTuner, decide, tuning_grid
+from hexgen_tuner.store import TunerStore, TuningRunRecord
+from hexgen_tuner.tuner import AlphaTuner, decide, tuning_grid
 from hexgen_tuner.window import (
     admitted_key,
     finished_key,
@@ -44,6 +57,7 @@ from hexgen_tuner.window import (
     read_window,
     window_from_entries,
 )
+from in_process_mesh import in_process_mesh
 
 REDIS_URL = os.environ.get("HEXGEN_TEST_REDIS", "redis://127.0.0.1:6379/0")
 TRACE = load_trace("trace1")
@@ -278,18 +292,6 @@ async def test_runs_are_kept_newest_first_capped_and_survive_a_restart(
     assert raw is not None and b"NaN" not in raw  # strict JSON
 
 
-async def test_alpha_history_is_kept_oldest_first_and_capped(
-    redis_client: aioredis.Redis[bytes], prefix: str
-) -> None:
-    store = TunerStore(redis_client, prefix, history_kept=2)
-    assert await store.last_alpha() is None
-    for n, alpha in enumerate((0.5, 0.7, 0.3)):
-        await store.record_alpha(AlphaChange(100.0 + n, alpha, f"tune-{n}"))
-    history = await TunerStore(redis_client, prefix).alpha_history()
-    assert history == [AlphaChange(101.0, 0.7, "tune-1"), AlphaChange(102.0, 0.3, "tune-2")]
-    assert await store.last_alpha() == AlphaChange(102.0, 0.3, "tune-2")
-
-
 # ------------------------------------------------------------------------------ decision
 
 
@@ -442,18 +444,117 @@ async def test_retune_without_a_coordinator_records_why(
             await stub.ListTuningRuns(tuner_pb2.ListTuningRunsRequest(limit=-1))
         assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
+        # The α and its history are the coordinator's: with it away, none is known.
         with pytest.raises(grpc.aio.AioRpcError) as unknown:
             await stub.GetAlpha(tuner_pb2.GetAlphaRequest())
         assert unknown.value.code() == grpc.StatusCode.UNAVAILABLE
-        # With the coordinator away, GetAlpha reports the last α recorded.
-        await tuner.store.record_alpha(AlphaChange(10.0, 0.5, OBSERVED))
-        await tuner.store.record_alpha(AlphaChange(20.0, 0.7, "tune-000009"))
-        got = await stub.GetAlpha(tuner_pb2.GetAlphaRequest())
-        assert got.alpha == 0.7
-        assert [(c.time_s, c.alpha, c.reason) for c in got.history] == [
-            (10.0, 0.5, OBSERVED),
-            (20.0, 0.7, "tune-000009"),
+        assert f"the coordinator at {tuner.config.coordinator} keeps it" in str(
+            unknown.value.details()
+        )
+    # The tuner wrote its runs and their counter, no α history of its own.
+    assert set(await tuner.redis.keys(f"{tuner.config.redis_prefix}*")) == {
+        schema.key(tuner.config.redis_prefix, name).encode() for name in schema.TUNER_KEYS
+    }
+
+
+# ------------------------------------------------------------------ the one α history
+
+
+async def test_a_tuning_run_and_an_operator_both_appear_in_order_in_the_one_history(
+    redis_client: aioredis.Redis[bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with in_process_mesh(("A100", "L40S"), "one-alpha", time_scale=200.0) as (
+        coordinator,
+        address,
+    ):
+        prefix = coordinator.config.redis_prefix
+        started = coordinator.scheduler.alpha
+        assert started is not None
+        async with CoordinatorClient(address) as client:
+            tuner = AlphaTuner(TunerConfig(redis_prefix=prefix, coordinator=address),
+                               redis_client, client)  # fmt: skip
+            door = f"127.0.0.1:{free_port()}"  # the tuner's, a real TunerService
+            server = GrpcServer(
+                door,
+                lambda s: tuner_pb2_grpc.add_TunerServiceServicer_to_server(
+                    TunerServicer(tuner), s
+                ),
+                [SERVICE_NAME],
+                grace_s=0.1,
+            )
+            await server.start()
+            # A tuning run whose replays (stubbed: the rest of the run is real) choose 0.3.
+            point = AlphaPoint(0.3, 100.0, 70.0, 1.0)
+            chosen = Retune(Decision(0.3, True, "test: 0.3 is best"),
+                            TuningResult(point, (point,), 20))  # fmt: skip
+            monkeypatch.setattr(tuner, "retune_window", lambda *_: chosen)
+            before = time.time()
+            run = await tuner.tune_once()
+            assert run.applied and run.best_alpha == 0.3, run.reason
+            # An operator sets α after it, with a reason of its own.
+            await client.set_alpha(0.7, "operator: back to 0.7")
+            after = time.time()
+
+            async with grpc.aio.insecure_channel(door) as channel:
+                stub = tuner_pb2_grpc.TunerServiceStub(channel)
+                got = await stub.GetAlpha(tuner_pb2.GetAlphaRequest())
+            await server.stop()
+            assert got.alpha == 0.7 == (await client.status()).alpha
+            assert [(c.alpha, c.reason) for c in got.history] == [
+                (started, "the default of policy hexgen-flow, at start"),
+                (0.3, run.run_id),
+                (0.7, "operator: back to 0.7"),
+            ]
+            times = [c.time_s for c in got.history]  # Unix seconds, as the tuner's runs
+            assert times == sorted(times) and before - 60 < times[0] <= times[-1] <= after + 1
+            assert before <= times[1] <= run.finished_s <= times[2]
+
+            # The coordinator's own door: the same history, on both clocks, the latest few.
+            history = await client.alpha_history()
+            clock = coordinator.clock
+            assert history.alpha == 0.7
+            assert [(c.alpha, c.reason, c.unix_s) for c in history.changes] == [
+                (c.alpha, c.reason, c.time_s) for c in got.history
+            ]
+            for c in history.changes:
+                assert c.unix_s == pytest.approx(clock.wall_time(c.time_s))
+            latest = await client.alpha_history(limit=2)
+            assert [c.reason for c in latest.changes] == [run.run_id, "operator: back to 0.7"]
+            with pytest.raises(CoordinatorError) as bad:
+                await client.alpha_history(limit=-1)
+            assert bad.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        # One history: the coordinator's; the tuner kept none.
+        assert await redis_client.lrange(schema.key(prefix, schema.ALPHA_HISTORY), 0, -1) == [
+            schema.encode_alpha_change(c.time_s, c.alpha, c.reason).encode()
+            for c in history.changes
         ]
+        assert not await redis_client.exists(schema.key(prefix, schema.RETIRED_KEYS[0]))
+
+
+async def test_a_coordinator_records_the_alpha_it_starts_with_when_it_is_new(
+    redis_client: aioredis.Redis[bytes], prefix: str
+) -> None:
+    async def start(**config: object) -> list[tuple[float, str]]:
+        coordinator = Coordinator(
+            CoordinatorConfig(listen=f"127.0.0.1:{free_port()}", redis_prefix=prefix,
+                              cluster="A100,L40S", **config),  # type: ignore[arg-type]
+            redis_client,
+        )  # fmt: skip
+        await coordinator.start()
+        try:
+            history = await coordinator.alpha_history(0)
+        finally:
+            await coordinator.stop()
+        return [(c.alpha, c.reason) for c in history.changes]
+
+    first = await start()
+    default = first[0][0]
+    assert first == [(default, "the default of policy hexgen-flow, at start")]
+    assert await start() == first  # the same α again: nothing new
+    assert await start(alpha=0.45) == [*first, (0.45, "--alpha at start")]
+    # Without --alpha it takes the kept one (none was set: the policy's default) again.
+    assert (await start())[-1] == (default, "the default of policy hexgen-flow, at start")
+    assert await start(policy="vllm") == await start()  # no α, nothing recorded
 
 
 @pytest.mark.parametrize(

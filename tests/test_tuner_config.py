@@ -36,7 +36,7 @@ from hexgen_tuner.config import TunerConfig, tuner_argv
 
 FIELDS = tuple(f.name for f in dataclasses.fields(TunerConfig))
 
-CODE_ONLY: dict[str, Any] = {"runs_kept": 20, "history_kept": 50, "rpc_timeout_s": 2.0}
+CODE_ONLY: dict[str, Any] = {"runs_kept": 20, "rpc_timeout_s": 2.0}
 """Settings with no option (set from code), and a valid value other than the default."""
 
 NON_DEFAULT: dict[str, Any] = {
@@ -82,7 +82,6 @@ BAD: dict[str, tuple[str, str]] = {
 
 BAD_CODE_ONLY: dict[str, tuple[Any, str]] = {
     "runs_kept": (0, "runs_kept must be >= 1"),
-    "history_kept": (0, "history_kept must be >= 1"),
     "rpc_timeout_s": (0.0, "rpc_timeout_s must be > 0"),
 }
 """The code-only settings' checks name the field (there is no flag)."""

@@ -66,7 +66,7 @@ def register(commands: Any) -> None:
     init.add_argument(
         "--redis-prefix", default="hf:", metavar="PREFIX",
         help="the Redis key prefix (default hf:); with --shards, the tuner's own (its "
-        "--redis-prefix: its runs and alpha history under PREFIXtuner:*)",
+        "--redis-prefix: its runs and run counter under PREFIXtuner:*)",
     )  # fmt: skip
     init.add_argument(
         "--shards", type=shard_list, default=(), metavar="P0,P1,...",

@@ -31,6 +31,10 @@ type CoordinatorServiceClient interface {
 	ClusterStatus(ctx context.Context, in *ClusterStatusRequest, opts ...grpc.CallOption) (*ClusterStatusResponse, error)
 	// Set the dispatcher's alpha (the tuner calls this).
 	SetAlpha(ctx context.Context, in *SetAlphaRequest, opts ...grpc.CallOption) (*SetAlphaResponse, error)
+	// The alpha in force and its history: every change this coordinator applied, oldest
+	// first (each SetAlpha with its reason, and the alpha it started with). With shards, each
+	// coordinator keeps its own shard's.
+	GetAlphaHistory(ctx context.Context, in *GetAlphaHistoryRequest, opts ...grpc.CallOption) (*GetAlphaHistoryResponse, error)
 	// Open a workflow session: a query whose calls the client submits as it learns them.
 	// Idempotent on workflow_id: opening a known id with the same content returns it.
 	OpenWorkflow(ctx context.Context, in *OpenWorkflowRequest, opts ...grpc.CallOption) (*OpenWorkflowResponse, error)
@@ -157,6 +161,15 @@ func (c *coordinatorServiceClient) SetAlpha(ctx context.Context, in *SetAlphaReq
 	return out, nil
 }
 
+func (c *coordinatorServiceClient) GetAlphaHistory(ctx context.Context, in *GetAlphaHistoryRequest, opts ...grpc.CallOption) (*GetAlphaHistoryResponse, error) {
+	out := new(GetAlphaHistoryResponse)
+	err := c.cc.Invoke(ctx, "/hexgen_flow.v1.CoordinatorService/GetAlphaHistory", in, out, opts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 func (c *coordinatorServiceClient) OpenWorkflow(ctx context.Context, in *OpenWorkflowRequest, opts ...grpc.CallOption) (*OpenWorkflowResponse, error) {
 	out := new(OpenWorkflowResponse)
 	err := c.cc.Invoke(ctx, "/hexgen_flow.v1.CoordinatorService/OpenWorkflow", in, out, opts...)
@@ -225,6 +238,10 @@ type CoordinatorServiceServer interface {
 	ClusterStatus(context.Context, *ClusterStatusRequest) (*ClusterStatusResponse, error)
 	// Set the dispatcher's alpha (the tuner calls this).
 	SetAlpha(context.Context, *SetAlphaRequest) (*SetAlphaResponse, error)
+	// The alpha in force and its history: every change this coordinator applied, oldest
+	// first (each SetAlpha with its reason, and the alpha it started with). With shards, each
+	// coordinator keeps its own shard's.
+	GetAlphaHistory(context.Context, *GetAlphaHistoryRequest) (*GetAlphaHistoryResponse, error)
 	// Open a workflow session: a query whose calls the client submits as it learns them.
 	// Idempotent on workflow_id: opening a known id with the same content returns it.
 	OpenWorkflow(context.Context, *OpenWorkflowRequest) (*OpenWorkflowResponse, error)
@@ -259,6 +276,9 @@ func (UnimplementedCoordinatorServiceServer) ClusterStatus(context.Context, *Clu
 }
 func (UnimplementedCoordinatorServiceServer) SetAlpha(context.Context, *SetAlphaRequest) (*SetAlphaResponse, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method SetAlpha not implemented")
+}
+func (UnimplementedCoordinatorServiceServer) GetAlphaHistory(context.Context, *GetAlphaHistoryRequest) (*GetAlphaHistoryResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method GetAlphaHistory not implemented")
 }
 func (UnimplementedCoordinatorServiceServer) OpenWorkflow(context.Context, *OpenWorkflowRequest) (*OpenWorkflowResponse, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method OpenWorkflow not implemented")
@@ -414,6 +434,24 @@ func _CoordinatorService_SetAlpha_Handler(srv interface{}, ctx context.Context, 
 	return interceptor(ctx, in, info, handler)
 }
 
+func _CoordinatorService_GetAlphaHistory_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(GetAlphaHistoryRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(CoordinatorServiceServer).GetAlphaHistory(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: "/hexgen_flow.v1.CoordinatorService/GetAlphaHistory",
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(CoordinatorServiceServer).GetAlphaHistory(ctx, req.(*GetAlphaHistoryRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 func _CoordinatorService_OpenWorkflow_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
 	in := new(OpenWorkflowRequest)
 	if err := dec(in); err != nil {
@@ -494,6 +532,10 @@ var _CoordinatorService_serviceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "SetAlpha",
 			Handler:    _CoordinatorService_SetAlpha_Handler,
+		},
+		{
+			MethodName: "GetAlphaHistory",
+			Handler:    _CoordinatorService_GetAlphaHistory_Handler,
 		},
 		{
 			MethodName: "OpenWorkflow",

@@ -214,14 +214,19 @@ func (x *TuningRun) GetReason() string {
 	return ""
 }
 
+// One change of the coordinator's alpha, from the coordinator's own history
+// (CoordinatorService.GetAlphaHistory): the tuner keeps none of its own.
 type AlphaChange struct {
 	state         protoimpl.MessageState
 	sizeCache     protoimpl.SizeCache
 	unknownFields protoimpl.UnknownFields
 
-	TimeS  float64 `protobuf:"fixed64,1,opt,name=time_s,json=timeS,proto3" json:"time_s,omitempty"`
-	Alpha  float64 `protobuf:"fixed64,2,opt,name=alpha,proto3" json:"alpha,omitempty"`
-	Reason string  `protobuf:"bytes,3,opt,name=reason,proto3" json:"reason,omitempty"`
+	// Unix seconds.
+	TimeS float64 `protobuf:"fixed64,1,opt,name=time_s,json=timeS,proto3" json:"time_s,omitempty"`
+	Alpha float64 `protobuf:"fixed64,2,opt,name=alpha,proto3" json:"alpha,omitempty"`
+	// Why: the tuning run id that set it, another caller's SetAlpha reason, or where the
+	// alpha a coordinator started with came from.
+	Reason string `protobuf:"bytes,3,opt,name=reason,proto3" json:"reason,omitempty"`
 }
 
 func (x *AlphaChange) Reset() {
@@ -320,6 +325,8 @@ type GetAlphaResponse struct {
 	sizeCache     protoimpl.SizeCache
 	unknownFields protoimpl.UnknownFields
 
+	// The coordinator's alpha and its history, oldest first (with shards, those of the first
+	// coordinator that answers).
 	Alpha   float64        `protobuf:"fixed64,1,opt,name=alpha,proto3" json:"alpha,omitempty"`
 	History []*AlphaChange `protobuf:"bytes,2,rep,name=history,proto3" json:"history,omitempty"`
 }

@@ -215,6 +215,15 @@ class CoordinatorClient:
         request = coordinator_pb2.SetAlphaRequest(alpha=alpha, reason=reason)
         return await self._unary(None, lambda stub: stub.SetAlpha(request, timeout=self.timeout_s))
 
+    async def alpha_history(self, limit: int = 0) -> coordinator_pb2.GetAlphaHistoryResponse:
+        """GetAlphaHistory at the default coordinator (the next one when it does not
+        answer): the α in force and its latest `limit` changes (0: every one kept), oldest
+        first. With shards, each coordinator keeps its own."""
+        request = coordinator_pb2.GetAlphaHistoryRequest(limit=limit)
+        return await self._unary(
+            None, lambda stub: stub.GetAlphaHistory(request, timeout=self.timeout_s)
+        )
+
     # ------------------------------------------------------------------ workflow sessions
 
     async def open_workflow(

@@ -80,8 +80,9 @@ REDIS_COMMANDS: dict[str, tuple[str, ...]] = {
         "ping", "multi", "exec", "discard",
         # the `admitted` and `finished` streams (read only, by their key patterns)
         "xrevrange", "xrange", "xlen",
-        # its own runs, alpha history and run counter (`hexgen_tuner.store`)
-        "incr", "lpush", "rpush", "ltrim", "lrange", "lindex",
+        # its own runs and run counter (`hexgen_tuner.store`; the α history is the
+        # coordinator's, read with its GetAlphaHistory RPC)
+        "incr", "lpush", "ltrim", "lrange",
         *_CLUSTER_COMMANDS,
     ),
     # answers PONG once the data is loaded (LOADING before): no key, nothing else
@@ -176,10 +177,11 @@ def redis_acl_line(
     administration included, is refused).
 
     The coordinator runs the mesh's Lua scripts and reads and writes every key of the mesh.
-    The tuner reads the `admitted` and `finished` streams and keeps its own runs and alpha
-    history: it can neither run the coordinator's scripts nor change or delete a query's
-    state. With `shards` each user's `REDIS_SHARD_COMMANDS` come last, in a selector
-    (``(KEYS +CMD...)``) that confines them to one key of each shard."""
+    The tuner reads the `admitted` and `finished` streams and keeps its own runs (the α
+    history is the coordinator's, asked for over gRPC): it can neither run the
+    coordinator's scripts nor change or delete a query's state. With `shards` each user's
+    `REDIS_SHARD_COMMANDS` come last, in a selector (``(KEYS +CMD...)``) that confines them
+    to one key of each shard."""
     keys = redis_keys(user, prefix, shards=shards)
     if not password:
         raise ConfigError(f"redis user {user}: empty password")

@@ -38,13 +38,20 @@ Key layout (every key starts with the configured prefix P, default ``hf:``)::
     P finished             stream one entry per finished query, with its shape
                                   (`FinishedEntry`: a workflow session's shape is known
                                   only here)
-    P alpha:history        list   JSON of the latest alpha changes
+    P alpha:history        list   JSON of the latest alpha changes (`AlphaChange`): the mesh's
+                                  one α history, the coordinator's (every change it
+                                  applies; the tuner reads it through the coordinator's
+                                  GetAlphaHistory RPC, never here)
     P learned              hash   instance name -> JSON of its cost learner's state (with
                                   --learn-costs: what a restarted coordinator carries on from)
     P lease                string a coordinator shard's lease (`hexgen_coordinator.shards`)
     P tuner:runs           list   the tuner's runs (JSON), newest first, capped
-    P tuner:alpha_history  list   the α changes the tuner made or observed (JSON), capped
     P tuner:run_seq        string the counter behind the tuner's run ids
+
+A key an older version wrote and nothing reads any more (`RETIRED_KEYS`: an older tuner's
+own α history, ``P tuner:alpha_history``) is harmless: it is left as it was (the tuner's
+Redis user may not delete it), takes no part in anything, and check-state counts it as part
+of the layout, not as an orphan; ``DEL`` it by hand at leisure.
 
 No id can make two keys collide: a query's keys sit in different namespaces (``q:``,
 ``ev:``, ``pr:``), and none can spell a fixed key.
@@ -82,7 +89,7 @@ __all__ = [
     "META",
     "QSEQ",
     "QUERY_FIELDS",
-    "TUNER_ALPHA_HISTORY",
+    "RETIRED_KEYS",
     "TUNER_KEYS",
     "TUNER_NS",
     "TUNER_RUNS",
@@ -154,10 +161,15 @@ COORDINATOR_KEYS: Final = (
 TUNER_NS: Final = "tuner:"
 """Every tuner key starts with it (its Redis ACL user's pattern: ``P tuner:*``)."""
 TUNER_RUNS: Final = TUNER_NS + "runs"
-TUNER_ALPHA_HISTORY: Final = TUNER_NS + "alpha_history"
 TUNER_RUN_SEQ: Final = TUNER_NS + "run_seq"
-TUNER_KEYS: Final = (TUNER_RUNS, TUNER_ALPHA_HISTORY, TUNER_RUN_SEQ)
-"""The tuner's keys under the same prefix (capped lists and a counter)."""
+TUNER_KEYS: Final = (TUNER_RUNS, TUNER_RUN_SEQ)
+"""The tuner's keys under the same prefix (a capped list and a counter)."""
+
+RETIRED_KEYS: Final = (TUNER_NS + "alpha_history",)
+"""Fixed keys an older version wrote that nothing writes or reads any more: an older tuner's
+own α history (the coordinator's ``alpha:history`` is the one history now). One left in
+Redis is harmless; `classify_key` names it ("retired", name), so check-state does not count
+it as an orphan."""
 
 # ---------------------------------------------------------------------------- a query's keys
 
@@ -189,13 +201,16 @@ def prompts_key(prefix: str, query_id: str) -> str:
 
 def classify_key(prefix: str, name: str) -> tuple[str, str] | None:
     """What the key `name` is in the layout under `prefix`: ("fixed", its name) for a fixed
-    key (the coordinator's or the tuner's), ("query" | "events" | "prompts", query id) for a
-    query's; None for a key under the prefix that belongs to nothing (or not under it)."""
+    key (the coordinator's or the tuner's), ("retired", its name) for one of `RETIRED_KEYS`,
+    ("query" | "events" | "prompts", query id) for a query's; None for a key under the
+    prefix that belongs to nothing (or not under it)."""
     if not name.startswith(prefix):
         return None
     rest = name[len(prefix) :]
     if rest in COORDINATOR_KEYS or rest in TUNER_KEYS:
         return ("fixed", rest)
+    if rest in RETIRED_KEYS:
+        return ("retired", rest)
     for ns, kind in _QUERY_KINDS.items():
         if rest.startswith(ns):
             return (kind, rest[len(ns) :])
@@ -379,10 +394,11 @@ class M:
 
 @dataclass(frozen=True, slots=True)
 class AlphaChange:
-    """One entry of an α history list (JSON ``{"time_s", "alpha", "reason"}``): the
-    coordinator's ``alpha:history`` (`time_s` on its cluster clock; the reason SetAlpha's)
-    and the tuner's ``tuner:alpha_history`` (`time_s` Unix seconds; a run id or
-    "observed at the coordinator") share it."""
+    """One entry of the α history, the coordinator's ``alpha:history`` (JSON ``{"time_s",
+    "alpha", "reason"}``): `time_s` on its cluster clock; the reason SetAlpha's (a tuning
+    run's id when the tuner set it) or, for the α a coordinator started with, where that
+    came from. (An older tuner's ``tuner:alpha_history``, `RETIRED_KEYS`, held the same
+    entries with Unix times.)"""
 
     time_s: float
     alpha: float
@@ -397,7 +413,7 @@ class AlphaChange:
 
 
 def encode_alpha_change(time_s: float, alpha: float, reason: str) -> str:
-    """One entry of an α history list (JSON; `AlphaChange`)."""
+    """One entry of the α history (JSON; `AlphaChange`)."""
     return json.dumps({"time_s": time_s, "alpha": alpha, "reason": reason})
 
 

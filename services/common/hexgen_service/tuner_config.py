@@ -136,8 +136,6 @@ class TunerConfig:
     (`hexgen_service.metrics_server`); beyond loopback both, or `insecure`."""
     runs_kept: int = setting(200, code_only=True, check=_ONE_OR_MORE)
     """Tuning runs kept in Redis (``ListTuningRuns``), newest first."""
-    history_kept: int = setting(1000, code_only=True, check=_ONE_OR_MORE)
-    """α changes kept in Redis (``GetAlpha``'s history)."""
     rpc_timeout_s: float = setting(10.0, code_only=True, check=greater_than(0))
     """Deadline of each RPC to the coordinator."""
     # ---------------------------------------------------------------- security

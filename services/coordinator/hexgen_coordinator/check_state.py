@@ -50,7 +50,9 @@ __all__ = ["StateReport", "check_state", "main"]
 _FIXED = schema.COORDINATOR_KEYS
 """The coordinator's fixed keys (`hexgen_service.redis_schema`)."""
 _TUNER = schema.TUNER_KEYS
-"""The tuner's keys under the same prefix (capped lists and a counter)."""
+"""The tuner's keys under the same prefix (a capped list and a counter)."""
+_RETIRED = schema.RETIRED_KEYS
+"""Keys an older version wrote and nothing reads (harmless: not orphans)."""
 
 
 @dataclass
@@ -92,7 +94,7 @@ def check_state(
     client: redis.Redis[bytes], prefix: str, stuck_after_s: float | None
 ) -> StateReport:
     report = StateReport()
-    fixed = {prefix + name for name in (*_FIXED, *_TUNER)}
+    fixed = {prefix + name for name in (*_FIXED, *_TUNER, *_RETIRED)}
     queries: list[str] = []
     logs: list[str] = []
     kept: list[str] = []

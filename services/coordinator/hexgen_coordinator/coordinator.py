@@ -183,6 +183,7 @@ class Coordinator:
         alpha = self.config.alpha if self.config.alpha is not None else stored_alpha
         if alpha is not None and self.scheduler.alpha is not None:
             self.scheduler.set_alpha(alpha)
+        await self._record_starting_alpha(stored_alpha)
         self.ledger.queries_finished = int(await self.redis.xlen(self.store.finished_key))
         if self.scheduler.learner is not None:
             restored = self.scheduler.restore_costs(await self.store.learned())
@@ -206,6 +207,25 @@ class Coordinator:
         lag = self.ledger.metrics.loop_lag
         self._tasks.append(asyncio.create_task(watch_loop_lag(lag.observe)))
         self._tasks.append(asyncio.create_task(self._sessions.close_idle()))
+
+    async def _record_starting_alpha(self, stored: float | None) -> None:
+        """Record the α this coordinator starts with in the α history when it is not the
+        last one recorded (a first start, ``--alpha``, or a history lost), so that the one
+        history (GetAlphaHistory; the tuner shows it) holds every α the dispatcher ran
+        with."""
+        alpha = self.scheduler.alpha
+        if alpha is None:
+            return
+        last = await self.store.alpha_history(1)
+        if last and last[-1].alpha == alpha:
+            return
+        if self.config.alpha is not None:
+            reason = "--alpha at start"
+        elif stored is not None:
+            reason = "kept in Redis, at start"
+        else:
+            reason = f"the default of policy {self.config.policy}, at start"
+        await self.store.record_alpha(alpha, self.clock.now(), reason)
 
     async def _keep_learned(self) -> None:
         """Write what the cost learners learned to Redis every `LEARNED_SAVE_S` wall
@@ -306,6 +326,27 @@ class Coordinator:
         self.scheduler.set_alpha(alpha)
         await self.store.set_alpha(alpha, self.clock.now(), reason)
         return previous
+
+    async def alpha_history(self, limit: int) -> cpb.GetAlphaHistoryResponse:
+        """The α in force and the latest `limit` changes (0: all kept), oldest first, from
+        this coordinator's ``alpha:history``; raises InvalidFieldError for a negative
+        `limit`."""
+        if limit < 0:
+            raise InvalidFieldError("limit", f"must be >= 0, got {limit}")
+        history = await self.store.alpha_history(limit)
+        clock = self.clock
+        return cpb.GetAlphaHistoryResponse(
+            alpha=self.scheduler.alpha or 0.0,
+            changes=[
+                cpb.AlphaHistoryEntry(
+                    time_s=c.time_s,
+                    unix_s=clock.wall_time(c.time_s),
+                    alpha=c.alpha,
+                    reason=c.reason,
+                )
+                for c in history
+            ],
+        )
 
     # ------------------------------------------------------------------ workers
 

@@ -217,6 +217,13 @@ class CoordinatorServicer(cpb_grpc.CoordinatorServiceServicer):
             return cpb.SetAlphaResponse(previous_alpha=previous, alpha=request.alpha)
         raise AssertionError("unreachable")
 
+    async def GetAlphaHistory(  # noqa: N802
+        self, request: cpb.GetAlphaHistoryRequest, context: Context[object, object]
+    ) -> cpb.GetAlphaHistoryResponse:
+        async with statuses(context):
+            return await self.c.alpha_history(request.limit)
+        raise AssertionError("unreachable")
+
     async def OpenWorkflow(  # noqa: N802
         self, request: cpb.OpenWorkflowRequest, context: Context[object, object]
     ) -> cpb.OpenWorkflowResponse:

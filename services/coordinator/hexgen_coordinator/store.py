@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,13 +61,16 @@ __all__ = [
     "prompts_digest",
 ]
 
+log = logging.getLogger(__name__)
+
 COMPLETE_APPLIED = 1
 COMPLETE_DUPLICATE = 0
 COMPLETE_NOT_RUNNING = -1
 COMPLETE_STALE = -2
 
 ALPHA_HISTORY_MAX = 1000
-"""alpha:history keeps this many latest changes."""
+"""alpha:history keeps this many latest changes (the mesh's one α history: the tuner reads
+it through the coordinator's GetAlphaHistory)."""
 
 _SUBMIT = """
 -- KEYS: q, qseq, active, admitted, pr ; ARGV: submit, shape, tenant, arrival_s, slo_s,
@@ -378,12 +382,37 @@ class WorkflowStore:
         return float(value) if value is not None else None
 
     async def set_alpha(self, alpha: float, now: float, reason: str) -> None:
-        history = self.key(schema.ALPHA_HISTORY)
+        """Keep `alpha` (what a restarted coordinator takes) and record the change."""
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(self.key(schema.META), M.ALPHA, repr(alpha))
-            pipe.rpush(history, schema.encode_alpha_change(now, alpha, reason))
-            pipe.ltrim(history, -ALPHA_HISTORY_MAX, -1)
+            self._record_alpha(pipe, alpha, now, reason)
             await pipe.execute()
+
+    async def record_alpha(self, alpha: float, now: float, reason: str) -> None:
+        """Record a change of α in the history alone (the α a coordinator started with:
+        the kept one, ``meta``'s, stays what SetAlpha last set)."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            self._record_alpha(pipe, alpha, now, reason)
+            await pipe.execute()
+
+    def _record_alpha(
+        self, pipe: aioredis.client.Pipeline[bytes], alpha: float, now: float, reason: str
+    ) -> None:
+        history = self.key(schema.ALPHA_HISTORY)
+        pipe.rpush(history, schema.encode_alpha_change(now, alpha, reason))
+        pipe.ltrim(history, -ALPHA_HISTORY_MAX, -1)
+
+    async def alpha_history(self, limit: int = 0) -> list[schema.AlphaChange]:
+        """The latest `limit` α changes (0: every one kept), oldest first, `time_s` on the
+        cluster clock; an unreadable entry is skipped (logged)."""
+        raw = await self.redis.lrange(self.key(schema.ALPHA_HISTORY), -limit if limit else 0, -1)
+        history = []
+        for text in raw:
+            try:
+                history.append(schema.decode_alpha_change(text))
+            except (ValueError, KeyError, TypeError) as exc:
+                log.warning("unreadable alpha change skipped: %s", exc)
+        return history
 
     async def learned(self) -> dict[str, str]:
         """The cost learners' states kept by `save_learned`, by instance name."""

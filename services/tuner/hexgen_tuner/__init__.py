@@ -2,12 +2,11 @@
 best one to the coordinator (see services/tuner/README.md)."""
 
 from hexgen_tuner.config import TunerConfig
-from hexgen_tuner.store import AlphaChange, TunerStore, TuningRunRecord
+from hexgen_tuner.store import TunerStore, TuningRunRecord
 from hexgen_tuner.tuner import AlphaTuner, Decision, decide
 from hexgen_tuner.window import TrafficWindow, read_window, window_from_entries
 
 __all__ = [
-    "AlphaChange",
     "AlphaTuner",
     "Decision",
     "TrafficWindow",

@@ -14,7 +14,7 @@ import redis
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 
-from hexgen_api.v1 import tuner_pb2, tuner_pb2_grpc
+from hexgen_api.v1 import coordinator_pb2, tuner_pb2, tuner_pb2_grpc
 from hexgen_client.client import CoordinatorClient
 from hexgen_client.errors import CoordinatorError
 from hexgen_service.auth import AuthInterceptor, KeyStore, Role, read_secret
@@ -25,7 +25,7 @@ from hexgen_service.server import GrpcServer
 from hexgen_service.telemetry import client_interceptors, setup_tracing
 from hexgen_service.tls import TlsFiles, ca_from_env, channel_credentials, server_credentials
 from hexgen_tuner.config import TunerConfig
-from hexgen_tuner.store import AlphaChange, TuningRunRecord
+from hexgen_tuner.store import TuningRunRecord
 from hexgen_tuner.tuner import AlphaTuner
 
 __all__ = [
@@ -75,8 +75,10 @@ def run_to_proto(run: TuningRunRecord) -> tuner_pb2.TuningRun:
     )
 
 
-def change_to_proto(change: AlphaChange) -> tuner_pb2.AlphaChange:
-    return tuner_pb2.AlphaChange(time_s=change.time_s, alpha=change.alpha, reason=change.reason)
+def change_to_proto(change: coordinator_pb2.AlphaHistoryEntry) -> tuner_pb2.AlphaChange:
+    """An entry of the coordinator's α history as GetAlpha shows it (Unix seconds, as the
+    tuner's runs)."""
+    return tuner_pb2.AlphaChange(time_s=change.unix_s, alpha=change.alpha, reason=change.reason)
 
 
 class TunerServicer(tuner_pb2_grpc.TunerServiceServicer):
@@ -87,18 +89,15 @@ class TunerServicer(tuner_pb2_grpc.TunerServiceServicer):
         self, request: tuner_pb2.GetAlphaRequest, context: Context[object, object]
     ) -> tuner_pb2.GetAlphaResponse:
         try:
-            alpha = await self.tuner.current_alpha()
-            history = await self.tuner.store.alpha_history()
+            got = await self.tuner.alpha_history()
         except CoordinatorError as exc:
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE,
-                f"no alpha known: none recorded, and the coordinator at {exc.address} "
-                f"cannot be asked ({exc.code.name})",
+                f"no alpha known: the coordinator at {exc.address} keeps it and its history, "
+                f"and cannot be asked ({exc.code.name})",
             )
-        except redis.RedisError as exc:
-            await _redis_unavailable(context, exc)
         return tuner_pb2.GetAlphaResponse(
-            alpha=alpha, history=[change_to_proto(c) for c in history]
+            alpha=got.alpha, history=[change_to_proto(c) for c in got.changes]
         )
 
     async def ListTuningRuns(  # noqa: N802

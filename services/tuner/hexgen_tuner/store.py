@@ -1,11 +1,11 @@
-"""What the tuner keeps in Redis, so that a restarted tuner still answers ``ListTuningRuns``
-and ``GetAlpha``:
+"""What the tuner keeps in Redis, so that a restarted tuner still answers ``ListTuningRuns``:
 
 - ``P tuner:runs``: a list of JSON `TuningRunRecord`, newest first, capped;
-- ``P tuner:alpha_history``: a list of JSON `AlphaChange`, oldest first, capped;
 - ``P tuner:run_seq``: the counter behind the run ids (``tune-000001``, ...).
 
-(Their names are `hexgen_service.redis_schema`'s, with the coordinator's keys.)
+(Their names are `hexgen_service.redis_schema`'s, with the coordinator's keys.) The α history
+is not the tuner's: the coordinator records every change it applies, and ``GetAlpha`` reads
+it with the coordinator's GetAlphaHistory (`hexgen_tuner.tuner.AlphaTuner.alpha_history`).
 
 Non-finite numbers (an α not known, a P95 of a run where nothing finished) are stored as
 JSON ``null`` and read back as NaN.
@@ -24,7 +24,7 @@ import redis.asyncio as aioredis
 from hexgen_flow.tuning import AlphaPoint
 from hexgen_service import redis_schema as schema
 
-__all__ = ["AlphaChange", "TunerStore", "TuningRunRecord"]
+__all__ = ["TunerStore", "TuningRunRecord"]
 
 log = logging.getLogger(__name__)
 
@@ -112,12 +112,6 @@ class TuningRunRecord:
         )
 
 
-AlphaChange = schema.AlphaChange
-"""An α the coordinator had from `time_s` (Unix seconds here) on, and why: the run id that
-set it, or "observed at the coordinator" (the entry's format is `hexgen_service.redis_schema`'s,
-shared with the coordinator's ``alpha:history``)."""
-
-
 class TunerStore:
     """The tuner's Redis keys under `prefix`."""
 
@@ -127,20 +121,14 @@ class TunerStore:
         prefix: str,
         *,
         runs_kept: int = 200,
-        history_kept: int = 1000,
     ) -> None:
         self.client = client
         self.prefix = prefix
         self.runs_kept = runs_kept
-        self.history_kept = history_kept
 
     @property
     def runs_key(self) -> str:
         return schema.key(self.prefix, schema.TUNER_RUNS)
-
-    @property
-    def history_key(self) -> str:
-        return schema.key(self.prefix, schema.TUNER_ALPHA_HISTORY)
 
     @property
     def seq_key(self) -> str:
@@ -171,31 +159,4 @@ class TunerStore:
             return TuningRunRecord.from_json(text)
         except (ValueError, KeyError, TypeError) as exc:
             log.warning("unreadable tuning run skipped: %s", exc)
-            return None
-
-    async def record_alpha(self, change: AlphaChange) -> None:
-        async with self.client.pipeline(transaction=True) as pipe:
-            pipe.rpush(self.history_key, change.to_json())
-            pipe.ltrim(self.history_key, -self.history_kept, -1)
-            await pipe.execute()
-
-    async def alpha_history(self) -> list[AlphaChange]:
-        """Every kept α change, oldest first."""
-        raw = await self.client.lrange(self.history_key, 0, -1)
-        history = []
-        for text in raw:
-            try:
-                history.append(AlphaChange.from_json(text))
-            except (ValueError, KeyError, TypeError) as exc:
-                log.warning("unreadable alpha change skipped: %s", exc)
-        return history
-
-    async def last_alpha(self) -> AlphaChange | None:
-        """The newest α change, if any."""
-        raw = await self.client.lindex(self.history_key, -1)
-        if raw is None:
-            return None
-        try:
-            return AlphaChange.from_json(raw)
-        except (ValueError, KeyError, TypeError):
             return None

@@ -10,7 +10,11 @@ A run (docs/algorithm.md §6, online):
    (plus the current α, so the comparison is exact, and the refining midpoints) and decide
    (`hexgen_flow.tuning.decide`) whether the best one beats the current α;
 4. push the new α with SetAlpha (reason: the run id) when it does;
-5. record the run (and any α change) in Redis (`TunerStore`).
+5. record the run in Redis (`TunerStore`).
+
+The α history is the coordinator's alone: it records every change it applies (a SetAlpha
+with its reason, so the tuner's say which run set them, and the α it started with), and the
+tuner reads it with GetAlphaHistory (`alpha_history`, what ``GetAlpha`` shows).
 
 Every run is recorded, including those that changed nothing, with the reason why. The
 tuning run itself (`retune`, `decide`, `tuning_grid`) is the core's: the simulator's online
@@ -26,9 +30,11 @@ import math
 import time
 from collections.abc import Callable
 
+import grpc
 import redis.asyncio as aioredis
 from opentelemetry import trace
 
+from hexgen_api.v1 import coordinator_pb2
 from hexgen_client.addresses import split_addresses
 from hexgen_client.client import CoordinatorClient
 from hexgen_client.errors import CoordinatorError, CoordinatorUnavailableError
@@ -47,18 +53,12 @@ from hexgen_flow.tuning import (
 from hexgen_service.status import cluster_from_status
 from hexgen_tuner.config import TunerConfig
 from hexgen_tuner.metrics import TunerMetrics
-from hexgen_tuner.store import AlphaChange, TunerStore, TuningRunRecord
+from hexgen_tuner.store import TunerStore, TuningRunRecord
 from hexgen_tuner.window import TrafficWindow, read_sharded_window, read_window
 
-__all__ = ["OBSERVED", "AlphaTuner", "Decision", "decide", "tuning_grid"]
+__all__ = ["AlphaTuner", "Decision", "decide", "tuning_grid"]
 
 log = logging.getLogger(__name__)
-
-OBSERVED = "observed at the coordinator"
-"""Reason of an α change the tuner did not make (the coordinator's initial α, or one set by
-someone else)."""
-
-_SAME = 1e-9
 
 
 class AlphaTuner:
@@ -80,7 +80,6 @@ class AlphaTuner:
             redis_client,
             config.redis_prefix,
             runs_kept=config.runs_kept,
-            history_kept=config.history_kept,
         )
         self.tracer = tracer or trace.get_tracer("hexgen-tuner")
         self.clock = clock
@@ -90,23 +89,19 @@ class AlphaTuner:
 
     # --------------------------------------------------------------------------- α
 
-    async def current_alpha(self) -> float:
-        """The coordinator's α; the last one recorded when the coordinator cannot be asked.
-        Raises `CoordinatorError` when neither is known."""
+    async def alpha_history(self) -> coordinator_pb2.GetAlphaHistoryResponse:
+        """The coordinator's α and its one α history, oldest first (GetAlphaHistory; with
+        shards, the first coordinator's that answers: each keeps its own, and every one
+        holds the changes the tuner pushed to all). A coordinator older than
+        GetAlphaHistory: its α (ClusterStatus) and no history. Raises `CoordinatorError`
+        when none can be asked."""
         try:
-            status = await self.coordinator.status()
-        except CoordinatorError:
-            last = await self.store.last_alpha()
-            if last is None:
+            return await self.coordinator.alpha_history()
+        except CoordinatorError as exc:
+            if exc.code != grpc.StatusCode.UNIMPLEMENTED:
                 raise
-            return last.alpha
-        await self._observe(status.alpha)
-        return status.alpha
-
-    async def _observe(self, alpha: float) -> None:
-        last = await self.store.last_alpha()
-        if last is None or abs(last.alpha - alpha) >= _SAME:
-            await self.store.record_alpha(AlphaChange(self.clock(), alpha, OBSERVED))
+        status = await self.coordinator.status()
+        return coordinator_pb2.GetAlphaHistoryResponse(alpha=status.alpha)
 
     # ------------------------------------------------------------------------ runs
 
@@ -174,7 +169,6 @@ class AlphaTuner:
         except CoordinatorError as exc:
             return await finish(f"ClusterStatus failed: {exc}", math.nan)
         previous = status.alpha
-        await self._observe(previous)
         try:
             preset = resolve_policy(status.policy)
         except HexgenFlowError as exc:
@@ -201,7 +195,6 @@ class AlphaTuner:
                 best=decision.alpha,
                 result=result,
             )
-        await self.store.record_alpha(AlphaChange(self.clock(), decision.alpha, run_id))
         return await finish(
             decision.reason, previous, best=decision.alpha, result=result, applied=True
         )

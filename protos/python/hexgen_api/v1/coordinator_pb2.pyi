@@ -846,6 +846,87 @@ class SetAlphaResponse(_message.Message):
 Global___SetAlphaResponse: _TypeAlias = SetAlphaResponse  # noqa: Y015
 
 @_typing.final
+class GetAlphaHistoryRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LIMIT_FIELD_NUMBER: _builtins.int
+    limit: _builtins.int
+    """The latest `limit` changes; 0 means every change kept (the latest 1,000)."""
+    def __init__(
+        self,
+        *,
+        limit: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["limit", b"limit"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetAlphaHistoryRequest: _TypeAlias = GetAlphaHistoryRequest  # noqa: Y015
+
+@_typing.final
+class AlphaHistoryEntry(_message.Message):
+    """One change of the dispatcher's alpha, as the coordinator applied it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TIME_S_FIELD_NUMBER: _builtins.int
+    UNIX_S_FIELD_NUMBER: _builtins.int
+    ALPHA_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    time_s: _builtins.float
+    """When, on the cluster clock."""
+    unix_s: _builtins.float
+    """When, in Unix seconds (the cluster clock's wall time)."""
+    alpha: _builtins.float
+    reason: _builtins.str
+    """Why: SetAlpha's reason (the tuner's is its tuning run id), or, for the alpha a
+    coordinator started with, where that came from.
+    """
+    def __init__(
+        self,
+        *,
+        time_s: _builtins.float = ...,
+        unix_s: _builtins.float = ...,
+        alpha: _builtins.float = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alpha", b"alpha", "reason", b"reason", "time_s", b"time_s", "unix_s", b"unix_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AlphaHistoryEntry: _TypeAlias = AlphaHistoryEntry  # noqa: Y015
+
+@_typing.final
+class GetAlphaHistoryResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ALPHA_FIELD_NUMBER: _builtins.int
+    CHANGES_FIELD_NUMBER: _builtins.int
+    alpha: _builtins.float
+    """The alpha in force, as ClusterStatus reports it (0 for a policy without one)."""
+    @_builtins.property
+    def changes(self) -> _containers.RepeatedCompositeFieldContainer[Global___AlphaHistoryEntry]:
+        """Oldest first."""
+
+    def __init__(
+        self,
+        *,
+        alpha: _builtins.float = ...,
+        changes: _abc.Iterable[Global___AlphaHistoryEntry] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alpha", b"alpha", "changes", b"changes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetAlphaHistoryResponse: _TypeAlias = GetAlphaHistoryResponse  # noqa: Y015
+
+@_typing.final
 class OpenWorkflowRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

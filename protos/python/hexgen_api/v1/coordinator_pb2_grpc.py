@@ -70,6 +70,11 @@ class CoordinatorServiceStub:
                 request_serializer=hexgen__flow_dot_v1_dot_coordinator__pb2.SetAlphaRequest.SerializeToString,
                 response_deserializer=hexgen__flow_dot_v1_dot_coordinator__pb2.SetAlphaResponse.FromString,
                 _registered_method=True)
+        self.GetAlphaHistory = channel.unary_unary(
+                '/hexgen_flow.v1.CoordinatorService/GetAlphaHistory',
+                request_serializer=hexgen__flow_dot_v1_dot_coordinator__pb2.GetAlphaHistoryRequest.SerializeToString,
+                response_deserializer=hexgen__flow_dot_v1_dot_coordinator__pb2.GetAlphaHistoryResponse.FromString,
+                _registered_method=True)
         self.OpenWorkflow = channel.unary_unary(
                 '/hexgen_flow.v1.CoordinatorService/OpenWorkflow',
                 request_serializer=hexgen__flow_dot_v1_dot_coordinator__pb2.OpenWorkflowRequest.SerializeToString,
@@ -140,6 +145,15 @@ class CoordinatorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetAlphaHistory(self, request, context):
+        """The alpha in force and its history: every change this coordinator applied, oldest
+        first (each SetAlpha with its reason, and the alpha it started with). With shards, each
+        coordinator keeps its own shard's.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def OpenWorkflow(self, request, context):
         """Open a workflow session: a query whose calls the client submits as it learns them.
         Idempotent on workflow_id: opening a known id with the same content returns it.
@@ -199,6 +213,11 @@ def add_CoordinatorServiceServicer_to_server(servicer, server):
                     servicer.SetAlpha,
                     request_deserializer=hexgen__flow_dot_v1_dot_coordinator__pb2.SetAlphaRequest.FromString,
                     response_serializer=hexgen__flow_dot_v1_dot_coordinator__pb2.SetAlphaResponse.SerializeToString,
+            ),
+            'GetAlphaHistory': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetAlphaHistory,
+                    request_deserializer=hexgen__flow_dot_v1_dot_coordinator__pb2.GetAlphaHistoryRequest.FromString,
+                    response_serializer=hexgen__flow_dot_v1_dot_coordinator__pb2.GetAlphaHistoryResponse.SerializeToString,
             ),
             'OpenWorkflow': grpc.unary_unary_rpc_method_handler(
                     servicer.OpenWorkflow,
@@ -406,6 +425,33 @@ class CoordinatorService:
             '/hexgen_flow.v1.CoordinatorService/SetAlpha',
             hexgen__flow_dot_v1_dot_coordinator__pb2.SetAlphaRequest.SerializeToString,
             hexgen__flow_dot_v1_dot_coordinator__pb2.SetAlphaResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetAlphaHistory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hexgen_flow.v1.CoordinatorService/GetAlphaHistory',
+            hexgen__flow_dot_v1_dot_coordinator__pb2.GetAlphaHistoryRequest.SerializeToString,
+            hexgen__flow_dot_v1_dot_coordinator__pb2.GetAlphaHistoryResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -47,6 +47,11 @@ class CoordinatorServiceStub:
     """Instances, their load, the policy and its alpha."""
     SetAlpha: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.SetAlphaRequest, _coordinator_pb2.SetAlphaResponse]
     """Set the dispatcher's alpha (the tuner calls this)."""
+    GetAlphaHistory: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.GetAlphaHistoryRequest, _coordinator_pb2.GetAlphaHistoryResponse]
+    """The alpha in force and its history: every change this coordinator applied, oldest
+    first (each SetAlpha with its reason, and the alpha it started with). With shards, each
+    coordinator keeps its own shard's.
+    """
     OpenWorkflow: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.OpenWorkflowRequest, _coordinator_pb2.OpenWorkflowResponse]
     """Open a workflow session: a query whose calls the client submits as it learns them.
     Idempotent on workflow_id: opening a known id with the same content returns it.
@@ -75,6 +80,11 @@ class CoordinatorServiceAsyncStub(CoordinatorServiceStub):
     """Instances, their load, the policy and its alpha."""
     SetAlpha: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.SetAlphaRequest, _coordinator_pb2.SetAlphaResponse]  # type: ignore[assignment]
     """Set the dispatcher's alpha (the tuner calls this)."""
+    GetAlphaHistory: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.GetAlphaHistoryRequest, _coordinator_pb2.GetAlphaHistoryResponse]  # type: ignore[assignment]
+    """The alpha in force and its history: every change this coordinator applied, oldest
+    first (each SetAlpha with its reason, and the alpha it started with). With shards, each
+    coordinator keeps its own shard's.
+    """
     OpenWorkflow: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.OpenWorkflowRequest, _coordinator_pb2.OpenWorkflowResponse]  # type: ignore[assignment]
     """Open a workflow session: a query whose calls the client submits as it learns them.
     Idempotent on workflow_id: opening a known id with the same content returns it.
@@ -142,6 +152,17 @@ class CoordinatorServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.SetAlphaResponse, _abc.Awaitable[_coordinator_pb2.SetAlphaResponse]]:
         """Set the dispatcher's alpha (the tuner calls this)."""
+
+    @_abc_1.abstractmethod
+    def GetAlphaHistory(
+        self,
+        request: _coordinator_pb2.GetAlphaHistoryRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.GetAlphaHistoryResponse, _abc.Awaitable[_coordinator_pb2.GetAlphaHistoryResponse]]:
+        """The alpha in force and its history: every change this coordinator applied, oldest
+        first (each SetAlpha with its reason, and the alpha it started with). With shards, each
+        coordinator keeps its own shard's.
+        """
 
     @_abc_1.abstractmethod
     def OpenWorkflow(

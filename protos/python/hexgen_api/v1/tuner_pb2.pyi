@@ -99,14 +99,22 @@ Global___TuningRun: _TypeAlias = TuningRun  # noqa: Y015
 
 @_typing.final
 class AlphaChange(_message.Message):
+    """One change of the coordinator's alpha, from the coordinator's own history
+    (CoordinatorService.GetAlphaHistory): the tuner keeps none of its own.
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     TIME_S_FIELD_NUMBER: _builtins.int
     ALPHA_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
     time_s: _builtins.float
+    """Unix seconds."""
     alpha: _builtins.float
     reason: _builtins.str
+    """Why: the tuning run id that set it, another caller's SetAlpha reason, or where the
+    alpha a coordinator started with came from.
+    """
     def __init__(
         self,
         *,
@@ -144,6 +152,9 @@ class GetAlphaResponse(_message.Message):
     ALPHA_FIELD_NUMBER: _builtins.int
     HISTORY_FIELD_NUMBER: _builtins.int
     alpha: _builtins.float
+    """The coordinator's alpha and its history, oldest first (with shards, those of the first
+    coordinator that answers).
+    """
     @_builtins.property
     def history(self) -> _containers.RepeatedCompositeFieldContainer[Global___AlphaChange]: ...
     def __init__(

@@ -460,6 +460,32 @@ export interface SetAlphaResponse {
   alpha: number;
 }
 
+export interface GetAlphaHistoryRequest {
+  /** The latest `limit` changes; 0 means every change kept (the latest 1,000). */
+  limit: number;
+}
+
+/** One change of the dispatcher's alpha, as the coordinator applied it. */
+export interface AlphaHistoryEntry {
+  /** When, on the cluster clock. */
+  timeS: number;
+  /** When, in Unix seconds (the cluster clock's wall time). */
+  unixS: number;
+  alpha: number;
+  /**
+   * Why: SetAlpha's reason (the tuner's is its tuning run id), or, for the alpha a
+   * coordinator started with, where that came from.
+   */
+  reason: string;
+}
+
+export interface GetAlphaHistoryResponse {
+  /** The alpha in force, as ClusterStatus reports it (0 for a policy without one). */
+  alpha: number;
+  /** Oldest first. */
+  changes: AlphaHistoryEntry[];
+}
+
 export interface OpenWorkflowRequest {
   /** Client-chosen id; the idempotency key (the query id of the workflow). */
   workflowId: string;
@@ -3657,6 +3683,285 @@ export const SetAlphaResponse: MessageFns<SetAlphaResponse> = {
   },
 };
 
+function createBaseGetAlphaHistoryRequest(): GetAlphaHistoryRequest {
+  return { limit: 0 };
+}
+
+export const GetAlphaHistoryRequest: MessageFns<GetAlphaHistoryRequest> = {
+  encode(message: GetAlphaHistoryRequest, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.limit !== 0) {
+      writer.uint32(8).int32(message.limit);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): GetAlphaHistoryRequest {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseGetAlphaHistoryRequest();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 8) {
+              break;
+            }
+
+            message.limit = reader.int32();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): GetAlphaHistoryRequest {
+    return { limit: isSet(object.limit) ? globalThis.Number(object.limit) : 0 };
+  },
+
+  toJSON(message: GetAlphaHistoryRequest): unknown {
+    const obj: any = {};
+    if (message.limit !== 0) {
+      obj.limit = Math.round(message.limit);
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<GetAlphaHistoryRequest>, I>>(base?: I): GetAlphaHistoryRequest {
+    return GetAlphaHistoryRequest.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<GetAlphaHistoryRequest>, I>>(object: I): GetAlphaHistoryRequest {
+    const message = createBaseGetAlphaHistoryRequest();
+    message.limit = object.limit ?? 0;
+    return message;
+  },
+};
+
+function createBaseAlphaHistoryEntry(): AlphaHistoryEntry {
+  return { timeS: 0, unixS: 0, alpha: 0, reason: "" };
+}
+
+export const AlphaHistoryEntry: MessageFns<AlphaHistoryEntry> = {
+  encode(message: AlphaHistoryEntry, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.timeS !== 0) {
+      writer.uint32(9).double(message.timeS);
+    }
+    if (message.unixS !== 0) {
+      writer.uint32(17).double(message.unixS);
+    }
+    if (message.alpha !== 0) {
+      writer.uint32(25).double(message.alpha);
+    }
+    if (message.reason !== "") {
+      writer.uint32(34).string(message.reason);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): AlphaHistoryEntry {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseAlphaHistoryEntry();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 9) {
+              break;
+            }
+
+            message.timeS = reader.double();
+            continue;
+          }
+          case 2: {
+            if (tag !== 17) {
+              break;
+            }
+
+            message.unixS = reader.double();
+            continue;
+          }
+          case 3: {
+            if (tag !== 25) {
+              break;
+            }
+
+            message.alpha = reader.double();
+            continue;
+          }
+          case 4: {
+            if (tag !== 34) {
+              break;
+            }
+
+            message.reason = reader.string();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): AlphaHistoryEntry {
+    return {
+      timeS: isSet(object.timeS)
+        ? globalThis.Number(object.timeS)
+        : isSet(object.time_s)
+        ? globalThis.Number(object.time_s)
+        : 0,
+      unixS: isSet(object.unixS)
+        ? globalThis.Number(object.unixS)
+        : isSet(object.unix_s)
+        ? globalThis.Number(object.unix_s)
+        : 0,
+      alpha: isSet(object.alpha) ? globalThis.Number(object.alpha) : 0,
+      reason: isSet(object.reason) ? globalThis.String(object.reason) : "",
+    };
+  },
+
+  toJSON(message: AlphaHistoryEntry): unknown {
+    const obj: any = {};
+    if (message.timeS !== 0) {
+      obj.timeS = floatToJson(message.timeS);
+    }
+    if (message.unixS !== 0) {
+      obj.unixS = floatToJson(message.unixS);
+    }
+    if (message.alpha !== 0) {
+      obj.alpha = floatToJson(message.alpha);
+    }
+    if (message.reason !== "") {
+      obj.reason = message.reason;
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<AlphaHistoryEntry>, I>>(base?: I): AlphaHistoryEntry {
+    return AlphaHistoryEntry.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<AlphaHistoryEntry>, I>>(object: I): AlphaHistoryEntry {
+    const message = createBaseAlphaHistoryEntry();
+    message.timeS = object.timeS ?? 0;
+    message.unixS = object.unixS ?? 0;
+    message.alpha = object.alpha ?? 0;
+    message.reason = object.reason ?? "";
+    return message;
+  },
+};
+
+function createBaseGetAlphaHistoryResponse(): GetAlphaHistoryResponse {
+  return { alpha: 0, changes: [] };
+}
+
+export const GetAlphaHistoryResponse: MessageFns<GetAlphaHistoryResponse> = {
+  encode(message: GetAlphaHistoryResponse, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.alpha !== 0) {
+      writer.uint32(9).double(message.alpha);
+    }
+    for (const v of message.changes) {
+      AlphaHistoryEntry.encode(v!, writer.uint32(18).fork()).join();
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): GetAlphaHistoryResponse {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseGetAlphaHistoryResponse();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 9) {
+              break;
+            }
+
+            message.alpha = reader.double();
+            continue;
+          }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.changes.push(AlphaHistoryEntry.decode(reader, reader.uint32()));
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): GetAlphaHistoryResponse {
+    return {
+      alpha: isSet(object.alpha) ? globalThis.Number(object.alpha) : 0,
+      changes: globalThis.Array.isArray(object?.changes)
+        ? object.changes.map((e: any) => AlphaHistoryEntry.fromJSON(e))
+        : [],
+    };
+  },
+
+  toJSON(message: GetAlphaHistoryResponse): unknown {
+    const obj: any = {};
+    if (message.alpha !== 0) {
+      obj.alpha = floatToJson(message.alpha);
+    }
+    if (message.changes?.length) {
+      obj.changes = message.changes.map((e) => AlphaHistoryEntry.toJSON(e));
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<GetAlphaHistoryResponse>, I>>(base?: I): GetAlphaHistoryResponse {
+    return GetAlphaHistoryResponse.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<GetAlphaHistoryResponse>, I>>(object: I): GetAlphaHistoryResponse {
+    const message = createBaseGetAlphaHistoryResponse();
+    message.alpha = object.alpha ?? 0;
+    message.changes = object.changes?.map((e) => AlphaHistoryEntry.fromPartial(e)) || [];
+    return message;
+  },
+};
+
 function createBaseOpenWorkflowRequest(): OpenWorkflowRequest {
   return { workflowId: "", tenant: "", sloS: 0, sloScale: 0, template: "", expected: undefined, idleTimeoutS: 0 };
 }
@@ -4376,6 +4681,22 @@ export const CoordinatorServiceService = {
     responseDeserialize: (value: Buffer): SetAlphaResponse => SetAlphaResponse.decode(value),
   },
   /**
+   * The alpha in force and its history: every change this coordinator applied, oldest
+   * first (each SetAlpha with its reason, and the alpha it started with). With shards, each
+   * coordinator keeps its own shard's.
+   */
+  getAlphaHistory: {
+    path: "/hexgen_flow.v1.CoordinatorService/GetAlphaHistory" as const,
+    requestStream: false as const,
+    responseStream: false as const,
+    requestSerialize: (value: GetAlphaHistoryRequest): Buffer =>
+      Buffer.from(GetAlphaHistoryRequest.encode(value).finish()),
+    requestDeserialize: (value: Buffer): GetAlphaHistoryRequest => GetAlphaHistoryRequest.decode(value),
+    responseSerialize: (value: GetAlphaHistoryResponse): Buffer =>
+      Buffer.from(GetAlphaHistoryResponse.encode(value).finish()),
+    responseDeserialize: (value: Buffer): GetAlphaHistoryResponse => GetAlphaHistoryResponse.decode(value),
+  },
+  /**
    * Open a workflow session: a query whose calls the client submits as it learns them.
    * Idempotent on workflow_id: opening a known id with the same content returns it.
    */
@@ -4427,6 +4748,12 @@ export interface CoordinatorServiceServer extends UntypedServiceImplementation {
   clusterStatus: handleUnaryCall<ClusterStatusRequest, ClusterStatusResponse>;
   /** Set the dispatcher's alpha (the tuner calls this). */
   setAlpha: handleUnaryCall<SetAlphaRequest, SetAlphaResponse>;
+  /**
+   * The alpha in force and its history: every change this coordinator applied, oldest
+   * first (each SetAlpha with its reason, and the alpha it started with). With shards, each
+   * coordinator keeps its own shard's.
+   */
+  getAlphaHistory: handleUnaryCall<GetAlphaHistoryRequest, GetAlphaHistoryResponse>;
   /**
    * Open a workflow session: a query whose calls the client submits as it learns them.
    * Idempotent on workflow_id: opening a known id with the same content returns it.
@@ -4532,6 +4859,26 @@ export interface CoordinatorServiceClient extends Client {
     metadata: Metadata,
     options: Partial<CallOptions>,
     callback: (error: ServiceError | null, response: SetAlphaResponse) => void,
+  ): ClientUnaryCall;
+  /**
+   * The alpha in force and its history: every change this coordinator applied, oldest
+   * first (each SetAlpha with its reason, and the alpha it started with). With shards, each
+   * coordinator keeps its own shard's.
+   */
+  getAlphaHistory(
+    request: GetAlphaHistoryRequest,
+    callback: (error: ServiceError | null, response: GetAlphaHistoryResponse) => void,
+  ): ClientUnaryCall;
+  getAlphaHistory(
+    request: GetAlphaHistoryRequest,
+    metadata: Metadata,
+    callback: (error: ServiceError | null, response: GetAlphaHistoryResponse) => void,
+  ): ClientUnaryCall;
+  getAlphaHistory(
+    request: GetAlphaHistoryRequest,
+    metadata: Metadata,
+    options: Partial<CallOptions>,
+    callback: (error: ServiceError | null, response: GetAlphaHistoryResponse) => void,
   ): ClientUnaryCall;
   /**
    * Open a workflow session: a query whose calls the client submits as it learns them.
