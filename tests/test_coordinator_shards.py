@@ -16,11 +16,14 @@ release) are tests/test_shard_lease.py's.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import re
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -31,10 +34,24 @@ from hexgen_api.v1 import coordinator_pb2, coordinator_pb2_grpc
 from hexgen_client.client import CoordinatorClient
 from hexgen_client.convert import submit_request
 from hexgen_client.errors import CoordinatorUnavailableError
+from hexgen_coordinator.__main__ import parse_args
+from hexgen_coordinator.config import CoordinatorConfig
 from hexgen_coordinator.shards import OWNER_METADATA, ShardMap
+from hexgen_flow.errors import ConfigError
 from hexgen_flow.workload import Query
+from hexgen_launch.cluster_config import (
+    SHARDED_ADMISSION,
+    redis_login,
+    secure_argv,
+    secure_settings,
+)
 from hexgen_launch.processes import RedisServer
-from hexgen_launch.sharded_mesh import LocalShardedMesh, ShardedMeshConfig
+from hexgen_launch.sharded_mesh import (
+    SPARE_PREFIX,
+    LocalShardedMesh,
+    ShardedMeshConfig,
+    parse_coordinator_argv,
+)
 from hexgen_tuner.config import TunerConfig
 from hexgen_tuner.tuner import AlphaTuner
 from replay_on_redis import assert_each_call_completed_once, trace3_replay
@@ -242,3 +259,145 @@ def test_bad_shard_flags_exit_2_naming_the_flag(flags: list[str], message: str) 
     done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 2, done.stderr
     assert message in done.stderr
+
+
+# ------------------------------------------------ the coordinators' command lines (no mesh)
+
+
+def _mesh_here(tmp_path: Path, *, secured: bool, **given: Any) -> LocalShardedMesh:
+    """A mesh, not started, as `start` leaves it before its coordinators: on a given Redis,
+    or, secured, on a private one (not started either) whose ACL users the services log in
+    as, with the credentials made."""
+    auth_dir = tmp_path / "auth" if secured else None
+    url = "" if secured else "redis://127.0.0.1:7000/0"
+    config = ShardedMeshConfig(url, tmp_path / "logs", auth_dir=auth_dir, **given)
+    mesh = LocalShardedMesh(config)
+    mesh.redis_url = url or "redis://127.0.0.1:7000/0"
+    if mesh.auth is not None:
+        mesh.auth.init(config.tenants, redis_prefix=config.tuner_prefix, shards=config.prefixes)
+        mesh.redis_server = RedisServer(aclfile=mesh.auth.redis_acl)
+    return mesh
+
+
+def _by_hand(mesh: LocalShardedMesh, listen: str, door: str, prefix: str) -> list[str]:
+    """The coordinator's options as the mesh wrote them by hand before they were rendered
+    through `CoordinatorConfig` (the reference the rendered ones must agree with)."""
+    cfg, auth = mesh.config, mesh.auth
+    redis_url, login = mesh.redis_url, list[str]()
+    if auth is not None:
+        redis_url, login = redis_login(mesh.redis_url, auth, "coordinator")
+    token = ["--worker-token-file", str(auth.worker_token)] if auth is not None else []
+    secure = []
+    if auth is not None:
+        secure = ["--api-keys-file", str(auth.keys), "--tls-cert", str(auth.server_cert)]
+        secure += ["--tls-key", str(auth.server_key), "--tls-ca", str(auth.ca)]
+    return [
+        "--listen", listen,
+        "--worker-listen", door,
+        "--redis-url", redis_url, *login,
+        "--shards", ",".join(cfg.prefixes),
+        "--redis-prefix", prefix,
+        *(["--redis-cluster"] if cfg.redis_cluster else []),
+        "--lease-ttl-s", repr(cfg.lease_ttl_s),
+        "--resume-grace-s", repr(cfg.resume_grace_s),
+        "--cluster", cfg.cluster,
+        "--time-scale", repr(cfg.time_scale),
+        "--log-level", "INFO",
+        *cfg.extra_coordinator_args,
+        *token,
+        *secure,
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("secured", "given"),
+    [
+        (False, {}),
+        (False, {"redis_cluster": True, "shards": 3, "lease_ttl_s": 0.5, "time_scale": 1.0}),
+        (False, {"extra_coordinator_args": ("--admission", "reject", "--alpha", "0.25")}),
+        (True, {"tenants": ("a",), "resume_grace_s": 4.0}),
+    ],
+)
+def test_the_coordinators_are_rendered_through_their_settings(
+    secured: bool, given: dict[str, Any], tmp_path: Path
+) -> None:
+    """Each coordinator's options, rendered through `CoordinatorConfig`, parse (with the
+    coordinator's own parser) to what the hand-written ones did, for a shard and a spare."""
+    mesh = _mesh_here(tmp_path, secured=secured, **given)
+    cfg = mesh.config
+    for prefix in (cfg.prefixes[-1], SPARE_PREFIX):
+        argv = mesh.coordinator_argv("127.0.0.1:7101", "127.0.0.1:7201", prefix)
+        parsed, level = parse_args(argv)
+        assert parsed == parse_args(_by_hand(mesh, "127.0.0.1:7101", "127.0.0.1:7201", prefix))[0]
+        assert level == "INFO"
+        assert parse_coordinator_argv(argv) == dataclasses.replace(
+            parsed,
+            advertise="",  # what parse_args adds with --shards, said by no one
+        )
+        assert (parsed.listen, parsed.worker_listen) == ("127.0.0.1:7101", "127.0.0.1:7201")
+        assert (parsed.shards, parsed.redis_prefix) == (cfg.prefixes, prefix)
+        assert parsed.redis_cluster == cfg.redis_cluster
+        assert (parsed.lease_ttl_s, parsed.resume_grace_s) == (cfg.lease_ttl_s, cfg.resume_grace_s)
+        assert (parsed.cluster, parsed.time_scale) == (cfg.cluster, cfg.time_scale)
+        extra = dict(
+            zip(cfg.extra_coordinator_args[::2], cfg.extra_coordinator_args[1::2], strict=True)
+        )
+        assert parsed.admission == extra["--admission"]
+        assert parsed.alpha == (float(extra["--alpha"]) if "--alpha" in extra else None)
+        if mesh.auth is None:
+            assert parsed.redis_url == mesh.redis_url and not parsed.redis_password
+            assert not (parsed.worker_token or parsed.api_keys_file or parsed.tls_cert)
+            continue
+        auth = mesh.auth
+        assert parsed.redis_url == "redis://coordinator@127.0.0.1:7000/0"
+        assert parsed.redis_password == auth.redis_password("coordinator").read_text().strip()
+        assert parsed.worker_token == auth.worker_token.read_text().strip()
+        assert dataclasses.replace(CoordinatorConfig(), **secure_settings(auth, "coordinator")) == (
+            dataclasses.replace(
+                CoordinatorConfig(),
+                api_keys_file=parsed.api_keys_file,
+                tls_cert=parsed.tls_cert,
+                tls_key=parsed.tls_key,
+                tls_ca=parsed.tls_ca,
+            )
+        )
+        assert parsed.api_keys_file == str(auth.keys) and parsed.tls_ca == str(auth.ca)
+        assert secure_argv(auth, "coordinator") == [
+            "--api-keys-file", str(auth.keys), "--tls-cert", str(auth.server_cert),
+            "--tls-key", str(auth.server_key), "--tls-ca", str(auth.ca),
+        ]  # fmt: skip
+
+
+def test_sharded_coordinators_do_not_admit_by_default(tmp_path: Path) -> None:
+    """The one default that differs from `up`'s coordinator, a named constant."""
+    mesh = _mesh_here(tmp_path, secured=False)
+    assert mesh.config.extra_coordinator_args == ("--admission", SHARDED_ADMISSION)
+    parsed, _ = parse_args(mesh.coordinator_argv("127.0.0.1:7101", "127.0.0.1:7201", "hf:{s0}:"))
+    assert parsed.admission == SHARDED_ADMISSION == "off" != CoordinatorConfig().admission
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (("--admission", "maybe"), "argument --admission: invalid choice: 'maybe'"),
+        (("--no-such-option",), "unrecognized arguments: --no-such-option"),
+        (("--alpha", "2"), r"--alpha must be in \[0, 1\]"),
+        (("--max-calls", "x"), "argument --max-calls: invalid int value: 'x'"),
+    ],
+)
+def test_a_wrong_extra_coordinator_option_fails_at_launch(
+    extra: tuple[str, ...], message: str, tmp_path: Path
+) -> None:
+    with pytest.raises(ConfigError, match=f"^the sharded coordinators' options: {message}"):
+        ShardedMeshConfig("redis://127.0.0.1:7000/0", tmp_path, extra_coordinator_args=extra)
+
+
+def test_extra_options_that_clash_with_the_meshs_fail_before_the_coordinator_starts(
+    tmp_path: Path,
+) -> None:
+    """Fine alone, wrong with the mesh's own options: refused when the command line is
+    made (the mesh's Redis is behind Sentinel, the extra option says a Redis Cluster)."""
+    mesh = _mesh_here(tmp_path, secured=False, extra_coordinator_args=("--redis-cluster",))
+    mesh.redis_url = "redis+sentinel://127.0.0.1:26379/mymaster"
+    with pytest.raises(ConfigError, match=r"^the coordinator on 127\.0\.0\.1:7101: --redis-url: a"):
+        mesh.coordinator_argv("127.0.0.1:7101", "127.0.0.1:7201", "hf:{s0}:")

@@ -320,31 +320,34 @@ def secure_argv(auth: AuthDir, service: str) -> list[str]:
     what a worker that serves metrics adds besides (HTTPS with the server certificate, a
     scrape with an API key; the coordinator's and the tuner's metrics take their own TLS
     and keys files)."""
-    tls_server = ["--tls-cert", str(auth.server_cert), "--tls-key", str(auth.server_key)]
-    ca = ["--tls-ca", str(auth.ca)]
     if service == "worker-metrics":
         tls_metrics = ["--metrics-tls-cert", str(auth.server_cert)]
         tls_metrics += ["--metrics-tls-key", str(auth.server_key)]
         return [*tls_metrics, "--api-keys-file", str(auth.keys)]
     if service == "coordinator":
-        return ["--api-keys-file", str(auth.keys), *tls_server, *ca]
+        return render_coordinator_argv(CoordinatorConfig(**secure_settings(auth, service)))
     if service == "tuner":
         return render_tuner_argv(TunerConfig(**secure_settings(auth, service)))
     if service == "gateway":
         return render_gateway_argv(GatewayConfig(**secure_settings(auth, service)))
     if service == "worker":
-        return [*ca, "--tls-cert", str(auth.worker_cert), "--tls-key", str(auth.worker_key)]
+        tls_client = ["--tls-cert", str(auth.worker_cert), "--tls-key", str(auth.worker_key)]
+        return ["--tls-ca", str(auth.ca), *tls_client]
     raise ValueError(f"no secure options for {service!r}")
 
 
 def secure_settings(auth: AuthDir, service: str) -> dict[str, Any]:
-    """The settings (field -> value) that run the tuner or the gateway (`service`) secured
-    with the credentials of `auth`: the server certificate and the CA (TLS on its door,
-    the coordinator verified), and the tuner's keys (its callers' keys file, its own
-    operator key for the coordinator). Rendered by `tuner_argv`, `gateway_argv` and
-    `secure_argv`."""
+    """The settings (field -> value) that run the coordinator, the tuner or the gateway
+    (`service`) secured with the credentials of `auth`: the server certificate and the CA
+    (TLS on its doors; the coordinator's workers' door requires client certificates signed
+    by it, the others verify the coordinator with it), the coordinator's callers' keys file,
+    and the tuner's keys (its callers' keys file, its own operator key for the
+    coordinator). Rendered by `tuner_argv`, `gateway_argv`, `secure_argv` and the sharded
+    mesh's coordinators (`hexgen_launch.sharded_mesh`)."""
     tls: dict[str, Any] = {"tls_cert": str(auth.server_cert), "tls_key": str(auth.server_key)}
     tls["tls_ca"] = str(auth.ca)
+    if service == "coordinator":
+        return {"api_keys_file": str(auth.keys), **tls}
     if service == "tuner":
         return {"api_keys_file": str(auth.keys), "api_key_file": str(auth.tuner_key), **tls}
     if service == "gateway":

@@ -11,20 +11,28 @@ the redirects). The mesh of ``hexgen-flow up --shards`` and of the tests and ben
 sharding (tests/test_coordinator_shards.py, benchmarks/shard_takeover.py).
 
 Open on loopback by default; given an auth directory (`ShardedMeshConfig.auth_dir`) it runs
-secured as `LocalCluster` does, with the same options (`secure_argv`, `redis_login`): API
-keys and TLS on every coordinator, the tuner and the gateway, workers with a client
-certificate and the workers' token, and a private Redis whose ACL users (one per service)
-are given every shard's keys, since a spare may take any shard over.
+secured as `LocalCluster` does, with the same options (`secure_settings`, `secure_argv`,
+`redis_login`): API keys and TLS on every coordinator, the tuner and the gateway, workers
+with a client certificate and the workers' token, and a private Redis whose ACL users (one
+per service) are given every shard's keys, since a spare may take any shard over.
+
+Every service's command line is rendered through its typed settings (the coordinators'
+through `hexgen_service.coordinator_config.CoordinatorConfig`, as `up`'s is), and a
+coordinator's, with its free-form `ShardedMeshConfig.extra_coordinator_args`, is parsed back
+as the coordinator parses it before it starts (`parse_coordinator_argv`).
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+from typing import NoReturn
 
 import redis
 
@@ -42,18 +50,47 @@ from hexgen_launch.processes import ManagedProcess, RedisServer, free_port, stop
 from hexgen_service import redis_schema
 from hexgen_service.auth import read_secret
 from hexgen_service.auth_dir import AuthDir
+from hexgen_service.coordinator_config import CoordinatorConfig, add_coordinator_options
+from hexgen_service.coordinator_config import coordinator_argv as render_coordinator_argv
 from hexgen_service.gateway_config import GatewayConfig
 from hexgen_service.gateway_config import gateway_argv as render_gateway_argv
+from hexgen_service.settings import from_args
+from hexgen_service.tls import add_tls_options
 from hexgen_service.tuner_config import TunerConfig
 from hexgen_service.tuner_config import tuner_argv as render_tuner_argv
 from hexgen_service.worker_config import WorkerConfig, worker_argv
 
-__all__ = ["SPARE_PREFIX", "CoordinatorProcess", "LocalShardedMesh", "ShardedMeshConfig"]
+__all__ = [
+    "SPARE_PREFIX",
+    "CoordinatorProcess",
+    "LocalShardedMesh",
+    "ShardedMeshConfig",
+    "parse_coordinator_argv",
+]
 
 SPARE_PREFIX = "hf:{spare}:"
 """A spare's ``--redis-prefix``: no shard's, so that it takes whichever lease expires first.
 It writes no key under it (it serves a shard's prefix once it holds one); the hash tag is
 there because on a Redis Cluster every coordinator's prefix must carry one."""
+
+COORDINATOR_LOG_LEVEL = "INFO"
+"""The coordinators' ``--log-level`` (each logs its lease and takeovers at INFO)."""
+
+
+class _CheckingParser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # raises rather than exits
+        raise ConfigError(message)
+
+
+def parse_coordinator_argv(argv: Sequence[str]) -> CoordinatorConfig:
+    """The settings that the coordinator options `argv` (no interpreter, no module) give,
+    parsed with the coordinator's own options (`add_coordinator_options` and the TLS ones)
+    and checked as ``python -m hexgen_coordinator`` checks them (the secret files read):
+    `ConfigError` with argparse's or the setting's message on a wrong option or value."""
+    parser = _CheckingParser(prog="python -m hexgen_coordinator", add_help=False)
+    add_coordinator_options(parser)
+    add_tls_options(parser, serves="TLS (both doors)")
+    return from_args(CoordinatorConfig, parser.parse_args(list(argv)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +135,10 @@ class ShardedMeshConfig:
             raise ConfigError("--redis-cluster: give --redis-url, a node of the Redis Cluster")
         if self.tenants and self.auth_dir is None:
             raise ConfigError("--tenants goes with --secure (an auth directory)")
+        try:  # a wrong option fails here, before anything starts (and again with the rest)
+            parse_coordinator_argv(self.extra_coordinator_args)
+        except ConfigError as exc:
+            raise ConfigError(f"the sharded coordinators' options: {exc}") from None
 
     @property
     def prefixes(self) -> tuple[str, ...]:
@@ -227,6 +268,44 @@ class LocalShardedMesh:
         gateway = GatewayConfig(listen=listen, coordinator=self.client_addresses, **secured)
         return render_gateway_argv(gateway, also=("listen", "coordinator"))
 
+    def coordinator_argv(self, listen: str, worker_listen: str, prefix: str) -> list[str]:
+        """A coordinator's options, rendered through its settings
+        (`hexgen_service.coordinator_config`): its two doors, the mesh's Redis (logged in as
+        the coordinators' ACL user on a secured mesh's private Redis), every shard with
+        `prefix` the one it prefers, the leases' and the resumes' timings, the cluster, the
+        time scale and a secured mesh's credentials (`secure_settings`); then the files of
+        its secrets (the Redis password, the workers' token) and
+        `ShardedMeshConfig.extra_coordinator_args`. The whole is parsed back as the
+        coordinator parses it (`parse_coordinator_argv`): a wrong option is a `ConfigError`
+        here rather than a coordinator that exits."""
+        cfg = self.config
+        redis_url, login = self._redis_login("coordinator")
+        settings = CoordinatorConfig(
+            **(secure_settings(self.auth, "coordinator") if self.auth is not None else {}),
+            listen=listen,
+            worker_listen=worker_listen,
+            redis_url=redis_url,
+            redis_prefix=prefix,
+            redis_cluster=cfg.redis_cluster,
+            shards=cfg.prefixes,
+            lease_ttl_s=cfg.lease_ttl_s,
+            resume_grace_s=cfg.resume_grace_s,
+            cluster=cfg.cluster,
+            time_scale=cfg.time_scale,
+            log_level=COORDINATOR_LOG_LEVEL,
+        )
+        argv = [
+            *render_coordinator_argv(settings),
+            *login,
+            *self._token(),
+            *cfg.extra_coordinator_args,
+        ]
+        try:
+            parse_coordinator_argv(argv)
+        except ConfigError as exc:
+            raise ConfigError(f"the coordinator on {listen}: {exc}") from None
+        return argv
+
     # ------------------------------------------------- what a secured mesh adds
 
     def _secure(self, service: str) -> list[str]:
@@ -237,9 +316,6 @@ class LocalShardedMesh:
         if self.auth is None:
             return []
         return ["--worker-token-file", str(self.auth.worker_token)]
-
-    def _cluster(self) -> list[str]:
-        return ["--redis-cluster"] if self.config.redis_cluster else []
 
     @property
     def _login(self) -> AuthDir | None:
@@ -348,24 +424,8 @@ class LocalShardedMesh:
         name = f"s{k}" if k < cfg.shards else f"spare{k - cfg.shards}"
         listen, door = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
         prefix = prefixes[k] if k < cfg.shards else SPARE_PREFIX
-        redis_url, login = self._redis_login("coordinator")
-        argv = [
-            sys.executable, "-m", "hexgen_coordinator",
-            "--listen", listen,
-            "--worker-listen", door,
-            "--redis-url", redis_url, *login,
-            "--shards", ",".join(prefixes),
-            "--redis-prefix", prefix,
-            *self._cluster(),
-            "--lease-ttl-s", repr(cfg.lease_ttl_s),
-            "--resume-grace-s", repr(cfg.resume_grace_s),
-            "--cluster", cfg.cluster,
-            "--time-scale", repr(cfg.time_scale),
-            "--log-level", "INFO",
-            *cfg.extra_coordinator_args,
-            *self._token(),
-            *self._secure("coordinator"),
-        ]  # fmt: skip
+        options = self.coordinator_argv(listen, door, prefix)
+        argv = [sys.executable, "-m", "hexgen_coordinator", *options]
         process = ManagedProcess(f"coordinator {name}", argv, cfg.logs / f"coordinator-{name}.log")
         process.start()
         return CoordinatorProcess(name, listen, door, process)
