@@ -50,7 +50,7 @@ from hexgen_client.client import CoordinatorClient
 from hexgen_flow.cluster import Cluster, parse_cluster
 from hexgen_flow.metrics import json_safe
 from hexgen_flow.policies.presets import resolve_policy
-from hexgen_flow.runtime import CallTicket
+from hexgen_flow.protocol import Action, CallDone, Event
 from hexgen_flow.sim.simulator import SimConfig, Simulation
 from hexgen_flow.traces import load_trace, take_queries
 from hexgen_flow.workload import Query
@@ -191,6 +191,9 @@ def measure(
         # Every workflow is measured, as the simulator runs every one: admission control
         # would refuse some under one policy and not under another.
         admission="off",
+        # The servers run without prefix caching (`predict` says so to the simulator):
+        # the coordinator is told too, so that neither plans with cache hits.
+        coordinator_args=("--no-prefix-caching",),
         time_scale=1.0,  # real engines run in real time
         log_dir=log_dir,
         start_timeout_s=120.0,
@@ -285,20 +288,18 @@ def predict(
     config = SimConfig(qps, seed=seed, **options)
     sim = Simulation(timed, cluster, resolve_policy(policy), config, truth=truth)
     calls: list[CallTimes] = []
-    complete = sim.scheduler.complete
 
-    def record(ticket: CallTicket, now: float) -> list[CallTicket]:
-        # Every finished call passes here (the scheduler's one completion entry point, the
-        # one the coordinator calls too), with its release time and the engine's start.
+    def record(event: Event, actions: tuple[Action, ...]) -> None:
+        # Every finished call is a `CallDone` event of the scheduling protocol (the one the
+        # coordinator hands its core too), with its release time and the engine's start.
+        if not isinstance(event, CallDone):
+            return
+        ticket, now = event.ticket, event.now
         started = ticket.admitted_s if ticket.admitted_s is not None else ticket.released_s
-        assert ticket.run is not None
-        stage = ticket.run.query.workflow.stages[ticket.stage]
-        index = next(i for i, call in enumerate(stage.calls) if call is ticket.call)
-        call_id = f"{ticket.query_id}/{ticket.stage}.{index}"  # the coordinator's call ids
+        call_id = f"{ticket.query_id}/{ticket.stage}.{ticket.index}"  # the coordinator's ids
         calls.append(CallTimes(call_id, ticket.released_s, started, now))
-        return complete(ticket, now)
 
-    sim.scheduler.complete = record  # type: ignore[method-assign]  # a tap, see record
+    sim.core.observer = record
     metrics = sim.run()
     return RunResult(
         workflow_s=tuple(metrics.latencies),

@@ -228,6 +228,12 @@ class ShardCoordinator(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self.rpcs["SetAlpha"] += 1
         return cpb.SetAlphaResponse(alpha=request.alpha)
 
+    async def GetAlphaHistory(  # noqa: N802
+        self, request: cpb.GetAlphaHistoryRequest, context: Context
+    ) -> cpb.GetAlphaHistoryResponse:
+        self.rpcs["GetAlphaHistory"] += 1
+        return cpb.GetAlphaHistoryResponse()
+
     # ------------------------------------------------------------- workflow sessions
 
     async def OpenWorkflow(  # noqa: N802

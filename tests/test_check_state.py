@@ -12,10 +12,17 @@ import pytest
 import redis.asyncio as aioredis
 
 from hexgen_coordinator.store import WorkflowStore
+from hexgen_flow.runtime import CompletionEffect
 from redis_here import REDIS_URL, needs_redis
 from up_runner import check_state
 
 pytestmark = needs_redis
+
+# What the core's rule (`QueryRun.completion_effect`) gives each completion below, which the
+# store's script applies: the first stage of two releases the second; the last call ends
+# the query.
+FIRST = CompletionEffect(True, (1,), False)
+LAST = CompletionEffect(True, (), True)
 
 
 @pytest.fixture
@@ -43,8 +50,8 @@ def _check(store: WorkflowStore) -> tuple[int, dict[str, object]]:
 
 async def test_a_clean_state_passes(store: WorkflowStore) -> None:
     await _two_stage(store, "done")
-    await store.complete("done", "done/0.0", 0, [1], 1.0, _record("done/0.0"))
-    await store.complete("done", "done/1.0", 1, [], 2.0, _record("done/1.0"))
+    await store.complete("done", "done/0.0", 0, [1], FIRST, 1.0, _record("done/0.0"))
+    await store.complete("done", "done/1.0", 1, [], LAST, 2.0, _record("done/1.0"))
     await _two_stage(store, "running")
     # the α history, and the one an older tuner kept (retired, harmless: no orphan)
     await store.set_alpha(0.4, 1.0, "operator")
@@ -57,7 +64,7 @@ async def test_a_clean_state_passes(store: WorkflowStore) -> None:
 async def test_each_kind_of_damage_is_counted(store: WorkflowStore) -> None:
     r, p = store.redis, store.prefix
     await _two_stage(store, "twice")
-    await store.complete("twice", "twice/0.0", 0, [1], 1.0, _record("twice/0.0"))
+    await store.complete("twice", "twice/0.0", 0, [1], FIRST, 1.0, _record("twice/0.0"))
     await r.hincrby(store.qkey("twice"), "calls_left", -1)  # counted down again
     await r.xadd(store.completions_key, _record("twice/0.0"))  # and recorded again
     await _two_stage(store, "uncounted")

@@ -67,6 +67,7 @@ NON_DEFAULT: dict[str, Any] = {
     "tls_ca": "/tls/ca.pem",
     "insecure": True,
     "learn_costs": True,
+    "prefix_caching": False,
     "gc_tuning": False,
     "event_loop": "asyncio",
     "pipelined_redis": False,

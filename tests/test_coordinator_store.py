@@ -19,10 +19,13 @@ from hexgen_coordinator.store import (
     ALPHA_HISTORY_MAX,
     COMPLETE_DUPLICATE,
     COMPLETE_STALE,
+    CompletionResult,
     FailureResult,
     Placement,
     WorkflowStore,
 )
+from hexgen_flow.runtime import CompletionEffect, QueryRun
+from hexgen_flow.workload import LLMCall, Query, Stage, Workflow
 from redis_cluster_here import RedisClusterHere, needs_redis_cluster
 
 REDIS_URL = os.environ.get("HEXGEN_TEST_REDIS", "redis://127.0.0.1:6379/0")
@@ -81,6 +84,46 @@ async def _diamond(store: WorkflowStore, query_id: str = "q") -> tuple[bool, int
     return await store.submit(query_id, b"spec", "acme", 10.0, 100.0, [1, 2, 1, 1], [0, 1, 1, 2])
 
 
+def _diamond_run() -> QueryRun:
+    """The core's state of `_diamond`'s query: what decides each completion's effect."""
+    call = LLMCall("revise", 10, 1)
+    flow = Workflow(
+        (
+            Stage("revise", (call,)),
+            Stage("revise", (call, call), after=(0,)),
+            Stage("revise", (call,), after=(0,)),
+            Stage("revise", (call,), after=(1, 2)),
+        )
+    )
+    return QueryRun(Query("q", flow), 0, 10.0, 100.0)
+
+
+async def _complete(
+    store: WorkflowStore,
+    run: QueryRun,
+    call_id: str,
+    now: float,
+    record: dict[str, str | int | float] | None = None,
+    **placed: int,
+) -> CompletionResult:
+    """Complete a call as the coordinator does: the core's effect (`completion_effect`),
+    applied by Redis's script, then by the core's state when Redis took it."""
+    stage = int(call_id.rpartition("/")[2].partition(".")[0])
+    result = await store.complete(
+        run.query.query_id,
+        call_id,
+        stage,
+        run.query.workflow.dependents[stage],
+        run.completion_effect(stage),
+        now,
+        record if record is not None else _record(call_id),
+        **placed,
+    )
+    if result.applied:
+        run.complete_call(stage, now)
+    return result
+
+
 async def test_submit_is_idempotent_and_counts_queries(store: WorkflowStore) -> None:
     assert await _diamond(store, "a") == (True, 0)
     assert await _diamond(store, "a") == (False, 0)
@@ -114,20 +157,30 @@ async def test_a_workflow_declared_whole_enters_the_admitted_stream_once(
     ]
 
 
-async def test_completion_releases_stages_exactly_when_their_dependencies_finish(
+async def test_completion_applies_the_cores_release_of_each_stage(
     store: WorkflowStore,
 ) -> None:
+    """The script marks released what the core's rule releases, finishes what it
+    finishes, and keeps the counters a restart rebuilds the query from."""
     await _diamond(store)
-    r = await store.complete("q", "q/0.0", 0, [1, 2], 11.0, _record("q/0.0"))
+    run = _diamond_run()
+    r = await _complete(store, run, "q/0.0", 11.0)
     assert r.applied and set(r.released) == {1, 2} and r.calls_left == 4
-    r = await store.complete("q", "q/1.0", 1, [3], 12.0, _record("q/1.0"))
+    r = await _complete(store, run, "q/1.0", 12.0)
     assert r.applied and r.released == ()  # stage 1 has a second call
-    r = await store.complete("q", "q/2.0", 2, [3], 13.0, _record("q/2.0"))
+    r = await _complete(store, run, "q/2.0", 13.0)
     assert r.applied and r.released == ()  # stage 3 still waits for stage 1
-    r = await store.complete("q", "q/1.1", 1, [3], 14.0, _record("q/1.1"))
+    stored = await store.load("q")
+    assert stored is not None
+    assert (stored.stage(2, "fin"), stored.stage(3, "rel"), stored.stage(3, "deps")) == (
+        "13.0",
+        None,
+        "1",
+    )
+    r = await _complete(store, run, "q/1.1", 14.0)
     assert r.released == (3,)
-    r = await store.complete("q", "q/3.0", 3, [], 15.0, _record("q/3.0"))
-    assert r.applied and r.calls_left == 0
+    r = await _complete(store, run, "q/3.0", 15.0)
+    assert r.applied and r.calls_left == 0 and run.finished_s == 15.0
     stored = await store.load("q")
     assert stored is not None
     assert stored.fields["state"] == "succeeded"
@@ -141,8 +194,12 @@ async def test_completion_releases_stages_exactly_when_their_dependencies_finish
 
 async def test_a_call_completes_once_even_when_reported_concurrently(store: WorkflowStore) -> None:
     await _diamond(store)
+    effect = _diamond_run().completion_effect(0)
     results = await asyncio.gather(
-        *[store.complete("q", "q/0.0", 0, [1, 2], 11.0, _record("q/0.0")) for _ in range(10)]
+        *[
+            store.complete("q", "q/0.0", 0, [1, 2], effect, 11.0, _record("q/0.0"))
+            for _ in range(10)
+        ]
     )
     assert sorted(r.status for r in results) == [0] * 9 + [1]
     released = [r.released for r in results if r.applied]
@@ -157,9 +214,10 @@ async def test_cancelled_or_unknown_queries_take_no_completions(store: WorkflowS
     await _diamond(store)
     assert await store.cancel("q", 12.0)
     assert not await store.cancel("q", 13.0)
-    r = await store.complete("q", "q/0.0", 0, [1, 2], 14.0, _record("q/0.0"))
+    r = await _complete(store, _diamond_run(), "q/0.0", 14.0)
     assert r.status == -1
-    r = await store.complete("nope", "nope/0.0", 0, [], 14.0, _record("nope/0.0"))
+    last = CompletionEffect(True, (), True)
+    r = await store.complete("nope", "nope/0.0", 0, [], last, 14.0, _record("nope/0.0"))
     assert r.status == -1
     stored = await store.load("q")
     assert stored is not None and stored.fields["state"] == "cancelled"
@@ -180,12 +238,12 @@ async def test_the_cluster_clock_and_alpha_survive_a_new_store(store: WorkflowSt
 
 async def test_a_late_placement_never_overwrites_a_completed_call(store: WorkflowStore) -> None:
     await _diamond(store)
-    assert (await store.complete("q", "q/0.0", 0, [1, 2], 11.0, _record("q/0.0"))).applied
+    assert (await _complete(store, _diamond_run(), "q/0.0", 11.0)).applied
     # The write-behind of the call's (earlier) placement lands after its completion.
     await _place(store, "q", {"q/0.0": Placement(0, 7, 1)}, {0: 50.0})
     stored = await store.load("q")
     assert stored is not None and stored.done("q/0.0")
-    again = await store.complete("q", "q/0.0", 0, [1, 2], 12.0, _record("q/0.0"), slot=0)
+    again = await _complete(store, _diamond_run(), "q/0.0", 12.0, slot=0)
     assert again.status == COMPLETE_DUPLICATE
     stored = await store.load("q")
     assert stored is not None and stored.fields["calls_left"] == "4"
@@ -196,13 +254,12 @@ async def test_a_completion_is_taken_only_from_the_slot_and_attempt_it_was_place
 ) -> None:
     await _diamond(store)
     await _place(store, "q", {"q/0.0": Placement(1, 0, 2)}, {})
-    wrong_slot = await store.complete("q", "q/0.0", 0, [1, 2], 11.0, _record("x"), slot=0)
-    old_attempt = await store.complete(
-        "q", "q/0.0", 0, [1, 2], 11.0, _record("x"), slot=1, attempt=1
-    )
+    run = _diamond_run()
+    wrong_slot = await _complete(store, run, "q/0.0", 11.0, _record("x"), slot=0)
+    old_attempt = await _complete(store, run, "q/0.0", 11.0, _record("x"), slot=1, attempt=1)
     assert wrong_slot.status == old_attempt.status == COMPLETE_STALE
     assert await store.redis.xlen(store.completions_key) == 0
-    right = await store.complete("q", "q/0.0", 0, [1, 2], 11.0, _record("x"), slot=1, attempt=2)
+    right = await _complete(store, run, "q/0.0", 11.0, _record("x"), slot=1, attempt=2)
     assert right.applied and set(right.released) == {1, 2}
 
 
@@ -217,7 +274,7 @@ async def test_a_call_failing_on_every_attempt_fails_its_query_once(store: Workf
 
     assert (await fail(1)).retry
     # The failed attempt is over: its late completion is not taken for the next one.
-    late = await store.complete("q", "q/0.0", 0, [1, 2], 11.0, _record("x"), slot=0, attempt=1)
+    late = await _complete(store, _diamond_run(), "q/0.0", 11.0, _record("x"), slot=0, attempt=1)
     assert late.status == COMPLETE_STALE
     assert (await fail(2)).retry
     last = await fail(3)
@@ -234,7 +291,9 @@ async def test_finished_queries_expire_after_the_retention_window(store: Workflo
     short = WorkflowStore(store.redis, store.prefix, retention_s=0.2, stream_maxlen=10)
     await short.submit("q", b"spec", "acme", 0.0, 100.0, [1], [0], shape=b"shape")
     await _place(short, "q", {}, {}, [b"event"])
-    r = await short.complete("q", "q/0.0", 0, [], 1.0, _record("q/0.0"))
+    r = await short.complete(
+        "q", "q/0.0", 0, [], CompletionEffect(True, (), True), 1.0, _record("q/0.0")
+    )
     assert r.applied and r.calls_left == 0
     (entry,) = await store.redis.xrange(short.finished_key)
     assert entry[1][b"submit"] == b"shape"  # the finished stream keeps no prompts

@@ -39,6 +39,7 @@ from hexgen_coordinator.check_state import check_state
 from hexgen_coordinator.session_store import GIVE_APPLIED, SessionStore
 from hexgen_coordinator.store import _SUBMIT, Placement, WorkflowStore
 from hexgen_flow.errors import ConfigError
+from hexgen_flow.runtime import CompletionEffect
 from hexgen_flow.traces import load_trace, take_queries
 from hexgen_launch.processes import ManagedProcess, free_port, stop_processes
 from hexgen_service.auth_dir import (
@@ -47,6 +48,15 @@ from hexgen_service.auth_dir import (
 )
 from hexgen_tuner.store import TunerStore, TuningRunRecord
 from hexgen_tuner.window import read_window
+
+# What the core's rule (`QueryRun.completion_effect`) gives each completion below, which the
+# store's script applies: the first stage of two releases the second; the last call ends
+# the query.
+FIRST = CompletionEffect(True, (1,), False)
+LAST = CompletionEffect(True, (), True)
+ALONE = CompletionEffect(True, (), False)
+"""A session's only call: its stage finishes, the open session holds the query."""
+
 
 pytestmark = pytest.mark.skipif(
     shutil.which("redis-server") is None, reason="redis-server is not installed"
@@ -136,10 +146,14 @@ async def test_the_coordinator_user_runs_all_the_coordinator_does(acl: AclRedis)
         await store.write(
             store.place_commands("q1", {"q1/0/0": Placement(0, 1, 1)}, {0: 5.0}, [b"e1", b"e2"])
         )
-        first = await store.complete("q1", "q1/0/0", 0, [1], 1.0, {"call_id": "q1/0/0"}, slot=0)
+        first = await store.complete(
+            "q1", "q1/0/0", 0, [1], FIRST, 1.0, {"call_id": "q1/0/0"}, slot=0
+        )
         assert first.applied and first.released == (1,)
-        assert (await store.complete("q1", "q1/0/0", 0, [1], 1.0, {"call_id": "x"})).status == 0
-        last = await store.complete("q1", "q1/1/0", 1, [], 2.0, {"call_id": "q1/1/0"})
+        assert (
+            await store.complete("q1", "q1/0/0", 0, [1], FIRST, 1.0, {"call_id": "x"})
+        ).status == 0
+        last = await store.complete("q1", "q1/1/0", 1, [], LAST, 2.0, {"call_id": "q1/1/0"})
         assert last.applied and last.calls_left == 0
         # a write after the end
         await store.write(store.place_commands("q1", {}, {}, [b"e3"], ended=True))
@@ -156,7 +170,7 @@ async def test_the_coordinator_user_runs_all_the_coordinator_does(acl: AclRedis)
             "q3", "q3/0/0", 0, b"call", "replace", name="s", now=1.0, shape=b""
         )
         assert given == GIVE_APPLIED
-        await store.complete("q3", "q3/0/0", 0, [], 2.0, {"call_id": "q3/0/0"})
+        await store.complete("q3", "q3/0/0", 0, [], ALONE, 2.0, {"call_id": "q3/0/0"})
         assert await sessions.close_stages("q3", [0], shape=b"", close_session=True, now=3.0) == 2
         # what recovery, views and the ledger read
         assert await store.active_ids() == []

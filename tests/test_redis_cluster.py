@@ -30,6 +30,7 @@ from hexgen_coordinator.redis_retry import CLUSTER_PREFIX, cluster_prefix, redis
 from hexgen_coordinator.session_store import SessionStore
 from hexgen_coordinator.store import Placement, WorkflowStore
 from hexgen_flow.errors import ConfigError
+from hexgen_flow.runtime import CompletionEffect
 from hexgen_launch.cluster import LocalCluster
 from hexgen_launch.replay import replay
 from hexgen_service.auth_dir import redis_acl_line
@@ -38,6 +39,13 @@ from hexgen_tuner.window import read_window
 from redis_cluster_here import RedisClusterHere, needs_redis_cluster
 from replay_on_redis import assert_each_call_completed_once, mesh_config, trace3_replay
 from up_runner import check_state
+
+# What the core's rule (`QueryRun.completion_effect`) gives each completion below, which the
+# store's script applies: the first stage of two releases the second; the last call ends
+# the query.
+FIRST = CompletionEffect(True, (1,), False)
+LAST = CompletionEffect(True, (), True)
+
 
 pytestmark = needs_redis_cluster
 
@@ -238,8 +246,10 @@ async def test_the_acl_users_do_their_work_on_a_cluster(redis_cluster: RedisClus
         await store.write(
             store.place_commands("q", {"q/0.0": Placement(0, 1, 1)}, {0: 5.0}, [b"e"])
         )
-        await store.complete("q", "q/0.0", 0, [1], 1.0, {"call_id": "q/0.0"}, slot=0, attempt=1)
-        await store.complete("q", "q/1.0", 1, [], 2.0, {"call_id": "q/1.0"})
+        await store.complete(
+            "q", "q/0.0", 0, [1], FIRST, 1.0, {"call_id": "q/0.0"}, slot=0, attempt=1
+        )
+        await store.complete("q", "q/1.0", 1, [], LAST, 2.0, {"call_id": "q/1.0"})
         assert (await store.load("q")) is not None and await store.events("q") == [b"e"]
         await store.submit("s", b"spec", "t", 0.0, 10.0, [0], [0], session_idle_s=5.0)
         closed = await SessionStore(store).close_stages(

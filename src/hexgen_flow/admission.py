@@ -94,8 +94,9 @@ behind every query admitted at normal urgency in a deadline-ordered queue."""
 
 
 def is_best_effort(run: QueryRun) -> bool:
-    """Whether `run` was admitted best-effort (its deadline lies past its SLO)."""
-    return run.deadline_s > run.arrival_s + run.slo_s + BEST_EFFORT_DELAY_S / 2
+    """Whether `run` was admitted best-effort (`hexgen_flow.protocol.Submit`), whose
+    deadline the core pushed out by `BEST_EFFORT_DELAY_S`."""
+    return run.best_effort
 
 
 @dataclass(frozen=True, slots=True)

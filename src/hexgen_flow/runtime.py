@@ -8,17 +8,73 @@ simulator touches them on every call and attribute access is the hot path.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import random
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from hexgen_flow.cluster import Cluster
 from hexgen_flow.estimate import Estimator
 from hexgen_flow.prefix import PrefixHomes
 from hexgen_flow.workload import LLMCall, Query, Stage, Workflow
 
-__all__ = ["CallTicket", "ClusterLoad", "PolicyContext", "QueryRun"]
+__all__ = [
+    "CallState",
+    "CallTicket",
+    "ClusterLoad",
+    "CompletionEffect",
+    "PolicyContext",
+    "QueryRun",
+    "QueryState",
+]
+
+
+class QueryState(enum.Enum):
+    """A query's lifecycle in the scheduler (`hexgen_flow.protocol`)."""
+
+    WAITING = "waiting"
+    """Admitted best-effort and held: nothing released until the driver says `Start`."""
+    RUNNING = "running"
+    """Its stages are being released and run."""
+    FINISHED = "finished"
+    """Its last call finished."""
+    ENDED = "ended"
+    """Ended early (failed or cancelled): its calls were withdrawn."""
+
+
+class CallState(enum.Enum):
+    """A released call's lifecycle in the scheduler (`hexgen_flow.protocol`)."""
+
+    HELD = "held"
+    """A workflow session's call whose prompt has not been given yet."""
+    PARKED = "parked"
+    """No instance can take it now: it waits in release order for one."""
+    RESERVED = "reserved"
+    """After a restart, on no ledger while the worker that held it may reclaim it."""
+    QUEUED = "queued"
+    """Dispatched to `instance` and not started there: its deadline may change, it may move."""
+    RUNNING = "running"
+    """Its engine started it: it stays where it is."""
+    BACKOFF = "backoff"
+    """An attempt failed (engine error, lost worker): off every ledger until the driver
+    sends it again (`Redispatch`) after its backoff."""
+    DONE = "done"
+    """Finished (or skipped): its stage counted it."""
+    DROPPED = "dropped"
+    """Its query ended early."""
+
+
+_QUEUED = CallState.QUEUED  # read once: an enum member read through its class is a call
+
+
+class CompletionEffect(NamedTuple):
+    """What one finished call does to its query (`QueryRun.completion_effect`)."""
+
+    finishes_stage: bool
+    released: tuple[int, ...]
+    """The stages its stage's finishing releases (in the workflow's dependents order)."""
+    finishes_query: bool
 
 
 class QueryRun:
@@ -26,6 +82,7 @@ class QueryRun:
 
     __slots__ = (
         "arrival_s",
+        "best_effort",
         "budget_state",
         "calls_left",
         "deadline_s",
@@ -38,6 +95,7 @@ class QueryRun:
         "stage_calls_left",
         "stage_finished_s",
         "stage_released_s",
+        "state",
     )
 
     def __init__(self, query: Query, index: int, arrival_s: float, slo_s: float) -> None:
@@ -60,6 +118,11 @@ class QueryRun:
         self.given: list[int] | None = None
         """A workflow session's calls given so far per stage (`give`); None: every call's
         prompt came with the query. A released call beyond its stage's count waits."""
+        self.state = QueryState.RUNNING
+        """Where the query is in its lifecycle (`hexgen_flow.protocol` moves it)."""
+        self.best_effort = False
+        """Admitted best-effort: its calls come after every query held to its SLO
+        (`hexgen_flow.protocol.Submit`)."""
 
     def start_session(self) -> None:
         """Make this run a workflow session: its calls wait until `give` supplies them, and
@@ -119,24 +182,33 @@ class QueryRun:
     def tenant(self) -> str:
         return self.query.tenant
 
-    def complete_call(self, stage: int, now: float) -> list[int]:
-        """Record that one call of `stage` finished at `now`; return the stages it releases.
+    def completion_effect(self, stage: int) -> CompletionEffect:
+        """What one more finished call of `stage` does, changing nothing: the workflow's
+        release rule, its one implementation. A stage finishes with its last call; a
+        stage is released when every stage it waits for has finished; the query finishes
+        with its last call (a session's open hold counts as one). `complete_call` applies
+        it; the coordinator hands it to Redis's completion script, which applies it too
+        and decides nothing."""
+        if self.stage_calls_left[stage] != 1:
+            return CompletionEffect(False, (), self.calls_left == 1)
+        deps = self.deps_left
+        released = tuple(j for j in self.query.workflow.dependents[stage] if deps[j] == 1)
+        return CompletionEffect(True, released, self.calls_left == 1)
 
-        The single implementation of the workflow's release rule: a stage finishes with its
-        last call, and a stage is released when every stage it waits for has finished.
-        """
-        released: list[int] = []
+    def complete_call(self, stage: int, now: float) -> list[int]:
+        """Record that one call of `stage` finished at `now` (`completion_effect`); return
+        the stages it releases."""
+        effect = self.completion_effect(stage)
         self.stage_calls_left[stage] -= 1
-        if self.stage_calls_left[stage] == 0:
+        if effect.finishes_stage:
             self.stage_finished_s[stage] = now
+            deps = self.deps_left
             for j in self.query.workflow.dependents[stage]:
-                self.deps_left[j] -= 1
-                if self.deps_left[j] == 0:
-                    released.append(j)
+                deps[j] -= 1
         self.calls_left -= 1
-        if self.calls_left == 0:
+        if effect.finishes_query:
             self.finished_s = now
-        return released
+        return list(effect.released)
 
 
 class CallTicket:
@@ -167,6 +239,7 @@ class CallTicket:
         "scheduled_s",
         "seq",
         "stage",
+        "state",
         "tenant",
         "weight",
         "work_s",
@@ -229,6 +302,8 @@ class CallTicket:
         that keeps a waiting list of its own sets it; `admitted_s` otherwise."""
         self.attempt = 0
         """Dispatches of the call so far (the services count them; a completion names its own)."""
+        self.state = _QUEUED
+        """Where the call is in its lifecycle (`hexgen_flow.protocol` moves it)."""
 
     @classmethod
     def detached(
@@ -273,6 +348,7 @@ class CallTicket:
         ticket.cached_tokens = 0
         ticket.scheduled_s = None
         ticket.attempt = attempt
+        ticket.state = _QUEUED
         return ticket
 
     def __repr__(self) -> str:

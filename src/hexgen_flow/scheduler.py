@@ -23,7 +23,7 @@ from hexgen_flow.learning import CallCost, CostLearner, LearnerSettings
 from hexgen_flow.policies.base import Dispatcher, LocalQueue, NoInstanceError, StageBudget
 from hexgen_flow.policies.presets import Preset
 from hexgen_flow.policies.registration import BUDGETS, DISPATCHERS, QUEUES
-from hexgen_flow.runtime import CallTicket, ClusterLoad, PolicyContext, QueryRun
+from hexgen_flow.runtime import CallState, CallTicket, ClusterLoad, PolicyContext, QueryRun
 from hexgen_flow.workload import LLMCall, Query
 
 __all__ = [
@@ -70,11 +70,16 @@ class GlobalScheduler:
         seed: int = 0,
         estimator: Estimator | None = None,
         slo_base_s: float | None = None,
+        prefix_caching: bool = True,
     ) -> None:
         self.cluster = cluster
         self.preset = preset
         self.estimator = estimator or Estimator(cluster)
         self.load = ClusterLoad(cluster)
+        self.load.prefix_caching = prefix_caching
+        """Whether the engines cache prompt prefixes: dispatch then counts a query's
+        repeated prefix as cached where its earlier call of the step ran. The simulator
+        sets it from its engine model, the coordinator from ``--prefix-caching``."""
         self.ctx = PolicyContext(cluster, self.estimator, self.load, random.Random(seed))
         self.dispatcher: Dispatcher = DISPATCHERS.create(
             preset.dispatch.name, self.ctx, params=preset.dispatch.params
@@ -193,11 +198,13 @@ class GlobalScheduler:
             self.next_seq += 1
             tickets.append(ticket)
             if given is not None and index >= given[stage]:
-                continue  # a session's call not given yet: it waits for `give`
+                ticket.state = CallState.HELD  # a session's call not given yet
+                continue
             try:  # `dispatch`, inlined: this runs for every call
                 i = select(ticket, now)
             except NoInstanceError:
-                continue  # parked: instance stays -1
+                ticket.state = CallState.PARKED  # instance stays -1
+                continue
             # `charge`, inlined (the same three steps, in its order)
             ticket.instance = i
             ticket.work_s = call_time(i, call)

@@ -24,6 +24,7 @@ from hexgen_flow.errors import ConfigError
 from hexgen_flow.estimate import Estimator
 from hexgen_flow.metrics import RunMetrics
 from hexgen_flow.policies.presets import Preset
+from hexgen_flow.protocol import AlphaChanged
 from hexgen_flow.sim.simulator import SimConfig, Simulation
 from hexgen_flow.workload import Query
 
@@ -384,7 +385,7 @@ class OnlineTuner:
         )
         decision = run.decision
         if decision.change:
-            sim.scheduler.set_alpha(decision.alpha)
+            sim.core.handle(AlphaChanged(decision.alpha))
         replayed = run.result.window if run.result is not None else 0
         self.steps.append(
             AlphaStep(now, decision.alpha, decision.change, replayed, window.qps, decision.reason)

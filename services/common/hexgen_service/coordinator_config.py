@@ -197,6 +197,16 @@ class CoordinatorConfig:
     """Learn each instance's prefill and decode costs online from the calls its worker
     served, with the calibration as the prior (`hexgen_flow.learning`): dispatch, the
     urgency queues' estimates, stage budgets and admission plan with what was learned."""
+    prefix_caching: bool = setting(
+        True,
+        "whether the workers' engines cache prompt prefixes, as vLLM does by default: "
+        "dispatch then favours the instance that ran the query's earlier call of the same "
+        "step (default: on; --no-prefix-caching for engines without it)",
+    )
+    """Whether the workers' engines cache prompt prefixes (vLLM's default, and the simulated
+    engine's `vllm-v1`): the dispatcher counts a query's repeated prefix as cached where
+    its earlier call of the step ran (`GlobalScheduler`'s `prefix_caching`, which
+    ``simulate --no-prefix-caching`` turns off the same way)."""
     gc_tuning: bool = setting(
         True,
         "freeze the start-up objects and collect young objects less often, so that a full "

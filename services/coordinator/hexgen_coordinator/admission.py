@@ -47,7 +47,7 @@ import math
 import random
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from opentelemetry import trace
@@ -63,7 +63,6 @@ from hexgen_coordinator.store import WorkflowStore, prompts_digest
 from hexgen_coordinator.views import QueryViews
 from hexgen_coordinator.write_behind import WriteBehind
 from hexgen_flow.admission import (
-    BEST_EFFORT_DELAY_S,
     AdmissionMode,
     AdmissionModel,
     Prediction,
@@ -73,8 +72,8 @@ from hexgen_flow.admission import (
 )
 from hexgen_flow.cluster import Cluster
 from hexgen_flow.latency import resolve_model
-from hexgen_flow.runtime import CallTicket, QueryRun
-from hexgen_flow.scheduler import GlobalScheduler
+from hexgen_flow.protocol import Action, Admitted, Scheduler, Start, Submit
+from hexgen_flow.runtime import QueryRun
 from hexgen_flow.workload import LLMCall, Query
 from hexgen_service.auth import TenantLimits
 from hexgen_service.convert import (
@@ -133,7 +132,7 @@ class Admission:
     def __init__(
         self,
         config: CoordinatorConfig,
-        scheduler: GlobalScheduler,
+        core: Scheduler,
         store: WorkflowStore,
         tracer: trace.Tracer,
         ledger: Ledger,
@@ -148,7 +147,10 @@ class Admission:
         """A tenant's own limits (the API keys file's ``tenants``); None: only the global
         ``--max-tenant-queries``."""
         self._rates: dict[str, TokenBucket] = {}
-        self.scheduler = scheduler
+        self.core = core
+        self.scheduler = core.policy
+        """Read only here (its cluster, estimator, load and SLO base)."""
+        scheduler = core.policy
         self.store = store
         self.tracer = tracer
         self.ledger = ledger
@@ -272,11 +274,24 @@ class Admission:
             if known is not None:
                 return known, False
             return await self.views.get_info(query_id), False
-        run = self.scheduler.admit(query, index, now, slo_s)
+        # The core admits the query (a best-effort one waits, WAITING) and releases its
+        # root stages: carried out once its entry exists.
+        actions = self.core.handle(
+            Submit(
+                query,
+                index,
+                now,
+                slo_s,
+                best_effort=best_effort,
+                session=session_idle_s is not None,
+            )
+        )
+        admitted = actions[0]
+        assert isinstance(admitted, Admitted)
+        run = admitted.run
         self.ledger.metrics.admitted(query.tenant, (s.step for s in stages))
         session: SessionState | None = None
         if session_idle_s is not None:
-            run.start_session()
             session = SessionState(
                 names=stage_names(request.workflow),
                 idle_timeout_s=session_idle_s,
@@ -285,7 +300,6 @@ class Admission:
                 last_done_s=now,
             )
         if best_effort:
-            run.deadline_s += BEST_EFFORT_DELAY_S
             self._best_effort.add(query_id)
         elif self._tracks(query.tenant):
             self.model.track(run, self.config.admission_slack)
@@ -308,16 +322,14 @@ class Admission:
             self.writes.persist(entry, [])
             self.release_waiting()
         else:
-            self._release_roots(entry, now)
+            self._carry_out(entry, actions[1:], now)
         return self._info(run), True
 
-    def _release_roots(self, entry: ActiveQuery, now: float) -> None:
-        released: list[CallTicket] = []
-        for k in entry.run.query.workflow.roots:
-            released.extend(self.dispatch.release_stage(entry, k, now))
-        self.dispatch.send(released)
-        self.dispatch.note_first_dispatch(entry, released)
-        self.writes.persist(entry, released)
+    def _carry_out(self, entry: ActiveQuery, actions: Sequence[Action], now: float) -> None:
+        """The root stages the core released: sent (`Dispatch.carry_out`), persisted."""
+        for rest in self.dispatch.carry_out(actions, now):
+            raise AssertionError(f"unexpected action at admission: {rest!r}")
+        self.writes.persist(entry, [])
 
     # ------------------------------------------------------------------ best effort
 
@@ -339,7 +351,7 @@ class Admission:
                 break
             waiting.popleft()
             self.model.track(run, best_effort=True)
-            self._release_roots(entry, now)
+            self._carry_out(entry, self.core.handle(Start(run, now)), now)
             released += 1
         if waiting and (self._releaser is None or self._releaser.done()):
             self._releaser = asyncio.ensure_future(self._keep_releasing())

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 
 from hexgen_api.v1 import coordinator_pb2 as cpb
 from hexgen_api.v1 import worker_pb2 as wpb
@@ -22,8 +23,19 @@ from hexgen_coordinator.views import QueryViews
 from hexgen_coordinator.write_behind import WriteBehind
 from hexgen_flow.cluster import Cluster
 from hexgen_flow.learning import CostMeter
-from hexgen_flow.runtime import CallTicket
-from hexgen_flow.scheduler import GlobalScheduler
+from hexgen_flow.protocol import (
+    Action,
+    CallDone,
+    CallFailed,
+    CallStarted,
+    Cancel,
+    Finish,
+    QueryEnded,
+    Redispatch,
+    Scheduler,
+    StageReleased,
+)
+from hexgen_flow.runtime import CallState, CallTicket
 from hexgen_service.redis_schema import CompletionEntry, encode_completion
 
 __all__ = ["Completions"]
@@ -37,7 +49,7 @@ class Completions:
     def __init__(
         self,
         cluster: Cluster,
-        scheduler: GlobalScheduler,
+        core: Scheduler,
         store: WorkflowStore,
         ledger: Ledger,
         dispatch: Dispatch,
@@ -48,14 +60,14 @@ class Completions:
         self.max_attempts = max_attempts
         """Failed attempts after which a call's query ends FAILED."""
         self.cluster = cluster
-        self.scheduler = scheduler
+        self.core = core
         self.store = store
         self.ledger = ledger
         self.dispatch = dispatch
         self.writes = writes
         self.views = views
         self.meters = (
-            [CostMeter(i) for i in range(len(cluster))] if scheduler.learner is not None else None
+            [CostMeter(i) for i in range(len(cluster))] if core.policy.learner is not None else None
         )
         """What each call costs its instance (`CallCost`), for the scheduler's cost learner
         (`--learn-costs`); None: it does not learn."""
@@ -72,7 +84,8 @@ class Completions:
         if ticket is None or entry is None:
             return
         if ticket.instance == link.slot:
-            ledger.started.add(msg.call_id)  # running: no longer moved on a new deadline
+            # running: no longer moved on a new deadline
+            self.core.handle(CallStarted(ticket, ledger.clock.now()))
             if self.meters is not None:
                 self.meters[link.slot].taken(ticket, ledger.clock.now())
         record_event(
@@ -162,6 +175,9 @@ class Completions:
                 )
             )
             dependents = run.query.workflow.dependents[stage]
+            # The core's release rule decides; Redis applies it (and memory, by `CallDone`
+            # below, from the very same state).
+            effect = run.completion_effect(stage)
             result = await until_stored(
                 f"completing {call_id}",
                 lambda: self.store.complete(
@@ -169,6 +185,7 @@ class Completions:
                     call_id,
                     stage,
                     dependents,
+                    effect,
                     now,
                     record,
                     slot=link.slot,
@@ -186,9 +203,9 @@ class Completions:
                 )
                 return
             del ledger.tickets[call_id]
-            ledger.started.discard(call_id)
             ledger.drop_prompt(entry, call_id)  # Redis's copy went with the completion
             ledger.completions += 1
+            cost = None
             if self.meters is not None and ran_on >= 0:
                 ticket.cached_tokens = max(msg.cached_tokens, 0)  # as the engine says
                 if msg.output_tokens > 0:  # what it generated, not what was declared
@@ -198,17 +215,7 @@ class Completions:
                     msg.finished_s - msg.started_s if msg.finished_s > msg.started_s > 0 else None
                 )
                 cost = self.meters[ran_on].finished(ticket, now, service)
-                if cost is not None:
-                    self.scheduler.observe_cost(cost)
-            released = self.scheduler.complete(ticket, now)
-            stages_released = sorted({t.stage for t in released})
-            if result.applied and tuple(stages_released) != tuple(sorted(result.released)):
-                log.error(
-                    "release mismatch for %s: redis %s, memory %s",
-                    query_id,
-                    result.released,
-                    stages_released,
-                )
+            actions = self.core.handle(CallDone(ticket, now, cost))
             if entry.session is not None:
                 entry.session.last_done_s = now
             record_event(
@@ -232,35 +239,32 @@ class Completions:
                 if released_s is not None:
                     step = run.query.workflow.stages[stage].step
                     ledger.metrics.stage_finished(step, now - released_s)
-            released = await self.settle(entry, released, now)
-            if stage_finished and run.finished_s is None:
-                self.dispatch.rebudget(entry, now)
-            self.dispatch.send(released)
+            released = await self.settle(entry, actions, now)
             if released:
                 elapsed = time.perf_counter() - t0
                 ledger.completion_ms.append(elapsed * 1e3)
                 ledger.metrics.completion_to_dispatch.observe(elapsed)
             if run.finished_s is not None:
                 record_event(entry, K.QUERY_EVENT_KIND_SUCCEEDED, now)
-            self.writes.persist(entry, released)
+            self.writes.persist(entry, [])
             if run.finished_s is not None:
                 self.finish(entry)
 
     async def settle(
-        self, entry: ActiveQuery, released: list[CallTicket], now: float
+        self, entry: ActiveQuery, actions: Sequence[Action], now: float
     ) -> list[CallTicket]:
-        """Register calls just released; in a workflow session, skip every call of a closed
-        stage that was never given (it completes without running, which may release more).
-        Returns every call released, for `Dispatch.send` (the caller holds the lock)."""
+        """Carry out the core's actions of an event of `entry`'s query (`Dispatch.carry_out`:
+        released calls registered and sent, waiting calls revised); in a workflow session,
+        then skip every call of a closed stage that was never given (it completes without
+        running, which may release more, carried out the same way). Returns every call
+        released (the caller holds the lock)."""
         out: list[CallTicket] = []
         tried: set[str] = set()  # a skip Redis refused is not tried again in this loop
         while True:
-            by_stage: dict[int, list[CallTicket]] = {}
-            for t in released:
-                by_stage.setdefault(t.stage, []).append(t)
-            for k, tickets in by_stage.items():
-                self.dispatch.register_released(entry, k, tickets, now)
-            out.extend(released)
+            for rest in self.dispatch.carry_out(actions, now):
+                if not isinstance(rest, Finish):  # the caller reads run.finished_s
+                    raise AssertionError(f"unexpected action after a completion: {rest!r}")
+            out.extend(t for a in actions if isinstance(a, StageReleased) for t in a.tickets)
             session = entry.session
             if session is None or not session.closed_stages:
                 return out
@@ -278,19 +282,23 @@ class Completions:
             ]
             if not unwanted:
                 return out
-            released = []
+            skipped: list[Action] = []
             for ticket in unwanted:
                 tried.add(ticket.call_id)
-                released += await self._skip(entry, ticket, now)
+                skipped += await self._skip(entry, ticket, now)
+            actions = skipped
 
-    async def _skip(self, entry: ActiveQuery, ticket: CallTicket, now: float) -> list[CallTicket]:
+    async def _skip(self, entry: ActiveQuery, ticket: CallTicket, now: float) -> list[Action]:
         """Complete a session's call that was never given (its stage is closed)."""
         ledger, run, call_id = self.ledger, entry.run, ticket.call_id
         query_id = run.query.query_id
         dependents = run.query.workflow.dependents[ticket.stage]
+        effect = run.completion_effect(ticket.stage)
         result = await until_stored(
             f"skipping {call_id}",
-            lambda: self.store.complete(query_id, call_id, ticket.stage, dependents, now, {}),
+            lambda: self.store.complete(
+                query_id, call_id, ticket.stage, dependents, effect, now, {}
+            ),
         )
         if not (result.applied or result.status == COMPLETE_DUPLICATE):
             log.warning("redis refused to skip %s (status %d)", call_id, result.status)
@@ -299,7 +307,7 @@ class Completions:
         ledger.drop_prompt(entry, call_id)
         assert entry.session is not None
         entry.session.skipped.add(call_id)
-        released = self.scheduler.complete(ticket, now)  # on no instance: no load to free
+        actions = self.core.handle(CallDone(ticket, now))  # on no instance: no load to free
         record_event(
             entry,
             K.QUERY_EVENT_KIND_CALL_SKIPPED,
@@ -311,7 +319,7 @@ class Completions:
         if run.stage_finished_s[ticket.stage] is not None:
             record_event(entry, K.QUERY_EVENT_KIND_STAGE_FINISHED, now, stage=ticket.stage)
             self.dispatch.end_stage_span(entry, ticket.stage, now)
-        return released
+        return list(actions)
 
     async def _failed(
         self, entry: ActiveQuery, ticket: CallTicket, link: WorkerLink, msg: wpb.CallFinished
@@ -336,8 +344,8 @@ class Completions:
             return
         failed_on = ticket.instance if ticket.instance >= 0 else link.slot
         self._meter_dropped(ticket, link.slot)
-        self.ledger.started.discard(call_id)
-        self.scheduler.withdraw(ticket)  # off the failing instance while it waits
+        # off the failing instance while it waits (BACKOFF)
+        self.core.handle(CallFailed(ticket, self.ledger.clock.now()))
         self.writes.persist(entry, [ticket])
         delay = min(0.1 * 2 ** (result.failures - 1), 2.0)  # wall seconds
         asyncio.get_running_loop().call_later(
@@ -447,24 +455,28 @@ class Completions:
         entry = self.ledger.active.get(ticket.query_id)
         if entry is None or self.ledger.tickets.get(ticket.call_id) is not ticket:
             return  # the query ended meanwhile
-        if ticket.instance >= 0:
-            return  # dispatched meanwhile (an instance came back and took the parked call)
-        self.dispatch.redispatch(ticket, reason, avoid=avoid)
-        self.writes.persist(entry, [ticket])
+        if ticket.state is not CallState.BACKOFF:
+            return  # sent again meanwhile
+        now = self.ledger.clock.now()
+        self.dispatch.carry_out(
+            self.core.handle(Redispatch(ticket, now, avoid)), now, reason=reason
+        )
 
     def drop_calls(self, entry: ActiveQuery) -> None:
-        """Withdraw every call of a query that ended early, aborting those on workers."""
+        """The query ended early: the core withdraws its calls (`QueryEnded`), those on
+        workers are aborted, and the ledger forgets them all."""
         ledger = self.ledger
-        query_id = entry.run.query.query_id
-        for ticket in [t for t in ledger.tickets.values() if t.query_id == query_id]:
-            if ticket.instance >= 0:
-                link = ledger.links[ticket.instance]
+        for action in self.core.handle(QueryEnded(entry.run, ledger.clock.now())):
+            assert isinstance(action, Cancel)
+            ticket = action.ticket
+            if action.instance >= 0:
+                link = ledger.links[action.instance]
                 if link is not None:
                     link.send(wpb.ConnectResponse(cancel=wpb.CancelCall(call_id=ticket.call_id)))
-                self._meter_dropped(ticket, ticket.instance)
-            self.scheduler.withdraw(ticket)
+                self._meter_dropped(ticket, action.instance)
+        query_id = entry.run.query.query_id
+        for ticket in [t for t in ledger.tickets.values() if t.query_id == query_id]:
             del ledger.tickets[ticket.call_id]
-            ledger.started.discard(ticket.call_id)
             ledger.adoptable.pop(ticket.call_id, None)
             span = ledger.call_spans.pop(ticket.call_id, None)
             if span is not None:
@@ -481,7 +493,6 @@ class Completions:
             end_watch(watcher)
         self.ledger.active.pop(query_id, None)
         self.ledger.drop_prompts(entry)  # Redis's went with the script that ended it
-        self.scheduler.forget(run.query)
         metrics = self.ledger.metrics
         metrics.queries_finished.labels(tenant, outcome).inc()
         latency, met = 0.0, False

@@ -49,6 +49,7 @@ from hexgen_coordinator.write_behind import WriteBehind
 from hexgen_flow.alpha import alpha_problem
 from hexgen_flow.cluster import parse_cluster
 from hexgen_flow.policies.presets import resolve_policy
+from hexgen_flow.protocol import AlphaChanged, InstanceLost, Scheduler
 from hexgen_flow.runtime import CallTicket
 from hexgen_flow.scheduler import GlobalScheduler
 from hexgen_service.auth import KeyStore
@@ -82,9 +83,15 @@ class Coordinator:
         every workflow is its own."""
         self.cluster = parse_cluster(config.cluster, config.model, config.calibration)
         preset = resolve_policy(config.policy)
-        self.scheduler = GlobalScheduler(self.cluster, preset, seed=config.seed)
+        self.scheduler = GlobalScheduler(
+            self.cluster, preset, seed=config.seed, prefix_caching=config.prefix_caching
+        )
         if config.learn_costs:
             self.scheduler.learn_costs()
+        self.core = Scheduler(self.scheduler)
+        """The scheduling protocol (`hexgen_flow.protocol`): every part hands it events and
+        carries out the actions it returns; `scheduler` (its policies) is read, not
+        changed, outside it."""
         self.store = WorkflowStore(
             redis,
             config.redis_prefix,
@@ -102,14 +109,15 @@ class Coordinator:
         self.links: list[WorkerLink | None] = self.ledger.links
         self._tasks: list[asyncio.Task[None]] = []
         ledger, cluster, scheduler, store = self.ledger, self.cluster, self.scheduler, self.store
+        core = self.core
         self._writes = WriteBehind(store, ledger.active)
         self._views = QueryViews(cluster, scheduler, store, ledger)
-        self._dispatch = Dispatch(cluster, scheduler, self.tracer, ledger, self._writes)
+        self._dispatch = Dispatch(cluster, core, self.tracer, ledger, self._writes)
         self.keys = KeyStore(Path(config.api_keys_file)) if config.api_keys_file else None
         """The API keys (`hexgen_service.auth`); None: clients are not authenticated."""
         self._admission = Admission(
             config,
-            scheduler,
+            core,
             store,
             self.tracer,
             ledger,
@@ -120,7 +128,7 @@ class Coordinator:
         )
         self._completions = Completions(
             cluster,
-            scheduler,
+            core,
             store,
             ledger,
             self._dispatch,
@@ -130,7 +138,7 @@ class Coordinator:
         )
         self._sessions = Sessions(
             config,
-            scheduler,
+            core,
             SessionStore(store),
             ledger,
             self._admission,
@@ -139,21 +147,19 @@ class Coordinator:
             self._writes,
             self._views,
         )
-        self._recovery = Recovery(
-            config, scheduler, store, redis, self.tracer, ledger, self._dispatch
-        )
+        self._recovery = Recovery(config, core, store, redis, self.tracer, ledger, self._dispatch)
         self._workers = WorkerSlots(
             config,
             cluster,
-            scheduler,
+            core,
             ledger,
             self._dispatch,
             self._writes,
             self._recovery,
             self._completions,
         )
-        for i in range(len(self.cluster)):
-            self.scheduler.load.set_available(i, False)
+        for i in range(len(self.cluster)):  # no worker holds a slot yet
+            core.handle(InstanceLost(i, 0.0))
         ledger.metrics.watch(ledger, scheduler, cluster)
 
     @property
@@ -182,7 +188,7 @@ class Coordinator:
         stored_alpha = await self.store.alpha()
         alpha = self.config.alpha if self.config.alpha is not None else stored_alpha
         if alpha is not None and self.scheduler.alpha is not None:
-            self.scheduler.set_alpha(alpha)
+            self.core.handle(AlphaChanged(alpha))
         await self._record_starting_alpha(stored_alpha)
         self.ledger.queries_finished = int(await self.redis.xlen(self.store.finished_key))
         if self.scheduler.learner is not None:
@@ -323,7 +329,7 @@ class Coordinator:
             raise InvalidFieldError("alpha", f"policy {self.config.policy!r} has no alpha")
         if (problem := alpha_problem(alpha)) is not None:
             raise InvalidFieldError("alpha", f"{problem}, got {alpha}")
-        self.scheduler.set_alpha(alpha)
+        self.core.handle(AlphaChanged(alpha))
         await self.store.set_alpha(alpha, self.clock.now(), reason)
         return previous
 

@@ -1,15 +1,17 @@
-"""The dispatch path: released stages become tickets, tickets go to their workers' streams.
+"""The dispatch path: the core's actions reach the workers' streams.
 
-The core's `GlobalScheduler` decides (stage budgets, which instance takes a call); this
-module names the calls, hands them to the worker links, opens their spans, logs their
-events, and sends again what a lost worker held or what waited parked for an instance.
+The core (`hexgen_flow.protocol.Scheduler`) decides: which instance takes a call, a stage's
+budget, which waiting call gets a new deadline or moves. `Dispatch.carry_out` carries out
+what it returned for one event: it names released calls, hands them to the worker links,
+opens their spans, logs their events and tells workers of new deadlines and moves. It
+decides nothing itself.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from opentelemetry import trace
 
@@ -19,9 +21,17 @@ from hexgen_coordinator.events import record_event
 from hexgen_coordinator.ledger import ActiveQuery, Ledger, call_id_of
 from hexgen_coordinator.write_behind import WriteBehind
 from hexgen_flow.cluster import Cluster
-from hexgen_flow.policies.base import NoInstanceError
+from hexgen_flow.protocol import (
+    Action,
+    CallMoved,
+    DeadlineChanged,
+    Park,
+    Redispatch,
+    Scheduler,
+    StageReleased,
+)
+from hexgen_flow.protocol import Dispatch as DispatchCall
 from hexgen_flow.runtime import CallTicket
-from hexgen_flow.scheduler import CallMoved, GlobalScheduler
 from hexgen_service import genai
 from hexgen_service.convert import ticket_to_dispatch
 from hexgen_service.telemetry import traceparent_of
@@ -37,21 +47,63 @@ class Dispatch:
     def __init__(
         self,
         cluster: Cluster,
-        scheduler: GlobalScheduler,
+        core: Scheduler,
         tracer: trace.Tracer,
         ledger: Ledger,
         writes: WriteBehind,
     ) -> None:
         self.cluster = cluster
-        self.scheduler = scheduler
+        self.core = core
         self.tracer = tracer
         self.ledger = ledger
         self.writes = writes
 
-    def release_stage(self, entry: ActiveQuery, stage: int, now: float) -> list[CallTicket]:
-        tickets = self.scheduler.release(entry.run, stage, now)
-        self.register_released(entry, stage, tickets, now)
-        return tickets
+    def carry_out(self, actions: Sequence[Action], now: float, *, reason: str = "") -> list[Action]:
+        """Carry out the core's actions of one event, in order: a released stage's calls
+        are named, registered and sent (parked and held ones wait), a waiting call's worker
+        hears of its new deadline, a moved call is cancelled where it waited and sent where
+        it goes, a dispatched call is sent (logged as redispatched, with `reason`, when
+        one is given), a parked one is logged; each query touched is persisted. Returns
+        the actions that are the caller's own (`Admitted`, `Lost`, `Cancel`, `Finish`),
+        in order."""
+        rest: list[Action] = []
+        touched: dict[str, list[CallTicket]] = {}
+        active = self.ledger.active
+        for action in actions:
+            if isinstance(action, StageReleased):
+                entry = active.get(action.run.query.query_id)
+                if entry is None:
+                    continue
+                tickets = list(action.tickets)
+                self.register_released(entry, action.stage, tickets, now)
+                self.send(tickets)
+                self.note_first_dispatch(entry, tickets)
+                touched.setdefault(entry.run.query.query_id, []).extend(tickets)
+            elif isinstance(action, DeadlineChanged | CallMoved):
+                entry = active.get(action.ticket.query_id)
+                if entry is not None:
+                    self._revised(entry, action, now)
+                    touched.setdefault(action.ticket.query_id, []).append(action.ticket)
+            elif isinstance(action, DispatchCall):
+                ticket = action.ticket
+                entry = active.get(ticket.query_id)
+                if entry is None:
+                    continue
+                if reason:
+                    self._redispatched(entry, ticket, now, reason)
+                self.send([ticket])
+                self.note_first_dispatch(entry, [ticket])
+                touched.setdefault(ticket.query_id, []).append(ticket)
+            elif isinstance(action, Park):
+                log.warning("no instance can take %s now; parked", action.ticket.call_id)
+                touched.setdefault(action.ticket.query_id, []).append(action.ticket)
+            else:
+                rest.append(action)
+        for query_id, tickets in touched.items():
+            entry = active.get(query_id)
+            if entry is not None:
+                self.writes.persist(entry, tickets)
+        return rest
 
     def register_released(
         self, entry: ActiveQuery, stage: int, tickets: list[CallTicket], now: float
@@ -107,7 +159,10 @@ class Dispatch:
                 continue
             link = ledger.links[ticket.instance]
             if link is None:  # the slot went away between dispatch and send
-                self.redispatch(ticket, "instance went away")
+                now = ledger.clock.now()
+                self.carry_out(
+                    self.core.handle(Redispatch(ticket, now)), now, reason="instance went away"
+                )
                 continue
             entry = ledger.active[ticket.query_id]
             ledger.metrics.dispatched_on[ticket.instance].inc()
@@ -180,131 +235,52 @@ class Dispatch:
             self.ledger.metrics.submit_to_dispatch.observe(elapsed)
             entry.first_dispatch_pending = None
 
-    def redispatch(self, ticket: CallTicket, reason: str, avoid: int = -1) -> None:
-        """Send a call again, to another instance than `avoid` where another can take it."""
-        self.ledger.started.discard(ticket.call_id)
-        self.scheduler.withdraw(ticket)
-        try:
-            self._dispatch_avoiding(ticket, avoid)
-        except NoInstanceError:
-            log.warning("no instance can take %s now; parked", ticket.call_id)
-            return
-        entry = self.ledger.active.get(ticket.query_id)
-        if entry is not None:
-            record_event(
-                entry,
-                K.QUERY_EVENT_KIND_CALL_REDISPATCHED,
-                self.ledger.clock.now(),
-                stage=ticket.stage,
-                call_id=ticket.call_id,
-                text=reason,
-            )
-        self.send([ticket])
-
-    def _dispatch_avoiding(self, ticket: CallTicket, avoid: int) -> None:
-        load, now = self.scheduler.load, self.ledger.clock.now()
-        if avoid >= 0 and load.available[avoid]:
-            load.set_available(avoid, False)
-            try:
-                self.scheduler.dispatch(ticket, now)
-                return
-            except NoInstanceError:
-                pass  # the only instance that can take it: it gets the call again
-            finally:
-                load.set_available(avoid, True)
-        self.scheduler.dispatch(ticket, now)
-
-    def dispatch_parked(self, now: float) -> None:
-        """Dispatch the calls that wait for an instance, in release order; those a worker
-        may still reclaim after a restart stay parked."""
-        ledger = self.ledger
-        parked = sorted(
-            (
-                t
-                for t in ledger.tickets.values()
-                if t.instance < 0
-                and t.call_id not in ledger.adoptable
-                and (t.run is None or t.run.is_given(t.stage, t.index))
-            ),
-            key=lambda t: t.seq,
-        )
-        sent = []
-        for ticket in parked:
-            try:
-                self.scheduler.dispatch(ticket, now)
-            except NoInstanceError:
-                continue
-            sent.append(ticket)
-        self.send(sent)
-        for entry_id in {t.query_id for t in sent}:
-            entry = ledger.active.get(entry_id)
-            if entry is not None:
-                self.note_first_dispatch(entry, sent)
-                self.writes.persist(entry, [t for t in sent if t.query_id == entry_id])
-
     # ------------------------------------------------------------------ re-budgeting
 
-    def rebudget(self, entry: ActiveQuery, now: float) -> None:
-        """A stage of `entry` finished: its calls still waiting (released, not started) are
-        revised by the core (`GlobalScheduler.revise_waiting`, the simulator's very rule):
-        their workers hear of a new deadline (UpdateDeadline), and a call the core moves is
-        cancelled where it waited and sent where it goes (both ends connected)."""
-        ledger, run = self.ledger, entry.run
-        query_id = run.query.query_id
-        waiting: list[CallTicket] = []
-        for k, stage in enumerate(run.query.workflow.stages):
-            if run.stage_released_s[k] is None or run.stage_finished_s[k] is not None:
-                continue
-            for index in range(len(stage.calls)):
-                ticket = ledger.tickets.get(call_id_of(query_id, k, index))
-                # A call released now has its deadline from now already (and is not sent
-                # yet: the caller sends it).
-                if (
-                    ticket is not None
-                    and ticket.call_id not in ledger.started
-                    and ticket.released_s < now
-                ):
-                    waiting.append(ticket)
-        links = ledger.links
-        actions = self.scheduler.revise_waiting(
-            waiting, now, movable=lambda i: links[i] is not None
+    @staticmethod
+    def _redispatched(entry: ActiveQuery, ticket: CallTicket, now: float, why: str) -> None:
+        record_event(
+            entry,
+            K.QUERY_EVENT_KIND_CALL_REDISPATCHED,
+            now,
+            stage=ticket.stage,
+            call_id=ticket.call_id,
+            text=why,
         )
-        for action in actions:
-            ticket = action.ticket
-            record_event(
-                entry,
-                K.QUERY_EVENT_KIND_DEADLINE_UPDATED,
-                now,
-                stage=ticket.stage,
-                call_id=ticket.call_id,
-                text=f"{ticket.deadline_s:.3f}",
-            )
-            if isinstance(action, CallMoved):
-                source = links[action.source]
-                assert source is not None  # `movable` held for both ends
+
+    def _revised(self, entry: ActiveQuery, action: DeadlineChanged | CallMoved, now: float) -> None:
+        """A stage of `entry` finished and the core revised a waiting call
+        (`GlobalScheduler.revise_waiting`, the simulator's very rule): its worker hears of
+        the new deadline (UpdateDeadline), or a moved call is cancelled where it waited and
+        sent where it goes (the core moves a call only between connected instances)."""
+        ticket = action.ticket
+        links = self.ledger.links
+        record_event(
+            entry,
+            K.QUERY_EVENT_KIND_DEADLINE_UPDATED,
+            now,
+            stage=ticket.stage,
+            call_id=ticket.call_id,
+            text=f"{ticket.deadline_s:.3f}",
+        )
+        if isinstance(action, CallMoved):
+            source = links[action.source]
+            if source is not None:
                 source.send(wpb.ConnectResponse(cancel=wpb.CancelCall(call_id=ticket.call_id)))
-                record_event(
-                    entry,
-                    K.QUERY_EVENT_KIND_CALL_REDISPATCHED,
-                    now,
-                    stage=ticket.stage,
-                    call_id=ticket.call_id,
-                    text=f"moved from {self.cluster.instances[action.source].name}: its new "
-                    f"deadline can be met on {self.cluster.instances[action.target].name} "
-                    "and not there",
-                )
-                self.send([ticket])
-                continue
-            link = links[ticket.instance] if ticket.instance >= 0 else None
-            if link is None:
-                continue  # waiting for its prompt or for an instance: nothing to tell
-            link.send(
-                wpb.ConnectResponse(
-                    deadline=wpb.UpdateDeadline(
-                        call_id=ticket.call_id, deadline_s=action.deadline_s
-                    )
-                )
+            self._redispatched(
+                entry,
+                ticket,
+                now,
+                f"moved from {self.cluster.instances[action.source].name}: its new deadline "
+                f"can be met on {self.cluster.instances[action.target].name} and not there",
             )
-        changed = [action.ticket for action in actions]
-        if changed:
-            self.writes.persist(entry, changed)
+            self.send([ticket])
+            return
+        link = links[ticket.instance] if ticket.instance >= 0 else None
+        if link is None:
+            return  # waiting for its prompt or for an instance: nothing to tell
+        link.send(
+            wpb.ConnectResponse(
+                deadline=wpb.UpdateDeadline(call_id=ticket.call_id, deadline_s=action.deadline_s)
+            )
+        )

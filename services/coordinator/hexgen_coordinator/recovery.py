@@ -23,8 +23,8 @@ from hexgen_coordinator.dispatch import Dispatch
 from hexgen_coordinator.ledger import ActiveQuery, Ledger, SessionState, call_id_of, chat_bytes
 from hexgen_coordinator.session_store import stored_workflow
 from hexgen_coordinator.store import StoredQuery, WorkflowStore, prompts_digest
+from hexgen_flow.protocol import Adopt, GraceOver, Resume, Scheduler, Tick
 from hexgen_flow.runtime import CallTicket
-from hexgen_flow.scheduler import GlobalScheduler
 from hexgen_service import redis_schema as schema
 from hexgen_service.convert import parse_submit
 from hexgen_service.redis_schema import F, S
@@ -39,7 +39,7 @@ class Recovery:
     def __init__(
         self,
         config: CoordinatorConfig,
-        scheduler: GlobalScheduler,
+        core: Scheduler,
         store: WorkflowStore,
         redis: aioredis.Redis[bytes],
         tracer: trace.Tracer,
@@ -47,7 +47,10 @@ class Recovery:
         dispatch: Dispatch,
     ) -> None:
         self.config = config
-        self.scheduler = scheduler
+        self.core = core
+        self.scheduler = core.policy
+        """Read here (its budget replays a stage's deadline), and where a resumed query's
+        state is rebuilt (`admit`, release order): the core takes it up by `Resume`."""
         self.store = store
         self.redis = redis
         self.tracer = tracer
@@ -93,14 +96,16 @@ class Recovery:
         ):
             return
         logged = int(await self.redis.llen(self.store.evkey(query_id)))
-        max_seq = self._resume_query(stored, logged)
+        # No worker holds a call of a query never taken: nothing is reserved.
+        max_seq = self._resume_query(stored, logged, reserve=False)
         self.scheduler.next_seq = max(self.scheduler.next_seq, max_seq + 1)
-        for call_id in [c for c in self.ledger.adoptable if c.startswith(f"{query_id}/")]:
-            del self.ledger.adoptable[call_id]  # no worker holds a call of a query never taken
         log.info("took up query %s, stored by a try whose reply was lost", query_id)
-        self.dispatch.dispatch_parked(self.ledger.clock.now())
+        now = self.ledger.clock.now()
+        self.dispatch.carry_out(self.core.handle(Tick(now)), now)
 
-    def _resume_query(self, stored: StoredQuery, logged_events: int) -> int:
+    def _resume_query(
+        self, stored: StoredQuery, logged_events: int, *, reserve: bool = True
+    ) -> int:
         ledger = self.ledger
         built = stored_workflow(stored)
         query = built.query
@@ -158,6 +163,8 @@ class Recovery:
             if rel is not None:
                 released.append((float(rel), k))
         max_seq = -1
+        tickets: list[CallTicket] = []
+        reserved: list[int] = []
         plan = self.scheduler.estimator.plan(query.workflow, "call")
         for rel_s, k in sorted(released):
             run.stage_released_s[k] = rel_s
@@ -188,8 +195,11 @@ class Recovery:
                 ticket.attempt = 0
                 ledger.tickets[call_id] = ticket
                 max_seq = max(max_seq, seq)
-                if slot >= 0:
+                if slot >= 0 and reserve:
                     ledger.adoptable[call_id] = slot
+                tickets.append(ticket)
+                reserved.append(slot if reserve else -1)
+        self.core.handle(Resume(run, tuple(tickets), tuple(reserved)))
         return max_seq
 
     async def _end_grace(self) -> None:
@@ -206,10 +216,11 @@ class Recovery:
             max(reported, 0),
             len(unclaimed),
         )
-        self.dispatch.dispatch_parked(self.ledger.clock.now())
+        now = self.ledger.clock.now()
+        self.dispatch.carry_out(self.core.handle(GraceOver(now)), now)
 
     def adopt(self, ticket: CallTicket, slot: int) -> None:
         """A call a reconnecting worker still holds goes back on its ledger."""
         self.ledger.adoptable.pop(ticket.call_id, None)
         self.reclaimed += 1
-        self.scheduler.charge(ticket, slot, self.ledger.clock.now())
+        self.core.handle(Adopt(ticket, slot, self.ledger.clock.now()))

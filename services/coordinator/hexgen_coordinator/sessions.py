@@ -30,12 +30,11 @@ late; the client sees ``deadline_s`` in the past on the first response.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 from hexgen_api.v1 import coordinator_pb2 as cpb
 from hexgen_api.v1 import workflow_pb2 as wfpb
@@ -49,9 +48,16 @@ from hexgen_coordinator.redis_retry import until_stored
 from hexgen_coordinator.session_store import GIVE_APPLIED, GIVE_DUPLICATE, GiveMode, SessionStore
 from hexgen_coordinator.views import QueryViews
 from hexgen_coordinator.write_behind import WriteBehind
-from hexgen_flow.policies.base import NoInstanceError
-from hexgen_flow.runtime import CallTicket
-from hexgen_flow.scheduler import GlobalScheduler
+from hexgen_flow.protocol import (
+    Action,
+    CallGiven,
+    Park,
+    ReleaseStage,
+    Scheduler,
+    SessionClosed,
+    released_tickets,
+)
+from hexgen_flow.protocol import Dispatch as DispatchCall
 from hexgen_flow.workload import LLMCall, canonical_step
 from hexgen_service.convert import (
     MAX_TOKENS_PER_CALL,
@@ -82,7 +88,7 @@ class Sessions:
     def __init__(
         self,
         config: CoordinatorConfig,
-        scheduler: GlobalScheduler,
+        core: Scheduler,
         store: SessionStore,
         ledger: Ledger,
         admission: Admission,
@@ -92,7 +98,9 @@ class Sessions:
         views: QueryViews,
     ) -> None:
         self.config = config
-        self.scheduler = scheduler
+        self.core = core
+        self.scheduler = core.policy
+        """Read only here (a stage's revised budget, for the answer's deadline)."""
         self.store = store
         self.ledger = ledger
         self.admission = admission
@@ -377,24 +385,21 @@ class Sessions:
         session.last_done_s = max(session.last_done_s, now)
         record_event(entry, K.QUERY_EVENT_KIND_CALL_SUBMITTED, now, stage=stage, call_id=call_id)
         submitted = entry.events[-1]
-        released: list[CallTicket] = []
+        actions: tuple[Action, ...] = ()
         ticket = ledger.tickets.get(call_id)
-        if mode == "new":
-            released = self.dispatch.release_stage(entry, stage, now)
-            ticket = released[0]
+        if mode == "new":  # the core releases the stage it added
+            actions = self.core.handle(ReleaseStage(run, stage, now))
+            ticket = released_tickets(actions)[0]
         elif ticket is not None:  # released and held: it may go now
-            ticket.call = call
-            with contextlib.suppress(NoInstanceError):  # parked until an instance comes
-                self.scheduler.dispatch(ticket, now)
-            released = [ticket]
+            actions = self.core.handle(CallGiven(run, stage, index, call, now, ticket))
         elif run.stage_released_s[stage] is not None:  # joins a released stage
-            ticket = self.scheduler.release_call(run, stage, index, now)
-            ticket.call_id = call_id
+            actions = self.core.handle(CallGiven(run, stage, index, call, now, call_id=call_id))
+            joined = actions[0]
+            assert isinstance(joined, DispatchCall | Park)
+            ticket = joined.ticket
             ledger.tickets[call_id] = ticket
-            released = [ticket]
-        released += await self.completions.settle(entry, [], now)
-        self.dispatch.send(released)
-        self.writes.persist(entry, released)
+        await self.completions.settle(entry, actions, now)
+        self.writes.persist(entry, [])
         deadline = ticket.deadline_s if ticket else self.scheduler.budget.revise(run, stage, now)
         return submitted, deadline
 
@@ -452,9 +457,9 @@ class Sessions:
             ),
         )
         session.open = False
-        run.end_session(when)
+        actions = self.core.handle(SessionClosed(run, when))
         record_event(entry, K.QUERY_EVENT_KIND_CLOSED, now, text=reason)
-        await self._settle(entry, when)
+        await self._settle(entry, when, actions)
 
     async def _cancel_empty(self, entry: ActiveQuery, reason: str) -> None:
         """End a session that never got a call CANCELLED (the caller holds its lock)."""
@@ -471,13 +476,12 @@ class Sessions:
         await self.writes.flush()  # GetQuery reads a finished query's log from Redis
         self.completions.finish(entry, "cancelled")
 
-    async def _settle(self, entry: ActiveQuery, now: float) -> None:
-        """Skip what the closed stages were never given, send what that releases, and end
-        the query if nothing is left (the caller holds its lock)."""
+    async def _settle(self, entry: ActiveQuery, now: float, actions: Sequence[Action] = ()) -> None:
+        """Carry out `actions`, skip what the closed stages were never given, send what
+        that releases, and end the query if nothing is left (the caller holds its lock)."""
         run = entry.run
-        released = await self.completions.settle(entry, [], now)
-        self.dispatch.send(released)
-        self.writes.persist(entry, released)
+        await self.completions.settle(entry, actions, now)
+        self.writes.persist(entry, [])
         if run.finished_s is not None:
             record_event(entry, K.QUERY_EVENT_KIND_SUCCEEDED, run.finished_s)
             self.writes.persist(entry, [])

@@ -43,6 +43,7 @@ import redis.asyncio as aioredis
 
 from hexgen_coordinator.group_commit import GroupCommit
 from hexgen_coordinator.pipelined_redis import Command, PipelinedRedis
+from hexgen_flow.runtime import CompletionEffect
 from hexgen_service import redis_schema as schema
 from hexgen_service.redis_schema import DEFAULT_PREFIX, F, M, Placement, parse_placement
 
@@ -150,8 +151,13 @@ _COMPLETE = (
     _MATCHES
     + """
 -- KEYS: q, active, completions, finished, ev, pr
--- ARGV: query_id, call_id, stage, now, slot, attempt, retention_ms, maxlen, n_dependents,
---       dependents..., then the completion record as field/value pairs
+-- ARGV: query_id, call_id, stage, now, slot, attempt, retention_ms, maxlen,
+--       finishes_stage (0/1), finishes_query (0/1), n_dependents, dependents...,
+--       n_released, released..., then the completion record as field/value pairs
+-- The workflow's release rule is the core's (`QueryRun.completion_effect`): this script
+-- applies the effect it is handed (which stage finishes, which stages that releases,
+-- whether the query succeeds) and decides none of it; the counters it keeps are what a
+-- restarted coordinator rebuilds the query from.
 -- returns {status, calls_left, released stages...}: status 1 applied, 0 already done,
 -- -1 unknown or not running, -2 not from the slot and attempt the call was placed on
 local function apply(KEYS, ARGV)
@@ -165,28 +171,31 @@ local function apply(KEYS, ARGV)
   redis.call('HDEL', KEYS[6], ARGV[2])  -- its prompt is not needed again
   local k = ARGV[3]
   local now = ARGV[4]
-  local ndep = tonumber(ARGV[9])
+  local ndep = tonumber(ARGV[11])
+  local nrel = tonumber(ARGV[12 + ndep])
   local released = {}
-  if redis.call('HINCRBY', KEYS[1], 's' .. k .. ':left', -1) == 0 then
+  redis.call('HINCRBY', KEYS[1], 's' .. k .. ':left', -1)
+  if ARGV[9] == '1' then
     redis.call('HSET', KEYS[1], 's' .. k .. ':fin', now)
     redis.call('HINCRBY', KEYS[1], 'stages_done', 1)
     for i = 1, ndep do
-      local j = ARGV[9 + i]
-      if redis.call('HINCRBY', KEYS[1], 's' .. j .. ':deps', -1) == 0 then
-        redis.call('HSET', KEYS[1], 's' .. j .. ':rel', now)
-        table.insert(released, tonumber(j))
-      end
+      redis.call('HINCRBY', KEYS[1], 's' .. ARGV[11 + i] .. ':deps', -1)
     end
   end
+  for i = 1, nrel do
+    local j = ARGV[12 + ndep + i]
+    redis.call('HSET', KEYS[1], 's' .. j .. ':rel', now)
+    table.insert(released, tonumber(j))
+  end
   local record = {}
-  for i = 10 + ndep, #ARGV do table.insert(record, ARGV[i]) end
+  for i = 13 + ndep + nrel, #ARGV do table.insert(record, ARGV[i]) end
   if #record > 0 then  -- a session's skipped call has no record: nothing ran
     redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[8], '*', unpack(record))
   else
     redis.call('HSET', KEYS[1], ckey, 'skipped')
   end
   local left = redis.call('HINCRBY', KEYS[1], 'calls_left', -1)
-  if left == 0 then
+  if ARGV[10] == '1' then
     succeed(KEYS[1], KEYS[2], KEYS[4], KEYS[5], ARGV[1], now, ARGV[7], ARGV[8], KEYS[6])
   end
   local out = {1, left}
@@ -531,6 +540,7 @@ class WorkflowStore:
         call_id: str,
         stage: int,
         dependents: Sequence[int],
+        effect: CompletionEffect,
         now: float,
         record: Mapping[str, str | int | float],
         *,
@@ -538,7 +548,9 @@ class WorkflowStore:
         attempt: int = 0,
     ) -> CompletionResult:
         """Apply a call's completion reported by the worker on `slot` for `attempt` (-1 / 0:
-        any); see `COMPLETE_*` for the outcomes."""
+        any): its `effect` on the query (`QueryRun.completion_effect`, the core's rule,
+        which the script applies and does not recompute; `dependents` are the stage's
+        dependents, whose counters it keeps); see `COMPLETE_*` for the outcomes."""
         args: list[Any] = [
             query_id,
             call_id,
@@ -548,8 +560,12 @@ class WorkflowStore:
             attempt,
             self.retention_ms,
             self.stream_maxlen,
+            int(effect.finishes_stage),
+            int(effect.finishes_query),
             len(dependents),
             *dependents,
+            len(effect.released),
+            *effect.released,
         ]
         for k, v in record.items():
             args += [k, v]

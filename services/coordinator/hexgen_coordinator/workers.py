@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Sequence
 
 from hexgen_api.v1 import worker_pb2 as wpb
 from hexgen_coordinator.completions import Completions
@@ -21,8 +22,7 @@ from hexgen_coordinator.links import WorkerLink, slot_for
 from hexgen_coordinator.recovery import Recovery
 from hexgen_coordinator.write_behind import WriteBehind
 from hexgen_flow.cluster import Cluster
-from hexgen_flow.runtime import CallTicket
-from hexgen_flow.scheduler import GlobalScheduler
+from hexgen_flow.protocol import Action, InstanceBack, InstanceLost, Lost, Scheduler
 
 __all__ = ["WorkerSlots"]
 
@@ -34,7 +34,7 @@ class WorkerSlots:
         self,
         config: CoordinatorConfig,
         cluster: Cluster,
-        scheduler: GlobalScheduler,
+        core: Scheduler,
         ledger: Ledger,
         dispatch: Dispatch,
         writes: WriteBehind,
@@ -43,7 +43,9 @@ class WorkerSlots:
     ) -> None:
         self.config = config
         self.cluster = cluster
-        self.scheduler = scheduler
+        self.core = core
+        self.scheduler = core.policy
+        """Read only here (its preset; a worker's report of other shards' load)."""
         self.ledger = ledger
         self.dispatch = dispatch
         self.writes = writes
@@ -60,7 +62,6 @@ class WorkerSlots:
             old.close()  # the same worker reconnecting: its old stream is dead
         link.slot = slot
         ledger.links[slot] = link
-        self.scheduler.load.set_available(slot, True)
         now = ledger.clock.now()
         drop = []
         for call_id in hello.resident_call_ids:
@@ -71,18 +72,14 @@ class WorkerSlots:
                 self.recovery.adopt(ticket, slot)
                 continue
             drop.append(call_id)
-        # Calls this slot should hold but the worker does not (it restarted): send again,
-        # but a call it had started died with it: that counts as an attempt.
+        # Calls this slot should hold but the worker does not (it restarted): the core
+        # sends a waiting one again, and a running one died with it: that counts as an
+        # attempt. Then parked calls go out.
         resident = set(hello.resident_call_ids)
-        lost = [
+        lacking = tuple(
             t for t in ledger.tickets.values() if t.instance == slot and t.call_id not in resident
-        ]
-        resend = [t for t in lost if t.call_id not in ledger.started]
-        self._lost_running(
-            [t for t in lost if t.call_id in ledger.started],
-            slot,
-            f"worker {hello.worker_id} came back without it",
         )
+        actions = self.core.handle(InstanceBack(slot, now, lacking))
         welcome = wpb.WorkerWelcome(
             slot=slot,
             instance=self.cluster.instances[slot].name,
@@ -98,8 +95,11 @@ class WorkerSlots:
             shard=self.config.redis_prefix if self.config.shards else "",
         )
         link.send(wpb.ConnectResponse(welcome=welcome))
-        self.dispatch.send(resend)
-        self.dispatch.dispatch_parked(now)
+        self._lost_running(
+            self.dispatch.carry_out(actions, now),
+            slot,
+            f"worker {hello.worker_id} came back without it",
+        )
         log.info("worker %s (%s) holds slot %d", hello.worker_id, link.engine, slot)
         return welcome
 
@@ -131,38 +131,30 @@ class WorkerSlots:
             return
         slot = link.slot
         ledger.links[slot] = None
-        self.scheduler.load.set_available(slot, False)
-        self.scheduler.load.report_others(slot, 0, 0.0, 0)  # the next worker reports its own
-        moved = [t for t in ledger.tickets.values() if t.instance == slot]
-        running = [t for t in moved if t.call_id in ledger.started]
+        now = ledger.clock.now()
+        actions = self.core.handle(InstanceLost(slot, now))
+        lost = [a for a in actions if isinstance(a, Lost)]
         log.warning(
             "worker %s left slot %d (%s); redispatching %d calls (%d were running there)",
             link.worker_id,
             slot,
             reason,
-            len(moved),
-            len(running),
+            len(actions),
+            len(lost),
         )
-        self._lost_running(running, slot, f"worker {link.worker_id} lost: {reason}")
-        for ticket in moved:
-            if ticket not in running:
-                self.dispatch.redispatch(ticket, f"worker {link.worker_id} lost: {reason}")
-        for entry_id in {t.query_id for t in moved}:
-            entry = ledger.active.get(entry_id)
-            if entry is not None:
-                sent = [t for t in moved if t.query_id == entry_id and t not in running]
-                self.writes.persist(entry, sent)
+        why = f"worker {link.worker_id} lost: {reason}"
+        self._lost_running(lost, slot, why)
+        self.dispatch.carry_out([a for a in actions if not isinstance(a, Lost)], now, reason=why)
 
-    def _lost_running(self, tickets: list[CallTicket], slot: int, reason: str) -> None:
-        """Calls that were running on `slot` when its worker died: off the instance now,
-        counted as failed attempts, then sent again or failed
+    def _lost_running(self, actions: Sequence[Action], slot: int, reason: str) -> None:
+        """Calls that were running on `slot` when its worker died (the core's `Lost`; off
+        the instance already): counted as failed attempts, then sent again or failed
         (`Completions.lost_while_running`)."""
-        for ticket in tickets:
-            self.ledger.started.discard(ticket.call_id)
-            attempt = ticket.attempt
-            self.scheduler.withdraw(ticket)
+        for action in actions:
+            assert isinstance(action, Lost), action
+            ticket = action.ticket
             task = asyncio.create_task(
-                self.completions.lost_while_running(ticket, slot, attempt, reason)
+                self.completions.lost_while_running(ticket, slot, ticket.attempt, reason)
             )
             self._counting.add(task)
             task.add_done_callback(self._counting.discard)

@@ -29,8 +29,20 @@ from hexgen_flow.lengths import (
 )
 from hexgen_flow.metrics import QueryOutcome, RunMetrics
 from hexgen_flow.policies.presets import Preset
+from hexgen_flow.protocol import (
+    Action,
+    Admitted,
+    CallDone,
+    CallMoved,
+    CallStarted,
+    DeadlineChanged,
+    Finish,
+    Scheduler,
+    StageReleased,
+    Submit,
+)
 from hexgen_flow.runtime import CallTicket, QueryRun
-from hexgen_flow.scheduler import CallMoved, GlobalScheduler, InstanceScheduler
+from hexgen_flow.scheduler import GlobalScheduler, InstanceScheduler
 from hexgen_flow.sim.arrivals import arrival_times
 from hexgen_flow.sim.engines import (
     DEFAULT_ENGINE_MODEL,
@@ -117,9 +129,16 @@ class Simulation:
         self.config = config
         slo_base_s = None if truth is None else Estimator(truth).slo_base()
         self.scheduler = GlobalScheduler(
-            cluster, preset, seed=config.seed + 1, estimator=estimator, slo_base_s=slo_base_s
+            cluster,
+            preset,
+            seed=config.seed + 1,
+            estimator=estimator,
+            slo_base_s=slo_base_s,
+            prefix_caching=bool(config.prefix_caching),
         )
-        self.scheduler.load.prefix_caching = bool(config.prefix_caching)
+        self.core = Scheduler(self.scheduler)
+        """The scheduling protocol this run drives (`hexgen_flow.protocol`): every arrival,
+        start and finish is an event, and the run carries out the actions it returns."""
         self.estimator = self.scheduler.estimator
         self.slo_base_s = self.scheduler.slo_base_s
         self._check_fits()
@@ -156,9 +175,7 @@ class Simulation:
         self._outcomes: list[QueryOutcome] = []
         self._admitted: list[tuple[Query, float, float]] = []
         self.calls_moved = 0
-        """Queued calls moved to another instance by `_rebudget`."""
-        self._released: dict[int, list[CallTicket]] = {}
-        """Each running query's calls released and maybe still queued (`_rebudget`)."""
+        """Queued calls the core moved to another instance (`CallMoved`)."""
         self.calls_done = 0
 
     def _check_fits(self) -> None:
@@ -184,7 +201,7 @@ class Simulation:
     def every(self, period_s: float, hook: Callable[[float, Simulation], None]) -> None:
         """Call ``hook(t, self)`` at t = period_s, 2 period_s, ... of simulated time, before
         any event at t or later is handled, for as long as the run has events left: the
-        online α tuner's hook (it may call ``self.scheduler.set_alpha``)."""
+        online α tuner's hook (it may hand ``self.core`` an `AlphaChanged`)."""
         if not period_s > 0:
             raise ConfigError(f"the hook period must be > 0, got {period_s}")
         self._every = (period_s, hook)
@@ -215,10 +232,10 @@ class Simulation:
                 gc.enable()
 
     def _run(self) -> RunMetrics:
-        # The loop runs once per event: `_mark` is inlined, and so are each dirty
-        # instance's admissions (`InstanceScheduler.admit_ready`, with the queue's and the
-        # engine's methods bound once) and planning its next event (the engine's
-        # `next_event_s`, pushed when it moved).
+        # The loop runs once per event: each dirty instance's admissions
+        # (`InstanceScheduler.admit_ready`, with the queue's and the engine's methods bound
+        # once, each start an event for the core) and planning its next event (the
+        # engine's `next_event_s`, pushed when it moved).
         heap = self._heap
         arrivals = self._arrivals
         gen = self._gen
@@ -232,6 +249,7 @@ class Simulation:
         advance = [engine.advance for engine in engines]
         dirty, is_dirty = self._dirty, self._is_dirty
         complete = self._complete
+        handle = self.core.handle
         heappop, heappush = heapq.heappop, heapq.heappush
         n_arrivals = len(arrivals)
         next_arrival = 0
@@ -277,6 +295,7 @@ class Simulation:
                     admit(head, now)
                     if on_admit is not None:
                         on_admit(head, now)
+                    handle(CallStarted(head, now))
                 t = next_event[i]()
                 if t != planned[i]:
                     gen[i] += 1
@@ -287,11 +306,6 @@ class Simulation:
             dirty.clear()
         self._event_seq = seq
         return self._metrics()
-
-    def _mark(self, instance: int) -> None:
-        if not self._is_dirty[instance]:
-            self._is_dirty[instance] = True
-            self._dirty.append(instance)
 
     def _arrive(self, index: int, now: float) -> None:
         self._start(index, now, self.slo_of(self.queries[index]))
@@ -308,76 +322,63 @@ class Simulation:
         return believed
 
     def _start(self, index: int, now: float, slo_s: float) -> QueryRun:
-        """Admit query `index` at `now` and release its first stages."""
+        """Submit query `index` at `now` (admitted: its root stages are released)."""
         query = self.planned(index)
-        run = self.scheduler.admit(query, index, now, slo_s)
+        actions = self.core.handle(Submit(query, index, now, slo_s))
+        admitted = actions[0]
+        assert isinstance(admitted, Admitted)
         self._admitted.append((query, now, slo_s))
-        for stage in query.workflow.roots:
-            self._enqueue(self.scheduler.release(run, stage, now), now)
-        return run
-
-    def _enqueue(self, tickets: list[CallTicket], now: float) -> None:
-        if not tickets:
-            return
-        if self._belief is not None:  # the engines generate what the workload says
-            stages = self.queries[tickets[0].query_seq].workflow.stages
-            for ticket in tickets:
-                ticket.output_tokens = stages[ticket.stage].calls[ticket.index].output_tokens
-        instances, is_dirty = self.instances, self._is_dirty
-        for ticket in tickets:
-            i = ticket.instance
-            instances[i].queue.push(ticket, now)
-            if not is_dirty[i]:  # `_mark`, inlined
-                is_dirty[i] = True
-                self._dirty.append(i)
-        run = tickets[0].run
-        if run is not None and len(run.query.workflow.stages) > 1:
-            self._released.setdefault(run.index, []).extend(tickets)
+        self._apply(actions, now)
+        return admitted.run
 
     def _complete(self, ticket: CallTicket, now: float) -> None:
         self.calls_done += 1
         if self._belief is not None:
             self._belief.observe(ticket.call.step, ticket.output_tokens)
+        cost = None
         if self._metered is not None:
             cost = self._metered[ticket.instance].take_cost(ticket)
-            if cost is not None:
-                self.scheduler.observe_cost(cost)
-        released = self.scheduler.complete(ticket, now)
-        run = ticket.run
-        if run is not None and run.stage_finished_s[ticket.stage] is not None:
-            if run.finished_s is None:
-                self._rebudget(run, now)
-            else:
-                self._released.pop(run.index, None)
-        if released:
-            self._enqueue(released, now)
-        if run is not None and run.finished_s is not None:
-            self._believed.pop(run.index, None)
-            q = run.query
-            self.scheduler.forget(q)
-            self._outcomes.append(QueryOutcome(q.query_id, q.tenant, run.arrival_s, now, run.slo_s))
+        actions = self.core.handle(CallDone(ticket, now, cost))
+        if actions:
+            self._apply(actions, now)
 
-    def _rebudget(self, run: QueryRun, now: float) -> None:
-        """A stage finished: the query's calls still queued get the deadline their stage
-        gets from the time left (as the coordinator does), in their queue's new order, and
-        one that would be late where it waits moves where it would not."""
-        tickets = self._released.get(run.index)
-        if not tickets:
-            return
-        waiting = [t for t in tickets if t.admitted_s is None]
-        self._released[run.index] = waiting
-        if not waiting:
-            return  # nothing to revise (`rebudget` of no tickets changes nothing)
-        instances = self.instances
-        for action in self.scheduler.revise_waiting(waiting, now):
-            ticket = action.ticket
-            if isinstance(action, CallMoved):
-                instances[action.source].queue.remove(ticket)
-                self.calls_moved += 1
-            else:
-                instances[ticket.instance].queue.remove(ticket)  # re-queued on its new key
-            instances[ticket.instance].queue.push(ticket, now)
-            self._mark(ticket.instance)
+    def _apply(self, actions: tuple[Action, ...], now: float) -> None:
+        """Carry out the core's actions on the instances' queues, in order."""
+        instances, is_dirty, dirty = self.instances, self._is_dirty, self._dirty
+        for action in actions:
+            if isinstance(action, StageReleased):
+                tickets = action.tickets
+                if self._belief is not None:  # the engines generate what the workload says
+                    calls = self.queries[action.run.index].workflow.stages[action.stage].calls
+                    for ticket in tickets:
+                        ticket.output_tokens = calls[ticket.index].output_tokens
+                for ticket in tickets:
+                    i = ticket.instance  # every instance is up: no call is ever parked
+                    instances[i].queue.push(ticket, now)
+                    if not is_dirty[i]:
+                        is_dirty[i] = True
+                        dirty.append(i)
+            elif isinstance(action, DeadlineChanged | CallMoved):
+                ticket = action.ticket
+                if isinstance(action, CallMoved):
+                    instances[action.source].queue.remove(ticket)
+                    self.calls_moved += 1
+                else:
+                    instances[ticket.instance].queue.remove(ticket)  # re-queued on its new key
+                i = ticket.instance
+                instances[i].queue.push(ticket, now)
+                if not is_dirty[i]:
+                    is_dirty[i] = True
+                    dirty.append(i)
+            elif isinstance(action, Finish):
+                run = action.run
+                self._believed.pop(run.index, None)
+                q = run.query
+                self._outcomes.append(
+                    QueryOutcome(q.query_id, q.tenant, run.arrival_s, now, run.slo_s)
+                )
+            elif not isinstance(action, Admitted):  # `_start` took the run
+                raise AssertionError(f"the simulator cannot carry out {action!r}")
 
     def _metrics(self) -> RunMetrics:
         outcomes = sorted(self._outcomes, key=lambda o: (o.arrival_s, o.query_id))

@@ -1,0 +1,690 @@
+"""The scheduling protocol: events in, frozen actions out.
+
+`Scheduler.handle` is the one way a driver changes what the scheduler holds. It takes an
+event (a query submitted, a call started or done, an instance lost or back, a tick, α
+changed, ...) and returns the actions it decided, in the order the driver carries them out:
+queue a stage's calls where they were dispatched, tell an instance a waiting call's new
+deadline, move a call, park it, finish a query, cancel its calls. The simulator
+(`hexgen_flow.sim.simulator`) and the coordinator (`hexgen_coordinator`) are two drivers of
+it: the simulator applies actions to its engine models' queues in simulated time, the
+coordinator sends them to its workers' streams and keeps Redis in step. Neither decides
+anything a policy would: which released calls still wait (the core's `CallState`), when a
+stage's budget is revised, where a call goes, what a best-effort query is (a
+`QueryState` and a flag, not a driver's deadline trick) all live here, once, and
+tests/test_protocol_conformance.py drives both with one event sequence and compares what
+they did.
+
+Lifecycles are enums on the state objects (`hexgen_flow.runtime`): a `QueryRun` is
+WAITING (best-effort, held) → RUNNING → FINISHED or ENDED; a `CallTicket` is HELD (a
+session's call without its prompt), PARKED, RESERVED (after a restart) → QUEUED → RUNNING
+→ DONE, with BACKOFF after a failed attempt and DROPPED when its query ended early.
+
+Events and actions are frozen: named tuples, because the simulator makes two events and an
+action or two for every call it simulates and a named tuple is built in about half the time
+of a frozen dataclass (compare them by type and fields: two named tuples of different types
+with equal fields are equal as tuples). The tickets and runs they carry are the scheduler's
+mutable state objects (a driver reads them; only the scheduler changes their placement and
+lifecycle).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NamedTuple
+
+from hexgen_flow.admission import BEST_EFFORT_DELAY_S
+from hexgen_flow.learning import CallCost
+from hexgen_flow.policies.base import NoInstanceError
+from hexgen_flow.runtime import CallState, CallTicket, QueryRun, QueryState
+from hexgen_flow.scheduler import CallMoved, DeadlineChanged, GlobalScheduler
+from hexgen_flow.workload import LLMCall, Query
+
+__all__ = [
+    "Action",
+    "Admitted",
+    "Adopt",
+    "AlphaChanged",
+    "CallDone",
+    "CallFailed",
+    "CallGiven",
+    "CallMoved",
+    "CallStarted",
+    "CallState",
+    "Cancel",
+    "DeadlineChanged",
+    "Dispatch",
+    "Event",
+    "Finish",
+    "GraceOver",
+    "InstanceBack",
+    "InstanceLost",
+    "Lost",
+    "Park",
+    "QueryEnded",
+    "QueryState",
+    "Redispatch",
+    "ReleaseStage",
+    "Resume",
+    "Scheduler",
+    "SessionClosed",
+    "StageReleased",
+    "Start",
+    "Submit",
+    "Tick",
+]
+
+# ---------------------------------------------------------------------------- events
+
+
+class Submit(NamedTuple):
+    """A query arrives and is admitted (admission control, `hexgen_flow.admission`, decided
+    before). `best_effort`: it waits (WAITING) until `Start`, and its calls then come after
+    every query held to its SLO. `session`: a workflow session, whose calls wait for their
+    prompts (`CallGiven`) and which stays open until the driver ends it."""
+
+    query: Query
+    order: int
+    """The query's arrival order (`QueryRun.index`): the tie-breaker between queries."""
+    now: float
+    slo_s: float
+    best_effort: bool = False
+    session: bool = False
+
+
+class Start(NamedTuple):
+    """A WAITING (best-effort) query may run now: its root stages are released."""
+
+    run: QueryRun
+    now: float
+
+
+class CallStarted(NamedTuple):
+    """The call's engine started it: from now on it stays where it is."""
+
+    ticket: CallTicket
+    now: float
+
+
+class CallDone(NamedTuple):
+    """The call finished (or a session's call was skipped, on no instance): the stage
+    counts it, which may finish the stage (revising the query's waiting calls), release
+    stages that waited for it, and finish the query. `cost`: what it cost its instance, as
+    the driver measured it (`hexgen_flow.learning.CostMeter`), for cost learning."""
+
+    ticket: CallTicket
+    now: float
+    cost: CallCost | None = None
+
+
+class CallFailed(NamedTuple):
+    """An attempt of the call failed on its instance: off the ledger (BACKOFF) until
+    `Redispatch`."""
+
+    ticket: CallTicket
+    now: float
+
+
+class Redispatch(NamedTuple):
+    """Send a call again (after its backoff, or from where it waited): to another instance
+    than `avoid` where another can take it."""
+
+    ticket: CallTicket
+    now: float
+    avoid: int = -1
+
+
+class InstanceLost(NamedTuple):
+    """An instance went away: it takes nothing more; its waiting calls are dispatched
+    elsewhere and its running ones are lost (`Lost`)."""
+
+    instance: int
+    now: float
+
+
+class InstanceBack(NamedTuple):
+    """An instance (re)joined. `lacking`: calls the scheduler has there that it does not
+    hold (it restarted): a waiting one is sent again, a running one is lost. Then every
+    parked call that can go is dispatched."""
+
+    instance: int
+    now: float
+    lacking: tuple[CallTicket, ...] = ()
+
+
+class Tick(NamedTuple):
+    """Time passed: parked calls that an instance can take now are dispatched."""
+
+    now: float
+
+
+class AlphaChanged(NamedTuple):
+    """The dispatcher's α from now on (the online tuner's knob); ConfigError when the
+    policy has none or the value is out of range."""
+
+    alpha: float
+
+
+class QueryEnded(NamedTuple):
+    """The driver ended a query early (cancelled, or failed by its driver): its calls are
+    withdrawn (`Cancel` for those on an instance) and the scheduler forgets it."""
+
+    run: QueryRun
+    now: float
+
+
+class ReleaseStage(NamedTuple):
+    """A session added a stage that waits for nothing: it is released now."""
+
+    run: QueryRun
+    stage: int
+    now: float
+
+
+class CallGiven(NamedTuple):
+    """A session's client gave call `index` of `stage` (its prompt came): a HELD ticket
+    of it is dispatched; past the stage's expected calls, a new ticket joins the stage."""
+
+    run: QueryRun
+    stage: int
+    position: int
+    """The call's index within its stage."""
+    call: LLMCall
+    now: float
+    ticket: CallTicket | None = None
+    call_id: str = ""
+
+
+class SessionClosed(NamedTuple):
+    """A workflow session takes no more calls (its client closed it, or it idled): the
+    query finishes with its last call, at `now` when none is left (`Finish`)."""
+
+    run: QueryRun
+    now: float
+
+
+class Resume(NamedTuple):
+    """A restarted driver rebuilt a running query and its released calls (from its store):
+    the scheduler takes them up. Calls with an instance in `reserved` wait (RESERVED) for
+    that instance's worker to reclaim them (`Adopt`) until `GraceOver`; the others park."""
+
+    run: QueryRun
+    tickets: tuple[CallTicket, ...]
+    reserved: tuple[int, ...] = ()
+    """Per ticket, the instance that may reclaim it (-1: none)."""
+
+
+class Adopt(NamedTuple):
+    """A worker that came back still holds a RESERVED call: it goes on that instance's
+    ledger (QUEUED)."""
+
+    ticket: CallTicket
+    instance: int
+    now: float
+
+
+class GraceOver(NamedTuple):
+    """No more reclaiming after a restart: RESERVED calls park, and parked calls go out."""
+
+    now: float
+
+
+Event = (
+    Submit
+    | Start
+    | CallStarted
+    | CallDone
+    | CallFailed
+    | Redispatch
+    | InstanceLost
+    | InstanceBack
+    | Tick
+    | AlphaChanged
+    | QueryEnded
+    | ReleaseStage
+    | CallGiven
+    | SessionClosed
+    | Resume
+    | Adopt
+    | GraceOver
+)
+
+# ---------------------------------------------------------------------------- actions
+
+
+class Admitted(NamedTuple):
+    """A submitted query is the scheduler's now: `run` is its state (first action of
+    `Submit`)."""
+
+    run: QueryRun
+
+
+class StageReleased(NamedTuple):
+    """A stage was released: each of its calls is QUEUED on its `instance` (queue it
+    there), PARKED (no instance can take it now) or HELD (a session's call without its
+    prompt yet)."""
+
+    run: QueryRun
+    stage: int
+    tickets: tuple[CallTicket, ...]
+
+
+class Dispatch(NamedTuple):
+    """A released call goes to `instance` (a parked, given, retried or resent call; or a
+    call redispatched from `source`, an instance lost or being avoided)."""
+
+    ticket: CallTicket
+    instance: int
+    source: int = -1
+
+
+class Park(NamedTuple):
+    """No instance can take the call now: it waits, in release order."""
+
+    ticket: CallTicket
+    source: int = -1
+
+
+class Lost(NamedTuple):
+    """The call was running on `instance`, which lost it: a failed attempt (BACKOFF); the
+    driver counts it and sends `Redispatch` after its backoff."""
+
+    ticket: CallTicket
+    instance: int
+
+
+class Cancel(NamedTuple):
+    """The call's query ended early: abort it on `instance` (-1: it was on none)."""
+
+    ticket: CallTicket
+    instance: int
+
+
+class Finish(NamedTuple):
+    """The query's last call finished at `now`."""
+
+    run: QueryRun
+    now: float
+
+
+Action = (
+    Admitted
+    | StageReleased
+    | Dispatch
+    | Park
+    | DeadlineChanged
+    | CallMoved
+    | Lost
+    | Cancel
+    | Finish
+)
+"""What `Scheduler.handle` returns. `DeadlineChanged` (tell the call's instance; a queue
+re-orders it) and `CallMoved` (take it off `source`, queue it on `target`) come from
+`GlobalScheduler.revise_waiting`."""
+
+_HELD = CallState.HELD
+_PARKED = CallState.PARKED
+_RESERVED = CallState.RESERVED
+_QUEUED = CallState.QUEUED
+_RUNNING = CallState.RUNNING
+_BACKOFF = CallState.BACKOFF
+_DONE = CallState.DONE
+_DROPPED = CallState.DROPPED
+"""The call states as module constants: an enum member read through its class is a
+descriptor call, and the simulator reads these for every call."""
+
+NO_ACTIONS: tuple[Action, ...] = ()
+
+
+class Scheduler:
+    """The scheduler as drivers see it: `handle(event) -> actions`.
+
+    It wraps one `GlobalScheduler` (the policies: dispatch, stage budgets, cost learning)
+    and owns what the drivers used to keep apart: each running query's released calls and
+    their lifecycle, the parked calls in release order, best-effort queries. `policy`
+    stays readable (its load ledger, estimator, α, learner); a driver changes nothing
+    through it.
+    """
+
+    def __init__(self, policy: GlobalScheduler) -> None:
+        self.policy = policy
+        self.runs: dict[QueryRun, list[CallTicket]] = {}
+        """Each query the scheduler holds (WAITING or RUNNING) and its released calls not
+        known done (pruned as its stages finish)."""
+        self._parked: dict[int, CallTicket] = {}
+        """PARKED calls by release order (`seq`)."""
+        self.observer: Callable[[Event, tuple[Action, ...]], None] | None = None
+        """Called with every event and the actions it returned (a conformance test's or a
+        trace's recorder); None: nothing is called."""
+        self._handlers: dict[type, Callable[[Any], tuple[Action, ...]]] = {
+            Submit: self._submit,
+            Start: self._start,
+            CallStarted: self._call_started,
+            CallDone: self._call_done,
+            CallFailed: self._call_failed,
+            Redispatch: self._redispatch,
+            InstanceLost: self._instance_lost,
+            InstanceBack: self._instance_back,
+            Tick: self._tick,
+            AlphaChanged: self._alpha_changed,
+            QueryEnded: self._query_ended,
+            ReleaseStage: self._release_stage,
+            CallGiven: self._call_given,
+            SessionClosed: self._session_closed,
+            Resume: self._resume,
+            Adopt: self._adopt,
+            GraceOver: self._grace_over,
+        }
+
+    def handle(self, event: Event) -> tuple[Action, ...]:
+        """Apply `event`; return the actions the driver carries out, in order."""
+        actions = self._handlers[type(event)](event)
+        if self.observer is not None:
+            self.observer(event, actions)
+        return actions
+
+    # ------------------------------------------------------------------ queries
+
+    def _submit(self, e: Submit) -> tuple[Action, ...]:
+        policy = self.policy
+        run = policy.admit(e.query, e.order, e.now, e.slo_s)
+        if e.session:
+            run.start_session()
+        self.runs[run] = []
+        if e.best_effort:
+            # After every query held to its SLO in each deadline-ordered queue and budget.
+            run.best_effort = True
+            run.deadline_s += BEST_EFFORT_DELAY_S
+            run.state = QueryState.WAITING
+            return (Admitted(run),)
+        out: list[Action] = [Admitted(run)]
+        self._release_roots(run, e.now, out)
+        return tuple(out)
+
+    def _start(self, e: Start) -> tuple[Action, ...]:
+        run = e.run
+        if run.state is not QueryState.WAITING:
+            return NO_ACTIONS
+        run.state = QueryState.RUNNING
+        out: list[Action] = []
+        self._release_roots(run, e.now, out)
+        return tuple(out)
+
+    def _release_roots(self, run: QueryRun, now: float, out: list[Action]) -> None:
+        for k in run.query.workflow.roots:
+            out.append(self._released(run, k, self.policy.release(run, k, now)))
+
+    def _released(self, run: QueryRun, stage: int, tickets: list[CallTicket]) -> StageReleased:
+        self.runs[run].extend(tickets)
+        self._note_parked(tickets)
+        return StageReleased(run, stage, tuple(tickets))
+
+    def _query_ended(self, e: QueryEnded) -> tuple[Action, ...]:
+        run = e.run
+        tickets = self.runs.pop(run, None)
+        if tickets is None:
+            return NO_ACTIONS
+        out: list[Action] = []
+        for t in tickets:
+            if t.state in (_DONE, _DROPPED):
+                continue
+            out.append(Cancel(t, t.instance))
+            self.policy.withdraw(t)
+            self._parked.pop(t.seq, None)
+            t.state = _DROPPED
+        run.state = QueryState.ENDED
+        self.policy.forget(run.query)
+        return tuple(out)
+
+    # ------------------------------------------------------------------ calls
+
+    def _call_started(self, e: CallStarted) -> tuple[Action, ...]:
+        if e.ticket.state is _QUEUED:
+            e.ticket.state = _RUNNING
+        return NO_ACTIONS
+
+    def _call_done(self, e: CallDone) -> tuple[Action, ...]:
+        # Runs for every call: `_released` and the grouping by stage are inlined.
+        ticket, now, cost = e
+        if cost is not None:
+            self.policy.observe_cost(cost)
+        ticket.state = _DONE
+        if self._parked:
+            self._parked.pop(ticket.seq, None)
+        released = self.policy.complete(ticket, now)
+        run = ticket.run
+        assert run is not None, "CallDone needs the ticket's QueryRun"
+        stage_done = run.stage_finished_s[ticket.stage] is not None
+        if not stage_done and not released:
+            return NO_ACTIONS
+        if run.finished_s is not None:
+            return self._finished(run)
+        revised = self._revise(run, now) if stage_done else NO_ACTIONS
+        if not released:
+            return revised
+        self.runs[run].extend(released)
+        for t in released:
+            if t.state is _PARKED:
+                self._parked[t.seq] = t
+        first = released[0].stage
+        if first == released[-1].stage:  # released stage by stage: this is one stage
+            return (*revised, StageReleased(run, first, tuple(released)))
+        out: list[Action] = list(revised)
+        start = 0
+        for i in range(1, len(released) + 1):
+            if i == len(released) or released[i].stage != released[start].stage:
+                out.append(StageReleased(run, released[start].stage, tuple(released[start:i])))
+                start = i
+        return tuple(out)
+
+    def _finished(self, run: QueryRun) -> tuple[Action, ...]:
+        assert run.finished_s is not None
+        run.state = QueryState.FINISHED
+        self.runs.pop(run, None)
+        self.policy.forget(run.query)
+        return (Finish(run, run.finished_s),)
+
+    def _note_parked(self, tickets: Iterable[CallTicket]) -> None:
+        parked = self._parked
+        for t in tickets:
+            if t.state is _PARKED:
+                parked[t.seq] = t
+
+    def _revise(self, run: QueryRun, now: float) -> tuple[Action, ...]:
+        """A stage of `run` finished: its calls released and not started get the deadline
+        their stage gets from the time left (`GlobalScheduler.revise_waiting`), and may
+        move to an instance that meets it."""
+        tickets = self.runs.get(run)
+        if not tickets:
+            return NO_ACTIONS
+        # Identity tests: an enum member's hash is a Python call.
+        done, running = _DONE, _RUNNING
+        kept = [t for t in tickets if t.state is not done]
+        self.runs[run] = kept
+        waiting = [t for t in kept if t.state is not running]  # DROPPED: its run is gone
+        if not waiting:
+            return NO_ACTIONS
+        load = self.policy.load
+        movable = None if load.all_available else load.available.__getitem__
+        return self.policy.revise_waiting(waiting, now, movable)
+
+    def _call_failed(self, e: CallFailed) -> tuple[Action, ...]:
+        ticket = e.ticket
+        self.policy.withdraw(ticket)
+        ticket.state = _BACKOFF
+        return NO_ACTIONS
+
+    def _redispatch(self, e: Redispatch) -> tuple[Action, ...]:
+        ticket = e.ticket
+        if ticket.state in (_DONE, _DROPPED, _HELD):
+            return NO_ACTIONS
+        source = ticket.instance
+        self.policy.withdraw(ticket)
+        return (self._place(ticket, e.now, avoid=e.avoid, source=source),)
+
+    def _place(
+        self, ticket: CallTicket, now: float, *, avoid: int = -1, source: int = -1
+    ) -> Action:
+        """Dispatch `ticket` (off every ledger), to another instance than `avoid` where
+        another can take it; park it where none can."""
+        policy = self.policy
+        load = policy.load
+        try:
+            if avoid >= 0 and load.available[avoid]:
+                load.set_available(avoid, False)
+                try:
+                    instance = policy.dispatch(ticket, now)
+                except NoInstanceError:
+                    instance = -1  # the only instance that can take it gets it again
+                finally:
+                    load.set_available(avoid, True)
+                if instance < 0:
+                    instance = policy.dispatch(ticket, now)
+            else:
+                instance = policy.dispatch(ticket, now)
+        except NoInstanceError:
+            ticket.state = _PARKED
+            self._parked[ticket.seq] = ticket
+            return Park(ticket, source)
+        ticket.state = _QUEUED
+        self._parked.pop(ticket.seq, None)
+        return Dispatch(ticket, instance, source)
+
+    # ------------------------------------------------------------------ instances
+
+    def _on_instance(self, instance: int) -> list[CallTicket]:
+        return sorted(
+            (t for tickets in self.runs.values() for t in tickets if t.instance == instance),
+            key=lambda t: t.seq,
+        )
+
+    def _instance_lost(self, e: InstanceLost) -> tuple[Action, ...]:
+        i, policy = e.instance, self.policy
+        load = policy.load
+        load.set_available(i, False)
+        load.report_others(i, 0, 0.0, 0)  # whoever comes back reports its own
+        there = self._on_instance(i)
+        out: list[Action] = []
+        for t in there:
+            if t.state is _RUNNING:
+                policy.withdraw(t)
+                t.state = _BACKOFF
+                out.append(Lost(t, i))
+        for t in there:
+            if t.state is _QUEUED:
+                policy.withdraw(t)
+                out.append(self._place(t, e.now, source=i))
+        return tuple(out)
+
+    def _instance_back(self, e: InstanceBack) -> tuple[Action, ...]:
+        i = e.instance
+        self.policy.load.set_available(i, True)
+        out: list[Action] = []
+        for t in e.lacking:
+            if t.instance != i:
+                continue
+            if t.state is _RUNNING:
+                self.policy.withdraw(t)
+                t.state = _BACKOFF
+                out.append(Lost(t, i))
+        for t in e.lacking:
+            if t.instance == i and t.state is _QUEUED:
+                out.append(Dispatch(t, i))  # it is charged there already: sent again
+        self._dispatch_parked(e.now, out)
+        return tuple(out)
+
+    def _tick(self, e: Tick) -> tuple[Action, ...]:
+        out: list[Action] = []
+        self._dispatch_parked(e.now, out)
+        return tuple(out)
+
+    def _dispatch_parked(self, now: float, out: list[Action]) -> None:
+        """Dispatch the parked calls an instance can take, in release order."""
+        if not self._parked:
+            return
+        policy = self.policy
+        for seq in sorted(self._parked):
+            ticket = self._parked[seq]
+            try:
+                instance = policy.dispatch(ticket, now)
+            except NoInstanceError:
+                continue
+            del self._parked[seq]
+            ticket.state = _QUEUED
+            out.append(Dispatch(ticket, instance))
+
+    @property
+    def parked(self) -> Sequence[CallTicket]:
+        """The parked calls, in release order."""
+        return [self._parked[s] for s in sorted(self._parked)]
+
+    def _alpha_changed(self, e: AlphaChanged) -> tuple[Action, ...]:
+        self.policy.set_alpha(e.alpha)
+        return NO_ACTIONS
+
+    # ------------------------------------------------------------------ sessions
+
+    def _release_stage(self, e: ReleaseStage) -> tuple[Action, ...]:
+        run = e.run
+        return (self._released(run, e.stage, self.policy.release(run, e.stage, e.now)),)
+
+    def _call_given(self, e: CallGiven) -> tuple[Action, ...]:
+        ticket = e.ticket
+        if ticket is None:  # joins a released stage beyond its expected calls
+            ticket = self.policy.release_call(e.run, e.stage, e.position, e.now)
+            ticket.call_id = e.call_id
+            self.runs.setdefault(e.run, []).append(ticket)
+            if ticket.instance >= 0:
+                ticket.state = _QUEUED
+                return (Dispatch(ticket, ticket.instance),)
+            ticket.state = _PARKED
+            self._parked[ticket.seq] = ticket
+            return (Park(ticket),)
+        if ticket.state is not _HELD:
+            return NO_ACTIONS
+        ticket.call = e.call
+        return (self._place(ticket, e.now),)
+
+    def _session_closed(self, e: SessionClosed) -> tuple[Action, ...]:
+        run = e.run
+        run.end_session(e.now)
+        if run.finished_s is None:
+            return NO_ACTIONS
+        return self._finished(run)
+
+    # ------------------------------------------------------------------ restarts
+
+    def _resume(self, e: Resume) -> tuple[Action, ...]:
+        run = e.run
+        self.runs[run] = list(e.tickets)
+        reserved = e.reserved or (-1,) * len(e.tickets)
+        for t, slot in zip(e.tickets, reserved, strict=True):
+            if not run.is_given(t.stage, t.index):
+                t.state = _HELD
+            elif slot >= 0:
+                t.state = _RESERVED
+            else:
+                t.state = _PARKED
+                self._parked[t.seq] = t
+        return NO_ACTIONS
+
+    def _adopt(self, e: Adopt) -> tuple[Action, ...]:
+        ticket = e.ticket
+        self.policy.charge(ticket, e.instance, e.now)
+        ticket.state = _QUEUED
+        self._parked.pop(ticket.seq, None)
+        return NO_ACTIONS
+
+    def _grace_over(self, e: GraceOver) -> tuple[Action, ...]:
+        for tickets in self.runs.values():
+            for t in tickets:
+                if t.state is _RESERVED:
+                    t.state = _PARKED
+                    self._parked[t.seq] = t
+        out: list[Action] = []
+        self._dispatch_parked(e.now, out)
+        return tuple(out)
+
+
+def released_tickets(actions: Iterable[Action]) -> list[CallTicket]:
+    """The tickets `actions` released, in order (every `StageReleased`'s)."""
+    return [t for a in actions if isinstance(a, StageReleased) for t in a.tickets]
