@@ -26,6 +26,7 @@ from acl_redis_here import (
 from hexgen_coordinator.shards import ShardLease, ShardMap
 from hexgen_coordinator.store import _SUBMIT, WorkflowStore
 from hexgen_flow.errors import ConfigError
+from hexgen_flow.runtime import CompletionEffect
 from hexgen_service.auth_dir import (
     AuthDir,
     redis_acl_line,
@@ -169,7 +170,8 @@ async def test_the_sharded_coordinator_serves_and_leases_every_shard(shard_acl: 
             store = WorkflowStore(client, prefix, retention_s=60)
             await store.epoch(time.time(), 1.0)
             assert await store.submit(f"q{k}", b"sub", "demo", 0.0, 10.0, [1], [0]) == (True, 0)
-            done = await store.complete(f"q{k}", f"q{k}/0/0", 0, [], 1.0, {"call_id": "c"})
+            only = CompletionEffect(True, (), True)  # the core's: the only call ends the query
+            done = await store.complete(f"q{k}", f"q{k}/0/0", 0, [], only, 1.0, {"call_id": "c"})
             assert done.applied and done.calls_left == 0
         a = await ShardLease.acquire(client, shards, "a:1", 5.0, preferred=0)
         b = await ShardLease.acquire(client, shards, "b:1", 5.0)
