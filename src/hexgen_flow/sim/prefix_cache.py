@@ -52,23 +52,27 @@ class PrefixUser(Protocol):
 class PrefixCache:
     """Entries by prefix key, and which of them no request uses (evictable)."""
 
-    __slots__ = ("_block_size", "_entries", "_evictable", "cached_free")
+    __slots__ = ("_block_size", "cached_free", "entries", "evictable")
 
     def __init__(self, block_size: int) -> None:
         self._block_size = block_size
-        self._entries: dict[object, PrefixEntry] = {}
-        self._evictable: dict[object, PrefixEntry] = {}  # unused entries, least recent first
+        self.entries: dict[object, PrefixEntry] = {}
+        """The entries by key. The engine's per-call paths (starting a request, finishing
+        one) read and write these three fields inline, as `lookup`, `attach`, `register`
+        and `release` do: a Python call costs about as much as the work inside them."""
+        self.evictable: dict[object, PrefixEntry] = {}
+        """The unused entries, least recently used first."""
         self.cached_free = 0
-        """Blocks of the unused entries: free, but still cached (read-only outside)."""
+        """Blocks of the unused entries: free, but still cached."""
 
     def evict(self, free: int) -> None:
         """Evict unused entries, least recently used first, until their blocks fit in the
         `free` blocks left after an allocation (evicted blocks were free already)."""
-        evictable = self._evictable
+        evictable = self.evictable
         while self.cached_free > free and evictable:
             key = next(iter(evictable))
             entry = evictable.pop(key)
-            del self._entries[key]
+            del self.entries[key]
             self.cached_free -= entry.blocks
 
     def release(self, req: PrefixUser) -> int:
@@ -83,7 +87,7 @@ class PrefixCache:
         if entry.refs:
             return 0
         self.cached_free += entry.blocks
-        self._evictable[req.key] = entry  # the most recently used: evicted last
+        self.evictable[req.key] = entry  # the most recently used: evicted last
         return entry.blocks
 
     def lookup(self, req: PrefixUser) -> tuple[int, int]:
@@ -91,7 +95,7 @@ class PrefixCache:
         that would leave the free pool because nobody uses them now)."""
         if req.key is None or req.done:
             return 0, 0
-        entry = self._entries.get(req.key)
+        entry = self.entries.get(req.key)
         if entry is None:
             return 0, 0
         # Its last prompt token is always computed: that step samples the first output.
@@ -105,10 +109,10 @@ class PrefixCache:
     def attach(self, req: PrefixUser, hit: int) -> int:
         """`req` starts with the first `hit` blocks of its cached entry computed (`lookup`
         gave `hit`); return the blocks that become used because nobody used them before."""
-        entry = self._entries[req.key]
+        entry = self.entries[req.key]
         revived = 0
         if entry.refs == 0:  # cached but unused: its blocks leave the free pool
-            del self._evictable[req.key]
+            del self.evictable[req.key]
             self.cached_free -= entry.blocks
             revived = entry.blocks
         entry.refs += 1
@@ -126,9 +130,9 @@ class PrefixCache:
             return
         entry = req.entry
         if entry is None:
-            if req.key in self._entries:
+            if req.key in self.entries:
                 return  # another request cached this prefix meanwhile: keep its own copy
-            entry = self._entries[req.key] = PrefixEntry()
+            entry = self.entries[req.key] = PrefixEntry()
             entry.refs = 1
             req.entry = entry
         if computed > entry.blocks:

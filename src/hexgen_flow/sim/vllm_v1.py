@@ -41,6 +41,7 @@ phase) the blocks any number of steps allocate.
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 
 from hexgen_flow.cluster import InstanceSpec
@@ -48,7 +49,7 @@ from hexgen_flow.errors import ConfigError
 from hexgen_flow.latency import DecodeStepFit
 from hexgen_flow.prefix import DEFAULT_PREFIX_SHARE
 from hexgen_flow.runtime import CallTicket
-from hexgen_flow.sim.prefix_cache import PrefixCache
+from hexgen_flow.sim.prefix_cache import PrefixCache, PrefixEntry
 from hexgen_flow.sim.vllm_v1_requests import (
     DECODE,
     FINISHED,
@@ -66,6 +67,7 @@ __all__ = [
 
 BLOCK_SIZE = 16
 """vLLM's default KV-cache block size on CUDA, in tokens."""
+_MASK = BLOCK_SIZE - 1  # a step's block phase: the step counter & _MASK (`DecodeBatch`)
 
 SCALES_MAX = 1 << 16
 """(input, output) token pairs an engine keeps the prefill scale of (`_scale`)."""
@@ -280,11 +282,21 @@ class VllmV1EngineModel:
         if not pending:
             return []
         done: list[CallTicket] = []
-        reqs, release, t = self._reqs, self._prefixes.release, self._t
+        reqs, prefixes, t = self._reqs, self._prefixes, self._t
         used = self._used
         for req, blocks in pending:
             used -= blocks
-            used -= release(req)  # its entry's, if it was the last user (`_free`)
+            # `_free`'s `prefixes.release(req)`, inlined (every call finishes here): the
+            # entry's blocks stop being used when this was its last user
+            entry = req.entry
+            req.shared = 0
+            if entry is not None:
+                req.entry = None
+                entry.refs -= 1
+                if not entry.refs:
+                    prefixes.cached_free += entry.blocks
+                    prefixes.evictable[req.key] = entry  # the most recently used
+                    used -= entry.blocks
             ticket = req.ticket
             del reqs[ticket]
             ticket.finished_s = t
@@ -319,10 +331,19 @@ class VllmV1EngineModel:
         elif tail is not None:
             beta = self.max_num_batched_tokens - d
             n = (tail.target - tail.done - 1) // beta  # steps the prompt takes all budget
-        elif d and self._waiting_blocked(s, free):
-            n = 1 << 62
+        elif d:
+            # `_waiting_blocked(s, free)`, inlined (it runs at most step boundaries)
+            waiting = self._waiting
+            if (
+                not waiting
+                or len(self._order) >= self.max_batch
+                or self._start_need(waiting[0])[1] > free - dec.phase[s & _MASK]
+            ):
+                n = 1 << 62
         if n > 0 and d:
-            left = dec.next_fin() - s  # steps to the next finish
+            top = dec.heap[0]
+            # `dec.next_fin()` when the heap's top is live (it nearly always is)
+            left = (top[0] if top[2].hseq == top[1] else dec.next_fin()) - s
             n = left if left < n else n  # min(n, left), without the builtin's call
         if n > 0:
             # Within a segment no cached prefix may be evicted: an eviction can unblock the
@@ -339,7 +360,8 @@ class VllmV1EngineModel:
                 # Start the segment (once `_start_run`, inlined: a segment is planned about
                 # every other event): its constants and its end
                 self._run_s0, self._run_d, self._run_tail = s, d, tail
-                self._run_const = self._a + self._b * d + self._c * dec.kv_tokens(s) if d else 0.0
+                kv = dec.sum_k + d * s  # `dec.kv_tokens(s)`
+                self._run_const = self._a + self._b * d + self._c * kv if d else 0.0
                 if tail is not None:
                     self._run_beta = self.max_num_batched_tokens - d
                     self._run_c0 = tail.done
@@ -353,14 +375,37 @@ class VllmV1EngineModel:
         self._step()
 
     def _waiting_blocked(self, s: int, free: int) -> bool:
+        """Whether no waiting request can start in step `s` with `free` blocks (`_plan`
+        inlines it)."""
         waiting = self._waiting
         if not waiting or len(self._order) >= self.max_batch:
             return True
-        head = waiting[0]
-        hit, revive = self._prefixes.lookup(head) if self.enable_prefix_caching else (0, 0)
         decodes = self._dec.step_blocks(s) if self._dec.count else 0
-        start = self._start_blocks(head, hit) if hit else head.first
-        return start + revive > free - decodes
+        return self._start_need(waiting[0])[1] > free - decodes
+
+    def _start_need(self, req: Request) -> tuple[int, int, PrefixEntry | None]:
+        """(cached blocks a waiting request would start with, the free blocks it needs to
+        start: its own beyond them plus those of its entry that nobody uses now, the
+        entry): `prefixes.lookup` and `_start_blocks` in one call (`_step` inlines it)."""
+        key = req.key
+        if key is None or req.done:
+            return 0, req.first, None
+        entry = self._prefixes.entries.get(key)
+        if entry is None:
+            return 0, req.first, None
+        # `prefixes.lookup(req)`: never its last prompt token (that step samples the first
+        # output), min()s without the builtin's call
+        cached = hit = entry.blocks
+        pblocks = req.pblocks
+        hit = pblocks if pblocks < hit else hit
+        last = (req.target - 1) // BLOCK_SIZE
+        hit = last if last < hit else hit
+        if not hit:
+            return 0, req.first, entry
+        revive = cached if not entry.refs else 0
+        if self.admit_full_prompt:
+            return hit, -(-req.target // BLOCK_SIZE) - hit + revive, entry
+        return hit, self._start_blocks(req, hit) + revive, entry
 
     def _fit_blocks(self, n: int, free: int) -> tuple[int, int]:
         """The most steps, up to n, of the segment that would start now whose blocks fit,
@@ -436,8 +481,8 @@ class VllmV1EngineModel:
         self._run_n = 0
         self._run_blocks = 0
         self._busy = True
-        if tail is not None and tail.key is not None:
-            self._prefixes.register(tail)
+        if tail is not None and tail.key is not None and tail.shared < tail.pblocks:
+            self._prefixes.register(tail)  # (nothing to do once its prefix is shared)
         self._S = s = self._run_s0 + k
         heap = self._dec.heap
         if heap and heap[0][0] <= s:
@@ -460,7 +505,7 @@ class VllmV1EngineModel:
         preempted = False
         dec = self._dec
         if dec.count:
-            need = dec.step_blocks(s)
+            need = dec.phase[s & _MASK]  # `dec.step_blocks(s)`
             if need > total - self._used:
                 preempted = self._preempt_for_decodes(s)
             elif need:
@@ -499,24 +544,45 @@ class VllmV1EngineModel:
                 cost += tail.scale * marginal if marginal > 0 else 0.0
                 tail.done = end
                 budget -= chunk
-                if tail.key is not None:
-                    prefixes.register(tail)
+                if tail.key is not None and tail.shared < tail.pblocks:
+                    prefixes.register(tail)  # (nothing to do once its prefix is shared)
                 if end == tail.target:
                     prefilled = [tail]
                     self._tail = None
         waiting = self._waiting
         if not preempted and waiting and budget > 0:
             order = self._order
-            caching = self.enable_prefix_caching
             max_batch = self.max_batch
             intercept = table[0]  # the curve at zero tokens, as `_intercept_s` reads it
             used = self._used  # written back after the loop: nothing in it frees blocks
             t = self._t
+            entries = prefixes.entries
+            full_prompt = self.admit_full_prompt
+            # Every call starts in this loop once: the prefix cache's `lookup`, `attach` and
+            # `register` and `_start_blocks` are inlined (a Python call costs about as much
+            # as what each does). A request has a prefix key only with prefix caching.
             while waiting and budget > 0 and len(order) < max_batch:
                 req = waiting[0]
-                hit, revive = prefixes.lookup(req) if caching else (0, 0)
-                blocks = self._start_blocks(req, hit) if hit else req.first
-                if blocks + revive > total - used:
+                key = req.key
+                hit = 0
+                need = req.first
+                entry = entries.get(key) if key is not None and not req.done else None
+                if entry is not None:
+                    # `prefixes.lookup(req)`: never its last prompt token (that step samples
+                    # the first output); min()s without the builtin's call
+                    cached = hit = entry.blocks
+                    pblocks = req.pblocks
+                    hit = pblocks if pblocks < hit else hit
+                    last = (req.target - 1) // BLOCK_SIZE
+                    hit = last if last < hit else hit
+                    if hit:
+                        if full_prompt:
+                            need = -(-req.target // BLOCK_SIZE) - hit
+                        else:
+                            need = self._start_blocks(req, hit)
+                        if not entry.refs:
+                            need += cached  # its entry's blocks leave the free pool
+                if need > total - used:
                     if order or not hit:
                         break
                     hit = 0  # an idle engine starts it without the cached prefix, not never
@@ -526,7 +592,15 @@ class VllmV1EngineModel:
                     ticket.scheduled_s = t  # this step's start
                 self._waiting_blocks -= req.first
                 if hit:
-                    used += prefixes.attach(req, hit)
+                    # `prefixes.attach(req, hit)`
+                    if not entry.refs:  # cached but unused: its blocks leave the free pool
+                        del prefixes.evictable[key]
+                        prefixes.cached_free -= cached
+                        used += cached
+                    entry.refs += 1
+                    req.entry = entry
+                    req.shared = hit
+                    req.done = hit * BLOCK_SIZE
                     ticket.cached_tokens = hit * BLOCK_SIZE
                 start = req.done
                 chunk = req.target - start
@@ -547,8 +621,20 @@ class VllmV1EngineModel:
                 budget -= chunk
                 req.state = PREFILL
                 order[req] = None
-                if caching:
-                    prefixes.register(req)
+                if key is not None:
+                    # `prefixes.register(req)`: its full prefix blocks computed beyond its
+                    # entry's become the entry's
+                    computed, pblocks = end // BLOCK_SIZE, req.pblocks
+                    computed = pblocks if pblocks < computed else computed
+                    if computed > req.shared:
+                        entry = req.entry
+                        if entry is None and key not in entries:
+                            entry = entries[key] = PrefixEntry()
+                            entry.refs = 1
+                            req.entry = entry
+                        if entry is not None and computed > entry.blocks:
+                            req.shared += computed - entry.blocks
+                            entry.blocks = computed
                 if end == req.target:
                     if prefilled is None:
                         prefilled = [req]
@@ -559,7 +645,8 @@ class VllmV1EngineModel:
             self._used = used
         if d:
             a = self._a
-            cost += (a if a > fixed else fixed) + self._b * d + self._c * dec.kv_tokens(s)
+            # (`dec.kv_tokens(s)` inline)
+            cost += (a if a > fixed else fixed) + self._b * d + self._c * (dec.sum_k + d * s)
         else:
             if not self._order:
                 raise RuntimeError("vllm-v1 engine model: a step with nothing to run")
@@ -579,9 +666,15 @@ class VllmV1EngineModel:
                     self._pending.append((req, -(-req.done // BLOCK_SIZE) - req.shared))
                 else:  # `_to_decode`, inlined: its first decode step is s
                     req.state = DECODE
-                    req.base = req.done - s
-                    req.fin = s + req.out - req.gen
-                    dec.add(req)
+                    req.base = base = req.done - s
+                    req.fin = fin = s + req.out - req.gen
+                    # `dec.add(req)`, inlined (every call starts decoding here)
+                    dec.count += 1
+                    dec.sum_k += base + 1
+                    dec.phase[-base & _MASK] += 1
+                    dec.hseq = hseq = dec.hseq + 1
+                    req.hseq = hseq
+                    heapq.heappush(heap, (fin, hseq, req))
 
     def _preempt_for_decodes(self, s: int) -> bool:
         """Allocate this step's decode blocks in running order, preempting from the tail of
@@ -610,8 +703,21 @@ class VllmV1EngineModel:
         """Move the decodes whose last step is committed to the finished list."""
         s = self._S
         order, pending = self._order, self._pending
-        for req in self._dec.pop_finished(s):
-            req.done = done = req.base + s  # its tokens in the KV cache, for `progress`
+        dec = self._dec
+        heap, phase = dec.heap, dec.phase
+        heappop = heapq.heappop
+        # `dec.pop_finished(s)`, inlined (every decode finishes here): stale heap entries
+        # (requests that left decoding) are dropped
+        while heap and heap[0][0] <= s:
+            _, hseq, req = heappop(heap)
+            if req.hseq != hseq:
+                continue
+            base = req.base
+            dec.count -= 1
+            dec.sum_k -= base + 1
+            phase[-base & _MASK] -= 1
+            req.hseq = -1
+            req.done = done = base + s  # its tokens in the KV cache, for `progress`
             req.gen = req.out
             del order[req]
             req.state = FINISHED

@@ -68,7 +68,7 @@ class Request:
 class DecodeBatch:
     """The requests decoding now, by their `base` and `fin` (set before `add`)."""
 
-    __slots__ = ("_hseq", "_mask", "_phase", "_size", "_sum_k", "count", "heap")
+    __slots__ = ("_mask", "_size", "count", "heap", "hseq", "phase", "sum_k")
 
     def __init__(self, block_size: int) -> None:
         if block_size <= 0 or block_size & (block_size - 1):
@@ -77,40 +77,45 @@ class DecodeBatch:
         self._size = block_size
         self.count = 0
         """Requests decoding (read-only outside)."""
-        self._sum_k = 0  # sum of (base + 1): the KV read of step S is _sum_k + count x S
+        self.sum_k = 0
+        """Sum of (base + 1): the KV read of step S is sum_k + count x S (read-only outside:
+        the engine's step reads it inline)."""
         # Decodes by the step phase at which they take a new block: a decode whose context
         # is base + S takes one in step S when base + S is a multiple of the block size,
-        # i.e. when S = -base mod block size, so _phase[S mod block size] counts the
+        # i.e. when S = -base mod block size, so phase[S mod block size] counts the
         # decodes that allocate in step S, and a run of steps reads a (circular) slice.
-        self._phase = [0] * block_size
+        self.phase = [0] * block_size
+        """The decodes by block phase (read-only outside: the engine's step reads it)."""
         self.heap: list[tuple[int, int, Request]] = []
         """(fin, hseq, request) of every decode, stale ones too (lazily dropped): a top
         `fin` above a step means no decode finishes by it (read-only outside)."""
-        self._hseq = 0
+        self.hseq = 0
+        """The last heap sequence number given (the engine's step adds decodes inline, as
+        `add` does: it runs for every call)."""
 
     def add(self, req: Request) -> None:
         self.count += 1
         base = req.base
-        self._sum_k += base + 1
-        self._phase[-base & self._mask] += 1
-        self._hseq = hseq = self._hseq + 1
+        self.sum_k += base + 1
+        self.phase[-base & self._mask] += 1
+        self.hseq = hseq = self.hseq + 1
         req.hseq = hseq
         heapq.heappush(self.heap, (req.fin, hseq, req))
 
     def remove(self, req: Request) -> None:
         """Take a decoding request out (its heap entry goes stale)."""
         self.count -= 1
-        self._sum_k -= req.base + 1
-        self._phase[-req.base & self._mask] -= 1
+        self.sum_k -= req.base + 1
+        self.phase[-req.base & self._mask] -= 1
         req.hseq = -1
 
     def kv_tokens(self, s: int) -> int:
         """KV-cache tokens the decodes read in step `s`."""
-        return self._sum_k + self.count * s
+        return self.sum_k + self.count * s
 
     def step_blocks(self, s: int) -> int:
         """Blocks the decodes allocate in step `s`."""
-        return self._phase[s & self._mask]
+        return self.phase[s & self._mask]
 
     def blocks(self, s: int, steps: int) -> int:
         """Blocks the decodes allocate in `steps` steps from step `s`."""
@@ -121,7 +126,7 @@ class DecodeBatch:
         cycles, rest = steps // size, steps & mask
         need = cycles * self.count
         if rest:
-            phase = self._phase
+            phase = self.phase
             first = s & mask
             end = first + rest
             if end <= size:
@@ -139,14 +144,14 @@ class DecodeBatch:
 
     def pop_finished(self, s: int) -> list[Request]:
         """Take out the decodes whose last step ends by step `s`, in finishing order."""
-        heap, heappop, mask, phase = self.heap, heapq.heappop, self._mask, self._phase
+        heap, heappop, mask, phase = self.heap, heapq.heappop, self._mask, self.phase
         done: list[Request] = []
         while heap and heap[0][0] <= s:
             _, hseq, req = heappop(heap)
             if req.hseq == hseq:
                 # `remove`, inlined: a finish takes every decode out this way
                 self.count -= 1
-                self._sum_k -= req.base + 1
+                self.sum_k -= req.base + 1
                 phase[-req.base & mask] -= 1
                 req.hseq = -1
                 done.append(req)
