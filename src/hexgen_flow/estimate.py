@@ -87,6 +87,19 @@ class Estimator:
         every query of a workflow (`forget` drops it when the query ends), from these."""
 
     @property
+    def call_time_memo(self) -> dict[tuple[int, int], tuple[float, ...]]:
+        """`call_time` on every instance by (input, output) tokens, as far as computed: the
+        same dict for the estimator's life (cleared, never replaced), so a per-call path
+        may hold it and read it before calling `call_time` (read-only outside)."""
+        return self._singles
+
+    @property
+    def plan_memo(self) -> dict[tuple[int, str], WorkflowPlan]:
+        """`plan`'s cache by (id(workflow), mode): the same dict for the estimator's life,
+        like `call_time_memo` (read-only outside)."""
+        return self._plans
+
+    @property
     def models(self) -> tuple[LatencyModel, ...]:
         """The latency model of each instance as the scheduler believes it: the cluster's
         calibration until `recalibrate` (an online learner) says otherwise."""

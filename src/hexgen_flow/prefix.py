@@ -42,12 +42,14 @@ class PrefixHomes:
     """query id -> step type -> the instance its last call of that type went to; a bounded
     LRU over queries."""
 
-    __slots__ = ("_homes", "_max", "changes")
+    __slots__ = ("_max", "changes", "homes")
 
     def __init__(self, max_queries: int = PREFIX_HOMES_MAX) -> None:
         if max_queries < 1:
             raise ValueError(f"max_queries must be >= 1, got {max_queries}")
-        self._homes: OrderedDict[str, dict[str, int]] = OrderedDict()
+        self.homes: OrderedDict[str, dict[str, int]] = OrderedDict()
+        """query id -> step type -> instance (read-only outside: the dispatcher's score
+        loop reads it inline, as `get` does, once per call)."""
         self._max = max_queries
         self.changes = 0
         """How many times a home was set or a query forgotten: a reader that saw the same
@@ -55,13 +57,13 @@ class PrefixHomes:
 
     def get(self, query_id: str, step: str) -> int | None:
         """The instance that last got a call of `query_id` with type `step`, or None."""
-        steps = self._homes.get(query_id)
+        steps = self.homes.get(query_id)
         return None if steps is None else steps.get(step)
 
     def put(self, query_id: str, step: str, instance: int) -> None:
         """A call of `query_id` with type `step` went to `instance`."""
         self.changes += 1
-        homes = self._homes
+        homes = self.homes
         steps = homes.get(query_id)
         if steps is None:
             homes[query_id] = {step: instance}
@@ -74,8 +76,8 @@ class PrefixHomes:
     def forget(self, query_id: str) -> None:
         """`query_id` ended: its prefixes are no use to anyone."""
         self.changes += 1
-        self._homes.pop(query_id, None)
+        self.homes.pop(query_id, None)
 
     def __len__(self) -> int:
         """Queries with a home."""
-        return len(self._homes)
+        return len(self.homes)

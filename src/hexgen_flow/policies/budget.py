@@ -138,9 +138,15 @@ class DagStageBudget(StageBudget):
             raise ConfigError(f"split must be 'latest-start' or 'proportional', got {split!r}")
         self._mode: EstimateMode = estimate
         self._proportional = split == "proportional"
+        self._plans = ctx.estimator.plan_memo
 
     def deadline(self, run: QueryRun, stage: int, now: float) -> float:
-        plan = self.ctx.estimator.plan(run.query.workflow, self._mode)
+        # Every stage is released here once, right after the scheduler planned the
+        # workflow: the plan's cache is read first (a Python call costs what reading does)
+        workflow = run.query.workflow
+        plan = self._plans.get((id(workflow), self._mode))
+        if plan is None:
+            plan = self.ctx.estimator.plan(workflow, self._mode)
         own, tail = plan.stage_s[stage], plan.tail_s[stage]
         if self._proportional:
             return now + (run.deadline_s - now) * own / tail

@@ -65,8 +65,9 @@ class KeyedQueue(LocalQueue):
         heap = self._heap
         if not heap:
             return None  # empty: `_top` would say so
-        if self._members.get(heap[0][1]) == heap[0][2]:
-            return heap[0][3]  # a live top: `_top` would return it as it is
+        head = heap[0]
+        if self._members.get(head[1]) == head[2]:
+            return head[3]  # a live top: `_top` would return it as it is
         top = self._top()
         return top[3] if top else None
 
@@ -112,9 +113,26 @@ class UrgencyQueue(KeyedQueue):
     ) -> None:
         super().__init__(ctx, instance)
         self._time = ctx.estimator.time_fn(estimate)
+        self._singles = ctx.estimator.call_time_memo if estimate == "call" else None
 
     def key(self, ticket: CallTicket) -> float:
         return ticket.deadline_s - self._time(self.instance, ticket.call)
+
+    def push(self, ticket: CallTicket, now: float) -> None:
+        # `KeyedQueue.push` with `key` inlined, and `call_time`'s memo read first: every
+        # call is queued here (a Python call costs about what each of them does)
+        call = ticket.call
+        memo, singles = self._singles, None
+        if memo is not None:
+            singles = memo.get((call.input_tokens, call.output_tokens))
+        if singles is not None:
+            k = ticket.deadline_s - singles[self.instance]
+        else:
+            k = ticket.deadline_s - self._time(self.instance, call)
+        ticket.key = k
+        self._pushes = pushes = self._pushes + 1
+        heapq.heappush(self._heap, (k, ticket.seq, pushes, ticket))
+        self._members[ticket.seq] = pushes
 
 
 class LeastLaxityQueue(KeyedQueue):
