@@ -199,14 +199,15 @@ class VllmV1EngineModel:
         scale = self._scales.get((tokens, out))
         if scale is None:
             scale = self._scale(tokens, out)
-        req = Request(ticket, scale, key, pblocks)
-        self._reqs[ticket] = req
         # `_push_waiting(req, front=False)`, inlined (this runs for every call): its
         # target is its prompt
+        start = tokens
+        if start > self.max_num_batched_tokens and not self.admit_full_prompt:
+            start = self.max_num_batched_tokens
+        first = -(-start // BLOCK_SIZE)
+        req = Request(ticket, tokens, out, scale, key, pblocks, first)
+        self._reqs[ticket] = req
         self._waiting.append(req)
-        if tokens > self.max_num_batched_tokens and not self.admit_full_prompt:
-            tokens = self.max_num_batched_tokens
-        req.first = first = -(-tokens // BLOCK_SIZE)
         self._waiting_blocks += first
         self.running += 1
         ticket.admitted_s = now
@@ -254,12 +255,65 @@ class VllmV1EngineModel:
         """
         if self._run_n:
             return self._run_end
-        if not self._busy:
-            if not (self._order or self._waiting):
-                return float("inf")
-            self._plan()
-            if self._run_n:
-                return self._run_end
+        if self._busy:
+            return self._t
+        if not (self._order or self._waiting):
+            return float("inf")
+        # At a step boundary: plan a segment of same-shaped steps, else commit one step
+        # (what was `_plan`, inlined here: it runs at about every other event).
+        s = self._S
+        free = self._total_blocks - self._used
+        tail = self._tail
+        dec = self._dec
+        d = dec.count
+        n = 0
+        if not self.coalesce:
+            pass
+        elif tail is not None:
+            beta = self.max_num_batched_tokens - d
+            n = (tail.target - tail.done - 1) // beta  # steps the prompt takes all budget
+        elif d:
+            # `_waiting_blocked(s, free)`, inlined (it runs at most step boundaries)
+            waiting = self._waiting
+            if (
+                not waiting
+                or len(self._order) >= self.max_batch
+                or self._start_need(waiting[0])[1] > free - dec.phase[s & _MASK]
+            ):
+                n = 1 << 62
+        if n > 0 and d:
+            top = dec.heap[0]
+            # `dec.next_fin()` when the heap's top is live (it nearly always is)
+            left = (top[0] if top[2].hseq == top[1] else dec.next_fin()) - s
+            n = left if left < n else n  # min(n, left), without the builtin's call
+        if n > 0:
+            # Within a segment no cached prefix may be evicted: an eviction can unblock the
+            # waiting head (it no longer has cached blocks to take back), so it ends one.
+            free -= self._prefixes.cached_free
+            blocks = dec.blocks(s, n) if d else 0
+            if tail is not None:
+                done = tail.done
+                beta = self.max_num_batched_tokens - d
+                blocks += -(-(done + n * beta) // BLOCK_SIZE) + (-done // BLOCK_SIZE)
+            if blocks > free:  # the most steps whose blocks fit, fewer than n
+                n, blocks = self._fit_blocks(n, free)
+            if n > 0:
+                # Start the segment (once `_start_run`, inlined: a segment is planned about
+                # every other event): its constants and its end
+                self._run_s0, self._run_d, self._run_tail = s, d, tail
+                kv = dec.sum_k + d * s  # `dec.kv_tokens(s)`
+                self._run_const = self._a + self._b * d + self._c * kv if d else 0.0
+                if tail is not None:
+                    self._run_beta = self.max_num_batched_tokens - d
+                    self._run_c0 = tail.done
+                else:
+                    self._run_beta = self._run_c0 = 0
+                self._run_blocks = blocks
+                self._run_n = n
+                self._run_t0 = t = self._t
+                self._run_end = end = t + self._run_dur(n)
+                return end
+        self._step()
         return self._t
 
     def peek_event_s(self) -> float:
@@ -318,64 +372,8 @@ class VllmV1EngineModel:
 
     # ------------------------------------------------------------------ planning
 
-    def _plan(self) -> None:
-        """At a step boundary: plan a segment of same-shaped steps, else commit one step."""
-        s = self._S
-        free = self._total_blocks - self._used
-        tail = self._tail
-        dec = self._dec
-        d = dec.count
-        n = 0
-        if not self.coalesce:
-            pass
-        elif tail is not None:
-            beta = self.max_num_batched_tokens - d
-            n = (tail.target - tail.done - 1) // beta  # steps the prompt takes all budget
-        elif d:
-            # `_waiting_blocked(s, free)`, inlined (it runs at most step boundaries)
-            waiting = self._waiting
-            if (
-                not waiting
-                or len(self._order) >= self.max_batch
-                or self._start_need(waiting[0])[1] > free - dec.phase[s & _MASK]
-            ):
-                n = 1 << 62
-        if n > 0 and d:
-            top = dec.heap[0]
-            # `dec.next_fin()` when the heap's top is live (it nearly always is)
-            left = (top[0] if top[2].hseq == top[1] else dec.next_fin()) - s
-            n = left if left < n else n  # min(n, left), without the builtin's call
-        if n > 0:
-            # Within a segment no cached prefix may be evicted: an eviction can unblock the
-            # waiting head (it no longer has cached blocks to take back), so it ends one.
-            free -= self._prefixes.cached_free
-            blocks = dec.blocks(s, n) if d else 0
-            if tail is not None:
-                done = tail.done
-                beta = self.max_num_batched_tokens - d
-                blocks += -(-(done + n * beta) // BLOCK_SIZE) + (-done // BLOCK_SIZE)
-            if blocks > free:  # the most steps whose blocks fit, fewer than n
-                n, blocks = self._fit_blocks(n, free)
-            if n > 0:
-                # Start the segment (once `_start_run`, inlined: a segment is planned about
-                # every other event): its constants and its end
-                self._run_s0, self._run_d, self._run_tail = s, d, tail
-                kv = dec.sum_k + d * s  # `dec.kv_tokens(s)`
-                self._run_const = self._a + self._b * d + self._c * kv if d else 0.0
-                if tail is not None:
-                    self._run_beta = self.max_num_batched_tokens - d
-                    self._run_c0 = tail.done
-                else:
-                    self._run_beta = self._run_c0 = 0
-                self._run_blocks = blocks
-                self._run_n = n
-                self._run_t0 = t = self._t
-                self._run_end = t + self._run_dur(n)
-                return
-        self._step()
-
     def _waiting_blocked(self, s: int, free: int) -> bool:
-        """Whether no waiting request can start in step `s` with `free` blocks (`_plan`
+        """Whether no waiting request can start in step `s` with `free` blocks (`next_event_s`
         inlines it)."""
         waiting = self._waiting
         if not waiting or len(self._order) >= self.max_batch:
@@ -409,7 +407,7 @@ class VllmV1EngineModel:
 
     def _fit_blocks(self, n: int, free: int) -> tuple[int, int]:
         """The most steps, up to n, of the segment that would start now whose blocks fit,
-        and the blocks they allocate (`_plan` checked n itself)."""
+        and the blocks they allocate (`next_event_s` checked n itself)."""
         s, tail, dec = self._S, self._tail, self._dec
         beta = self.max_num_batched_tokens - dec.count
         c0 = tail.done if tail is not None else 0
@@ -461,7 +459,7 @@ class VllmV1EngineModel:
     def _commit_run(self, k: int) -> None:
         tail = self._run_tail
         if k == self._run_n:
-            # The whole segment: it ends where `_plan` summed, with the blocks
+            # The whole segment: it ends where `next_event_s` summed, with the blocks
             # `_fit_blocks` counted (one allocation of them evicts as the two below would).
             self._t = self._run_end
             # `_alloc(self._run_blocks)`, inlined: every segment that runs to its end
@@ -591,7 +589,7 @@ class VllmV1EngineModel:
                 if ticket.scheduled_s is None:
                     ticket.scheduled_s = t  # this step's start
                 self._waiting_blocks -= req.first
-                if hit:
+                if hit and entry is not None:  # (a hit has an entry)
                     # `prefixes.attach(req, hit)`
                     if not entry.refs:  # cached but unused: its blocks leave the free pool
                         del prefixes.evictable[key]

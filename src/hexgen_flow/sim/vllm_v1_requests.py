@@ -45,11 +45,20 @@ class Request:
         "ticket",
     )
 
-    def __init__(self, ticket: CallTicket, scale: float, key: object, pblocks: int) -> None:
-        call = ticket.call
+    def __init__(
+        self,
+        ticket: CallTicket,
+        prompt: int,
+        out: int,
+        scale: float,
+        key: object,
+        pblocks: int,
+        first: int,
+    ) -> None:
+        # The engine hands over what it read of the ticket (one Request per call).
         self.ticket = ticket
-        self.prompt = call.input_tokens
-        self.out = ticket.output_tokens  # what it really generates (its call may be a belief)
+        self.prompt = prompt  # the call's input tokens
+        self.out = out  # the ticket's output tokens: what it really generates
         self.scale = scale  # its prefill over the prefill curve: what its chunks scale by
         self.key = key  # prefix-cache key, or None
         self.pblocks = pblocks  # full blocks of its shared prefix
@@ -57,7 +66,7 @@ class Request:
         self.gen = 0  # output tokens generated (while decoding: at its last state change)
         self.target = self.prompt  # tokens to compute before decoding (+ gen after preemption)
         self.done = 0  # tokens of target computed
-        self.first = 0  # while waiting: blocks it needs to start
+        self.first = first  # while waiting: blocks it needs to start
         self.shared = 0  # of its blocks, those counted in its prefix-cache entry
         self.entry: PrefixEntry | None = None
         self.base = 0  # while decoding: its context is base + the step counter
