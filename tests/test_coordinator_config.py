@@ -68,6 +68,7 @@ NON_DEFAULT: dict[str, Any] = {
     "insecure": True,
     "learn_costs": True,
     "prefix_caching": False,
+    "output_lengths": "learned",
     "gc_tuning": False,
     "event_loop": "asyncio",
     "pipelined_redis": False,
@@ -225,6 +226,7 @@ def _shards_args(**given: Any) -> argparse.Namespace:
     options = {
         "calibration": None, "policy": "hexgen-flow", "alpha": None, "slo_scale": 3.0,
         "admission": None, "learn_costs": False, "retention_s": None, "max_call_attempts": None,
+        "output_lengths": None,
     }  # fmt: skip
     return argparse.Namespace(**{**options, **given})
 
@@ -235,7 +237,7 @@ def test_up_renders_its_coordinator_through_the_settings(tmp_path: Path) -> None
     config = LocalClusterConfig(
         cluster="H100,L40S", policy="fifo", alpha=0.3, slo_scale=2.0, time_scale=5.0,
         admission="best-effort", learn_costs=True, retention_s=60.0, max_call_attempts=2,
-        redis_prefix="hx:", coordinator_args=("--max-calls", "9"),
+        redis_prefix="hx:", coordinator_args=("--max-calls", "9"), output_lengths="learned",
     )  # fmt: skip
     parsed, _ = parse_args(_up_argv(config, token))
     assert parsed == CoordinatorConfig(
@@ -243,7 +245,7 @@ def test_up_renders_its_coordinator_through_the_settings(tmp_path: Path) -> None
         redis_prefix="hx:", cluster="H100,L40S", calibration="chess-measured", policy="fifo",
         alpha=0.3, time_scale=5.0, slo_scale=2.0, metrics_listen="127.0.0.1:7003",
         worker_token="t", learn_costs=True, max_call_attempts=2, retention_s=60.0,
-        admission="best-effort", max_calls=9,
+        admission="best-effort", max_calls=9, output_lengths="learned",
     )  # fmt: skip
     plain, _ = parse_args(_up_argv(LocalClusterConfig(), token))
     assert plain.admission == "reject" and plain.alpha is None  # the coordinator's defaults
@@ -254,12 +256,14 @@ def test_up_shards_renders_its_coordinators_through_the_settings() -> None:
     given = _shards_args(
         policy="fifo", alpha=0.3, slo_scale=2.0, admission="reject", learn_costs=True,
         retention_s=60.0, max_call_attempts=2, calibration="chess-measured",
+        output_lengths="learned",
     )  # fmt: skip
     parsed, _ = parse_args([*mesh, *_coordinator_args(given)])
     expected = CoordinatorConfig(
         listen="127.0.0.1:7001", worker_listen="127.0.0.1:7002", insecure=True,
         calibration="chess-measured", policy="fifo", alpha=0.3, slo_scale=2.0,
         admission="reject", learn_costs=True, retention_s=60.0, max_call_attempts=2,
+        output_lengths="learned",
     )  # fmt: skip
     assert parsed == expected
     # the one default that differs with shards, said in one place

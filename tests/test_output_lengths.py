@@ -94,7 +94,7 @@ def test_learned_lengths_follow_the_finished_calls() -> None:
         for c in s.calls
         if c.step == "generate_candidate"
     )
-    belief = sim._belief  # what it learned by the end
+    belief = sim.core.lengths  # what it learned by the end
     assert isinstance(belief, OutputLengthPredictor)
     window = seen  # fewer calls than the window: all of them
     assert len(window) <= belief.window

@@ -39,6 +39,7 @@ from hexgen_client.convert import submit_request
 from hexgen_coordinator.config import CoordinatorConfig
 from hexgen_coordinator.coordinator import Coordinator, WorkerLink
 from hexgen_flow.cluster import parse_cluster
+from hexgen_flow.lengths import OutputLengths
 from hexgen_flow.policies.presets import resolve_policy
 from hexgen_flow.protocol import (
     Action,
@@ -128,6 +129,10 @@ class Case:
     """Cluster time of an α change to 0.3 (SetAlpha), if any."""
     expect: tuple[str, ...] = ()
     """Action kinds the run must contain, so that the comparison covers them."""
+    lengths: str = "known"
+    """What both schedulers believe of output lengths: the declared (``known``), or a
+    prediction learned from finished calls (``learned``: clients then declare each call's
+    cap, `CAP`, and the worker reports what it generated)."""
 
 
 CASES = {
@@ -143,7 +148,28 @@ CASES = {
     "llm-d-predicted": Case(
         "llm-d-predicted", lambda: queueing(6), 1.0, expect=("DeadlineChanged", "CallMoved")
     ),
+    "hexgen-flow, learned lengths": Case(
+        "hexgen-flow", lambda: branching(10, 11), 1.0, expect=("StageReleased",), lengths="learned"
+    ),
 }
+
+CAP = 4096
+"""The output tokens a client declares for every call when lengths are learned: a cap
+(max_tokens) above what any call generates and above every step's cold prediction."""
+
+
+def capped(workflow: Workflow) -> Workflow:
+    """`workflow` as a client that declares only caps sends it."""
+    return Workflow(
+        tuple(
+            dataclasses.replace(
+                stage,
+                calls=tuple(dataclasses.replace(c, output_tokens=CAP) for c in stage.calls),
+            )
+            for stage in workflow.stages
+        )
+    )
+
 
 # ------------------------------------------------------------------ canonical forms
 
@@ -239,8 +265,9 @@ def per_worker(messages: list[tuple[Any, ...]]) -> dict[int, list[tuple[Any, ...
     return out
 
 
-def drain(links: list[WorkerLink]) -> list[tuple[Any, ...]]:
-    """The messages the workers got since the last drain (acks and welcomes aside)."""
+def drain(links: list[WorkerLink], asked: list[int] | None = None) -> list[tuple[Any, ...]]:
+    """The messages the workers got since the last drain (acks and welcomes aside);
+    `asked` collects the output tokens each dispatch asks its engine for."""
     got: list[tuple[Any, ...]] = []
     for slot, link in enumerate(links):
         while not link.outbox.empty():
@@ -249,6 +276,8 @@ def drain(links: list[WorkerLink]) -> list[tuple[Any, ...]]:
                 continue
             kind = message.WhichOneof("message")
             if kind == "dispatch":
+                if asked is not None:
+                    asked.append(message.dispatch.output_tokens)
                 got.append(
                     (slot, "dispatch", message.dispatch.call_id, message.dispatch.deadline_s)
                 )
@@ -268,7 +297,12 @@ def simulate(case: Case) -> tuple[list[Query], list[Step], dict[str, int], float
     """The simulator's run: its queries, its core's (event, actions) in canonical form,
     the instance each call ran on, and its SLO base."""
     queries = case.queries()
-    config = SimConfig(qps=case.qps, seed=3, prefix_caching=False)
+    config = SimConfig(
+        qps=case.qps,
+        seed=3,
+        prefix_caching=False,
+        output_lengths=OutputLengths.parse(case.lengths),
+    )
     sim = Simulation(queries, parse_cluster(CLUSTER), resolve_policy(case.policy), config)
     steps: list[Step] = []
     ran_on: dict[str, int] = {}
@@ -309,11 +343,11 @@ class HandClock(ClusterClock):
 
 
 @pytest.fixture
-async def coordinator_for() -> AsyncIterator[Callable[[str], Any]]:
+async def coordinator_for() -> AsyncIterator[Callable[[str, str], Any]]:
     redis: aioredis.Redis[bytes] = aioredis.Redis.from_url(REDIS_URL)
     made: list[tuple[Coordinator, str]] = []
 
-    async def make(policy: str) -> Coordinator:
+    async def make(policy: str, lengths: str) -> Coordinator:
         prefix = f"hf-conformance-{uuid.uuid4().hex[:8]}:"
         coordinator = Coordinator(
             CoordinatorConfig(
@@ -323,6 +357,7 @@ async def coordinator_for() -> AsyncIterator[Callable[[str], Any]]:
                 seed=3 + 1,  # the simulator seeds its scheduler with its seed + 1
                 admission="off",
                 prefix_caching=False,  # as the simulated engines' (SimConfig below)
+                output_lengths=lengths,
                 heartbeat_timeout_s=3600.0,
             ),
             redis,
@@ -342,7 +377,7 @@ async def coordinator_for() -> AsyncIterator[Callable[[str], Any]]:
 
 @pytest.mark.parametrize("name", list(CASES))
 async def test_both_drivers_take_the_same_actions_for_the_same_events(
-    name: str, coordinator_for: Callable[[str], Any]
+    name: str, coordinator_for: Callable[[str, str], Any]
 ) -> None:
     case = CASES[name]
     queries, sim_steps, ran_on, slo_base_s = simulate(case)
@@ -350,7 +385,7 @@ async def test_both_drivers_take_the_same_actions_for_the_same_events(
     for kind in case.expect:
         assert kind in kinds, f"the simulated run has no {kind}: the case no longer covers it"
 
-    coordinator: Coordinator = await coordinator_for(case.policy)
+    coordinator: Coordinator = await coordinator_for(case.policy, case.lengths)
     assert coordinator.slo_base_s == pytest.approx(slo_base_s)
     clock = HandClock()
     coordinator.ledger.clock = clock
@@ -365,13 +400,22 @@ async def test_both_drivers_take_the_same_actions_for_the_same_events(
         (canon_event(e), tuple(canon_action(x) for x in a))
     )
     by_id = {q.query_id: q for q in queries}
+    truth = {
+        f"{q.query_id}/{k}.{i}": call.output_tokens
+        for q in queries
+        for k, stage in enumerate(q.workflow.stages)
+        for i, call in enumerate(stage.calls)
+    }
     wire: list[list[tuple[Any, ...]]] = []
+    asked: list[int] = []
     for event, _ in sim_steps:
         kind = event[0]
         if kind == "Submit":
             _, query_id, _, now, slo_s = event
             clock.set(now)
             query = dataclasses.replace(by_id[query_id], slo_s=slo_s)
+            if case.lengths == "learned":  # a client declares caps, not lengths
+                query = dataclasses.replace(query, workflow=capped(query.workflow))
             _, created = await coordinator.submit(submit_request(query))
             assert created
         elif kind in ("CallStarted", "CallDone"):
@@ -381,13 +425,16 @@ async def test_both_drivers_take_the_same_actions_for_the_same_events(
             if kind == "CallStarted":
                 coordinator.on_started(link, wpb.CallStarted(call_id=key))
             else:
-                await coordinator.on_finished(link, wpb.CallFinished(call_id=key))
+                generated = truth[key]  # what the simulated engine generated
+                await coordinator.on_finished(
+                    link, wpb.CallFinished(call_id=key, output_tokens=generated)
+                )
         elif kind == "AlphaChanged":
             await coordinator.set_alpha(event[1], "conformance test")
         else:
             raise AssertionError(f"no way to deliver {event} to the coordinator")
         await asyncio.sleep(0)  # the acks of this turn go out
-        wire.append(drain(links))
+        wire.append(drain(links, asked))
 
     for i, (mine, theirs) in enumerate(zip(steps, sim_steps, strict=False)):
         assert mine == theirs, (
@@ -402,4 +449,7 @@ async def test_both_drivers_take_the_same_actions_for_the_same_events(
             f"event {i} {sim_steps[i][0]}: the workers got other messages"
         )
     assert coordinator.queries_finished == len(queries)
+    # Planned with a belief, each call still asks its engine for what its client declared.
+    declared = {CAP} if case.lengths == "learned" else set(truth.values())
+    assert asked and set(asked) <= declared
     assert not coordinator.core.runs and not coordinator.core.parked  # it holds nothing more

@@ -29,6 +29,7 @@ from hexgen_client.addresses import (  # constants only: no grpc at import time
     DEFAULT_TUNER,
 )
 from hexgen_flow.errors import ConfigError
+from hexgen_flow.lengths import SERVED_OUTPUT_LENGTHS
 
 __all__ = ["register"]
 
@@ -132,6 +133,14 @@ def register(commands: Any) -> None:
         action="store_true",
         help="the coordinator learns each instance's prefill and decode costs online from the "
         "calls it served, with the calibration as the prior (default: off)",
+    )
+    up.add_argument(
+        "--output-lengths",
+        choices=SERVED_OUTPUT_LENGTHS,
+        default=None,
+        help="what the coordinator plans each call's output length with: the declared tokens "
+        "(known), or a per-step prediction learned from finished calls, capped by the "
+        "declared tokens (learned) (default: the coordinator's, known)",
     )
     up.add_argument(
         "--retention-s",
@@ -315,6 +324,7 @@ def _print_up(cluster: Any, args: argparse.Namespace) -> None:
         for flag, value in (
             ("admission", args.admission),
             ("learns costs", "online" if args.learn_costs else None),
+            ("output lengths", args.output_lengths),
             ("retention", args.retention_s),
             ("max call attempts", args.max_call_attempts),
         )

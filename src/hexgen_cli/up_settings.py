@@ -19,6 +19,7 @@ def coordinator_fields(args: argparse.Namespace) -> dict[str, Any]:
         "slo_scale": args.slo_scale,
         "admission": args.admission,
         "learn_costs": args.learn_costs,
+        "output_lengths": args.output_lengths,
         "retention_s": args.retention_s,
         "max_call_attempts": args.max_call_attempts,
     }

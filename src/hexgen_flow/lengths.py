@@ -75,6 +75,11 @@ class OutputLengths(enum.Enum):
             raise ConfigError(f"output lengths must be one of {names}, got {text!r}") from None
 
 
+SERVED_OUTPUT_LENGTHS = (OutputLengths.KNOWN.value, OutputLengths.LEARNED.value)
+"""What a coordinator's ``--output-lengths`` takes (``max-tokens`` is what ``known`` is when
+clients declare their calls' caps, as they do to a coordinator)."""
+
+
 class OutputLengthPredictor:
     """The believed output length of a call by its step type (see the module docstring)."""
 
@@ -84,6 +89,8 @@ class OutputLengthPredictor:
         window: int = DEFAULT_WINDOW,
         prior: Mapping[str, int] | None = None,
         cap: int | None = None,
+        *,
+        within_declared: bool = False,
     ) -> None:
         if not 0.0 < quantile <= 1.0:
             raise ConfigError(f"quantile must be in (0, 1], got {quantile}")
@@ -95,6 +102,11 @@ class OutputLengthPredictor:
         self.window = window
         self.cap = cap
         """The most any call is believed to generate (its max_tokens), if stated."""
+        self.within_declared = within_declared
+        """Whether a call's declared output tokens are its cap (a request's max_tokens, as a
+        coordinator gets them): never believe more. Off where the declared length is what
+        the call will generate (a trace replayed in the simulator), which the belief must
+        not see."""
         self._prior = (
             dict(prior)
             if prior is not None
@@ -131,7 +143,10 @@ class OutputLengthPredictor:
         self._cache.pop(step, None)
 
     def believe(self, call: LLMCall) -> LLMCall:
-        return dataclasses.replace(call, output_tokens=self.predict(call.step))
+        predicted = self.predict(call.step)
+        if self.within_declared and call.output_tokens < predicted:
+            predicted = call.output_tokens
+        return dataclasses.replace(call, output_tokens=predicted)
 
 
 class MaxTokensBelief:

@@ -34,6 +34,7 @@ from typing import Any, NamedTuple
 
 from hexgen_flow.admission import BEST_EFFORT_DELAY_S
 from hexgen_flow.learning import CallCost
+from hexgen_flow.lengths import MaxTokensBelief, OutputLengthPredictor, believed_query
 from hexgen_flow.policies.base import NoInstanceError
 from hexgen_flow.runtime import CallState, CallTicket, QueryRun, QueryState
 from hexgen_flow.scheduler import CallMoved, DeadlineChanged, GlobalScheduler
@@ -334,6 +335,9 @@ descriptor call, and the simulator reads these for every call."""
 
 NO_ACTIONS: tuple[Action, ...] = ()
 
+LengthBelief = OutputLengthPredictor | MaxTokensBelief
+"""What a scheduler may believe of output lengths (`Scheduler.lengths`)."""
+
 
 class Scheduler:
     """The scheduler as drivers see it: `handle(event) -> actions`.
@@ -345,13 +349,20 @@ class Scheduler:
     through it.
     """
 
-    def __init__(self, policy: GlobalScheduler) -> None:
+    def __init__(self, policy: GlobalScheduler, lengths: LengthBelief | None = None) -> None:
         self.policy = policy
+        self.lengths = lengths
+        """What the scheduler believes of output lengths (`hexgen_flow.lengths`): a query
+        is planned as `believe` has it when it is submitted, and every finished call
+        teaches it; None: each call's declared length is believed."""
         self.runs: dict[QueryRun, list[CallTicket]] = {}
         """Each query the scheduler holds (WAITING or RUNNING) and its released calls not
         known done (pruned as its stages finish)."""
         self._parked: dict[int, CallTicket] = {}
         """PARKED calls by release order (`seq`)."""
+        self._declared: dict[QueryRun, Query] = {}
+        """A query planned with believed output lengths, as declared: what its calls'
+        engines are asked for (`CallTicket.output_tokens`)."""
         self.observer: Callable[[Event, tuple[Action, ...]], None] | None = None
         """Called with every event and the actions it returned (a conformance test's or a
         trace's recorder); None: nothing is called."""
@@ -384,9 +395,27 @@ class Scheduler:
 
     # ------------------------------------------------------------------ queries
 
+    def believe(self, query: Query) -> Query:
+        """`query` as the scheduler plans it now: with the output lengths it believes (a
+        driver's admission control plans with this too). Changes nothing."""
+        if self.lengths is None:
+            return query
+        return believed_query(query, self.lengths)
+
+    def declared(self, run: QueryRun) -> Query:
+        """The query `run` runs, as its client declared it (`run.query` is what the
+        scheduler plans with: believed output lengths where it learns them)."""
+        return self._declared.get(run, run.query)
+
     def _submit(self, e: Submit) -> tuple[Action, ...]:
         policy = self.policy
-        run = policy.admit(e.query, e.order, e.now, e.slo_s)
+        declared = e.query
+        # A session's calls come one by one, each with its own declared length: believed
+        # as declared.
+        query = declared if e.session else self.believe(declared)
+        run = policy.admit(query, e.order, e.now, e.slo_s)
+        if query is not declared:
+            self._declared[run] = declared
         if e.session:
             run.start_session()
         self.runs[run] = []
@@ -416,7 +445,17 @@ class Scheduler:
     def _released(self, run: QueryRun, stage: int, tickets: list[CallTicket]) -> StageReleased:
         self.runs[run].extend(tickets)
         self._note_parked(tickets)
+        if self._declared:
+            self._as_declared(run, tickets)
         return StageReleased(run, stage, tuple(tickets))
+
+    def _as_declared(self, run: QueryRun, tickets: Sequence[CallTicket]) -> None:
+        """Calls planned with believed lengths ask their engines for the declared ones."""
+        declared = self._declared.get(run)
+        if declared is not None:
+            stages = declared.workflow.stages
+            for t in tickets:
+                t.output_tokens = stages[t.stage].calls[t.index].output_tokens
 
     def _query_ended(self, e: QueryEnded) -> tuple[Action, ...]:
         run = e.run
@@ -432,6 +471,7 @@ class Scheduler:
             self._parked.pop(t.seq, None)
             t.state = _DROPPED
         run.state = QueryState.ENDED
+        self._declared.pop(run, None)
         self.policy.forget(run.query)
         return tuple(out)
 
@@ -447,6 +487,8 @@ class Scheduler:
         ticket, now, cost = e
         if cost is not None:
             self.policy.observe_cost(cost)
+        if self.lengths is not None:
+            self.lengths.observe(ticket.call.step, ticket.output_tokens)
         ticket.state = _DONE
         if self._parked:
             self._parked.pop(ticket.seq, None)
@@ -465,6 +507,8 @@ class Scheduler:
         for t in released:
             if t.state is _PARKED:
                 self._parked[t.seq] = t
+        if self._declared:
+            self._as_declared(run, released)
         first = released[0].stage
         if first == released[-1].stage:  # released stage by stage: this is one stage
             return (*revised, StageReleased(run, first, tuple(released)))
@@ -480,6 +524,7 @@ class Scheduler:
         assert run.finished_s is not None
         run.state = QueryState.FINISHED
         self.runs.pop(run, None)
+        self._declared.pop(run, None)
         self.policy.forget(run.query)
         return (Finish(run, run.finished_s),)
 
@@ -641,7 +686,8 @@ class Scheduler:
             return (Park(ticket),)
         if ticket.state is not _HELD:
             return NO_ACTIONS
-        ticket.call = e.call
+        ticket.call = e.call  # as given (a session's calls are believed as declared)
+        ticket.output_tokens = e.call.output_tokens
         return (self._place(ticket, e.now),)
 
     def _session_closed(self, e: SessionClosed) -> tuple[Action, ...]:

@@ -83,6 +83,8 @@ class LocalClusterConfig:
     """The coordinator's ``--admission``: reject, best-effort or off; None: its default."""
     learn_costs: bool = False
     """The coordinator's ``--learn-costs``: learn each instance's costs online."""
+    output_lengths: str | None = None
+    """The coordinator's ``--output-lengths`` (known, learned); None: its default."""
     retention_s: float | None = None
     """The coordinator's ``--retention-s`` (how long a finished query stays in Redis);
     None: its default."""
@@ -185,7 +187,7 @@ def coordinator_config(config: LocalClusterConfig, *, sharded: bool = False) -> 
         "learn_costs": config.learn_costs,
     }
     # Options left at None go unsaid: the coordinator's own defaults apply.
-    for name in ("alpha", "admission", "retention_s", "max_call_attempts"):
+    for name in ("alpha", "admission", "retention_s", "max_call_attempts", "output_lengths"):
         if getattr(config, name) is not None:
             given[name] = getattr(config, name)
     if sharded:

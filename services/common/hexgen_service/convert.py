@@ -347,7 +347,9 @@ def ticket_to_dispatch(
         stage=ticket.stage,
         step=call.step,
         input_tokens=call.input_tokens,
-        output_tokens=call.output_tokens,
+        # What the engine is asked for: the declared tokens (`call` may hold the
+        # scheduler's belief, `hexgen_flow.lengths`).
+        output_tokens=ticket.output_tokens,
         prompt=prompt,
         sequence=ticket.seq,
         query_sequence=ticket.query_seq,

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from hexgen_flow.alpha import alpha_problem
 from hexgen_flow.cluster import DEFAULT_CLUSTER, DEFAULT_MODEL
 from hexgen_flow.errors import ConfigError
+from hexgen_flow.lengths import SERVED_OUTPUT_LENGTHS
 from hexgen_service.auth import read_secret
 from hexgen_service.event_loop import EVENT_LOOPS
 from hexgen_service.redis_schema import DEFAULT_PREFIX
@@ -197,6 +198,19 @@ class CoordinatorConfig:
     """Learn each instance's prefill and decode costs online from the calls its worker
     served, with the calibration as the prior (`hexgen_flow.learning`): dispatch, the
     urgency queues' estimates, stage budgets and admission plan with what was learned."""
+    output_lengths: str = setting(
+        "known",
+        "what dispatch, stage budgets, the urgency queues' estimates and admission believe "
+        "a call will generate: its declared output tokens (known), or a per-step prediction "
+        "learned from finished calls, never above the declared cap (learned; default "
+        "%(default)s)",
+        choices=SERVED_OUTPUT_LENGTHS,
+    )
+    """What the scheduler believes of each call's output length (`hexgen_flow.lengths`):
+    the declared tokens, or ``learned``: the 75th percentile of what calls of the same step
+    generated (cold: the typical lengths of the step), capped by the call's declared
+    tokens, which the engine is still asked for. A session's calls are believed as
+    declared."""
     prefix_caching: bool = setting(
         True,
         "whether the workers' engines cache prompt prefixes, as vLLM does by default: "

@@ -200,7 +200,8 @@ class Admission:
             if existing.session is not None:
                 self._check_session(query, existing.session.opened, session_idle_s)
             else:
-                self._check_same(query, digest, existing.run.query, existing.digest)
+                declared = self.core.declared(existing.run)
+                self._check_same(query, digest, declared, existing.digest)
             return self._info(existing.run), False
         now = self.ledger.clock.now()
         query_id = query.query_id
@@ -346,7 +347,7 @@ class Admission:
                 waiting.popleft()
                 continue
             now = self.ledger.clock.now()
-            prediction = self.predict(run.query, now, run.slo_s, best_effort=True)
+            prediction = self.predict(self.core.declared(run), now, run.slo_s, best_effort=True)
             if not prediction.meets(run.slo_s, self.config.admission_slack):
                 break
             waiting.popleft()
@@ -440,6 +441,7 @@ class Admission:
         SLO `slo_s` is given). While no instance is available (workers starting), the
         whole cluster is assumed: calls wait parked."""
         self._sync()
+        query = self.core.believe(query)  # with the output lengths dispatch will plan
         available = self.scheduler.load.available
         if not any(available):
             available = [True] * len(available)
@@ -631,7 +633,7 @@ class Admission:
         gone once its calls finished)."""
         entry = self.ledger.active.get(query.query_id)
         if entry is not None:
-            self._check_same(query, digest, entry.run.query, entry.digest)
+            self._check_same(query, digest, self.core.declared(entry.run), entry.digest)
             return self._info(entry.run)
         stored = await self.store.load(query.query_id)
         if stored is None:

@@ -166,7 +166,7 @@ class Completions:
                     stage=stage,
                     step=ticket.call.step,
                     input_tokens=ticket.call.input_tokens,
-                    output_tokens=msg.output_tokens or ticket.call.output_tokens,
+                    output_tokens=msg.output_tokens or ticket.output_tokens,
                     instance=inst.name if inst else "",
                     gpu=inst.gpu if inst else "",
                     released_s=ticket.released_s,
@@ -205,11 +205,11 @@ class Completions:
             del ledger.tickets[call_id]
             ledger.drop_prompt(entry, call_id)  # Redis's copy went with the completion
             ledger.completions += 1
+            if msg.output_tokens > 0:  # what it generated, not what was declared
+                ticket.output_tokens = msg.output_tokens  # (what learned lengths learn)
             cost = None
             if self.meters is not None and ran_on >= 0:
                 ticket.cached_tokens = max(msg.cached_tokens, 0)  # as the engine says
-                if msg.output_tokens > 0:  # what it generated, not what was declared
-                    ticket.output_tokens = msg.output_tokens
                 # The worker's own times where it gives them: the engine's service alone.
                 service = (
                     msg.finished_s - msg.started_s if msg.finished_s > msg.started_s > 0 else None

@@ -48,6 +48,7 @@ from hexgen_coordinator.workers import WorkerSlots
 from hexgen_coordinator.write_behind import WriteBehind
 from hexgen_flow.alpha import alpha_problem
 from hexgen_flow.cluster import parse_cluster
+from hexgen_flow.lengths import OutputLengthPredictor
 from hexgen_flow.policies.presets import resolve_policy
 from hexgen_flow.protocol import AlphaChanged, InstanceLost, Scheduler
 from hexgen_flow.runtime import CallTicket
@@ -88,7 +89,12 @@ class Coordinator:
         )
         if config.learn_costs:
             self.scheduler.learn_costs()
-        self.core = Scheduler(self.scheduler)
+        self.core = Scheduler(
+            self.scheduler,
+            lengths=OutputLengthPredictor(within_declared=True)
+            if config.output_lengths == "learned"
+            else None,
+        )
         """The scheduling protocol (`hexgen_flow.protocol`): every part hands it events and
         carries out the actions it returns; `scheduler` (its policies) is read, not
         changed, outside it."""

@@ -178,7 +178,7 @@ class Dispatch:
                 operation=operation,
                 provider=genai.PROVIDER,
                 model=instance.model,
-                max_tokens=ticket.call.output_tokens,
+                max_tokens=ticket.output_tokens,  # declared: what the engine is asked
                 sampling=sampling,
                 json_output=json_output,
                 conversation_id=ticket.query_id,

@@ -25,7 +25,6 @@ from hexgen_flow.lengths import (
     MaxTokensBelief,
     OutputLengthPredictor,
     OutputLengths,
-    believed_query,
 )
 from hexgen_flow.metrics import QueryOutcome, RunMetrics
 from hexgen_flow.policies.presets import Preset
@@ -149,12 +148,10 @@ class Simulation:
             create_engine_model(config.engine, inst, prefix_caching=config.prefix_caching)
             for inst in self.truth.instances
         ]
-        self._belief: OutputLengthPredictor | MaxTokensBelief | None = None
-        """What the scheduler believes of output lengths; None: it knows them."""
         if config.output_lengths is OutputLengths.LEARNED:
-            self._belief = OutputLengthPredictor()
+            self.core.lengths = OutputLengthPredictor()
         elif config.output_lengths is OutputLengths.MAX_TOKENS:
-            self._belief = MaxTokensBelief(config.max_tokens)
+            self.core.lengths = MaxTokensBelief(config.max_tokens)
         self._believed: dict[int, Query] = {}
         """Each arrived query as the scheduler believes it (`planned`)."""
         self._metered: list[MeteredEngine] | None = None
@@ -313,28 +310,26 @@ class Simulation:
     def planned(self, index: int) -> Query:
         """Query `index` as the scheduler sees it: with the output lengths it believes
         (`SimConfig.output_lengths`), taken when the query arrives."""
-        belief = self._belief
-        if belief is None:
+        if self.core.lengths is None:
             return self.queries[index]
         believed = self._believed.get(index)
         if believed is None:
-            believed = self._believed[index] = believed_query(self.queries[index], belief)
+            believed = self._believed[index] = self.core.believe(self.queries[index])
         return believed
 
     def _start(self, index: int, now: float, slo_s: float) -> QueryRun:
         """Submit query `index` at `now` (admitted: its root stages are released)."""
-        query = self.planned(index)
-        actions = self.core.handle(Submit(query, index, now, slo_s))
+        # The workload's query: the core plans it with the lengths it believes, and its
+        # calls ask the engines for what the workload says.
+        actions = self.core.handle(Submit(self.queries[index], index, now, slo_s))
         admitted = actions[0]
         assert isinstance(admitted, Admitted)
-        self._admitted.append((query, now, slo_s))
+        self._admitted.append((admitted.run.query, now, slo_s))
         self._apply(actions, now)
         return admitted.run
 
     def _complete(self, ticket: CallTicket, now: float) -> None:
         self.calls_done += 1
-        if self._belief is not None:
-            self._belief.observe(ticket.call.step, ticket.output_tokens)
         cost = None
         if self._metered is not None:
             cost = self._metered[ticket.instance].take_cost(ticket)
@@ -348,10 +343,6 @@ class Simulation:
         for action in actions:
             if isinstance(action, StageReleased):
                 tickets = action.tickets
-                if self._belief is not None:  # the engines generate what the workload says
-                    calls = self.queries[action.run.index].workflow.stages[action.stage].calls
-                    for ticket in tickets:
-                        ticket.output_tokens = calls[ticket.index].output_tokens
                 for ticket in tickets:
                     i = ticket.instance  # every instance is up: no call is ever parked
                     instances[i].queue.push(ticket, now)
