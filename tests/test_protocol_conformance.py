@@ -265,9 +265,11 @@ def per_worker(messages: list[tuple[Any, ...]]) -> dict[int, list[tuple[Any, ...
     return out
 
 
-def drain(links: list[WorkerLink], asked: list[int] | None = None) -> list[tuple[Any, ...]]:
+def drain(
+    links: list[WorkerLink], asked: list[tuple[int, int]] | None = None
+) -> list[tuple[Any, ...]]:
     """The messages the workers got since the last drain (acks and welcomes aside);
-    `asked` collects the output tokens each dispatch asks its engine for."""
+    `asked` collects each dispatch's (output tokens asked of the engine, expected)."""
     got: list[tuple[Any, ...]] = []
     for slot, link in enumerate(links):
         while not link.outbox.empty():
@@ -277,7 +279,9 @@ def drain(links: list[WorkerLink], asked: list[int] | None = None) -> list[tuple
             kind = message.WhichOneof("message")
             if kind == "dispatch":
                 if asked is not None:
-                    asked.append(message.dispatch.output_tokens)
+                    asked.append(
+                        (message.dispatch.output_tokens, message.dispatch.expected_output_tokens)
+                    )
                 got.append(
                     (slot, "dispatch", message.dispatch.call_id, message.dispatch.deadline_s)
                 )
@@ -407,7 +411,7 @@ async def test_both_drivers_take_the_same_actions_for_the_same_events(
         for i, call in enumerate(stage.calls)
     }
     wire: list[list[tuple[Any, ...]]] = []
-    asked: list[int] = []
+    asked: list[tuple[int, int]] = []
     for event, _ in sim_steps:
         kind = event[0]
         if kind == "Submit":
@@ -449,7 +453,12 @@ async def test_both_drivers_take_the_same_actions_for_the_same_events(
             f"event {i} {sim_steps[i][0]}: the workers got other messages"
         )
     assert coordinator.queries_finished == len(queries)
-    # Planned with a belief, each call still asks its engine for what its client declared.
-    declared = {CAP} if case.lengths == "learned" else set(truth.values())
-    assert asked and set(asked) <= declared
+    # Planned with a belief, each call still asks its engine for what its client declared,
+    # and tells the worker's queue what the coordinator expects (0: the same).
+    if case.lengths == "learned":
+        assert asked and {a for a, _ in asked} == {CAP}
+        assert all(0 < expected < CAP for _, expected in asked)
+    else:
+        assert asked and {a for a, _ in asked} <= set(truth.values())
+        assert {expected for _, expected in asked} == {0}
     assert not coordinator.core.runs and not coordinator.core.parked  # it holds nothing more

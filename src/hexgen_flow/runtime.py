@@ -322,8 +322,11 @@ class CallTicket:
         remaining_after_s: float,
         attempt: int = 0,
         weight: float = 1.0,
+        output_tokens: int | None = None,
     ) -> CallTicket:
-        """A ticket without its query's runtime state: what a worker's queue holds."""
+        """A ticket without its query's runtime state: what a worker's queue holds.
+        `output_tokens`: what its engine is asked to generate (default: `call`'s, which
+        is what the queue plans with)."""
         ticket = cls.__new__(cls)
         ticket.seq = seq
         ticket.run = None
@@ -335,7 +338,7 @@ class CallTicket:
         ticket.stage = stage
         ticket.index = 0
         ticket.call = call
-        ticket.output_tokens = call.output_tokens
+        ticket.output_tokens = call.output_tokens if output_tokens is None else output_tokens
         ticket.call_id = call_id
         ticket.released_s = released_s
         ticket.deadline_s = deadline_s
@@ -350,6 +353,14 @@ class CallTicket:
         ticket.attempt = attempt
         ticket.state = _QUEUED
         return ticket
+
+    def asked(self) -> LLMCall:
+        """The call as its engine is asked to run it: `call` with `output_tokens` (what a
+        driver's engine generates, or the declared cap; `call` may hold a belief)."""
+        call = self.call
+        if call.output_tokens == self.output_tokens:
+            return call
+        return dataclasses.replace(call, output_tokens=self.output_tokens)
 
     def __repr__(self) -> str:
         return f"CallTicket(seq={self.seq}, q={self.query_id}, step={self.call.step})"

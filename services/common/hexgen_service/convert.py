@@ -350,6 +350,9 @@ def ticket_to_dispatch(
         # What the engine is asked for: the declared tokens (`call` may hold the
         # scheduler's belief, `hexgen_flow.lengths`).
         output_tokens=ticket.output_tokens,
+        expected_output_tokens=(
+            call.output_tokens if call.output_tokens != ticket.output_tokens else 0
+        ),
         prompt=prompt,
         sequence=ticket.seq,
         query_sequence=ticket.query_seq,
@@ -372,7 +375,9 @@ def dispatch_to_ticket(pb: worker_pb2.DispatchCall) -> CallTicket:
         query_seq=pb.query_sequence,
         tenant=pb.tenant,
         stage=pb.stage,
-        call=LLMCall(pb.step, pb.input_tokens, pb.output_tokens),
+        # planned with what the coordinator believes it generates (`expected_output_tokens`,
+        # 0 when that is the declared); the engine runs `output_tokens` (below)
+        call=LLMCall(pb.step, pb.input_tokens, pb.expected_output_tokens or pb.output_tokens),
         released_s=pb.released_s,
         deadline_s=pb.deadline_s,
         query_deadline_s=pb.query_deadline_s,
@@ -380,4 +385,5 @@ def dispatch_to_ticket(pb: worker_pb2.DispatchCall) -> CallTicket:
         attempt=pb.attempt,
         # 0 (absent) from a coordinator older than the field; a weight is positive
         weight=pb.weight if math.isfinite(pb.weight) and pb.weight > 0 else 1.0,
+        output_tokens=pb.output_tokens,
     )

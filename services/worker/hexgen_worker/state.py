@@ -220,9 +220,7 @@ class WorkerState:
             load.kv_used_tokens,
             others_in_flight=len(others),
             others_outstanding_s=sum(c.work_s for c in others),
-            others_tokens=sum(
-                c.ticket.call.input_tokens + c.ticket.call.output_tokens for c in others
-            ),
+            others_tokens=sum(c.ticket.call.input_tokens + c.ticket.output_tokens for c in others),
             others_weight=sum(c.ticket.weight for c in others),
             others_weighted_outstanding_s=sum(c.ticket.weight * c.work_s for c in others),
         )
@@ -396,7 +394,7 @@ class WorkerState:
         if self.scheduler is None or self.clock is None:
             raise RuntimeError("a dispatch before the welcome")
         now = self.clock.now()
-        tokens = ticket.call.input_tokens + ticket.call.output_tokens
+        tokens = ticket.call.input_tokens + ticket.output_tokens
         if tokens > self.kv_cache_tokens:
             self.fail(
                 call_id,
@@ -417,7 +415,7 @@ class WorkerState:
             operation=operation,
             provider=self.engine.kind,
             model=self.model,
-            max_tokens=ticket.call.output_tokens,
+            max_tokens=ticket.output_tokens,
             sampling=options.sampling(),
             json_output=response_format in ("json_object", "json_schema"),
             conversation_id=ticket.query_id,
@@ -428,7 +426,7 @@ class WorkerState:
                 "hexgen.query_id": ticket.query_id,
                 "hexgen.step": ticket.call.step,
                 "hexgen.input_tokens": ticket.call.input_tokens,
-                "hexgen.output_tokens": ticket.call.output_tokens,
+                "hexgen.output_tokens": ticket.output_tokens,
                 "hexgen.engine": self.engine.kind,
             }
         )

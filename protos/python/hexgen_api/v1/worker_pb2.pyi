@@ -317,6 +317,7 @@ class DispatchCall(_message.Message):
     MESSAGES_FIELD_NUMBER: _builtins.int
     WEIGHT_FIELD_NUMBER: _builtins.int
     OPTIONS_FIELD_NUMBER: _builtins.int
+    EXPECTED_OUTPUT_TOKENS_FIELD_NUMBER: _builtins.int
     call_id: _builtins.str
     query_id: _builtins.str
     tenant: _builtins.str
@@ -346,6 +347,11 @@ class DispatchCall(_message.Message):
     docs/algorithm.md §3.2; 1 when the dispatcher does not weigh). A worker shared by
     coordinator shards sums it into what it reports to the other shards
     (`WorkerHeartbeat.others_weight`). 0 (absent): an older coordinator, weight 1.
+    """
+    expected_output_tokens: _builtins.int
+    """What the coordinator believes the call will generate, when it predicts output lengths
+    (`--output-lengths learned`): the worker's queue estimates the call with it, while the
+    engine is asked for `output_tokens`. 0 (absent): `output_tokens` is the belief too.
     """
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[_workflow_pb2.ChatMessage]:
@@ -382,10 +388,11 @@ class DispatchCall(_message.Message):
         messages: _abc.Iterable[_workflow_pb2.ChatMessage] | None = ...,
         weight: _builtins.float = ...,
         options: _workflow_pb2.CallOptions | None = ...,
+        expected_output_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["options", b"options"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "call_id", b"call_id", "deadline_s", b"deadline_s", "input_tokens", b"input_tokens", "messages", b"messages", "options", b"options", "output_tokens", b"output_tokens", "prompt", b"prompt", "query_deadline_s", b"query_deadline_s", "query_id", b"query_id", "query_sequence", b"query_sequence", "released_s", b"released_s", "remaining_after_s", b"remaining_after_s", "sequence", b"sequence", "stage", b"stage", "step", b"step", "tenant", b"tenant", "traceparent", b"traceparent", "weight", b"weight"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "call_id", b"call_id", "deadline_s", b"deadline_s", "expected_output_tokens", b"expected_output_tokens", "input_tokens", b"input_tokens", "messages", b"messages", "options", b"options", "output_tokens", b"output_tokens", "prompt", b"prompt", "query_deadline_s", b"query_deadline_s", "query_id", b"query_id", "query_sequence", b"query_sequence", "released_s", b"released_s", "remaining_after_s", b"remaining_after_s", "sequence", b"sequence", "stage", b"stage", "step", b"step", "tenant", b"tenant", "traceparent", b"traceparent", "weight", b"weight"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -371,10 +371,10 @@ class RequestEngine(Engine):
         finish reason and tool calls."""
 
     def fits(self, ticket: CallTicket) -> bool:
-        return self._ledger.fits(ticket.call)
+        return self._ledger.fits(ticket.asked())
 
     def admit(self, ticket: CallTicket, now: float) -> None:
-        self._ledger.reserve(ticket.call)
+        self._ledger.reserve(ticket.asked())
         priority = self._admissions  # the local queue's order: lower is sooner
         self._admissions += 1
         running = RunningRequest(ticket, now)
@@ -389,7 +389,7 @@ class RequestEngine(Engine):
         running = self._running.pop(call_id, None)
         if running is None:
             return False
-        self._ledger.release(running.ticket.call)  # free now: the queue may admit at once
+        self._ledger.release(running.ticket.asked())  # free now: the queue may admit at once
         if running.task is not None:
             running.task.cancel()  # the server aborts a request whose stream is closed
         return True
@@ -421,7 +421,7 @@ class RequestEngine(Engine):
             log.warning("call %s failed: %s", ticket.call_id, error)
         if self._running.pop(ticket.call_id, None) is None:
             return  # cancelled while the last chunk arrived
-        self._ledger.release(ticket.call)
+        self._ledger.release(ticket.asked())
         self.emit(
             CallFinished(
                 call_id=ticket.call_id,

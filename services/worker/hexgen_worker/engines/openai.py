@@ -163,7 +163,7 @@ class OpenAIEngine(RequestEngine):
     ) -> dict[str, Any]:
         """The JSON body of the call's streaming request (`is_chat` tells its endpoint):
         the call's options verbatim, by their OpenAI names."""
-        call = ticket.call
+        call = ticket.asked()  # the declared cap, not what the queue planned with
         chat = self.is_chat(messages, options)
         input_tokens, max_tokens = fit_to_context(
             call.input_tokens,

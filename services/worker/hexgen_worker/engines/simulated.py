@@ -228,7 +228,7 @@ class SimulatedEngine(Engine):
         call_id = ticket.call_id
         self._running.pop(call_id, None)
         started_s = self._started_s.pop(call_id, model_time - self._offset)
-        tokens = ticket.call.output_tokens
+        tokens = ticket.output_tokens  # as asked (the queue may plan with a belief)
         answer = self._answers.pop(call_id, None)
         tool_calls: tuple[ToolCall, ...] = ()
         if answer is None:  # ignore_eos: exactly the declared tokens, then the limit

@@ -347,7 +347,7 @@ class VllmEngine(RequestEngine):
 
     def engine_prompt(self, ticket: CallTicket, request: CallRequest) -> tuple[Any, int]:
         """(vLLM prompt, max_tokens) of a call."""
-        call = ticket.call
+        call = ticket.asked()  # the declared cap, not what the queue planned with
         input_tokens, max_tokens = fit_to_context(
             call.input_tokens, call.output_tokens, self.max_context_tokens
         )
