@@ -393,6 +393,26 @@ class Scheduler:
             self.observer(event, actions)
         return actions
 
+    # The simulator hands two events per call it simulates; these are `handle` of them,
+    # without building the event where nobody observes it (the same handlers, the same
+    # actions: about 4 % of the simulator's instructions).
+
+    def call_started(self, ticket: CallTicket, now: float) -> tuple[Action, ...]:
+        """`handle(CallStarted(ticket, now))`."""
+        if self.observer is not None:
+            return self.handle(CallStarted(ticket, now))
+        if ticket.state is _QUEUED:
+            ticket.state = _RUNNING
+        return NO_ACTIONS
+
+    def call_done(
+        self, ticket: CallTicket, now: float, cost: CallCost | None = None
+    ) -> tuple[Action, ...]:
+        """`handle(CallDone(ticket, now, cost))`."""
+        if self.observer is not None:
+            return self.handle(CallDone(ticket, now, cost))
+        return self._done(ticket, now, cost)
+
     # ------------------------------------------------------------------ queries
 
     def believe(self, query: Query) -> Query:
@@ -483,8 +503,10 @@ class Scheduler:
         return NO_ACTIONS
 
     def _call_done(self, e: CallDone) -> tuple[Action, ...]:
+        return self._done(*e)
+
+    def _done(self, ticket: CallTicket, now: float, cost: CallCost | None) -> tuple[Action, ...]:
         # Runs for every call: `_released` and the grouping by stage are inlined.
-        ticket, now, cost = e
         if cost is not None:
             self.policy.observe_cost(cost)
         if self.lengths is not None:

@@ -31,9 +31,7 @@ from hexgen_flow.policies.presets import Preset
 from hexgen_flow.protocol import (
     Action,
     Admitted,
-    CallDone,
     CallMoved,
-    CallStarted,
     DeadlineChanged,
     Finish,
     Scheduler,
@@ -246,7 +244,7 @@ class Simulation:
         advance = [engine.advance for engine in engines]
         dirty, is_dirty = self._dirty, self._is_dirty
         complete = self._complete
-        handle = self.core.handle
+        started = self.core.call_started
         heappop, heappush = heapq.heappop, heapq.heappush
         n_arrivals = len(arrivals)
         next_arrival = 0
@@ -292,7 +290,7 @@ class Simulation:
                     admit(head, now)
                     if on_admit is not None:
                         on_admit(head, now)
-                    handle(CallStarted(head, now))
+                    started(head, now)
                 t = next_event[i]()
                 if t != planned[i]:
                     gen[i] += 1
@@ -333,7 +331,7 @@ class Simulation:
         cost = None
         if self._metered is not None:
             cost = self._metered[ticket.instance].take_cost(ticket)
-        actions = self.core.handle(CallDone(ticket, now, cost))
+        actions = self.core.call_done(ticket, now, cost)
         if actions:
             self._apply(actions, now)
 
