@@ -200,6 +200,10 @@ func CodeName(c codes.Code) string {
 	return strings.ToUpper(b.String())
 }
 
+// deadlineSkew is how far ahead of the caller's deadline a server's DEADLINE_EXCEEDED may
+// come (its rounded timeout and the wire): within it, wrap waits for the caller's context.
+const deadlineSkew = 100 * time.Millisecond
+
 // wrap turns what a stub returned into an *Error (nil stays nil). trailer is the call's
 // trailing metadata, for the retry-after hint.
 func wrap(ctx context.Context, err error, trailer metadata.MD) error {
@@ -223,6 +227,20 @@ func wrap(ctx context.Context, err error, trailer metadata.MD) error {
 		return &Error{Code: code, Message: err.Error(), cause: err}
 	}
 	e := &Error{Code: st.Code(), Message: st.Message(), status: st}
+	if ctx != nil && e.Code == codes.DeadlineExceeded && ctx.Err() == nil {
+		// The caller's deadline travels as a timeout the server rounds, so the server may
+		// report it a moment before the caller's own timer fires: the context is about to
+		// end. Wait for it (no longer than the deadline, plus a little) so that the error
+		// still says context.DeadlineExceeded, as it does when the caller's timer wins.
+		if deadline, ok := ctx.Deadline(); ok && time.Until(deadline) < deadlineSkew {
+			timer := time.NewTimer(time.Until(deadline) + 5*time.Millisecond)
+			select {
+			case <-ctx.Done():
+			case <-timer.C:
+			}
+			timer.Stop()
+		}
+	}
 	if ctx != nil && ctx.Err() != nil && (e.Code == codes.Canceled || e.Code == codes.DeadlineExceeded) {
 		e.cause = ctx.Err()
 	}
