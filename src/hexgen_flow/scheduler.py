@@ -1,10 +1,12 @@
 """The two levels of scheduling, as objects every driver shares.
 
-`GlobalScheduler` is the coordinator's brain: it admits queries, releases their stages as
+`GlobalScheduler` holds the policies: it admits queries, releases their stages as
 dependencies finish (setting each stage's budget) and dispatches every released call to an
 instance. `InstanceScheduler` is one instance's admission: its local queue in front of its
-engine's capacity. The simulator drives both in simulated time; the coordinator service
-drives a `GlobalScheduler` and each worker service an `InstanceScheduler`, in real time.
+engine's capacity. Drivers reach a `GlobalScheduler` through the scheduling protocol
+(`hexgen_flow.protocol.Scheduler`: events in, actions out), the simulator in simulated time
+and the coordinator service in real time; each worker service and each simulated instance
+runs an `InstanceScheduler`.
 """
 
 from __future__ import annotations

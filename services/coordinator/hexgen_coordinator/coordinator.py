@@ -1,8 +1,10 @@
 """The coordinator: admits queries, keeps their state in Redis, dispatches their calls.
 
-All scheduling decisions are the core's `GlobalScheduler` (the same object the simulator
-drives). `Coordinator` is the one object the gRPC servicers, `__main__` and the tests hold;
-it builds the parts a live system needs around the scheduler and passes each call on:
+All scheduling decisions are the core's: each part hands the scheduling protocol
+(`hexgen_flow.protocol.Scheduler`, the one the simulator drives) an event and carries out
+the actions it returns. `Coordinator` is the one object the gRPC servicers, `__main__` and
+the tests hold; it builds the parts a live system needs around the core and passes each
+call on:
 
 - `ledger`: the shared in-memory state, and the locking rule every part follows;
 - `admission`: validating and storing a submitted query, releasing its roots;
