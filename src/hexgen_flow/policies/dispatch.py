@@ -317,13 +317,23 @@ class MarginalLatencyDispatcher(Dispatcher):
             if steps is not None:
                 home = steps.get(call.step)
         weights, weighted_work = load.weight_in_flight, load.weighted_outstanding_s
+        others, others_work = load.others_in_flight, load.others_outstanding_s
+        # Calls another driver placed weigh what their worker reports, the weights their
+        # coordinators charged; where it reports none (a worker older than the report),
+        # each counts as this driver's average call. Unweighted, every call weighs 1 and
+        # the sums are B and W_i.
+        reported = load.others_weight if power else None
+        reported_work = load.others_weighted_outstanding_s
         # Only this driver's calls (the simulator's case): every term of another driver's
         # is 0, whatever the mean, and is left out (not read at all when none was reported).
         alone = not load.others_reported or not (
-            any(load.others_in_flight)
-            or any(load.others_outstanding_s)
-            or (power and any(load.others_weight))
+            any(others) or any(others_work) or (reported is not None and any(reported))
         )
+        mean = 1.0
+        if power and not alone:
+            own_calls = sum(in_flight) - sum(others)
+            if own_calls > 0:
+                mean = sum(weights) / own_calls
         # The tail weight's terms that do not depend on the instance (`_tail_weight`).
         run = ticket.run
         slo = elapsed = rest = 0.0
@@ -341,45 +351,6 @@ class MarginalLatencyDispatcher(Dispatcher):
         pow_ = math.pow
         delay = 1.0 - alpha
         best, best_score, best_n, best_w = -1, math.inf, 0, 1.0
-        if alone:
-            # The loop below without another driver's terms (the simulator's case, one
-            # branch fewer per instance), the same operations in the same order.
-            for i in cands:
-                n = in_flight[i]
-                prefill, decode = splits[i]
-                if i == home:
-                    prefill *= uncached
-                batch_rows, cap = rows[i]
-                b = n if n < cap else cap
-                after, stretch = batch_rows[b]  # f(B + 1), and share x what B + 1 costs B
-                own = prefill + decode * after
-                if tailed:
-                    late = (elapsed + own + rest) / slo
-                    w = pow_(0.0 if late < 0.0 else late, power)
-                else:
-                    w = 1.0
-                score = alpha * w * own
-                if b:
-                    # B and W_i, weighted (B capped)
-                    score += delay * (stretch * weighted_work[i] + prefill * (weights[i] * b / n))
-                if score < best_score or (score == best_score and n < best_n):
-                    best, best_score, best_n, best_w = i, score, n, w
-            caching, changes = load.prefix_caching, load.prefix_homes.changes
-            self._chosen = (ticket, now, best, best_n, caching, changes)
-            self._chosen_w = best_w
-            return best
-        others, others_work = load.others_in_flight, load.others_outstanding_s
-        # Calls another driver placed weigh what their worker reports, the weights their
-        # coordinators charged; where it reports none (a worker older than the report),
-        # each counts as this driver's average call. Unweighted, every call weighs 1 and
-        # the sums are B and W_i.
-        reported = load.others_weight if power else None
-        reported_work = load.others_weighted_outstanding_s
-        mean = 1.0
-        if power:  # (not alone)
-            own_calls = sum(in_flight) - sum(others)
-            if own_calls > 0:
-                mean = sum(weights) / own_calls
         for i in cands:
             n = in_flight[i]
             prefill, decode = splits[i]
