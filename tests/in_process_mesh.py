@@ -23,7 +23,7 @@ from hexgen_service.server import GrpcServer
 from hexgen_worker import Worker, WorkerConfig
 from redis_here import REDIS_URL
 
-__all__ = ["in_process_mesh"]
+__all__ = ["drop_keys", "in_process_mesh", "serving"]
 
 
 @asynccontextmanager
@@ -32,8 +32,22 @@ async def in_process_mesh(
 ) -> AsyncIterator[tuple[Coordinator, str]]:
     """(the coordinator, its address), one worker per GPU of `gpus` connected; `config`:
     more `CoordinatorConfig` fields (e.g. time_scale, admission)."""
-    redis: aioredis.Redis[bytes] = aioredis.Redis.from_url(REDIS_URL)
     prefix = f"hf-{name}-{uuid.uuid4().hex[:8]}:"
+    try:
+        async with serving(gpus, prefix, **config) as (coordinator, address):
+            yield coordinator, address
+    finally:
+        await drop_keys(prefix)
+
+
+@asynccontextmanager
+async def serving(
+    gpus: Sequence[str], prefix: str, *, workers: bool = True, **config: Any
+) -> AsyncIterator[tuple[Coordinator, str]]:
+    """A coordinator on Redis key prefix `prefix` (what an earlier one there left, it
+    resumes), serving on a free port, with one worker per GPU of `gpus` connected unless
+    `workers` is false; stopped (gracefully) at the end, its keys left in Redis."""
+    redis: aioredis.Redis[bytes] = aioredis.Redis.from_url(REDIS_URL)
     address = f"127.0.0.1:{free_port()}"
     coordinator = Coordinator(
         CoordinatorConfig(listen=address, redis_prefix=prefix, cluster=",".join(gpus), **config),
@@ -49,22 +63,33 @@ async def in_process_mesh(
 
     server = GrpcServer(address, register, ["hexgen_flow.v1.CoordinatorService"], grace_s=0.2)
     await server.start()
-    workers = [
-        Worker(WorkerConfig(coordinator=address, worker_id=f"{name}-{slot}", slot=slot, gpu=gpu))
+    running = [
+        Worker(
+            WorkerConfig(
+                coordinator=address, worker_id=f"{prefix.rstrip(':')}-{slot}", slot=slot, gpu=gpu
+            )
+        )
         for slot, gpu in enumerate(gpus)
+        if workers
     ]
-    tasks = [asyncio.create_task(w.run()) for w in workers]
+    tasks = [asyncio.create_task(w.run()) for w in running]
     try:
-        for w in workers:
+        for w in running:
             await asyncio.wait_for(w.welcomed.wait(), 20)
         yield coordinator, address
     finally:
-        for w in workers:
+        for w in running:
             w.stop()
         await asyncio.gather(*tasks, return_exceptions=True)
         await coordinator.stop()
         await server.stop()
-        keys = [k async for k in redis.scan_iter(match=f"{prefix}*")]
-        if keys:
-            await redis.delete(*keys)
         await redis.aclose()  # type: ignore[attr-defined]  # types-redis predates aclose
+
+
+async def drop_keys(prefix: str) -> None:
+    """Delete every Redis key under `prefix`."""
+    redis: aioredis.Redis[bytes] = aioredis.Redis.from_url(REDIS_URL)
+    keys = [k async for k in redis.scan_iter(match=f"{prefix}*")]
+    if keys:
+        await redis.delete(*keys)
+    await redis.aclose()  # type: ignore[attr-defined]  # types-redis predates aclose

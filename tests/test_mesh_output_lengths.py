@@ -6,12 +6,14 @@ still asked for the cap and the worker's queue is told the belief."""
 from __future__ import annotations
 
 import asyncio
+import uuid
+from typing import Any
 
 from hexgen_api.v1 import coordinator_pb2 as cpb
 from hexgen_client import CoordinatorClient
 from hexgen_flow.lengths import OutputLengthPredictor
 from hexgen_flow.workload import LLMCall, Query, Workflow
-from in_process_mesh import in_process_mesh
+from in_process_mesh import drop_keys, in_process_mesh, serving
 from redis_here import needs_redis
 
 pytestmark = needs_redis
@@ -67,3 +69,64 @@ async def test_the_coordinator_learns_lengths_under_the_caps_its_clients_declare
         # what it is asked), and the coordinator learned that
         assert len(finished) == 10 and {e.output_tokens for e in finished} == {CAP}
         assert belief.predict("extract_keywords") == CAP
+
+
+async def _until_done(client: CoordinatorClient, query_ids: list[str]) -> None:
+    for query_id in query_ids:
+        async for _event in client.watch(query_id):
+            pass
+
+
+async def test_a_restarted_coordinator_carries_on_from_what_it_learned() -> None:
+    """What the belief learned is kept in Redis: a coordinator started on it believes the
+    same, and a query it resumes is planned with that belief (the engines still asked for
+    the cap) and stays best-effort if it was admitted so."""
+    prefix = f"hf-lengths-restart-{uuid.uuid4().hex[:8]}:"
+    config: dict[str, Any] = {
+        "time_scale": 500.0,
+        "output_lengths": "learned",
+        "admission": "best-effort",
+    }
+    gpus = ["A100", "A6000"]
+    try:
+        async with serving(gpus, prefix, **config) as (first, address):
+            async with CoordinatorClient(address) as client:
+                taught = [
+                    Query(
+                        f"teach-{i}",
+                        Workflow.chain([(LLMCall("revise", 300, CAP),)]),
+                        slo_s=600.0,
+                    )
+                    for i in range(5)
+                ]
+                for query in taught:
+                    await client.submit(query)
+                await _until_done(client, [q.query_id for q in taught])
+            belief = first.core.lengths
+            assert isinstance(belief, OutputLengthPredictor)
+            assert belief.predict("revise") == CAP < OutputLengthPredictor().predict("revise")
+        # No workers now: what is submitted stays running when this coordinator stops.
+        async with serving(gpus, prefix, workers=False, **config) as (second, address):
+            belief = second.core.lengths
+            assert isinstance(belief, OutputLengthPredictor)
+            assert belief.predict("revise") == CAP  # kept across the restart
+            big = LLMCall("revise", 30_000, 4 * CAP)
+            async with CoordinatorClient(address) as client:
+                for i in range(12):  # a backlog at normal urgency
+                    await client.submit(
+                        Query(f"load-{i}", Workflow.chain([(big,) * 4]), slo_s=3600.0)
+                    )
+                await client.submit(Query("late", Workflow.chain([(big,)]), slo_s=60.0))
+            assert second.active["late"].run.best_effort  # the backlog makes it miss
+        async with serving(gpus, prefix, workers=False, **config) as (third, _):
+            run = third.active["late"].run
+            assert run.best_effort and run.deadline_s > run.arrival_s + 3600.0
+            planned = run.query.workflow.stages[0].calls[0]
+            assert planned.output_tokens == CAP  # believed: what the revisions generated
+            assert third.core.declared(run).workflow.stages[0].calls[0].output_tokens == 4 * CAP
+            (ticket,) = third.core.runs[run]
+            assert ticket.output_tokens == 4 * CAP  # the engine is still asked for the cap
+            others = [third.active[f"load-{i}"].run for i in range(12)]
+            assert not any(r.best_effort for r in others)
+    finally:
+        await drop_keys(prefix)

@@ -124,3 +124,16 @@ def test_the_cli_takes_the_option() -> None:
     assert capped["queries"] != known["queries"]
     bad = run_cli("simulate", "--output-lengths", "psychic")
     assert "--output-lengths" in one_error_line(bad)
+
+
+def test_the_belief_carries_on_from_its_kept_state() -> None:
+    before = OutputLengthPredictor()
+    for n in (10, 20, 30, 40, 50):
+        before.observe("revise", n)
+    kept = before.state()
+    after = OutputLengthPredictor()
+    after.observe("revise", 60)  # seen since the restart: newer than what was kept
+    restored = after.restore({**kept, "bad": "[1, -2]", "worse": "{not json"})
+    assert restored == ["revise"]
+    assert after.state() == {"revise": "[10, 20, 30, 40, 50, 60]"}
+    assert after.predict("revise") == 50 and after.predict("bad") == after.predict("worse")

@@ -10,6 +10,7 @@ import pytest
 from hexgen_flow.admission import BEST_EFFORT_DELAY_S, is_best_effort
 from hexgen_flow.cluster import parse_cluster
 from hexgen_flow.errors import ConfigError
+from hexgen_flow.lengths import OutputLengthPredictor
 from hexgen_flow.policies.presets import resolve_policy
 from hexgen_flow.protocol import (
     Admitted,
@@ -30,10 +31,13 @@ from hexgen_flow.protocol import (
     QueryEnded,
     Redispatch,
     Resume,
+    Resumed,
     Scheduler,
     SessionClosed,
     StageReleased,
     Start,
+    StoredRun,
+    StoredStage,
     Submit,
     Tick,
 )
@@ -182,20 +186,114 @@ def test_no_instance_parks_a_release_until_one_comes() -> None:
     assert state(kw) is CallState.QUEUED
 
 
+def _stored(core: Scheduler, run: QueryRun, *, keep_deadlines: bool = True) -> StoredRun:
+    """`run` as a driver's store keeps it (what the coordinator's Redis holds)."""
+    tickets = core.runs[run]
+    deadlines = {t.stage: t.deadline_s for t in tickets}
+    stages = tuple(
+        StoredStage(
+            run.stage_calls_left[k],
+            run.deps_left[k],
+            run.stage_released_s[k],
+            run.stage_finished_s[k],
+            deadlines.get(k) if keep_deadlines else None,
+        )
+        for k in range(len(run.query.workflow.stages))
+    )
+    waiting = {(t.stage, t.index) for t in tickets if t.state is not CallState.DONE}
+    done = frozenset(
+        (k, i)
+        for k, stage in enumerate(run.query.workflow.stages)
+        for i in range(len(stage.calls))
+        if run.stage_released_s[k] is not None and (k, i) not in waiting
+    )
+    placed = {
+        (t.stage, t.index): (t.seq, t.instance) for t in tickets if (t.stage, t.index) in waiting
+    }
+    return StoredRun(
+        core.declared(run),
+        run.index,
+        run.arrival_s,
+        run.slo_s,
+        run.calls_left,
+        stages,
+        done,
+        placed,
+    )
+
+
+@pytest.mark.parametrize("keep_deadlines", [True, False])
+def test_a_resumed_query_is_what_submit_and_its_releases_left(keep_deadlines: bool) -> None:
+    """A restarted scheduler rebuilds a stored query as the first one held it: the same
+    release orders, stage deadlines (kept, or replayed by the stage budget) and plan."""
+    first = _core("hexgen-flow", "A100,A100,L40S")
+    run = _submit(first, _query(wide=3))
+    (kw,) = first.runs[run]
+    first.handle(CallStarted(kw, 0.5))
+    first.handle(CallDone(kw, 4.0))
+    stored = _stored(first, run, keep_deadlines=keep_deadlines)
+    again = _core("hexgen-flow", "A100,A100,L40S")
+    (resumed,) = again.handle(Resume((stored,)))
+    assert isinstance(resumed, Resumed)
+    rebuilt = resumed.run
+    assert rebuilt.deadline_s == run.deadline_s and rebuilt.calls_left == run.calls_left
+    assert rebuilt.stage_released_s == run.stage_released_s
+    fields = ("seq", "stage", "index", "released_s", "deadline_s", "remaining_after_s", "call")
+    before = [tuple(getattr(t, f) for f in fields) for t in first.runs[run] if t is not kw]
+    assert [tuple(getattr(t, f) for f in fields) for t in resumed.tickets] == before
+    assert all(state(t) is CallState.RESERVED for t in resumed.tickets)
+    assert again.runs[rebuilt] == list(resumed.tickets)
+    assert again.policy.next_seq == max(t.seq for t in resumed.tickets) + 1
+
+
 def test_a_restart_reserves_calls_for_their_workers_until_the_grace_ends() -> None:
     core = _core()
     query = _query(wide=2)
-    run = core.policy.admit(query, 0, 0.0, 300.0)  # as recovery rebuilds it
-    run.complete_call(0, 1.0)
-    run.stage_released_s[1] = 1.0
-    tickets = tuple(CallTicket(i, run, 1, CALL, 1.0, 100.0, 0.0, i) for i in range(2))
-    assert core.handle(Resume(run, tickets, (0, -1))) == ()
-    reserved, parked = tickets
+    stages = (StoredStage(0, 0, 0.0, 1.0), StoredStage(2, 0, 1.0, None, 100.0))
+    placed = {(1, 0): (7, 0)}  # the second call was never dispatched
+    stored = StoredRun(query, 0, 0.0, 300.0, 2, stages, frozenset({(0, 0)}), placed)
+    (resumed,) = core.handle(Resume((stored,)))
+    assert isinstance(resumed, Resumed)
+    reserved, parked = resumed.tickets
+    assert (reserved.seq, parked.seq) == (7, 8)  # a new release order after the kept ones
+    assert reserved.deadline_s == parked.deadline_s == 100.0
     assert state(reserved) is CallState.RESERVED and state(parked) is CallState.PARKED
+    assert core.parked == [parked]
     assert core.handle(Adopt(reserved, 0, 2.0)) == ()
     assert state(reserved) is CallState.QUEUED and reserved.instance == 0
     (sent,) = core.handle(GraceOver(3.0))
     assert sent == Dispatch(parked, parked.instance) and state(parked) is CallState.QUEUED
+
+
+def test_a_query_taken_up_without_reserving_parks_every_call() -> None:
+    core = _core()
+    stages = (StoredStage(0, 0, 0.0, 1.0), StoredStage(2, 0, 1.0, None, 100.0))
+    stored = StoredRun(_query(), 0, 0.0, 300.0, 2, stages, frozenset({(0, 0)}), {(1, 0): (3, 1)})
+    (resumed,) = core.handle(Resume((stored,), reserve=False))
+    assert isinstance(resumed, Resumed)
+    assert all(state(t) is CallState.PARKED for t in resumed.tickets)
+    assert core.handle(Tick(2.0)) == tuple(Dispatch(t, t.instance) for t in resumed.tickets)
+
+
+def test_a_restart_plans_with_learned_lengths_and_keeps_best_effort() -> None:
+    lengths = OutputLengthPredictor(within_declared=True)
+    for _ in range(8):
+        lengths.observe(CALL.step, 50)  # learned before the restart (kept in Redis)
+    core = Scheduler(
+        GlobalScheduler(parse_cluster("A100,A6000"), resolve_policy("round-robin+urgency")),
+        lengths=lengths,
+    )
+    query = _query(wide=2)
+    stages = (StoredStage(0, 0, 0.0, 1.0), StoredStage(2, 0, 1.0, None))
+    stored = StoredRun(query, 0, 0.0, 300.0, 2, stages, frozenset({(0, 0)}), best_effort=True)
+    (resumed,) = core.handle(Resume((stored,)))
+    assert isinstance(resumed, Resumed)
+    run = resumed.run
+    assert [c.output_tokens for c in run.query.workflow.stages[1].calls] == [50, 50]
+    assert core.declared(run) is query
+    assert [t.output_tokens for t in resumed.tickets] == [CALL.output_tokens] * 2  # asked
+    assert is_best_effort(run) and run.deadline_s == 300.0 + BEST_EFFORT_DELAY_S
+    assert all(t.deadline_s > 300.0 for t in resumed.tickets)
 
 
 def test_a_session_holds_calls_until_given_and_finishes_when_closed() -> None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 import math
 from collections import deque
 from collections.abc import Mapping
@@ -141,6 +142,30 @@ class OutputLengthPredictor:
             seen = self._seen[step] = deque(maxlen=self.window)
         seen.append(output_tokens)
         self._cache.pop(step, None)
+
+    def state(self) -> dict[str, str]:
+        """Each step type's recent lengths, oldest first, as a JSON list: what a coordinator
+        keeps across restarts (`restore`)."""
+        return {step: json.dumps(list(seen)) for step, seen in self._seen.items()}
+
+    def restore(self, states: Mapping[str, str]) -> list[str]:
+        """Carry on from `states` (`state`): each step type's kept lengths come before any
+        seen since (the newest `window` stay). A value that is not a JSON list of
+        non-negative integers is ignored. Returns the step types restored."""
+        restored = []
+        for step, text in states.items():
+            try:
+                kept = json.loads(text)
+            except ValueError:
+                continue
+            if not isinstance(kept, list) or not all(type(n) is int and n >= 0 for n in kept):
+                continue
+            seen = deque(kept, maxlen=self.window)
+            seen.extend(self._seen.get(step, ()))
+            self._seen[step] = seen
+            self._cache.pop(step, None)
+            restored.append(step)
+        return restored
 
     def believe(self, call: LLMCall) -> LLMCall:
         predicted = self.predict(call.step)

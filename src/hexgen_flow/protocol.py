@@ -29,7 +29,7 @@ lifecycle).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from hexgen_flow.admission import BEST_EFFORT_DELAY_S
@@ -66,10 +66,13 @@ __all__ = [
     "Redispatch",
     "ReleaseStage",
     "Resume",
+    "Resumed",
     "Scheduler",
     "SessionClosed",
     "StageReleased",
     "Start",
+    "StoredRun",
+    "StoredStage",
     "Submit",
     "Tick",
 ]
@@ -203,15 +206,46 @@ class SessionClosed(NamedTuple):
     now: float
 
 
-class Resume(NamedTuple):
-    """A restarted driver rebuilt a running query and its released calls (from its store):
-    the scheduler takes them up. Calls with an instance in `reserved` wait (RESERVED) for
-    that instance's worker to reclaim them (`Adopt`) until `GraceOver`; the others park."""
+class StoredStage(NamedTuple):
+    """A stage of a query as a driver's store kept it (`Resume`)."""
 
-    run: QueryRun
-    tickets: tuple[CallTicket, ...]
-    reserved: tuple[int, ...] = ()
-    """Per ticket, the instance that may reclaim it (-1: none)."""
+    calls_left: int
+    deps_left: int
+    released_s: float | None = None
+    finished_s: float | None = None
+    deadline_s: float | None = None
+    """The deadline its calls were given (None: not kept; the budget's is used)."""
+
+
+class StoredRun(NamedTuple):
+    """A running query as a driver's store kept it: what `Resume` rebuilds it from."""
+
+    query: Query
+    """As its client declared it (the scheduler plans it with what it believes now)."""
+    order: int
+    arrival_s: float
+    slo_s: float
+    calls_left: int
+    stages: tuple[StoredStage, ...]
+    done: frozenset[tuple[int, int]] = frozenset()
+    """(stage, index) of each call finished (or a session's call skipped)."""
+    placed: Mapping[tuple[int, int], tuple[int, int]] = {}
+    """(stage, index) -> (release order, instance) where a call was last dispatched; a
+    call missing here gets a new release order and may be reclaimed by no worker."""
+    best_effort: bool = False
+    given: tuple[int, ...] | None = None
+    """A workflow session's calls given so far per stage; None: not a session."""
+
+
+class Resume(NamedTuple):
+    """A restarted driver found running queries in its store: the scheduler rebuilds each
+    (`StoredRun`) and takes up its released calls not done. With `reserve`, a call that
+    was dispatched waits (RESERVED) for that instance's worker to reclaim it (`Adopt`)
+    until `GraceOver`; the others park (or are HELD: a session's call not given). The
+    actions: a `Resumed` per query, in `runs`' order."""
+
+    runs: tuple[StoredRun, ...]
+    reserve: bool = True
 
 
 class Adopt(NamedTuple):
@@ -300,6 +334,14 @@ class Cancel(NamedTuple):
     instance: int
 
 
+class Resumed(NamedTuple):
+    """A stored query is the scheduler's again (`Resume`): `run` is its state, `tickets`
+    its released calls not done (RESERVED, PARKED or HELD)."""
+
+    run: QueryRun
+    tickets: tuple[CallTicket, ...]
+
+
 class Finish(NamedTuple):
     """The query's last call finished at `now`."""
 
@@ -316,6 +358,7 @@ Action = (
     | CallMoved
     | Lost
     | Cancel
+    | Resumed
     | Finish
 )
 """What `Scheduler.handle` returns. `DeadlineChanged` (tell the call's instance; a queue
@@ -722,18 +765,75 @@ class Scheduler:
     # ------------------------------------------------------------------ restarts
 
     def _resume(self, e: Resume) -> tuple[Action, ...]:
-        run = e.run
-        self.runs[run] = list(e.tickets)
-        reserved = e.reserved or (-1,) * len(e.tickets)
-        for t, slot in zip(e.tickets, reserved, strict=True):
-            if not run.is_given(t.stage, t.index):
-                t.state = _HELD
-            elif slot >= 0:
-                t.state = _RESERVED
-            else:
-                t.state = _PARKED
-                self._parked[t.seq] = t
-        return NO_ACTIONS
+        policy = self.policy
+        # Calls dispatched before keep their release order; the others get new ones after
+        # every kept one (of every query in the event).
+        kept = [seq for stored in e.runs for seq, _ in stored.placed.values()]
+        if kept:
+            policy.next_seq = max(policy.next_seq, max(kept) + 1)
+        out: list[Action] = []
+        for stored in e.runs:
+            run, tickets = self._rebuild(stored, e.reserve)
+            out.append(Resumed(run, tuple(tickets)))
+        return tuple(out)
+
+    def _rebuild(self, stored: StoredRun, reserve: bool) -> tuple[QueryRun, list[CallTicket]]:
+        """`stored`'s run and its released calls not done, as `Submit` and the stages'
+        releases since would have left them (the budget replayed in release order)."""
+        policy = self.policy
+        declared = stored.query
+        session = stored.given is not None
+        query = declared if session else self.believe(declared)
+        run = policy.admit(query, stored.order, stored.arrival_s, stored.slo_s)
+        if query is not declared:
+            self._declared[run] = declared
+        if stored.given is not None:
+            run.given = list(stored.given)
+        if stored.best_effort:  # released already: it runs, after every query held to its SLO
+            run.best_effort = True
+            run.deadline_s += BEST_EFFORT_DELAY_S
+        run.calls_left = stored.calls_left
+        released: list[tuple[float, int]] = []
+        for k, stage in enumerate(stored.stages):
+            run.stage_calls_left[k] = stage.calls_left
+            run.deps_left[k] = stage.deps_left
+            run.stage_finished_s[k] = stage.finished_s
+            if stage.released_s is not None:
+                released.append((stage.released_s, k))
+        stages = query.workflow.stages
+        plan = policy.estimator.plan(query.workflow, "call")
+        tickets: list[CallTicket] = []
+        for released_s, k in sorted(released):
+            run.stage_released_s[k] = released_s
+            computed = policy.budget.deadline(run, k, released_s)  # replays budget state
+            if run.stage_finished_s[k] is not None:
+                continue
+            kept_deadline = stored.stages[k].deadline_s
+            deadline = kept_deadline if kept_deadline is not None else computed
+            remaining = plan.tail_s[k] - plan.stage_s[k]
+            for index, call in enumerate(stages[k].calls):
+                if (k, index) in stored.done:
+                    continue
+                given = run.is_given(k, index)
+                placed = stored.placed.get((k, index)) if given else None
+                if placed is not None and placed[0] >= 0 and placed[1] >= 0:
+                    seq, slot = placed
+                else:  # never placed, or between attempts: a new release order
+                    seq, slot = policy.next_seq, -1
+                    policy.next_seq += 1
+                t = CallTicket(seq, run, k, call, released_s, deadline, remaining, index)
+                if not given:
+                    t.state = _HELD
+                elif slot >= 0 and reserve:
+                    t.state = _RESERVED
+                else:
+                    t.state = _PARKED
+                    self._parked[seq] = t
+                tickets.append(t)
+        self.runs[run] = tickets
+        if self._declared:
+            self._as_declared(run, tickets)
+        return run, tickets
 
     def _adopt(self, e: Adopt) -> tuple[Action, ...]:
         ticket = e.ticket

@@ -18,7 +18,8 @@ Key layout (every key starts with the configured prefix P, default ``hf:``)::
                                   the same id is matched against), tenant, index, arrival_s, slo_s,
                                   deadline_s, state, reason, finished_s, calls_total,
                                   calls_left, stages_total, stages_done, trace (the
-                                  W3C traceparent of the workflow's root span);
+                                  W3C traceparent of the workflow's root span),
+                                  best_effort ("1" if admitted best-effort);
                                   per stage k: s{k}:left, s{k}:deps, s{k}:rel, s{k}:fin, s{k}:dl;
                                   per call: p:{call_id} = "slot:seq:attempt", where it was
                                   last dispatched; c:{call_id} = "done" once complete
@@ -44,6 +45,9 @@ Key layout (every key starts with the configured prefix P, default ``hf:``)::
                                   GetAlphaHistory RPC, never here)
     P learned              hash   instance name -> JSON of its cost learner's state (with
                                   --learn-costs: what a restarted coordinator carries on from)
+    P lengths              hash   step type -> JSON list of its recent output lengths (with
+                                  --output-lengths learned: what a restarted coordinator
+                                  believes from)
     P lease                string a coordinator shard's lease (`hexgen_coordinator.shards`)
     P tuner:runs           list   the tuner's runs (JSON), newest first, capped
     P tuner:run_seq        string the counter behind the tuner's run ids
@@ -74,6 +78,7 @@ __all__ = [
     "ADMITTED",
     "ADMITTED_FIELDS",
     "ALPHA_HISTORY",
+    "BEST_EFFORT_YES",
     "CALL_DONE",
     "CALL_SKIPPED",
     "CLUSTER_PREFIX",
@@ -85,6 +90,7 @@ __all__ = [
     "FINISHED_FIELDS",
     "LEARNED",
     "LEASE",
+    "LENGTHS",
     "LUA_LITERALS",
     "META",
     "QSEQ",
@@ -142,6 +148,8 @@ FINISHED: Final = "finished"
 ALPHA_HISTORY: Final = "alpha:history"
 LEARNED: Final = "learned"
 """The cost learners' states (--learn-costs)."""
+LENGTHS: Final = "lengths"
+"""The output-length belief's recent lengths (--output-lengths learned)."""
 LEASE: Final = "lease"
 """A coordinator shard's lease (`hexgen_coordinator.shards`)."""
 
@@ -154,6 +162,7 @@ COORDINATOR_KEYS: Final = (
     FINISHED,
     ALPHA_HISTORY,
     LEARNED,
+    LENGTHS,
     LEASE,
 )
 """The coordinator's fixed keys (names after the prefix)."""
@@ -246,7 +255,13 @@ class F:
     """The W3C traceparent of the query's root span (its coordinator ``query`` span): the
     spans of every later request, call and coordinator are parented into its trace (absent
     in a query stored before it was kept)."""
+    BEST_EFFORT: Final = "best_effort"
+    """`BEST_EFFORT_YES` for a query admitted best-effort (absent otherwise): a restarted
+    coordinator runs it after every query held to its SLO, as the one before did."""
 
+
+BEST_EFFORT_YES: Final = "1"
+"""A best-effort query's ``best_effort`` field."""
 
 QUERY_FIELDS: Final = frozenset(v for k, v in vars(F).items() if k.isupper() and isinstance(v, str))
 """Every fixed field name of a query's hash."""
@@ -626,6 +641,7 @@ LUA_LITERALS: Final = frozenset(
         CALL_SKIPPED,
         SESSION_CALL,
         STAGE_CLOSED_YES,
+        BEST_EFFORT_YES,
         PLACEMENT_LUA_PATTERN,
         UNPLACED_LUA_PREFIX,
         *ADMITTED_FIELDS,

@@ -35,7 +35,8 @@ predicted to finish within its SLO from then on, pushing no admitted query late)
 engines batch whatever they are given, so a call of the lowest urgency still slows every
 call it runs beside. Its deadline is pushed far out, so every deadline-ordered queue
 serves it last; its SLO stays for reporting, and its work is not counted against
-queries admitted at normal urgency. (A restarted coordinator releases them at once.)
+queries admitted at normal urgency. (A restarted coordinator releases them at once, still
+after every query held to its SLO: Redis keeps that it is best-effort.)
 """
 
 from __future__ import annotations
@@ -261,6 +262,7 @@ class Admission:
                 prompts=kept,
                 digest=digest,
                 trace=root,
+                best_effort=best_effort,
             )
         except BaseException:
             if provisional is not None:

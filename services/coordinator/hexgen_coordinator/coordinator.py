@@ -25,6 +25,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import NamedTuple
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -66,7 +67,19 @@ __all__ = ["Coordinator", "SlotTakenError", "UnknownQueryError", "WorkerLink"]
 log = logging.getLogger(__name__)
 
 LEARNED_SAVE_S = 5.0
-"""Wall seconds between two writes of the learned costs to Redis (`--learn-costs`)."""
+"""Wall seconds between two writes of what was learned to Redis (`--learn-costs`,
+`--output-lengths learned`)."""
+
+
+class _Saved(NamedTuple):
+    """What was last written of the cost learners' and the length belief's states."""
+
+    costs: dict[str, str]
+    lengths: dict[str, str]
+
+
+def _changed(now: dict[str, str], saved: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in now.items() if saved.get(k) != v}
 
 
 class Coordinator:
@@ -206,6 +219,12 @@ class Coordinator:
                     "cost learning carries on for %s",
                     ", ".join(self.cluster.instances[i].name for i in restored),
                 )
+        lengths = self._length_learner()
+        if lengths is not None:
+            steps = lengths.restore(await self.store.lengths())
+            if steps:
+                log.info("output-length learning carries on for %s", ", ".join(sorted(steps)))
+        if self.scheduler.learner is not None or lengths is not None:
             self._tasks.append(asyncio.create_task(self._keep_learned()))
         if not self.config.redis_cluster:  # a cluster's memory is per node
             memory = RedisMemory(self.redis, self.config.redis_memory_limit)
@@ -241,33 +260,35 @@ class Coordinator:
             reason = f"the default of policy {self.config.policy}, at start"
         await self.store.record_alpha(alpha, self.clock.now(), reason)
 
+    def _length_learner(self) -> OutputLengthPredictor | None:
+        lengths = self.core.lengths
+        return lengths if isinstance(lengths, OutputLengthPredictor) else None
+
     async def _keep_learned(self) -> None:
-        """Write what the cost learners learned to Redis every `LEARNED_SAVE_S` wall
-        seconds when it changed (a crash loses at most that much learning; `stop` writes
-        the rest)."""
-        saved: dict[str, str] = {}
+        """Write what the cost learners and the output-length belief learned to Redis
+        every `LEARNED_SAVE_S` wall seconds when it changed (a crash loses at most that
+        much learning; `stop` writes the rest)."""
+        saved = _Saved({}, {})
         while True:
             await asyncio.sleep(LEARNED_SAVE_S)
             saved = await self._save_learned(saved)
 
-    async def _save_learned(self, saved: dict[str, str]) -> dict[str, str]:
-        learner = self.scheduler.learner
-        if learner is None:
+    async def _save_learned(self, saved: _Saved) -> _Saved:
+        learner, lengths = self.scheduler.learner, self._length_learner()
+        costs = learner.states(self.cluster) if learner is not None else {}
+        steps = lengths.state() if lengths is not None else {}
+        try:
+            await self.store.save_learned(_changed(costs, saved.costs))
+            await self.store.save_lengths(_changed(steps, saved.lengths))
+        except RedisError as exc:  # the next round tries again
+            log.warning("could not keep what was learned in Redis: %s", exc)
             return saved
-        states = learner.states(self.cluster)
-        changed = {k: v for k, v in states.items() if saved.get(k) != v}
-        if changed:
-            try:
-                await self.store.save_learned(changed)
-            except RedisError as exc:  # the next round tries again
-                log.warning("could not keep the learned costs in Redis: %s", exc)
-                return saved
-        return states
+        return _Saved(costs, steps)
 
     async def stop(self) -> None:
         await self._admission.stop()
         await self.flush()
-        await self._save_learned({})
+        await self._save_learned(_Saved({}, {}))
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import redis.asyncio as aioredis
 from opentelemetry import trace
@@ -21,10 +23,19 @@ from hexgen_api.v1 import coordinator_pb2 as cpb
 from hexgen_coordinator.config import CoordinatorConfig
 from hexgen_coordinator.dispatch import Dispatch
 from hexgen_coordinator.ledger import ActiveQuery, Ledger, SessionState, call_id_of, chat_bytes
-from hexgen_coordinator.session_store import stored_workflow
+from hexgen_coordinator.session_store import StoredWorkflow, stored_workflow
 from hexgen_coordinator.store import StoredQuery, WorkflowStore, prompts_digest
-from hexgen_flow.protocol import Adopt, GraceOver, Resume, Scheduler, Tick
-from hexgen_flow.runtime import CallTicket
+from hexgen_flow.protocol import (
+    Adopt,
+    GraceOver,
+    Resume,
+    Resumed,
+    Scheduler,
+    StoredRun,
+    StoredStage,
+    Tick,
+)
+from hexgen_flow.runtime import CallState, CallTicket
 from hexgen_service import redis_schema as schema
 from hexgen_service.convert import parse_submit
 from hexgen_service.redis_schema import F, S
@@ -33,6 +44,56 @@ from hexgen_service.telemetry import context_from_traceparent, traceparent_of
 __all__ = ["Recovery"]
 
 log = logging.getLogger("hexgen_coordinator.coordinator")  # the coordinator's one logger
+
+
+class _Found(NamedTuple):
+    """A running query found in Redis."""
+
+    stored: StoredQuery
+    built: StoredWorkflow
+    logged_events: int
+
+
+def stored_run(stored: StoredQuery, built: StoredWorkflow) -> StoredRun:
+    """What the core rebuilds a stored running query from (`Resume`): Redis's counters,
+    stage times and deadlines, the calls done and where the others were dispatched."""
+    query = built.query
+    f = stored.fields
+    stages: list[StoredStage] = []
+    done: set[tuple[int, int]] = set()
+    placed: dict[tuple[int, int], tuple[int, int]] = {}
+    for k, stage in enumerate(query.workflow.stages):
+        rel, fin = stored.stage(k, schema.STAGE_REL), stored.stage(k, schema.STAGE_FIN)
+        dl = stored.stage(k, schema.STAGE_DL)
+        stages.append(
+            StoredStage(
+                int(f[schema.stage_field(k, schema.STAGE_LEFT)]),
+                int(f[schema.stage_field(k, schema.STAGE_DEPS)]),
+                float(rel) if rel is not None else None,
+                float(fin) if fin is not None else None,
+                float(dl) if dl is not None else None,
+            )
+        )
+        for index in range(len(stage.calls)):
+            call_id = call_id_of(query.query_id, k, index)
+            if stored.done(call_id):
+                done.add((k, index))
+                continue
+            p = stored.placement(call_id)
+            if p is not None and p.seq >= 0 and p.slot >= 0:
+                placed[(k, index)] = (p.seq, p.slot)
+    return StoredRun(
+        query,
+        int(f[F.INDEX]),
+        float(f[F.ARRIVAL_S]),
+        float(f[F.SLO_S]),
+        int(f[F.CALLS_LEFT]),
+        tuple(stages),
+        frozenset(done),
+        placed,
+        best_effort=f.get(F.BEST_EFFORT) == schema.BEST_EFFORT_YES,
+        given=tuple(built.given) if built.given is not None else None,
+    )
 
 
 class Recovery:
@@ -48,9 +109,6 @@ class Recovery:
     ) -> None:
         self.config = config
         self.core = core
-        self.scheduler = core.policy
-        """Read here (its budget replays a stage's deadline), and where a resumed query's
-        state is rebuilt (`admit`, release order): the core takes it up by `Resume`."""
         self.store = store
         self.redis = redis
         self.tracer = tracer
@@ -66,15 +124,12 @@ class Recovery:
         reclaim them for `resume_grace_s`, then go out again (the task returned, if any
         call waits)."""
         ledger = self.ledger
-        ids = await self.store.active_ids()
-        max_seq = -1
-        for query_id in ids:
-            stored = await self.store.load(query_id)
-            if stored is None or stored.fields.get(F.STATE) != S.RUNNING:
-                continue
-            logged = int(await self.redis.llen(self.store.evkey(query_id)))
-            max_seq = max(max_seq, self._resume_query(stored, logged))
-        self.scheduler.next_seq = max(self.scheduler.next_seq, max_seq + 1)
+        found: list[_Found] = []
+        for query_id in await self.store.active_ids():
+            taken = await self._load(query_id)
+            if taken is not None:
+                found.append(taken)
+        self._take_up(found, reserve=True)
         self._waiting = len(ledger.adoptable)
         if ledger.adoptable or any(t.instance < 0 for t in ledger.tickets.values()):
             log.info(
@@ -88,29 +143,44 @@ class Recovery:
     async def resume_one(self, query_id: str) -> None:
         """Take up one stored running query this coordinator does not hold, and dispatch
         its released calls."""
-        stored = await self.store.load(query_id)
-        if (
-            stored is None
-            or stored.fields.get(F.STATE) != S.RUNNING
-            or query_id in self.ledger.active
-        ):
+        if query_id in self.ledger.active:
             return
-        logged = int(await self.redis.llen(self.store.evkey(query_id)))
+        taken = await self._load(query_id)
+        if taken is None or query_id in self.ledger.active:
+            return
         # No worker holds a call of a query never taken: nothing is reserved.
-        max_seq = self._resume_query(stored, logged, reserve=False)
-        self.scheduler.next_seq = max(self.scheduler.next_seq, max_seq + 1)
+        self._take_up([taken], reserve=False)
         log.info("took up query %s, stored by a try whose reply was lost", query_id)
         now = self.ledger.clock.now()
         self.dispatch.carry_out(self.core.handle(Tick(now)), now)
 
-    def _resume_query(
-        self, stored: StoredQuery, logged_events: int, *, reserve: bool = True
-    ) -> int:
+    async def _load(self, query_id: str) -> _Found | None:
+        """The stored query `query_id` if it is running, with its workflow and how many
+        events its log holds."""
+        stored = await self.store.load(query_id)
+        if stored is None or stored.fields.get(F.STATE) != S.RUNNING:
+            return None
+        logged = int(await self.redis.llen(self.store.evkey(query_id)))
+        return _Found(stored, stored_workflow(stored), logged)
+
+    def _take_up(self, found: Sequence[_Found], *, reserve: bool) -> None:
+        """Hand the stored queries to the core (`Resume`: it rebuilds each run and its
+        calls) and hold what the coordinator keeps of each: prompts, span, session, the
+        calls by id and which worker may reclaim each."""
+        if not found:
+            return
+        actions = self.core.handle(
+            Resume(tuple(stored_run(f.stored, f.built) for f in found), reserve)
+        )
+        for taken, action in zip(found, actions, strict=True):
+            assert isinstance(action, Resumed)
+            self._hold(taken, action)
+
+    def _hold(self, taken: _Found, resumed: Resumed) -> None:
         ledger = self.ledger
-        built = stored_workflow(stored)
+        stored, built, run = taken.stored, taken.built, resumed.run
         query = built.query
         f = stored.fields
-        run = self.scheduler.admit(query, int(f[F.INDEX]), float(f[F.ARRIVAL_S]), float(f[F.SLO_S]))
         # A child of the workflow's root span as stored: the resumed query's stages and
         # calls stay in the workflow's trace.
         root = f.get(F.TRACE, "")
@@ -127,13 +197,12 @@ class Recovery:
             run,
             built.prompts,
             span,
-            event_base=logged_events,
+            event_base=taken.logged_events,
             chats=built.chats,
             digest=digest,
             trace=root or traceparent_of(span),
         )
         if built.given is not None:
-            run.given = list(built.given)
             opened = parse_submit(cpb.SubmitQueryRequest.FromString(stored.submit))[0]
             entry.session = SessionState(
                 opened=opened,
@@ -146,61 +215,25 @@ class Recovery:
                 last_done_s=self.ledger.clock.now(),
             )
         ledger.active[query.query_id] = entry
-        stages = query.workflow.stages
         for k, texts in enumerate(built.prompts):  # the prompts still kept (calls not done)
             for index, text in enumerate(texts):
                 call_id = call_id_of(query.query_id, k, index)
                 if text and not stored.done(call_id):
                     nbytes = len(text.encode("utf-8")) + chat_bytes(built.chats.get(call_id))
                     ledger.hold_prompt(entry, call_id, nbytes)
-        run.calls_left = int(f[F.CALLS_LEFT])
-        released = []
-        for k in range(len(stages)):
-            run.stage_calls_left[k] = int(f[schema.stage_field(k, schema.STAGE_LEFT)])
-            run.deps_left[k] = int(f[schema.stage_field(k, schema.STAGE_DEPS)])
-            rel, fin = stored.stage(k, schema.STAGE_REL), stored.stage(k, schema.STAGE_FIN)
-            run.stage_finished_s[k] = float(fin) if fin is not None else None
-            if rel is not None:
-                released.append((float(rel), k))
-        max_seq = -1
-        tickets: list[CallTicket] = []
-        reserved: list[int] = []
-        plan = self.scheduler.estimator.plan(query.workflow, "call")
-        for rel_s, k in sorted(released):
-            run.stage_released_s[k] = rel_s
-            computed = self.scheduler.budget.deadline(run, k, rel_s)  # replays budget state
-            if run.stage_finished_s[k] is not None:
-                continue
-            dl = stored.stage(k, schema.STAGE_DL)
-            deadline = float(dl) if dl is not None else computed
-            for index, call in enumerate(stages[k].calls):
-                call_id = call_id_of(query.query_id, k, index)
-                if stored.done(call_id):
-                    continue
-                placed = stored.placement(call_id) if run.is_given(k, index) else None
-                slot = -1
-                if placed is not None and placed.seq >= 0 and placed.slot >= 0:
-                    slot, seq = placed.slot, placed.seq
-                else:  # never placed, or between attempts: a new release order
-                    seq = self.scheduler.next_seq
-                    self.scheduler.next_seq += 1
-                ticket = CallTicket(
-                    seq, run, k, call, rel_s, deadline, plan.tail_s[k] - plan.stage_s[k], index
-                )
-                ticket.call_id = call_id
-                # Attempt 0, unknown: the write-behind may not have recorded the latest
-                # dispatch before the crash, so the worker that reclaims the call may hold a
-                # later attempt than Redis says. Its result is taken by slot alone; the
-                # next dispatch counts from 1 again.
-                ticket.attempt = 0
-                ledger.tickets[call_id] = ticket
-                max_seq = max(max_seq, seq)
-                if slot >= 0 and reserve:
-                    ledger.adoptable[call_id] = slot
-                tickets.append(ticket)
-                reserved.append(slot if reserve else -1)
-        self.core.handle(Resume(run, tuple(tickets), tuple(reserved)))
-        return max_seq
+        for ticket in resumed.tickets:
+            call_id = call_id_of(query.query_id, ticket.stage, ticket.index)
+            ticket.call_id = call_id
+            # Attempt 0, unknown: the write-behind may not have recorded the latest
+            # dispatch before the crash, so the worker that reclaims the call may hold a
+            # later attempt than Redis says. Its result is taken by slot alone; the next
+            # dispatch counts from 1 again.
+            ticket.attempt = 0
+            ledger.tickets[call_id] = ticket
+            if ticket.state is CallState.RESERVED:
+                placed = stored.placement(call_id)
+                assert placed is not None  # RESERVED: the core found it placed
+                ledger.adoptable[call_id] = placed.slot
 
     async def _end_grace(self) -> None:
         await asyncio.sleep(self.config.resume_grace_s)

@@ -77,7 +77,8 @@ _SUBMIT = """
 -- KEYS: q, qseq, active, admitted, pr ; ARGV: submit, shape, tenant, arrival_s, slo_s,
 --        deadline_s, calls_total, stages_total, then per stage: left, deps, then query_id,
 --        session ('' for a static query, else 'open'), idle timeout of a session, maxlen,
---        digest, trace (the root span's traceparent), then call_id, prompt pairs
+--        digest, trace (the root span's traceparent), best effort ('1' or ''), then
+--        call_id, prompt pairs
 -- returns {created, index}
 if redis.call('EXISTS', KEYS[1]) == 1 then
   return {0, tonumber(redis.call('HGET', KEYS[1], 'index'))}
@@ -97,7 +98,10 @@ for k = 0, n - 1 do
 end
 redis.call('SADD', KEYS[3], ARGV[9 + 2 * n])
 redis.call('HSET', KEYS[1], 'digest', ARGV[13 + 2 * n], 'trace', ARGV[14 + 2 * n])
-for i = 15 + 2 * n, #ARGV, 2 do
+if ARGV[15 + 2 * n] == '1' then
+  redis.call('HSET', KEYS[1], 'best_effort', '1')
+end
+for i = 16 + 2 * n, #ARGV, 2 do
   redis.call('HSET', KEYS[5], ARGV[i], ARGV[i + 1])
 end
 if ARGV[10 + 2 * n] ~= '' then
@@ -433,6 +437,16 @@ class WorkflowStore:
             fields: dict[str | bytes, bytes | float | int | str] = dict(states.items())
             await self.redis.hset(self.key(schema.LEARNED), mapping=fields)
 
+    async def lengths(self) -> dict[str, str]:
+        """The output-length belief's state kept by `save_lengths`, by step type."""
+        raw = await self.redis.hgetall(self.key(schema.LENGTHS))
+        return {k.decode(): v.decode() for k, v in raw.items()}
+
+    async def save_lengths(self, states: Mapping[str, str]) -> None:
+        if states:
+            fields: dict[str | bytes, bytes | float | int | str] = dict(states.items())
+            await self.redis.hset(self.key(schema.LENGTHS), mapping=fields)
+
     # ------------------------------------------------------------------ queries
 
     async def submit(
@@ -450,6 +464,7 @@ class WorkflowStore:
         prompts: Mapping[str, bytes] | None = None,
         digest: str = "",
         trace: str = "",
+        best_effort: bool = False,
     ) -> tuple[bool, int]:
         """Record a new query (root stages released); (created, query index).
 
@@ -459,7 +474,8 @@ class WorkflowStore:
         it ends); `prompts` (call_id -> LLMCall bytes) are kept apart, each until its call
         completes; `digest` is `prompts_digest` of them. `trace` is the W3C traceparent of
         the query's root span, kept with it (``trace``) so that a restarted coordinator's
-        spans of the query join its trace.
+        spans of the query join its trace. `best_effort`: admitted best-effort, which a
+        restarted coordinator keeps.
         """
         args: list[Any] = [
             submit,
@@ -481,6 +497,7 @@ class WorkflowStore:
             self.stream_maxlen,
             digest,
             trace,
+            schema.BEST_EFFORT_YES if best_effort else "",
         ]
         for call_id, blob in (prompts or {}).items():
             args += [call_id, blob]
