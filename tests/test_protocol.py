@@ -27,6 +27,7 @@ from hexgen_flow.protocol import (
     InstanceBack,
     InstanceLost,
     Lost,
+    OthersReported,
     Park,
     QueryEnded,
     Redispatch,
@@ -330,3 +331,13 @@ def test_alpha_changes_through_the_protocol_and_is_checked_once() -> None:
         core.handle(AlphaChanged(1.5))
     with pytest.raises(ConfigError, match="no alpha"):
         _core("round-robin+urgency").handle(AlphaChanged(0.3))
+
+
+@pytest.mark.parametrize("busy", [0, 1])
+def test_what_other_shards_report_on_an_instance_steers_dispatch_away(busy: int) -> None:
+    core = _core("hexgen-flow", "A100,A100")
+    assert core.handle(OthersReported(busy, 6, 120.0, 60_000, 6.0, 120.0)) == ()
+    assert core.policy.load.in_flight[busy] == 6
+    run = _submit(core, _query())
+    (kw,) = core.runs[run]
+    assert kw.instance == 1 - busy

@@ -60,6 +60,7 @@ __all__ = [
     "InstanceBack",
     "InstanceLost",
     "Lost",
+    "OthersReported",
     "Park",
     "QueryEnded",
     "QueryState",
@@ -153,6 +154,18 @@ class InstanceBack(NamedTuple):
     instance: int
     now: float
     lacking: tuple[CallTicket, ...] = ()
+
+
+class OthersReported(NamedTuple):
+    """What other drivers (coordinator shards sharing the instance) have in flight on
+    `instance`, as its latest report says: the dispatcher counts it as load there."""
+
+    instance: int
+    in_flight: int
+    outstanding_s: float
+    tokens: int
+    weight: float = 0.0
+    weighted_outstanding_s: float = 0.0
 
 
 class Tick(NamedTuple):
@@ -273,6 +286,7 @@ Event = (
     | InstanceLost
     | InstanceBack
     | Tick
+    | OthersReported
     | AlphaChanged
     | QueryEnded
     | ReleaseStage
@@ -419,6 +433,7 @@ class Scheduler:
             InstanceLost: self._instance_lost,
             InstanceBack: self._instance_back,
             Tick: self._tick,
+            OthersReported: self._others_reported,
             AlphaChanged: self._alpha_changed,
             QueryEnded: self._query_ended,
             ReleaseStage: self._release_stage,
@@ -706,6 +721,12 @@ class Scheduler:
         out: list[Action] = []
         self._dispatch_parked(e.now, out)
         return tuple(out)
+
+    def _others_reported(self, e: OthersReported) -> tuple[Action, ...]:
+        self.policy.load.report_others(
+            e.instance, e.in_flight, e.outstanding_s, e.tokens, e.weight, e.weighted_outstanding_s
+        )
+        return NO_ACTIONS
 
     def _dispatch_parked(self, now: float, out: list[Action]) -> None:
         """Dispatch the parked calls an instance can take, in release order."""

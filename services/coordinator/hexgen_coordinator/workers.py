@@ -22,7 +22,14 @@ from hexgen_coordinator.links import WorkerLink, slot_for
 from hexgen_coordinator.recovery import Recovery
 from hexgen_coordinator.write_behind import WriteBehind
 from hexgen_flow.cluster import Cluster
-from hexgen_flow.protocol import Action, InstanceBack, InstanceLost, Lost, Scheduler
+from hexgen_flow.protocol import (
+    Action,
+    InstanceBack,
+    InstanceLost,
+    Lost,
+    OthersReported,
+    Scheduler,
+)
 
 __all__ = ["WorkerSlots"]
 
@@ -114,13 +121,15 @@ class WorkerSlots:
             # since are unseen until the next), and their seconds are the worker's estimate
             # with its own latency model, not this coordinator's. Their weights are the ones
             # their coordinators charged (0 from a worker older than the field).
-            self.scheduler.load.report_others(
-                link.slot,
-                msg.others_in_flight,
-                msg.others_outstanding_s,
-                msg.others_tokens,
-                msg.others_weight,
-                msg.others_weighted_outstanding_s,
+            self.core.handle(
+                OthersReported(
+                    link.slot,
+                    msg.others_in_flight,
+                    msg.others_outstanding_s,
+                    msg.others_tokens,
+                    msg.others_weight,
+                    msg.others_weighted_outstanding_s,
+                )
             )
 
     def disconnect(self, link: WorkerLink, reason: str) -> None:
