@@ -22,6 +22,7 @@ from hexgen_flow.learning import (
 )
 from hexgen_flow.policies.dispatch import MarginalLatencyDispatcher
 from hexgen_flow.policies.presets import PRESETS
+from hexgen_flow.roofline import prefill_floor_s
 from hexgen_flow.runtime import CallTicket, QueryRun
 from hexgen_flow.scheduler import GlobalScheduler
 from hexgen_flow.sim.engine import BatchingEngineModel
@@ -287,3 +288,39 @@ def test_a_learner_carries_on_from_its_kept_state() -> None:
     # A state that is not one is ignored, not trusted.
     broken = {"A100#0": "{not json", "L40S#1": '{"gpu": "L40S", "a": "x"}'}
     assert CostLearner(cluster).restore(cluster, broken) == []
+
+
+@pytest.mark.parametrize("gpu", ["A100", "A6000", "L40S"])
+def test_the_floor_is_physics_on_the_prefill_curve_not_a_capped_table(gpu: str) -> None:
+    """chess-measured's single-request table, measured with cache hits, caps a short call's
+    prefill far below its prefill curve (a 4,096-token prompt with one output token: 0.1 s
+    on every GPU, against a curve of 0.3-1.6 s). The floor judged against that capped
+    figure put the least learned 4,096-token prefill at 1.2 s on an A100, 10.5 s on an
+    A6000 and 6.9 s on an L40S: 2.6-18x the physical floor and 1.35-1.85x above what
+    aiconfigurator says, so a learner planning with chess-measured could not come down to
+    aiconfigurator engines. On the curve, the floor is the physics."""
+    spec = parse_cluster(gpu, calibration="chess-measured").instances[0]
+    learner = InstanceCostLearner(spec, LearnerSettings())
+    prior, floor_s = spec.latency, prefill_floor_s(spec.latency.hardware, 4096)
+    least = learner.floor_prefill * prior.prefill_curve_s(4096)
+    assert least == pytest.approx(floor_s, rel=1e-9)
+    truth = parse_cluster(gpu).instances[0].latency.prefill_s(4096, 200)
+    assert least < truth
+    # Judged against the capped figure, the least belief would have been above the truth.
+    assert floor_s / prior.prefill_s(4096, 1) * prior.prefill_curve_s(4096) > 1.3 * truth
+
+
+def test_a_learner_planning_with_a_capped_table_comes_down_to_the_engines() -> None:
+    """Planner chess-measured, engines aiconfigurator (an L40S): the learned model's
+    prefill of long prompts comes within 20 % of the engines' (it was held 1.35x above
+    them by the floor of a capped table)."""
+    planner = parse_cluster("L40S", calibration="chess-measured").instances[0]
+    engines = InstanceCostLearner(L40S, SETTINGS)  # explains the aiconfigurator calls exactly
+    learner = InstanceCostLearner(planner, SETTINGS)
+    for cost in calls(random.Random(12), 600):
+        learner.observe(served(engines, cost, 1.0, 1.0))
+    model = CostLearner(parse_cluster("L40S", calibration="chess-measured"))
+    model.instances[0] = learner
+    for tokens in (4000, 8000, 12000):
+        believed = model.model(0).prefill_s(tokens, 300)
+        assert believed == pytest.approx(L40S.latency.prefill_s(tokens, 300), rel=0.2)

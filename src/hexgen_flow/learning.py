@@ -19,7 +19,8 @@ the same steps) and on decode steps, each of which costs the decode plane
 
     service = a x (P_own + P_others) + b x (output tokens - 1) x plane(B, K)
 
-where P is the calibration's prefill (of the uncached prompt, for the call's own). Each
+where P is the calibration's prefill (of the uncached prompt, for the call's own; the
+others', whose outputs the driver does not know, on the calibration's prefill curve). Each
 call is one equation in (a, b); calls with long prompts pin a, long outputs pin b. With the
 engine's own numbers the factors stay near 1 (tests/test_learning.py measures how near).
 
@@ -46,6 +47,12 @@ hundreds move it all the way. Robust and following drift:
   recent calls still be dropped, the learner trusts them;
 - neither factor falls below the physical floor (`hexgen_flow.roofline`: the time the GPU's
   peak FLOP/s or memory bandwidth allows), nor below `MIN_FACTOR` when the floor is unknown.
+  The prefill floor is judged on the calibration's prefill curve (`prefill_curve_s`), what
+  the model charges a call of any but the shortest outputs: a table measured with cache
+  hits caps a short call's prefill at its measured single latency (chess-measured: a
+  4,096-token prompt with one output token at 0.1 s on every GPU, its curve 0.3-1.6 s), and
+  judged on that capped figure the floor held the learned prefill 1.35-1.85x above
+  aiconfigurator's engines (docs/experiments/2026-12-06-learning-gap.md).
 
 The factors are refitted every `refit_calls` calls of an instance, and the scheduler's
 models change only when a factor moved by more than `min_change` (`CostLearner.observe`
@@ -86,7 +93,7 @@ CAUCHY_SCALE = 0.7
 """Log-ratio at which a call's weight halves: calls within 2x of the prediction count
 nearly fully, ones 4x off count about a fifth."""
 FLOOR_PROMPT_TOKENS = 4096
-"""Prompt length at which the prefill floor is compared with the calibrated prefill."""
+"""Prompt length at which the prefill floor is compared with the calibrated prefill curve."""
 MAX_HELD = 4096
 """Calls a `CostMeter` holds at most: past it the oldest is dropped (a driver that missed
 a call's end must not grow it without bound)."""
@@ -209,7 +216,9 @@ class InstanceCostLearner:
                 prefill *= max(whole - prior.prefill_curve_s(cached), 0.0) / whole
         if cost.others_calls > 0:
             each = max(1, round(cost.others_prompt_tokens / cost.others_calls))
-            prefill += cost.others_calls * prior.prefill_s(each, 1)
+            # On the curve: `prefill_s(each, 1)` is a capped table's figure for one output
+            # token, far below what the engine computes for the others' prompts.
+            prefill += cost.others_calls * prior.prefill_curve_s(each)
         steps = max(cost.output_tokens - 1, 0)
         if cost.step_tokens > 0:  # the steps of its own prompt carry the others' decodes
             steps += -(-(cost.input_tokens - cached) // cost.step_tokens)
@@ -341,10 +350,11 @@ class InstanceCostLearner:
 
 
 def _floors(prior: LatencyModel) -> tuple[float, float]:
-    """The least (prefill, decode) factors the physics allow on `prior`'s hardware."""
+    """The least (prefill, decode) factors the physics allow on `prior`'s hardware (the
+    prefill factor's on the prefill curve: see the module docstring)."""
     floor_a = floor_b = MIN_FACTOR
     try:
-        prefill = prior.prefill_s(FLOOR_PROMPT_TOKENS, 1)
+        prefill = prior.prefill_curve_s(FLOOR_PROMPT_TOKENS)
         if prefill > 0:
             floor_a = max(
                 prefill_floor_s(prior.hardware, FLOOR_PROMPT_TOKENS) / prefill, MIN_FACTOR
