@@ -213,6 +213,28 @@ def test_the_simulator_learns_a_wrong_table_toward_the_truth() -> None:
         assert 0.5 < f.prefill < 1.5 and 0.6 < f.decode < 1.6, f
 
 
+def test_a_tuner_replays_the_cluster_as_the_scheduler_learned_it() -> None:
+    """`believed_cluster` (what the simulator's online tuner replays; the mesh's builds the
+    same from ClusterStatus) runs each instance as its learned model, the one every
+    estimate uses."""
+    queries = take_queries(load_trace("trace1"), 120)
+    belief = CLUSTER.misjudged({"L40S": (3.0, 1.0), "A6000": (3.0, 1.0)})
+    config = SimConfig(qps=0.2, seed=1, learn_costs=True)
+    sim = Simulation(queries, belief, PRESETS["hexgen-flow"].with_alpha(0.5), config, truth=CLUSTER)
+    assert sim.scheduler.believed_cluster() == sim.scheduler.cluster  # nothing learned yet
+    sim.run()
+    learner = sim.scheduler.learner
+    assert learner is not None
+    believed = sim.scheduler.believed_cluster()
+    for i, inst in enumerate(believed.instances):
+        for tokens in ((800, 20), (6_000, 300)):
+            assert inst.latency.split(*tokens) == learner.model(i).split(*tokens)
+    slow = believed.instances[3].latency.single_s(6_000, 300)
+    assert slow < 0.7 * belief.instances[3].latency.single_s(6_000, 300)  # learned faster
+    plain = GlobalScheduler(belief, PRESETS["hexgen-flow"])
+    assert plain.believed_cluster() is belief  # not learning: the calibration as it is
+
+
 def test_the_cli_reports_what_it_learned() -> None:
     args = ("simulate", "--num-queries", "60", "--qps", "0.3", "--alpha", "0.5")
     plain = run_json(*args)

@@ -37,6 +37,7 @@ from hexgen_flow.tuning import (
     Retune,
     TuningResult,
     TuningWindow,
+    replay_window,
     retune,
 )
 from hexgen_flow.workload import Query
@@ -577,3 +578,28 @@ def test_tuner_command_line_errors_exit_2_with_one_line(args: list[str], error: 
     )
     assert proc.returncode == 2
     assert proc.stderr == f"hexgen-tuner: error: {error}\n"
+
+
+def test_the_tuner_replays_with_what_the_coordinator_learned() -> None:
+    """An instance whose costs the coordinator learned (``--learn-costs``; ClusterStatus
+    carries the factors) is replayed as learned: the tuner's engines and policies run its
+    calibration scaled by them, as the coordinator's dispatcher believes it."""
+    status = _status()
+    plain = cluster_from_status(status)
+    slow = status.instances[3]  # the L40S: learned 3x slower prefill, 1.5x slower decode
+    slow.learned_prefill_factor, slow.learned_decode_factor, slow.learned_calls = 3.0, 1.5, 40
+    status.instances[2].learned_prefill_factor = 2.0  # no calls yet: not learned
+    learned = cluster_from_status(status)
+    expected = plain.instances[3].latency.rescaled(3.0, 1.5)
+    for tokens in ((2_000, 50), (12_000, 300)):
+        assert learned.instances[3].latency.single_s(*tokens) == expected.single_s(*tokens)
+        assert learned.instances[3].latency.single_s(*tokens) > plain.instances[3].latency.single_s(
+            *tokens
+        )
+    assert learned.instances[:3] == plain.instances[:3]
+    assert cluster_from_status(status, learned=False).instances == plain.instances
+    window = TuningWindow.of((q, 6.0 * i, 176.7) for i, q in enumerate(TRACE[:24]))
+    preset = resolve_policy("hexgen-flow")
+    as_calibrated = replay_window(window, plain, preset, 0.5)
+    as_learned = replay_window(window, learned, preset, 0.5)
+    assert as_learned.curve != as_calibrated.curve

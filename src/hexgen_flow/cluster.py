@@ -108,6 +108,20 @@ class Cluster:
         )
         return replace(self, instances=instances)
 
+    def with_learned(self, factors: Sequence[tuple[float, float] | None]) -> Cluster:
+        """This cluster as a scheduler that learned each instance's costs believes it:
+        instance i's times scaled by ``factors[i]`` = (prefill, decode) (None: as
+        calibrated), as `hexgen_flow.learning.CostLearner.model` scales them."""
+        if len(factors) != len(self.instances):
+            raise ConfigError(
+                f"{len(factors)} learned factors for a cluster of {len(self.instances)}"
+            )
+        instances = tuple(
+            inst if f is None else replace(inst, latency=inst.latency.rescaled(*f))
+            for inst, f in zip(self.instances, factors, strict=True)
+        )
+        return replace(self, instances=instances)
+
     @property
     def inline(self) -> str:
         """The GPU types as an inline `--cluster` list, whatever the cluster was built from

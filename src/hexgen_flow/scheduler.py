@@ -123,6 +123,15 @@ class GlobalScheduler:
         self.budget.costs_changed()
         return True
 
+    def believed_cluster(self) -> Cluster:
+        """The cluster as this scheduler believes it now: each instance's calibration,
+        scaled by what was learned of its costs (`learn_costs`), the model every estimate
+        uses. What a tuner replays."""
+        learner = self.learner
+        if learner is None:
+            return self.cluster
+        return self.cluster.with_learned([(f.prefill, f.decode) for f in learner.factors()])
+
     def restore_costs(self, states: Mapping[str, str]) -> list[int]:
         """Carry on learning from states a restarted driver kept (`CostLearner.states`):
         the instances restored believe what was learned at once. Without `learn_costs`,

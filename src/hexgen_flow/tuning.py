@@ -354,7 +354,8 @@ class OnlineTuner:
     time it takes the last `settings.window` admitted queries, finished or not (as the mesh's
     tuner reads the coordinator's ``admitted`` stream: a workflow is declared whole when it
     arrives, so its shape is known before it finishes), calls `retune` with the simulation's
-    cluster and preset, and sets the α the simulation's dispatcher uses from then on."""
+    cluster (as learned, where the scheduler learns costs) and preset, and sets the α the
+    simulation's dispatcher uses from then on."""
 
     def __init__(self, settings: OnlineSettings | None = None) -> None:
         self.settings = settings or OnlineSettings()
@@ -375,7 +376,7 @@ class OnlineTuner:
         window = TuningWindow.of(sim.admitted[-settings.window :])
         run = retune(
             window,
-            sim.cluster,
+            sim.scheduler.believed_cluster(),  # as learned, where it learns: as the mesh's
             sim.preset,
             current,
             min_queries=settings.min_queries,

@@ -4,7 +4,9 @@ A run (docs/algorithm.md §6, online):
 
 1. read the last `window` admitted queries from Redis (`read_window`: workflows declared
    whole from the moment they are admitted, sessions once they finished);
-2. ask the coordinator for its cluster, policy and α (ClusterStatus);
+2. ask the coordinator for its cluster, policy and α (ClusterStatus); where it learns
+   instances' costs (``--learn-costs``), the replay runs each instance as learned
+   (`hexgen_service.status.cluster_from_status`), the model its dispatcher plans with;
 3. with a policy that has an α, `hexgen_flow.tuning.retune` (in a worker thread): with at
    least `min_queries` queries, replay the window in the simulator for every α of the grid
    (plus the current α, so the comparison is exact, and the refining midpoints) and decide
@@ -177,6 +179,9 @@ class AlphaTuner:
             return await finish(f"policy {preset.name!r} has no alpha: nothing to tune", previous)
         try:
             cluster = cluster_from_status(status, config.calibration)
+            learned = [i.name for i in status.instances if i.learned_calls > 0]
+            if learned:  # the coordinator learns costs: replayed as it believes them
+                log.info("replaying with the learned costs of %s", ", ".join(learned))
             run = await asyncio.to_thread(self.retune_window, window, cluster, preset, previous)
         except HexgenFlowError as exc:
             return await finish(f"cannot replay the window: {exc}", previous)
