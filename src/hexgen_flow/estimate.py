@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Literal
+from typing import Final, Literal
 
 from hexgen_flow.cluster import Cluster
 from hexgen_flow.errors import ConfigError
@@ -24,10 +24,10 @@ from hexgen_flow.workload import STANDARD_TEMPLATE, LLMCall, Workflow
 
 __all__ = ["REPRESENTATIVE_TOKENS", "EstimateMode", "Estimator", "WorkflowPlan"]
 
-PLAN_CACHE_MAX = 4096
+PLAN_CACHE_MAX: Final = 4096
 """Workflow plans kept before the cache starts over (a plan holds its workflow alive)."""
 
-CALL_CACHE_MAX = 1 << 16
+CALL_CACHE_MAX: Final = 1 << 16
 """Token counts whose call estimates (per instance, cluster mean) are kept before those
 caches start over."""
 

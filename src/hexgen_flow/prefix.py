@@ -18,12 +18,13 @@ not grow with the queries it served; a query that falls out only costs cache hit
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Final
 
 from hexgen_flow.errors import ConfigError
 
 __all__ = ["DEFAULT_PREFIX_SHARE", "PREFIX_HOMES_MAX", "PrefixHomes", "checked_prefix_share"]
 
-DEFAULT_PREFIX_SHARE = 0.75
+DEFAULT_PREFIX_SHARE: Final = 0.75
 """The share of a call's prompt assumed common to the calls of its query with its step type."""
 
 
@@ -34,7 +35,7 @@ def checked_prefix_share(prefix_share: float) -> float:
     return prefix_share
 
 
-PREFIX_HOMES_MAX = 16_384
+PREFIX_HOMES_MAX: Final = 16_384
 """Queries `PrefixHomes` keeps at most (a bound for a driver that never forgets)."""
 
 

@@ -30,7 +30,7 @@ lifecycle).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, Final, NamedTuple
 
 from hexgen_flow.admission import BEST_EFFORT_DELAY_S
 from hexgen_flow.learning import CallCost
@@ -379,18 +379,18 @@ Action = (
 re-orders it) and `CallMoved` (take it off `source`, queue it on `target`) come from
 `GlobalScheduler.revise_waiting`."""
 
-_HELD = CallState.HELD
-_PARKED = CallState.PARKED
-_RESERVED = CallState.RESERVED
-_QUEUED = CallState.QUEUED
-_RUNNING = CallState.RUNNING
-_BACKOFF = CallState.BACKOFF
-_DONE = CallState.DONE
-_DROPPED = CallState.DROPPED
+_HELD: Final = CallState.HELD
+_PARKED: Final = CallState.PARKED
+_RESERVED: Final = CallState.RESERVED
+_QUEUED: Final = CallState.QUEUED
+_RUNNING: Final = CallState.RUNNING
+_BACKOFF: Final = CallState.BACKOFF
+_DONE: Final = CallState.DONE
+_DROPPED: Final = CallState.DROPPED
 """The call states as module constants: an enum member read through its class is a
 descriptor call, and the simulator reads these for every call."""
 
-NO_ACTIONS: tuple[Action, ...] = ()
+NO_ACTIONS: Final[tuple[Action, ...]] = ()
 
 LengthBelief = OutputLengthPredictor | MaxTokensBelief
 """What a scheduler may believe of output lengths (`Scheduler.lengths`)."""

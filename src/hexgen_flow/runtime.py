@@ -12,7 +12,7 @@ import enum
 import math
 import random
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Final, NamedTuple
 
 from hexgen_flow.cluster import Cluster
 from hexgen_flow.estimate import Estimator
@@ -65,7 +65,7 @@ class CallState(enum.Enum):
     """Its query ended early."""
 
 
-_QUEUED = CallState.QUEUED  # read once: an enum member read through its class is a call
+_QUEUED: Final = CallState.QUEUED  # read once: an enum member read through its class is a call
 
 
 class CompletionEffect(NamedTuple):
@@ -248,7 +248,7 @@ class CallTicket:
     def __init__(
         self,
         seq: int,
-        run: QueryRun,
+        run: QueryRun | None,
         stage: int,
         call: LLMCall,
         released_s: float,
@@ -259,12 +259,19 @@ class CallTicket:
         self.seq = seq
         """Global release order; every policy breaks ties on it."""
         self.run: QueryRun | None = run
-        """The query's runtime state where the driver keeps it (simulator, coordinator)."""
-        self.query_id = run.query.query_id
-        self.query_seq = run.index
-        """Arrival order of the query: the client key of fairness policies."""
-        self.tenant = run.query.tenant
-        self.query_deadline_s = run.deadline_s
+        """The query's runtime state where the driver keeps it (simulator, coordinator);
+        None for a detached ticket (`detached` sets the query's fields)."""
+        if run is not None:
+            self.query_id = run.query.query_id
+            self.query_seq = run.index
+            """Arrival order of the query: the client key of fairness policies."""
+            self.tenant = run.query.tenant
+            self.query_deadline_s = run.deadline_s
+        else:
+            self.query_id = ""
+            self.query_seq = 0
+            self.tenant = ""
+            self.query_deadline_s = deadline_s
         self.remaining_after_s = remaining_after_s
         """Estimated time the query still needs after this call's stage (its longest path)."""
         self.stage = stage
@@ -327,31 +334,18 @@ class CallTicket:
         """A ticket without its query's runtime state: what a worker's queue holds.
         `output_tokens`: what its engine is asked to generate (default: `call`'s, which
         is what the queue plans with)."""
-        ticket = cls.__new__(cls)
-        ticket.seq = seq
-        ticket.run = None
+        # Through __init__ (a class compiled by mypyc has no bare __new__), then the fields
+        # that differ from a query-owned ticket's.
+        ticket = cls(seq, None, stage, call, released_s, deadline_s, remaining_after_s)
         ticket.query_id = query_id
         ticket.query_seq = query_seq
         ticket.tenant = tenant
         ticket.query_deadline_s = query_deadline_s
-        ticket.remaining_after_s = remaining_after_s
-        ticket.stage = stage
-        ticket.index = 0
-        ticket.call = call
-        ticket.output_tokens = call.output_tokens if output_tokens is None else output_tokens
+        if output_tokens is not None:
+            ticket.output_tokens = output_tokens
         ticket.call_id = call_id
-        ticket.released_s = released_s
-        ticket.deadline_s = deadline_s
-        ticket.instance = -1
-        ticket.work_s = 0.0
         ticket.weight = weight
-        ticket.key = None
-        ticket.admitted_s = None
-        ticket.finished_s = None
-        ticket.cached_tokens = 0
-        ticket.scheduled_s = None
         ticket.attempt = attempt
-        ticket.state = _QUEUED
         return ticket
 
     def asked(self) -> LLMCall:

@@ -13,16 +13,20 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+from mypy_extensions import mypyc_attr  # scripts/compile_core.py
+
 from hexgen_flow.runtime import CallTicket, PolicyContext, QueryRun
 
 __all__ = ["Dispatcher", "LocalQueue", "NoInstanceError", "StageBudget"]
 
 
+@mypyc_attr(native_class=False)  # an exception: a plain class (scripts/compile_core.py)
 class NoInstanceError(RuntimeError):
     """No available instance can serve a call right now (a service's workers are away);
     the driver keeps the call until one can."""
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # scripts/compile_core.py
 class Dispatcher(ABC):
     """Chooses the instance for each released call."""
 
@@ -61,6 +65,7 @@ class Dispatcher(ABC):
         return fitting
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # scripts/compile_core.py
 class LocalQueue(ABC):
     """Waiting calls of one instance, in the order the instance should admit them.
 
@@ -95,6 +100,7 @@ class LocalQueue(ABC):
         """Called when a popped ticket starts running (accounting queues such as VTC)."""
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # scripts/compile_core.py
 class StageBudget(ABC):
     """Sets the deadline of each stage of a query when it is released."""
 

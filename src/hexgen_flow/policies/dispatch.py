@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Literal
+from typing import Final, Literal
 
 from hexgen_flow.errors import ConfigError
 from hexgen_flow.estimate import EstimateMode
@@ -24,10 +24,10 @@ __all__ = [
 ]
 
 
-MAX_TAIL_POWER = 8.0
+MAX_TAIL_POWER: Final = 8.0
 """Largest tail weight exponent accepted: beyond it one late query outweighs everything."""
 
-SPLITS_MAX = 1 << 16
+SPLITS_MAX: Final = 1 << 16
 """(input, output) token pairs `MarginalLatencyDispatcher` keeps the splits of."""
 
 

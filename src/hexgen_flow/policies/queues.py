@@ -12,6 +12,7 @@ import heapq
 import math
 from abc import abstractmethod
 from collections import deque
+from typing import Final
 
 from hexgen_flow.errors import ConfigError
 from hexgen_flow.estimate import EstimateMode
@@ -329,7 +330,7 @@ class QlmQueue(LocalQueue):
         return len(self._members)
 
 
-_MAX_PROGRAMS = 100_000
+_MAX_PROGRAMS: Final = 100_000
 """Programs (queries) whose attained service an `AtlasQueue` remembers; the oldest are
 forgotten past this (a queue is never told when a query ends)."""
 

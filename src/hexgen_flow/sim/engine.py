@@ -20,13 +20,14 @@ decode seconds. Every event is O(log B); nothing is simulated token by token.
 from __future__ import annotations
 
 import heapq
+from typing import Final
 
 from hexgen_flow.cluster import InstanceSpec
 from hexgen_flow.runtime import CallTicket
 
 __all__ = ["BatchingEngineModel"]
 
-_EPS = 1e-9
+_EPS: Final = 1e-9
 
 
 class BatchingEngineModel:

@@ -17,6 +17,8 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from mypy_extensions import mypyc_attr  # scripts/compile_core.py
+
 from hexgen_flow.cluster import Cluster
 from hexgen_flow.errors import ConfigError
 from hexgen_flow.estimate import Estimator
@@ -93,6 +95,7 @@ class SimConfig:
         object.__setattr__(self, "prefix_caching", caching)  # frozen: set once, here
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # AdmittingSimulation; scripts/compile_core.py
 class Simulation:
     """One run of `queries` on `cluster` under `preset`.
 

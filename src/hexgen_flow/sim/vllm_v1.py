@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
+from typing import Final
 
 from hexgen_flow.cluster import InstanceSpec
 from hexgen_flow.errors import ConfigError
@@ -65,15 +66,15 @@ __all__ = [
     "default_max_num_batched_tokens",
 ]
 
-BLOCK_SIZE = 16
+BLOCK_SIZE: Final = 16
 """vLLM's default KV-cache block size on CUDA, in tokens."""
-_MASK = BLOCK_SIZE - 1  # a step's block phase: the step counter & _MASK (`DecodeBatch`)
+_MASK: Final = BLOCK_SIZE - 1  # a step's block phase: the step counter & _MASK (`DecodeBatch`)
 
-SCALES_MAX = 1 << 16
+SCALES_MAX: Final = 1 << 16
 """(input, output) token pairs an engine keeps the prefill scale of (`_scale`)."""
 
-_SERVER_BATCHED_TOKENS = 2048
-_LARGE_GPU_SERVER_BATCHED_TOKENS = 8192
+_SERVER_BATCHED_TOKENS: Final = 2048
+_LARGE_GPU_SERVER_BATCHED_TOKENS: Final = 8192
 
 
 def default_max_num_batched_tokens(spec: InstanceSpec) -> int:

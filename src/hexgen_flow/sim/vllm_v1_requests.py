@@ -14,13 +14,17 @@ the next finishing step (a heap with lazy deletion).
 from __future__ import annotations
 
 import heapq
+from typing import Final
 
 from hexgen_flow.runtime import CallTicket
 from hexgen_flow.sim.prefix_cache import PrefixEntry
 
 __all__ = ["DECODE", "FINISHED", "PREFILL", "WAITING", "DecodeBatch", "Request"]
 
-WAITING, PREFILL, DECODE, FINISHED = range(4)
+WAITING: Final = 0
+PREFILL: Final = 1
+DECODE: Final = 2
+FINISHED: Final = 3
 
 
 class Request:

@@ -1,0 +1,158 @@
+"""Compile the simulator's hot modules with mypyc (optional: a faster simulator, same results).
+
+    .venv/bin/python scripts/compile_core.py           # in place: extensions beside the sources
+    .venv/bin/python scripts/compile_core.py --clean   # remove them: back to pure Python
+    .venv/bin/python scripts/compile_core.py --check   # fail if a built module's source changed
+    .venv/bin/python scripts/compile_core.py --tree build/compiled  # a compiled copy of src/
+
+`MODULES` are the modules that hold the simulator's time under cProfile: the engine models,
+the dispatcher, queues and budgets, the event loop, the protocol, the scheduler and the
+ledger. mypyc turns each into a C extension (``<module>.cpython-311-<platform>.so``) placed
+beside its ``.py`` under ``src/``, plus one shared library ``src/*__mypyc.*.so`` that they
+all load, and records the sources' hashes in ``src/.mypyc-sources.json``. Python's import
+system prefers an extension module to the ``.py`` of the same name, so once built the
+compiled modules run for everything that imports ``hexgen_flow`` from this tree (the
+editable install included); without them, or after ``--clean``, the same sources run as
+Python. The compiled code computes the same floats in the same order (mypyc keeps Python's
+``float`` and ``int`` semantics), so results are byte-identical
+(docs/experiments/2026-12-06-compiled-simulator.md).
+
+An extension is tied to this Python version and to the source it was built from: after
+editing a compiled module, rebuild or ``--clean``, or the stale extension keeps running
+(``--check``, which tests/test_compiled_modules.py runs, catches it). ``--tree DIR`` copies
+``src/`` and ``pyproject.toml`` to DIR and compiles there, leaving this tree as it is (CI:
+`make test-compiled`). Needs mypy (the ``dev`` extra) and a C compiler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any, cast
+
+ROOT = Path(__file__).resolve().parent.parent
+
+MODULES = [
+    "hexgen_flow/sim/vllm_v1.py",
+    "hexgen_flow/sim/vllm_v1_requests.py",
+    "hexgen_flow/sim/prefix_cache.py",
+    "hexgen_flow/sim/engine.py",
+    "hexgen_flow/sim/simulator.py",
+    "hexgen_flow/policies/base.py",
+    "hexgen_flow/policies/dispatch.py",
+    "hexgen_flow/policies/queues.py",
+    "hexgen_flow/policies/budget.py",
+    "hexgen_flow/runtime.py",
+    "hexgen_flow/protocol.py",
+    "hexgen_flow/scheduler.py",
+    "hexgen_flow/estimate.py",
+    "hexgen_flow/prefix.py",
+    "hexgen_flow/workload.py",
+    "hexgen_flow/cluster.py",
+]
+"""The compiled modules, relative to ``src/``."""
+
+STAMP = ".mypyc-sources.json"
+"""Under ``src/``: the SHA-256 of each compiled module's source when it was built."""
+
+
+def built(src: Path) -> list[Path]:
+    """The extension modules and the shared library a build placed under `src`."""
+    found: list[Path] = []
+    for module in MODULES:
+        found += [Path(p) for p in glob.glob(f"{src / module[: -len('.py')]}.*.so")]
+    found += [Path(p) for p in glob.glob(str(src / "*__mypyc.*.so"))]
+    return found
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def clean(src: Path) -> None:
+    for path in [*built(src), src / STAMP]:
+        if path.exists():
+            path.unlink()
+            print(f"removed {path}")
+
+
+def stale(src: Path) -> list[str]:
+    """What is wrong with the compiled modules under `src` (none built: nothing)."""
+    extensions = built(src)
+    if not extensions:
+        return []
+    stamp = src / STAMP
+    if not stamp.exists():
+        return [f"{len(extensions)} extension modules under {src} without {STAMP}"]
+    hashes = json.loads(stamp.read_text(encoding="utf-8"))
+    problems = [
+        f"{module} changed since it was compiled"
+        for module in MODULES
+        if hashes.get(module) != digest(src / module)
+    ]
+    missing = [m for m in MODULES if not glob.glob(f"{src / m[: -len('.py')]}.*.so")]
+    problems += [f"{module} is not compiled" for module in missing]
+    return problems
+
+
+def build(root: Path, opt_level: str) -> None:
+    from mypyc.build import mypycify  # noqa: PLC0415 - only a build needs mypy
+    from setuptools import setup  # noqa: PLC0415
+
+    # From the tree's root, so that mypy reads the project's settings (pyproject.toml:
+    # strict, mypy_path) and names the modules from src/ (explicit_package_bases).
+    os.chdir(root)
+    extensions = mypycify(
+        [f"src/{module}" for module in MODULES], opt_level=opt_level, target_dir="build/mypyc"
+    )
+    setup(
+        name="hexgen-flow-compiled",
+        package_dir={"": "src"},  # --inplace: each extension beside its .py under src/
+        ext_modules=cast(Any, extensions),  # mypyc's Extension type is distutils'/setuptools
+        script_args=["build_ext", "--inplace", "--build-temp", "build/mypyc-temp"],
+    )
+    hashes = {module: digest(root / "src" / module) for module in MODULES}
+    (root / "src" / STAMP).write_text(json.dumps(hashes, indent=1) + "\n", encoding="utf-8")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    what = parser.add_mutually_exclusive_group()
+    what.add_argument("--clean", action="store_true", help="remove the compiled modules")
+    what.add_argument("--check", action="store_true", help="fail if a compiled module is stale")
+    what.add_argument("--tree", type=Path, help="compile a copy of src/ in TREE/src instead")
+    parser.add_argument("--opt-level", default="3", help="the C compiler's -O level (mypyc's)")
+    args = parser.parse_args()
+    root = ROOT
+    if args.check:
+        problems = stale(root / "src")
+        for problem in problems:
+            print(f"compile_core: {problem}: rerun scripts/compile_core.py (or --clean)")
+        return 1 if problems else 0
+    if args.tree is not None:
+        root = args.tree.resolve()
+        shutil.rmtree(root / "src", ignore_errors=True)
+        shutil.copytree(
+            ROOT / "src", root / "src", ignore=shutil.ignore_patterns("*.so", "__pycache__")
+        )
+        shutil.copy2(ROOT / "pyproject.toml", root / "pyproject.toml")
+    clean(root / "src")
+    if args.clean:
+        return 0
+    start = time.monotonic()
+    build(root, args.opt_level)
+    print(
+        f"compiled {len(MODULES)} modules into {root / 'src'} in {time.monotonic() - start:.0f} s"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
