@@ -8,13 +8,17 @@
 `MODULES` are the modules that hold the simulator's time under cProfile: the engine models,
 the dispatcher, queues and budgets, the event loop, the protocol, the scheduler and the
 ledger. mypyc turns each into a C extension (``<module>.cpython-311-<platform>.so``) placed
-beside its ``.py`` under ``src/``, plus one shared library ``src/*__mypyc.*.so`` that they
-all load, and records the sources' hashes in ``src/.mypyc-sources.json``. Python's import
-system prefers an extension module to the ``.py`` of the same name, so once built the
-compiled modules run for everything that imports ``hexgen_flow`` from this tree (the
-editable install included); without them, or after ``--clean``, the same sources run as
-Python. The compiled code computes the same floats in the same order (mypyc keeps Python's
-``float`` and ``int`` semantics), so results are byte-identical
+beside its ``.py`` under ``src/``, plus one shared library that they all load, a top-level
+module (``<hash>__mypyc``) that this script moves into the package,
+``src/hexgen_flow/*__mypyc.*.so``, where ``hexgen_flow/__init__.py`` registers it: a
+top-level module under ``src/`` would not be importable through the editable install, which
+maps the package, not ``src/``, onto the import path. It records the sources' hashes in
+``src/.mypyc-sources.json``. Python's import system prefers an extension module to the
+``.py`` of the same name, so once built the compiled modules run for everything that imports
+``hexgen_flow`` from this tree (the editable install included); without them, or after
+``--clean``, the same sources run as Python. The compiled code computes the same floats in
+the same order (mypyc keeps Python's ``float`` and ``int`` semantics), so results are
+byte-identical
 (docs/experiments/2026-12-06-compiled-simulator.md).
 
 An extension is tied to this Python version and to the source it was built from: after
@@ -59,6 +63,9 @@ MODULES = [
 ]
 """The compiled modules, relative to ``src/``."""
 
+PACKAGE = "hexgen_flow"
+"""Where the shared library goes (its ``__init__`` registers it)."""
+
 STAMP = ".mypyc-sources.json"
 """Under ``src/``: the SHA-256 of each compiled module's source when it was built."""
 
@@ -68,7 +75,8 @@ def built(src: Path) -> list[Path]:
     found: list[Path] = []
     for module in MODULES:
         found += [Path(p) for p in glob.glob(f"{src / module[: -len('.py')]}.*.so")]
-    found += [Path(p) for p in glob.glob(str(src / "*__mypyc.*.so"))]
+    found += [Path(p) for p in glob.glob(str(src / "*__mypyc.*.so"))]  # an older layout
+    found += [Path(p) for p in glob.glob(str(src / PACKAGE / "*__mypyc.*.so"))]
     return found
 
 
@@ -118,6 +126,8 @@ def build(root: Path, opt_level: str) -> None:
         ext_modules=cast(Any, extensions),  # mypyc's Extension type is distutils'/setuptools
         script_args=["build_ext", "--inplace", "--build-temp", "build/mypyc-temp"],
     )
+    for shared in glob.glob(str(root / "src" / "*__mypyc.*.so")):
+        shutil.move(shared, root / "src" / PACKAGE / Path(shared).name)
     hashes = {module: digest(root / "src" / module) for module in MODULES}
     (root / "src" / STAMP).write_text(json.dumps(hashes, indent=1) + "\n", encoding="utf-8")
 
