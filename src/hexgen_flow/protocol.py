@@ -485,22 +485,37 @@ class Scheduler:
         scheduler plans with: believed output lengths where it learns them)."""
         return self._declared.get(run, run.query)
 
-    def _submit(self, e: Submit) -> tuple[Action, ...]:
-        policy = self.policy
-        declared = e.query
-        # A session's calls come one by one, each with its own declared length: believed
-        # as declared.
-        query = declared if e.session else self.believe(declared)
-        run = policy.admit(query, e.order, e.now, e.slo_s)
+    def _admit(
+        self,
+        declared: Query,
+        order: int,
+        arrival_s: float,
+        slo_s: float,
+        *,
+        session: bool,
+        best_effort: bool,
+    ) -> QueryRun:
+        """A new run of `declared`, planned with the output lengths believed now (a
+        session's calls come one by one, each with its own declared length: believed as
+        declared); a best-effort one comes after every query held to its SLO in each
+        deadline-ordered queue and budget. What `Submit` and `Resume` both start from."""
+        query = declared if session else self.believe(declared)
+        run = self.policy.admit(query, order, arrival_s, slo_s)
         if query is not declared:
             self._declared[run] = declared
+        if best_effort:
+            run.best_effort = True
+            run.deadline_s += BEST_EFFORT_DELAY_S
+        return run
+
+    def _submit(self, e: Submit) -> tuple[Action, ...]:
+        run = self._admit(
+            e.query, e.order, e.now, e.slo_s, session=e.session, best_effort=e.best_effort
+        )
         if e.session:
             run.start_session()
         self.runs[run] = []
         if e.best_effort:
-            # After every query held to its SLO in each deadline-ordered queue and budget.
-            run.best_effort = True
-            run.deadline_s += BEST_EFFORT_DELAY_S
             run.state = QueryState.WAITING
             return (Admitted(run),)
         out: list[Action] = [Admitted(run)]
@@ -802,17 +817,17 @@ class Scheduler:
         """`stored`'s run and its released calls not done, as `Submit` and the stages'
         releases since would have left them (the budget replayed in release order)."""
         policy = self.policy
-        declared = stored.query
-        session = stored.given is not None
-        query = declared if session else self.believe(declared)
-        run = policy.admit(query, stored.order, stored.arrival_s, stored.slo_s)
-        if query is not declared:
-            self._declared[run] = declared
+        run = self._admit(
+            stored.query,
+            stored.order,
+            stored.arrival_s,
+            stored.slo_s,
+            session=stored.given is not None,
+            best_effort=stored.best_effort,  # released already: it runs (RUNNING), last
+        )
+        query = run.query
         if stored.given is not None:
             run.given = list(stored.given)
-        if stored.best_effort:  # released already: it runs, after every query held to its SLO
-            run.best_effort = True
-            run.deadline_s += BEST_EFFORT_DELAY_S
         run.calls_left = stored.calls_left
         released: list[tuple[float, int]] = []
         for k, stage in enumerate(stored.stages):

@@ -429,23 +429,28 @@ class WorkflowStore:
 
     async def learned(self) -> dict[str, str]:
         """The cost learners' states kept by `save_learned`, by instance name."""
-        raw = await self.redis.hgetall(self.key(schema.LEARNED))
-        return {k.decode(): v.decode() for k, v in raw.items()}
+        return await self._strings(schema.LEARNED)
 
     async def save_learned(self, states: Mapping[str, str]) -> None:
-        if states:
-            fields: dict[str | bytes, bytes | float | int | str] = dict(states.items())
-            await self.redis.hset(self.key(schema.LEARNED), mapping=fields)
+        await self._set_strings(schema.LEARNED, states)
 
     async def lengths(self) -> dict[str, str]:
         """The output-length belief's state kept by `save_lengths`, by step type."""
-        raw = await self.redis.hgetall(self.key(schema.LENGTHS))
-        return {k.decode(): v.decode() for k, v in raw.items()}
+        return await self._strings(schema.LENGTHS)
 
     async def save_lengths(self, states: Mapping[str, str]) -> None:
-        if states:
-            fields: dict[str | bytes, bytes | float | int | str] = dict(states.items())
-            await self.redis.hset(self.key(schema.LENGTHS), mapping=fields)
+        await self._set_strings(schema.LENGTHS, states)
+
+    async def _strings(self, name: str) -> dict[str, str]:
+        """The fixed hash `name`, decoded."""
+        raw = await self.redis.hgetall(self.key(name))
+        return {k.decode(): v.decode() for k, v in raw.items()}
+
+    async def _set_strings(self, name: str, values: Mapping[str, str]) -> None:
+        """Set `values`' fields of the fixed hash `name` (nothing when empty)."""
+        if values:
+            fields: dict[str | bytes, bytes | float | int | str] = dict(values.items())
+            await self.redis.hset(self.key(name), mapping=fields)
 
     # ------------------------------------------------------------------ queries
 
