@@ -96,6 +96,26 @@ def test_a_call_goes_queued_running_done_and_its_query_finishes() -> None:
         finish.now = 0.0  # type: ignore[misc]  # frozen
 
 
+def test_call_done_applies_the_effect_the_driver_already_applied_not_a_new_one() -> None:
+    """The coordinator evaluates a completion's effect once, hands it to Redis, and passes
+    that very effect in `CallDone`: the core applies it instead of evaluating the release
+    rule again (here an effect the state would not give, so re-evaluating would show)."""
+    core = _core()
+    actions = core.handle(Submit(_query(wide=3), 0, 0.0, 300.0))
+    run = actions[0].run  # type: ignore[union-attr]
+    (kw,) = _released(actions)
+    effect = run.completion_effect(kw.stage)
+    assert effect.finishes_stage and effect.released == (1,)
+    candidates = _released(core.handle(CallDone(kw, 1.0, effect=effect)))
+    assert [t.stage for t in candidates] == [1, 1, 1]
+    # Evaluated now, the first candidate's effect finishes nothing; the driver's says
+    # the stage and the query finish (what Redis applied), and that is what happens.
+    assert run.completion_effect(1) == (False, (), False)
+    given = run.completion_effect(1)._replace(finishes_stage=True, finishes_query=True)
+    (finish,) = core.handle(CallDone(candidates[0], 2.0, effect=given))
+    assert finish == Finish(run, 2.0) and run.stage_finished_s[1] == 2.0
+
+
 def test_a_best_effort_query_is_a_state_that_waits_then_runs_last() -> None:
     core = _core()
     run = _submit(core, _query(), best_effort=True)

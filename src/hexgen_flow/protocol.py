@@ -36,7 +36,7 @@ from hexgen_flow.admission import BEST_EFFORT_DELAY_S
 from hexgen_flow.learning import CallCost
 from hexgen_flow.lengths import MaxTokensBelief, OutputLengthPredictor, believed_query
 from hexgen_flow.policies.base import NoInstanceError
-from hexgen_flow.runtime import CallState, CallTicket, QueryRun, QueryState
+from hexgen_flow.runtime import CallState, CallTicket, CompletionEffect, QueryRun, QueryState
 from hexgen_flow.scheduler import CallMoved, DeadlineChanged, GlobalScheduler
 from hexgen_flow.workload import LLMCall, Query
 
@@ -114,11 +114,15 @@ class CallDone(NamedTuple):
     """The call finished (or a session's call was skipped, on no instance): the stage
     counts it, which may finish the stage (revising the query's waiting calls), release
     stages that waited for it, and finish the query. `cost`: what it cost its instance, as
-    the driver measured it (`hexgen_flow.learning.CostMeter`), for cost learning."""
+    the driver measured it (`hexgen_flow.learning.CostMeter`), for cost learning.
+    `effect`: the call's `QueryRun.completion_effect` where the driver evaluated it to
+    apply it elsewhere first (the coordinator's Redis completion script): the core applies
+    that very effect instead of evaluating the release rule again."""
 
     ticket: CallTicket
     now: float
     cost: CallCost | None = None
+    effect: CompletionEffect | None = None
 
 
 class CallFailed(NamedTuple):
@@ -578,7 +582,13 @@ class Scheduler:
     def _call_done(self, e: CallDone) -> tuple[Action, ...]:
         return self._done(*e)
 
-    def _done(self, ticket: CallTicket, now: float, cost: CallCost | None) -> tuple[Action, ...]:
+    def _done(
+        self,
+        ticket: CallTicket,
+        now: float,
+        cost: CallCost | None,
+        effect: CompletionEffect | None = None,
+    ) -> tuple[Action, ...]:
         # Runs for every call: `_released` and the grouping by stage are inlined.
         if cost is not None:
             self.policy.observe_cost(cost)
@@ -587,7 +597,7 @@ class Scheduler:
         ticket.state = _DONE
         if self._parked:
             self._parked.pop(ticket.seq, None)
-        released = self.policy.complete(ticket, now)
+        released = self.policy.complete(ticket, now, effect)
         run = ticket.run
         assert run is not None, "CallDone needs the ticket's QueryRun"
         stage_done = run.stage_finished_s[ticket.stage] is not None

@@ -195,10 +195,15 @@ class QueryRun:
         released = tuple(j for j in self.query.workflow.dependents[stage] if deps[j] == 1)
         return CompletionEffect(True, released, self.calls_left == 1)
 
-    def complete_call(self, stage: int, now: float) -> list[int]:
-        """Record that one call of `stage` finished at `now` (`completion_effect`); return
-        the stages it releases."""
-        effect = self.completion_effect(stage)
+    def complete_call(
+        self, stage: int, now: float, effect: CompletionEffect | None = None
+    ) -> list[int]:
+        """Record that one call of `stage` finished at `now`; return the stages it releases.
+        `effect`: what `completion_effect(stage)` gave the driver, which applied it
+        elsewhere first (the coordinator, in Redis); the very same effect is applied here,
+        not evaluated again. None: evaluated now."""
+        if effect is None:
+            effect = self.completion_effect(stage)
         self.stage_calls_left[stage] -= 1
         if effect.finishes_stage:
             self.stage_finished_s[stage] = now

@@ -25,7 +25,14 @@ from hexgen_flow.learning import CallCost, CostLearner, LearnerSettings
 from hexgen_flow.policies.base import Dispatcher, LocalQueue, NoInstanceError, StageBudget
 from hexgen_flow.policies.presets import Preset
 from hexgen_flow.policies.registration import BUDGETS, DISPATCHERS, QUEUES
-from hexgen_flow.runtime import CallState, CallTicket, ClusterLoad, PolicyContext, QueryRun
+from hexgen_flow.runtime import (
+    CallState,
+    CallTicket,
+    ClusterLoad,
+    CompletionEffect,
+    PolicyContext,
+    QueryRun,
+)
 from hexgen_flow.workload import LLMCall, Query
 
 __all__ = [
@@ -324,8 +331,12 @@ class GlobalScheduler:
             self.load.on_complete(ticket)
             ticket.instance = -1
 
-    def complete(self, ticket: CallTicket, now: float) -> list[CallTicket]:
+    def complete(
+        self, ticket: CallTicket, now: float, effect: CompletionEffect | None = None
+    ) -> list[CallTicket]:
         """A call finished: update the ledger and the query; return the calls it releases.
+        `effect`: the call's `QueryRun.completion_effect`, where the driver already
+        evaluated it (`QueryRun.complete_call`).
 
         A ticket that is on no instance's ledger (a service resuming calls that finished
         while it was down) only updates the query.
@@ -337,7 +348,7 @@ class GlobalScheduler:
         run = ticket.run
         assert run is not None, "complete() needs the ticket's QueryRun"
         # `call_done`, inlined: this runs for every call
-        stages = run.complete_call(ticket.stage, now)
+        stages = run.complete_call(ticket.stage, now, effect)
         if not stages:
             return []
         released: list[CallTicket] = []

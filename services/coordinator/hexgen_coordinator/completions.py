@@ -215,7 +215,8 @@ class Completions:
                     msg.finished_s - msg.started_s if msg.finished_s > msg.started_s > 0 else None
                 )
                 cost = self.meters[ran_on].finished(ticket, now, service)
-            actions = self.core.handle(CallDone(ticket, now, cost))
+            # The very effect Redis applied (evaluated once, above; the query's lock held).
+            actions = self.core.handle(CallDone(ticket, now, cost, effect))
             if entry.session is not None:
                 entry.session.last_done_s = now
             record_event(
@@ -307,7 +308,8 @@ class Completions:
         ledger.drop_prompt(entry, call_id)
         assert entry.session is not None
         entry.session.skipped.add(call_id)
-        actions = self.core.handle(CallDone(ticket, now))  # on no instance: no load to free
+        # On no instance: no load to free; the effect Redis applied, not evaluated again.
+        actions = self.core.handle(CallDone(ticket, now, effect=effect))
         record_event(
             entry,
             K.QUERY_EVENT_KIND_CALL_SKIPPED,
