@@ -260,3 +260,95 @@ def test_the_sdk_imports_without_the_server_packages_redis_or_numpy() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("ok")
+
+
+# ------------------------------------------------------------------ the worker stream's edge
+
+WORKER_WIRE = ("service.py", "worker_wire.py")
+"""The coordinator's modules that may import the worker protocol's protobuf: the gRPC
+servicer and its translator. Every other module works on `worker_messages`' types, so that
+the coordinator's state is kept and tested apart from the wire (issue 28)."""
+
+_WORKER_PROTOBUF = ("worker_pb2", "worker_pb2_grpc")
+
+
+def _runtime_imports(node: ast.AST) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement under `node` except those of ``if TYPE_CHECKING:`` (whose
+    ``else:`` does run)."""
+    found: list[ast.Import | ast.ImportFrom] = []
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.Import | ast.ImportFrom):
+            found.append(child)
+        elif isinstance(child, ast.If) and (
+            (isinstance(child.test, ast.Name) and child.test.id == "TYPE_CHECKING")
+            or (isinstance(child.test, ast.Attribute) and child.test.attr == "TYPE_CHECKING")
+        ):
+            for stmt in child.orelse:
+                found += _runtime_imports(ast.Module(body=[stmt], type_ignores=[]))
+        else:
+            found += _runtime_imports(child)
+    return found
+
+
+def _imported_names(node: ast.Import | ast.ImportFrom) -> list[str]:
+    """The dotted names a statement imports: ``from a.b import c`` gives ``a.b`` and
+    ``a.b.c`` (c may be a module)."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    module = "." * node.level + (node.module or "")
+    return [module, *(f"{module}.{alias.name}".lstrip(".") for alias in node.names)]
+
+
+def worker_protobuf_importers(package_dir: Path) -> dict[str, list[str]]:
+    """File name -> the names of the worker protocol's protobuf it imports, for every module
+    of `package_dir` that imports one anywhere (in functions and TYPE_CHECKING blocks too:
+    a type is speaking the wire as much as a value is)."""
+    found: dict[str, list[str]] = {}
+    for path in sorted(package_dir.rglob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                for name in _imported_names(node):
+                    if name.split(".")[-1] in _WORKER_PROTOBUF:
+                        found.setdefault(path.name, []).append(name)
+    return found
+
+
+def test_only_the_servicer_speaks_the_worker_protobuf() -> None:
+    found = worker_protobuf_importers(PACKAGES["hexgen_coordinator"])
+    others = {name: names for name, names in found.items() if name not in WORKER_WIRE}
+    assert not others, (
+        f"coordinator modules besides {WORKER_WIRE} import the worker protocol's protobuf "
+        f"(translate at the edge, hexgen_coordinator.worker_wire): {others}"
+    )
+    assert set(found) == set(WORKER_WIRE)  # the edge itself still exists
+
+
+def test_the_worker_protobuf_check_finds_every_form(tmp_path: Path) -> None:
+    """The check above sees each way of importing the module, a function's too."""
+    forms = {
+        "a.py": "from hexgen_api.v1 import worker_pb2 as wpb\n",
+        "b.py": "import hexgen_api.v1.worker_pb2\n",
+        "c.py": "from hexgen_api.v1.worker_pb2 import CallFinished\n",
+        "d.py": "def f():\n    from hexgen_api.v1 import worker_pb2_grpc\n",
+        "e.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+        "    from hexgen_api.v1 import worker_pb2\n",
+        "clean.py": "from hexgen_api.v1 import coordinator_pb2, workflow_pb2\n",
+    }
+    for name, text in forms.items():
+        (tmp_path / name).write_text(text)
+    assert sorted(worker_protobuf_importers(tmp_path)) == ["a.py", "b.py", "c.py", "d.py", "e.py"]
+
+
+def test_the_worker_messages_import_no_protobuf_or_grpc() -> None:
+    """The domain types of the worker protocol run without protobuf and grpc: only a type
+    annotation names the client API's messages that a dispatch carries untouched."""
+    path = PACKAGES["hexgen_coordinator"] / "worker_messages.py"
+    tree = ast.parse(path.read_text(), filename=str(path))
+    wire = [
+        name
+        for node in _runtime_imports(tree)
+        for name in _imported_names(node)
+        if name.split(".")[0] in ("hexgen_api", "google", "grpc")
+    ]
+    assert not wire, f"worker_messages imports the wire at run time: {wire}"

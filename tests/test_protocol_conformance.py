@@ -5,13 +5,15 @@ event it was handed and every action it returned. That very event sequence is th
 to a real coordinator (real Redis under a fresh prefix, its real admission, completion,
 dispatch and worker-link code) the way its workers and clients would deliver it: each
 submission as a SubmitQuery, each start and finish as the CallStarted / CallFinished a
-worker on the simulator's instance sends, an α change as SetAlpha, each at the cluster time
-the simulator had (a hand-set cluster clock). The test then asserts that
+worker on the simulator's instance sends (decoded as the servicer decodes them,
+`hexgen_coordinator.worker_wire`), an α change as SetAlpha, each at the cluster time the
+simulator had (a hand-set cluster clock). The test then asserts that
 
 - the coordinator's core was handed the same events and returned the same actions (the
   same calls released to the same instances with the same deadlines, the same new
   deadlines and moves, the same queries finished, bit for bit), and
-- what reached each worker's stream is what the simulator did with those actions: a
+- what reached each worker's stream (each command of its link's outbox encoded as the
+  servicer's writer encodes it) is what the simulator did with those actions: a
   dispatch to the instance where the simulator queued the call, with its deadline, an
   UpdateDeadline where it re-queued one, a cancel and a dispatch where it moved one.
 
@@ -38,6 +40,12 @@ from hexgen_api.v1 import worker_pb2 as wpb
 from hexgen_client.convert import submit_request
 from hexgen_coordinator.config import CoordinatorConfig
 from hexgen_coordinator.coordinator import Coordinator, WorkerLink
+from hexgen_coordinator.worker_wire import (
+    decode_finished,
+    decode_hello,
+    decode_started,
+    encode_command,
+)
 from hexgen_flow.cluster import parse_cluster
 from hexgen_flow.lengths import OutputLengths
 from hexgen_flow.policies.presets import resolve_policy
@@ -273,9 +281,10 @@ def drain(
     got: list[tuple[Any, ...]] = []
     for slot, link in enumerate(links):
         while not link.outbox.empty():
-            message = link.outbox.get_nowait()
-            if message is None:
+            command = link.outbox.get_nowait()
+            if command is None:
                 continue
+            message = encode_command(command)  # what the servicer's writer sends
             kind = message.WhichOneof("message")
             if kind == "dispatch":
                 if asked is not None:
@@ -396,7 +405,8 @@ async def test_both_drivers_take_the_same_actions_for_the_same_events(
     links = []
     for slot, gpu in enumerate(CLUSTER.split(",")):
         link = WorkerLink(worker_id=f"conformance-{slot}", engine="ENGINE_KIND_SIMULATED")
-        coordinator.connect(wpb.WorkerHello(worker_id=link.worker_id, slot=slot, gpu=gpu), link)
+        hello = wpb.WorkerHello(worker_id=link.worker_id, slot=slot, gpu=gpu)
+        coordinator.connect(decode_hello(hello), link)
         links.append(link)
     drain(links)  # the welcomes
     steps: list[Step] = []
@@ -427,12 +437,11 @@ async def test_both_drivers_take_the_same_actions_for_the_same_events(
             clock.set(now)
             link = links[ran_on[key]]
             if kind == "CallStarted":
-                coordinator.on_started(link, wpb.CallStarted(call_id=key))
+                coordinator.on_started(link, decode_started(wpb.CallStarted(call_id=key)))
             else:
                 generated = truth[key]  # what the simulated engine generated
-                await coordinator.on_finished(
-                    link, wpb.CallFinished(call_id=key, output_tokens=generated)
-                )
+                finished = wpb.CallFinished(call_id=key, output_tokens=generated)
+                await coordinator.on_finished(link, decode_finished(finished))
         elif kind == "AlphaChanged":
             await coordinator.set_alpha(event[1], "conformance test")
         else:

@@ -12,7 +12,6 @@ import time
 from collections.abc import Sequence
 
 from hexgen_api.v1 import coordinator_pb2 as cpb
-from hexgen_api.v1 import worker_pb2 as wpb
 from hexgen_coordinator.dispatch import Dispatch
 from hexgen_coordinator.events import end_watch, record_event
 from hexgen_coordinator.ledger import ActiveQuery, Ledger, call_id_of, parse_call_id
@@ -20,6 +19,7 @@ from hexgen_coordinator.links import WorkerLink
 from hexgen_coordinator.redis_retry import until_stored
 from hexgen_coordinator.store import COMPLETE_DUPLICATE, FailureResult, WorkflowStore
 from hexgen_coordinator.views import QueryViews
+from hexgen_coordinator.worker_messages import CancelRun, Finished, Started, Tokens
 from hexgen_coordinator.write_behind import WriteBehind
 from hexgen_flow.cluster import Cluster
 from hexgen_flow.learning import CostMeter
@@ -77,7 +77,7 @@ class Completions:
         if self.meters is not None and 0 <= slot < len(self.meters):
             self.meters[slot].dropped(ticket, self.ledger.clock.now())
 
-    def on_started(self, link: WorkerLink, msg: wpb.CallStarted) -> None:
+    def on_started(self, link: WorkerLink, msg: Started) -> None:
         ledger = self.ledger
         ticket = ledger.tickets.get(msg.call_id)
         entry = ledger.active.get(ticket.query_id) if ticket else None
@@ -98,7 +98,7 @@ class Completions:
         )
         self.writes.persist(entry, [])  # a crash keeps the start in the log
 
-    def on_tokens(self, link: WorkerLink, msg: wpb.CallTokens) -> None:
+    def on_tokens(self, link: WorkerLink, msg: Tokens) -> None:
         ledger = self.ledger
         ticket = ledger.tickets.get(msg.call_id)
         entry = ledger.active.get(ticket.query_id) if ticket else None
@@ -125,7 +125,7 @@ class Completions:
             return f"attempt {attempt} is not the latest ({ticket.attempt})"
         return None
 
-    async def on_finished(self, link: WorkerLink, msg: wpb.CallFinished) -> None:
+    async def on_finished(self, link: WorkerLink, msg: Finished) -> None:
         t0 = time.perf_counter()
         ledger = self.ledger
         call_id = msg.call_id
@@ -324,7 +324,7 @@ class Completions:
         return list(actions)
 
     async def _failed(
-        self, entry: ActiveQuery, ticket: CallTicket, link: WorkerLink, msg: wpb.CallFinished
+        self, entry: ActiveQuery, ticket: CallTicket, link: WorkerLink, msg: Finished
     ) -> None:
         """An attempt of a call failed: retry it elsewhere after a backoff, or, at the
         attempt limit, end the query FAILED (the caller holds the query's lock)."""
@@ -474,7 +474,7 @@ class Completions:
             if action.instance >= 0:
                 link = ledger.links[action.instance]
                 if link is not None:
-                    link.send(wpb.ConnectResponse(cancel=wpb.CancelCall(call_id=ticket.call_id)))
+                    link.send(CancelRun(ticket.call_id))
                 self._meter_dropped(ticket, action.instance)
         query_id = entry.run.query.query_id
         for ticket in [t for t in ledger.tickets.values() if t.query_id == query_id]:

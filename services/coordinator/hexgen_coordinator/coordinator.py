@@ -12,6 +12,8 @@ call on:
 - `completions`: what workers report about their calls, and cancellation;
 - `sessions` (with `session_store`): workflows whose calls arrive one by one;
 - `workers` (with `links`): slots, worker reconnects, lost workers, heartbeats;
+- `worker_messages`: the worker protocol as these parts speak it, plain values that the
+  gRPC servicer (`service`, through `worker_wire`) alone translates to and from protobuf;
 - `recovery`: rebuilding running queries from Redis after a restart;
 - `events`, `views`: a query's event log and watchers, what clients read;
 - `write_behind`: persistence off the critical path; `store`: Redis itself.
@@ -31,7 +33,6 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from hexgen_api.v1 import coordinator_pb2 as cpb
-from hexgen_api.v1 import worker_pb2 as wpb
 from hexgen_coordinator import events
 from hexgen_coordinator.admission import Admission
 from hexgen_coordinator.completions import Completions
@@ -47,6 +48,7 @@ from hexgen_coordinator.sessions import Sessions
 from hexgen_coordinator.shards import ShardLease
 from hexgen_coordinator.store import WorkflowStore
 from hexgen_coordinator.views import QueryViews, UnknownQueryError
+from hexgen_coordinator.worker_messages import Finished, Heartbeat, Hello, Started, Tokens, Welcome
 from hexgen_coordinator.workers import WorkerSlots
 from hexgen_coordinator.write_behind import WriteBehind
 from hexgen_flow.alpha import alpha_problem
@@ -385,7 +387,7 @@ class Coordinator:
 
     # ------------------------------------------------------------------ workers
 
-    def connect(self, hello: wpb.WorkerHello, link: WorkerLink) -> wpb.WorkerWelcome:
+    def connect(self, hello: Hello, link: WorkerLink) -> Welcome:
         """Give a worker its slot; raises InvalidFieldError / SlotTakenError."""
         return self._workers.connect(hello, link)
 
@@ -393,14 +395,14 @@ class Coordinator:
         """The worker's stream ended: its calls go elsewhere."""
         self._workers.disconnect(link, reason)
 
-    def on_heartbeat(self, link: WorkerLink, msg: wpb.WorkerHeartbeat) -> None:
+    def on_heartbeat(self, link: WorkerLink, msg: Heartbeat) -> None:
         self._workers.on_heartbeat(link, msg)
 
-    async def on_finished(self, link: WorkerLink, msg: wpb.CallFinished) -> None:
+    async def on_finished(self, link: WorkerLink, msg: Finished) -> None:
         await self._completions.on_finished(link, msg)
 
-    def on_started(self, link: WorkerLink, msg: wpb.CallStarted) -> None:
+    def on_started(self, link: WorkerLink, msg: Started) -> None:
         self._completions.on_started(link, msg)
 
-    def on_tokens(self, link: WorkerLink, msg: wpb.CallTokens) -> None:
+    def on_tokens(self, link: WorkerLink, msg: Tokens) -> None:
         self._completions.on_tokens(link, msg)

@@ -16,9 +16,9 @@ from collections.abc import Iterable, Sequence
 from opentelemetry import trace
 
 from hexgen_api.v1 import coordinator_pb2 as cpb
-from hexgen_api.v1 import worker_pb2 as wpb
 from hexgen_coordinator.events import record_event
 from hexgen_coordinator.ledger import ActiveQuery, Ledger, call_id_of
+from hexgen_coordinator.worker_messages import CancelRun, Finished, NewDeadline, Run
 from hexgen_coordinator.write_behind import WriteBehind
 from hexgen_flow.cluster import Cluster
 from hexgen_flow.protocol import (
@@ -33,7 +33,6 @@ from hexgen_flow.protocol import (
 from hexgen_flow.protocol import Dispatch as DispatchCall
 from hexgen_flow.runtime import CallTicket
 from hexgen_service import genai
-from hexgen_service.convert import ticket_to_dispatch
 from hexgen_service.telemetry import traceparent_of
 
 __all__ = ["Dispatch"]
@@ -138,7 +137,7 @@ class Dispatch:
             span.end()
 
     @staticmethod
-    def end_call_span(span: trace.Span, finished: wpb.CallFinished, model: str) -> None:
+    def end_call_span(span: trace.Span, finished: Finished, model: str) -> None:
         """A call finished: its span ends with the GenAI response attributes, the usage the
         engine reported (the declared prompt size stays where the engine does not count)."""
         span.set_attributes(
@@ -209,14 +208,12 @@ class Dispatch:
             prompts = entry.prompts[ticket.stage]
             index = ticket.index
             link.send(
-                wpb.ConnectResponse(
-                    dispatch=ticket_to_dispatch(
-                        ticket,
-                        prompts[index] if index < len(prompts) else "",
-                        traceparent_of(span),
-                        chat.messages if chat is not None else (),
-                        options,
-                    )
+                Run.of(
+                    ticket,
+                    prompts[index] if index < len(prompts) else "",
+                    traceparent_of(span),
+                    chat.messages if chat is not None else (),
+                    options,
                 )
             )
             record_event(
@@ -266,7 +263,7 @@ class Dispatch:
         if isinstance(action, CallMoved):
             source = links[action.source]
             if source is not None:
-                source.send(wpb.ConnectResponse(cancel=wpb.CancelCall(call_id=ticket.call_id)))
+                source.send(CancelRun(ticket.call_id))
             self._redispatched(
                 entry,
                 ticket,
@@ -279,8 +276,4 @@ class Dispatch:
         link = links[ticket.instance] if ticket.instance >= 0 else None
         if link is None:
             return  # waiting for its prompt or for an instance: nothing to tell
-        link.send(
-            wpb.ConnectResponse(
-                deadline=wpb.UpdateDeadline(call_id=ticket.call_id, deadline_s=action.deadline_s)
-            )
-        )
+        link.send(NewDeadline(ticket.call_id, action.deadline_s))

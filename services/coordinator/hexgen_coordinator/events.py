@@ -13,10 +13,10 @@ import weakref
 from collections.abc import AsyncIterator
 
 from hexgen_api.v1 import coordinator_pb2 as cpb
-from hexgen_api.v1 import worker_pb2 as wpb
 from hexgen_coordinator.ledger import ActiveQuery, Ledger
 from hexgen_coordinator.store import WorkflowStore
 from hexgen_coordinator.views import QueryViews
+from hexgen_coordinator.worker_messages import Finished
 from hexgen_coordinator.write_behind import WriteBehind
 from hexgen_service.errors import OverloadedError
 
@@ -52,7 +52,7 @@ def record_event(
     call_id: str = "",
     instance: str = "",
     text: str = "",
-    finished: wpb.CallFinished | None = None,
+    finished: Finished | None = None,
 ) -> None:
     """Log an event and hand it to the watchers; `finished` (CALL_FINISHED) is the
     worker's report, whose finish reason, tool calls and token counts the event carries."""
@@ -68,7 +68,10 @@ def record_event(
     )
     if finished is not None:
         event.finish_reason = finished.finish_reason
-        event.tool_calls.extend(finished.tool_calls)
+        for tool_call in finished.tool_calls:
+            event.tool_calls.add(
+                id=tool_call.id, name=tool_call.name, arguments=tool_call.arguments
+            )
         event.prompt_tokens = finished.prompt_tokens
         event.output_tokens = finished.output_tokens
     if kind != K.QUERY_EVENT_KIND_CALL_TOKENS:  # token chunks are live only

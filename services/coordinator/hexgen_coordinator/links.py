@@ -1,7 +1,8 @@
 """A worker's link to the coordinator, and which slot a worker's hello may take.
 
 Nothing here touches the coordinator's state: `hexgen_coordinator.workers` registers a
-link in the slot `slot_for` chose, and the gRPC servicer drains its outbox.
+link in the slot `slot_for` chose, and the gRPC servicer drains its outbox (the commands of
+`hexgen_coordinator.worker_messages`, which it encodes for the wire).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from hexgen_api.v1 import worker_pb2 as wpb
+from hexgen_coordinator.worker_messages import Ack, Command, Hello
 from hexgen_flow.cluster import Cluster
 from hexgen_service.errors import InvalidFieldError
 
@@ -28,7 +29,7 @@ class WorkerLink:
 
     worker_id: str
     engine: str
-    outbox: asyncio.Queue[wpb.ConnectResponse | None] = field(default_factory=asyncio.Queue)
+    outbox: asyncio.Queue[Command | None] = field(default_factory=asyncio.Queue)
     slot: int = -1
     last_seen: float = field(default_factory=time.monotonic)
     running: int = 0
@@ -37,7 +38,7 @@ class WorkerLink:
     closed: bool = False
     _acks: list[str] = field(default_factory=list)
 
-    def send(self, message: wpb.ConnectResponse) -> None:
+    def send(self, message: Command) -> None:
         if not self.closed:
             self.outbox.put_nowait(message)
 
@@ -49,7 +50,7 @@ class WorkerLink:
 
     def _send_acks(self) -> None:
         acks, self._acks = self._acks, []
-        self.send(wpb.ConnectResponse(ack=wpb.AckFinished(call_ids=acks)))
+        self.send(Ack(tuple(acks)))
 
     def close(self) -> None:
         """End the stream: the servicer's writer stops at the None."""
@@ -58,7 +59,7 @@ class WorkerLink:
             self.outbox.put_nowait(None)
 
 
-def slot_for(hello: wpb.WorkerHello, cluster: Cluster, links: Sequence[WorkerLink | None]) -> int:
+def slot_for(hello: Hello, cluster: Cluster, links: Sequence[WorkerLink | None]) -> int:
     """The slot a worker gets: the one it asks for, else the first free one of its GPU type
     (or the one it already holds); raises InvalidFieldError / SlotTakenError."""
     gpu = hello.gpu.strip().lower()

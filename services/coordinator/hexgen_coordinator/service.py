@@ -1,6 +1,10 @@
 """gRPC adapters of the coordinator: protobuf in, protobuf out, errors as statuses; and
 their registration on a server (`add_coordinator_services`, `add_worker_service`) through
-the edge's guarded deserializers (`hexgen_coordinator.edge.add_services`)."""
+the edge's guarded deserializers (`hexgen_coordinator.edge.add_services`).
+
+The worker stream is translated here, at the edge (`hexgen_coordinator.worker_wire`): the
+coordinator gets the reports of `hexgen_coordinator.worker_messages` and puts that module's
+commands in a link's outbox, which the stream's writer encodes."""
 
 from __future__ import annotations
 
@@ -25,6 +29,15 @@ from hexgen_coordinator.coordinator import (
 )
 from hexgen_coordinator.edge import add_services, request_limits, statuses
 from hexgen_coordinator.shards import OWNER_METADATA
+from hexgen_coordinator.worker_wire import (
+    decode_finished,
+    decode_heartbeat,
+    decode_hello,
+    decode_started,
+    decode_tokens,
+    encode_command,
+    hello_problem,
+)
 from hexgen_flow.workload import DEFAULT_TENANT
 from hexgen_service.auth import Role, current_principal
 from hexgen_service.worker_token import TOKEN_METADATA, check_token
@@ -266,19 +279,6 @@ async def _not_found(context: Context[object, object], query_id: str) -> None:
     await context.abort(grpc.StatusCode.NOT_FOUND, f"query_id: no query {query_id!r}")
 
 
-def _hello_problem(hello: wpb.WorkerHello) -> str | None:
-    """What makes a hello unusable, as ``field: why`` (INVALID_ARGUMENT); None: nothing.
-    Proto3 keeps an enum value that the enum does not name (a newer or hostile worker), so
-    `engine` is checked before it is named; `slot_for` checks the slot's range, GPU and
-    model. The hello's other fields are strings and ids that the coordinator only compares."""
-    if hello.engine not in wpb.EngineKind.values():
-        known = ", ".join(f"{wpb.EngineKind.Name(v)} ({v})" for v in wpb.EngineKind.values())
-        return f"hello.engine: unknown engine kind {hello.engine} (known: {known})"
-    if hello.slot < -1:
-        return f"hello.slot: must be >= 0, or -1 for any free slot, got {hello.slot}"
-    return None
-
-
 class WorkerServicer(wpb_grpc.WorkerServiceServicer):
     """One stream per worker: a reader task feeds the coordinator, the RPC writes."""
 
@@ -308,16 +308,16 @@ class WorkerServicer(wpb_grpc.WorkerServiceServicer):
                 grpc.StatusCode.INVALID_ARGUMENT, "hello: the first message must be a WorkerHello"
             )
             return
-        hello = first.hello
-        if not hello.worker_id:
+        if not first.hello.worker_id:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, "hello.worker_id: must not be empty"
             )
-        problem = _hello_problem(hello)
+        problem = hello_problem(first.hello)
         if problem is not None:
             log.warning("refused a worker hello from %s: %s", context.peer(), problem)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
-        link = WorkerLink(worker_id=hello.worker_id, engine=wpb.EngineKind.Name(hello.engine))
+        hello = decode_hello(first.hello)  # the engine kind is one the enum names
+        link = WorkerLink(worker_id=hello.worker_id, engine=hello.engine)
         async with statuses(context):
             try:
                 self.c.connect(hello, link)
@@ -329,7 +329,7 @@ class WorkerServicer(wpb_grpc.WorkerServiceServicer):
                 message = await link.outbox.get()
                 if message is None:
                     break
-                yield message
+                yield encode_command(message)
         finally:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -348,15 +348,17 @@ class WorkerServicer(wpb_grpc.WorkerServiceServicer):
                 if kind == "finished":
                     # Completions of different queries proceed concurrently; each query's
                     # lock keeps its own in order.
-                    task = asyncio.create_task(c.on_finished(link, message.finished))
+                    task = asyncio.create_task(
+                        c.on_finished(link, decode_finished(message.finished))
+                    )
                     pending.add(task)
                     task.add_done_callback(pending.discard)
                 elif kind == "started":
-                    c.on_started(link, message.started)
+                    c.on_started(link, decode_started(message.started))
                 elif kind == "tokens":
-                    c.on_tokens(link, message.tokens)
+                    c.on_tokens(link, decode_tokens(message.tokens))
                 elif kind == "heartbeat":
-                    c.on_heartbeat(link, message.heartbeat)
+                    c.on_heartbeat(link, decode_heartbeat(message.heartbeat))
                 else:
                     log.warning("worker %s sent an unexpected %s", link.worker_id, kind)
         except (grpc.aio.AioRpcError, asyncio.CancelledError):

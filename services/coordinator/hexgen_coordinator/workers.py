@@ -13,13 +13,13 @@ import logging
 import time
 from collections.abc import Sequence
 
-from hexgen_api.v1 import worker_pb2 as wpb
 from hexgen_coordinator.completions import Completions
 from hexgen_coordinator.config import CoordinatorConfig
 from hexgen_coordinator.dispatch import Dispatch
 from hexgen_coordinator.ledger import Ledger
 from hexgen_coordinator.links import WorkerLink, slot_for
 from hexgen_coordinator.recovery import Recovery
+from hexgen_coordinator.worker_messages import Heartbeat, Hello, Welcome
 from hexgen_coordinator.write_behind import WriteBehind
 from hexgen_flow.cluster import Cluster
 from hexgen_flow.protocol import (
@@ -60,7 +60,7 @@ class WorkerSlots:
         self.completions = completions
         self._counting: set[asyncio.Task[None]] = set()
 
-    def connect(self, hello: wpb.WorkerHello, link: WorkerLink) -> wpb.WorkerWelcome:
+    def connect(self, hello: Hello, link: WorkerLink) -> Welcome:
         """Give a worker its slot; raises InvalidFieldError / SlotTakenError."""
         ledger = self.ledger
         slot = slot_for(hello, self.cluster, ledger.links)
@@ -87,7 +87,7 @@ class WorkerSlots:
             t for t in ledger.tickets.values() if t.instance == slot and t.call_id not in resident
         )
         actions = self.core.handle(InstanceBack(slot, now, lacking))
-        welcome = wpb.WorkerWelcome(
+        welcome = Welcome(
             slot=slot,
             instance=self.cluster.instances[slot].name,
             epoch_unix_s=ledger.clock.epoch_unix_s,
@@ -96,12 +96,12 @@ class WorkerSlots:
             queue_policy=self.scheduler.preset.queue.name,
             queue_params_json=json.dumps(dict(self.scheduler.preset.queue.params)),
             heartbeat_interval_s=self.config.heartbeat_interval_s,
-            drop_call_ids=drop,
+            drop_call_ids=tuple(drop),
             # The shard held (the lease's prefix, `__main__.serve`): a worker shared by
             # shards hands this shard's calls over to us when their coordinator died.
             shard=self.config.redis_prefix if self.config.shards else "",
         )
-        link.send(wpb.ConnectResponse(welcome=welcome))
+        link.send(welcome)
         self._lost_running(
             self.dispatch.carry_out(actions, now),
             slot,
@@ -110,7 +110,7 @@ class WorkerSlots:
         log.info("worker %s (%s) holds slot %d", hello.worker_id, link.engine, slot)
         return welcome
 
-    def on_heartbeat(self, link: WorkerLink, msg: wpb.WorkerHeartbeat) -> None:
+    def on_heartbeat(self, link: WorkerLink, msg: Heartbeat) -> None:
         link.last_seen = time.monotonic()
         link.running, link.queued, link.kv_used = msg.running, msg.queued, msg.kv_used_tokens
         if link.slot >= 0 and self.ledger.links[link.slot] is link:
