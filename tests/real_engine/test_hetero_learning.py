@@ -7,7 +7,8 @@ plans both instances with the fast server's profile, under ``hexgen-flow`` with 
 cost learning and under round-robin. This test runs 8 workflows and checks what must hold
 on any machine, not how fast it is (the figures are the benchmark's to print):
 
-- every workflow of both policies finished, and the simulator predicted both runs;
+- every workflow of both policies finished, and the simulator predicted both runs, with
+  the servers' profiles and with what the learning mesh had learned of them;
 - the slow server really is slower than the fast one (its own profile says so);
 - the learning mesh learned that: its belief about the slow server moved from the fast
   server's profile toward the slow one's, so its model error shrank.
@@ -68,6 +69,8 @@ def test_the_mesh_learns_which_real_engine_is_slow(
     assert doc["workflows"] == WORKFLOWS
     for run in doc["runs"]:
         assert run["measured_p95_s"] > 0 and run["predicted_p95_s"] > 0
+        # predicted a second time, with the engines as the learning mesh had measured them
+        assert run["learned_predicted_p95_s"] > 0
     assert doc["true_slowdown"] > 1.5  # the quota made server 1 slower
     curve = doc["learning"]["hexgen-flow+learn"]
     assert curve[0]["calls"] == 0 and curve[0]["error"] < -0.3  # it starts believing server 0
