@@ -29,6 +29,7 @@ import pytest
 from hexgen_api.v1 import coordinator_pb2 as cpb
 from hexgen_api.v1 import coordinator_pb2_grpc as cpb_grpc
 from hexgen_api.v1 import workflow_pb2 as flow
+from hexgen_coordinator.client_messages import EventKind
 from hexgen_coordinator.events import WATCH_BUFFER, record_event
 from in_process_mesh import in_process_mesh
 from process_mesh import ProcessMesh
@@ -38,7 +39,6 @@ pytestmark = needs_redis
 
 STREAMS = 3_000
 QUERIES = 3
-K = cpb.QueryEventKind
 
 
 @pytest.fixture
@@ -140,7 +140,7 @@ async def test_a_watcher_that_falls_behind_gets_resource_exhausted_and_a_log_lin
             now = coordinator.ledger.clock.now()
             with caplog.at_level(logging.WARNING):
                 for n in range(WATCH_BUFFER + 1):
-                    record_event(entry, K.QUERY_EVENT_KIND_CALL_TOKENS, now, text=f"t{n}")
+                    record_event(entry, EventKind.CALL_TOKENS, now, text=f"t{n}")
                 assert not entry.watchers  # dropped
                 read = 0
                 with pytest.raises(grpc.aio.AioRpcError) as ended:

@@ -299,17 +299,19 @@ def _imported_names(node: ast.Import | ast.ImportFrom) -> list[str]:
     return [module, *(f"{module}.{alias.name}".lstrip(".") for alias in node.names)]
 
 
-def worker_protobuf_importers(package_dir: Path) -> dict[str, list[str]]:
-    """File name -> the names of the worker protocol's protobuf it imports, for every module
-    of `package_dir` that imports one anywhere (in functions and TYPE_CHECKING blocks too:
-    a type is speaking the wire as much as a value is)."""
+def worker_protobuf_importers(
+    package_dir: Path, modules: tuple[str, ...] = _WORKER_PROTOBUF
+) -> dict[str, list[str]]:
+    """File name -> the names of the worker protocol's protobuf (or of other `modules`) it
+    imports, for every module of `package_dir` that imports one anywhere (in functions and
+    TYPE_CHECKING blocks too: a type is speaking the wire as much as a value is)."""
     found: dict[str, list[str]] = {}
     for path in sorted(package_dir.rglob("*.py")):
         tree = ast.parse(path.read_text(), filename=str(path))
         for node in ast.walk(tree):
             if isinstance(node, ast.Import | ast.ImportFrom):
                 for name in _imported_names(node):
-                    if name.split(".")[-1] in _WORKER_PROTOBUF:
+                    if name.split(".")[-1] in modules:
                         found.setdefault(path.name, []).append(name)
     return found
 
@@ -352,3 +354,77 @@ def test_the_worker_messages_import_no_protobuf_or_grpc() -> None:
         if name.split(".")[0] in ("hexgen_api", "google", "grpc")
     ]
     assert not wire, f"worker_messages imports the wire at run time: {wire}"
+
+
+# ------------------------------------------------------------------ the client API's edge
+
+_CLIENT_PROTOBUF = ("coordinator_pb2", "coordinator_pb2_grpc", "workflow_pb2")
+
+CLIENT_PROTOBUF_SPEAKERS = {
+    "service.py": "the gRPC servicer: the client API's module",
+    "client_wire.py": "the client API's translator",
+    "worker_wire.py": "a dispatch's chat messages and options, and a tool call",
+    "worker_messages.py": "typing only: a dispatch carries a chat's messages untouched",
+    # Not translated yet (issue 28): requests, sessions, the stored submission and prompts.
+    "admission.py": "SubmitQueryRequest in, and its stored bytes",
+    "coordinator.py": "the requests it passes on (SubmitQuery, OpenWorkflow, RunCall)",
+    "ledger.py": "a session call's chat part (LLMCall)",
+    "recovery.py": "the stored submission's bytes",
+    "session_store.py": "the stored submission and prompts' bytes",
+    "sessions.py": "OpenWorkflow and RunCall requests, the stored call's bytes",
+}
+"""The coordinator's modules that may import the client API's protobuf, and why. Every other
+module (events, views, completions, dispatch, write_behind, ...) works on
+`client_messages`' types; freeing one more module means taking it off this list."""
+
+CLIENT_WIRE_USERS = ("service.py", "views.py", "write_behind.py")
+"""The modules that may import `client_wire`: the servicer (every answer), and the two ends
+of the event log in Redis, kept as ``QueryEvent`` bytes: `write_behind` writes it, `views`
+reads it back (GetQuery, and the replay of a watch)."""
+
+
+def test_only_the_listed_modules_speak_the_client_protobuf() -> None:
+    found = worker_protobuf_importers(PACKAGES["hexgen_coordinator"], _CLIENT_PROTOBUF)
+    others = {name: names for name, names in found.items() if name not in CLIENT_PROTOBUF_SPEAKERS}
+    assert not others, (
+        "coordinator modules import the client API's protobuf (translate at the edge, "
+        f"hexgen_coordinator.client_wire): {others}"
+    )
+    # a module freed and still listed: take it off the list, so that it stays free
+    assert set(found) == set(CLIENT_PROTOBUF_SPEAKERS)
+
+
+def test_the_client_protobuf_check_finds_every_form(tmp_path: Path) -> None:
+    forms = {
+        "a.py": "from hexgen_api.v1 import coordinator_pb2 as cpb\n",
+        "b.py": "import hexgen_api.v1.workflow_pb2\n",
+        "c.py": "from hexgen_api.v1.coordinator_pb2 import QueryEvent\n",
+        "d.py": "def f():\n    from hexgen_api.v1 import coordinator_pb2_grpc\n",
+        "e.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+        "    from hexgen_api.v1 import workflow_pb2\n",
+        "clean.py": "from hexgen_api.v1 import worker_pb2\n",
+    }
+    for name, text in forms.items():
+        (tmp_path / name).write_text(text)
+    found = worker_protobuf_importers(tmp_path, _CLIENT_PROTOBUF)
+    assert sorted(found) == ["a.py", "b.py", "c.py", "d.py", "e.py"]
+
+
+def test_only_the_edges_use_the_client_wire() -> None:
+    found = worker_protobuf_importers(PACKAGES["hexgen_coordinator"], ("client_wire",))
+    assert set(found) == set(CLIENT_WIRE_USERS), found
+
+
+def test_the_client_messages_import_no_protobuf_or_grpc() -> None:
+    """The client API's domain types run without protobuf and grpc, and name none of it."""
+    path = PACKAGES["hexgen_coordinator"] / "client_messages.py"
+    tree = ast.parse(path.read_text(), filename=str(path))
+    wire = [
+        name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        for name in _imported_names(node)
+        if name.split(".")[0] in ("hexgen_api", "google", "grpc")
+        or name.split(".")[-1] == "client_wire"
+    ]
+    assert not wire, f"client_messages imports the wire: {wire}"

@@ -55,6 +55,7 @@ from opentelemetry import trace
 
 from hexgen_api.v1 import coordinator_pb2 as cpb
 from hexgen_api.v1 import workflow_pb2 as wfpb
+from hexgen_coordinator.client_messages import EventKind, QueryInfo
 from hexgen_coordinator.config import CoordinatorConfig
 from hexgen_coordinator.dispatch import Dispatch
 from hexgen_coordinator.events import record_event
@@ -90,7 +91,6 @@ from hexgen_service.telemetry import traceparent_of
 
 __all__ = ["Admission", "context_tokens", "limits_of"]
 
-K = cpb.QueryEventKind
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +177,7 @@ class Admission:
 
     async def submit(
         self, request: cpb.SubmitQueryRequest, *, session_idle_s: float | None = None
-    ) -> tuple[cpb.QueryInfo, bool]:
+    ) -> tuple[QueryInfo, bool]:
         """Admit a query (idempotent on its id); raises InvalidFieldError for bad input,
         AlreadyExistsError for a known id with other content, OverloadedError when refused.
 
@@ -319,7 +319,7 @@ class Admission:
         for k, texts in enumerate(sizes):
             for i, nbytes in enumerate(texts):
                 self.ledger.hold_prompt(entry, call_id_of(query_id, k, i), nbytes)
-        record_event(entry, K.QUERY_EVENT_KIND_SUBMITTED, now)
+        record_event(entry, EventKind.SUBMITTED, now)
         if best_effort:
             self._waiting.append(entry)
             self.writes.persist(entry, [])
@@ -603,7 +603,7 @@ class Admission:
 
     # ------------------------------------------------------------------ idempotency
 
-    def _info(self, run: QueryRun) -> cpb.QueryInfo:
+    def _info(self, run: QueryRun) -> QueryInfo:
         return self.views.info_of_run(run)
 
     @staticmethod
@@ -629,7 +629,7 @@ class Admission:
                 "content, or use a new id)",
             )
 
-    async def _known(self, query: Query, digest: str) -> cpb.QueryInfo | None:
+    async def _known(self, query: Query, digest: str) -> QueryInfo | None:
         """The stored query of the same id (its info), None when there is none; raises
         AlreadyExistsError when its content differs (its prompts by their digest: they are
         gone once its calls finished)."""

@@ -11,7 +11,7 @@ import logging
 import time
 from collections.abc import Sequence
 
-from hexgen_api.v1 import coordinator_pb2 as cpb
+from hexgen_coordinator.client_messages import EventKind, QueryInfo
 from hexgen_coordinator.dispatch import Dispatch
 from hexgen_coordinator.events import end_watch, record_event
 from hexgen_coordinator.ledger import ActiveQuery, Ledger, call_id_of, parse_call_id
@@ -41,8 +41,6 @@ from hexgen_service.redis_schema import CompletionEntry, encode_completion
 __all__ = ["Completions"]
 
 log = logging.getLogger("hexgen_coordinator.coordinator")  # the coordinator's one logger
-
-K = cpb.QueryEventKind
 
 
 class Completions:
@@ -90,7 +88,7 @@ class Completions:
                 self.meters[link.slot].taken(ticket, ledger.clock.now())
         record_event(
             entry,
-            K.QUERY_EVENT_KIND_CALL_STARTED,
+            EventKind.CALL_STARTED,
             ledger.clock.now(),
             stage=ticket.stage,
             call_id=msg.call_id,
@@ -106,7 +104,7 @@ class Completions:
             return
         record_event(
             entry,
-            K.QUERY_EVENT_KIND_CALL_TOKENS,
+            EventKind.CALL_TOKENS,
             ledger.clock.now(),
             stage=ticket.stage,
             call_id=msg.call_id,
@@ -221,7 +219,7 @@ class Completions:
                 entry.session.last_done_s = now
             record_event(
                 entry,
-                K.QUERY_EVENT_KIND_CALL_FINISHED,
+                EventKind.CALL_FINISHED,
                 now,
                 stage=stage,
                 call_id=call_id,
@@ -234,7 +232,7 @@ class Completions:
                 self.dispatch.end_call_span(span, msg, inst.model if inst else "")
             stage_finished = run.stage_finished_s[stage] is not None
             if stage_finished:
-                record_event(entry, K.QUERY_EVENT_KIND_STAGE_FINISHED, now, stage=stage)
+                record_event(entry, EventKind.STAGE_FINISHED, now, stage=stage)
                 self.dispatch.end_stage_span(entry, stage, now)
                 released_s = run.stage_released_s[stage]
                 if released_s is not None:
@@ -246,7 +244,7 @@ class Completions:
                 ledger.completion_ms.append(elapsed * 1e3)
                 ledger.metrics.completion_to_dispatch.observe(elapsed)
             if run.finished_s is not None:
-                record_event(entry, K.QUERY_EVENT_KIND_SUCCEEDED, now)
+                record_event(entry, EventKind.SUCCEEDED, now)
             self.writes.persist(entry, [])
             if run.finished_s is not None:
                 self.finish(entry)
@@ -312,14 +310,14 @@ class Completions:
         actions = self.core.handle(CallDone(ticket, now, effect=effect))
         record_event(
             entry,
-            K.QUERY_EVENT_KIND_CALL_SKIPPED,
+            EventKind.CALL_SKIPPED,
             now,
             stage=ticket.stage,
             call_id=call_id,
             text="the session moved on without it",
         )
         if run.stage_finished_s[ticket.stage] is not None:
-            record_event(entry, K.QUERY_EVENT_KIND_STAGE_FINISHED, now, stage=ticket.stage)
+            record_event(entry, EventKind.STAGE_FINISHED, now, stage=ticket.stage)
             self.dispatch.end_stage_span(entry, ticket.stage, now)
         return list(actions)
 
@@ -437,7 +435,7 @@ class Completions:
         ledger.metrics.calls_failed.labels(instance).inc()
         record_event(
             entry,
-            K.QUERY_EVENT_KIND_CALL_FAILED,
+            EventKind.CALL_FAILED,
             now,
             stage=ticket.stage,
             call_id=call_id,
@@ -446,7 +444,7 @@ class Completions:
         )
         if result.query_failed:
             self.drop_calls(entry)
-            record_event(entry, K.QUERY_EVENT_KIND_FAILED, now, text=reason)
+            record_event(entry, EventKind.FAILED, now, text=reason)
             self.writes.persist(entry, [])
             await self.writes.flush()  # GetQuery reads a finished query's log from Redis
             ledger.queries_failed += 1
@@ -507,7 +505,7 @@ class Completions:
                 metrics.slo_met.labels(tenant).inc()
         self.ledger.recent.append((time.monotonic(), outcome, latency, met))
 
-    async def cancel(self, query_id: str) -> cpb.QueryInfo:
+    async def cancel(self, query_id: str) -> QueryInfo:
         ledger = self.ledger
         entry = ledger.active.get(query_id)
         if entry is None:
@@ -518,7 +516,7 @@ class Completions:
             now = ledger.clock.now()
             await self.store.cancel(query_id, now)  # Redis away: UNAVAILABLE, retryable
             self.drop_calls(entry)
-            record_event(entry, K.QUERY_EVENT_KIND_CANCELLED, now)
+            record_event(entry, EventKind.CANCELLED, now)
             self.writes.persist(entry, [])
             await self.writes.flush()
             self.finish(entry, "cancelled")

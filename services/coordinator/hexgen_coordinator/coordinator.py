@@ -35,6 +35,16 @@ from redis.exceptions import RedisError
 from hexgen_api.v1 import coordinator_pb2 as cpb
 from hexgen_coordinator import events
 from hexgen_coordinator.admission import Admission
+from hexgen_coordinator.client_messages import (
+    AlphaChange,
+    AlphaHistory,
+    CallSubmitted,
+    ClusterStatus,
+    QueryDetail,
+    QueryEvent,
+    QueryInfo,
+    QueryState,
+)
 from hexgen_coordinator.completions import Completions
 from hexgen_coordinator.config import CoordinatorConfig
 from hexgen_coordinator.dispatch import Dispatch
@@ -306,12 +316,12 @@ class Coordinator:
 
     # ------------------------------------------------------------------ queries
 
-    async def submit(self, request: cpb.SubmitQueryRequest) -> tuple[cpb.QueryInfo, bool]:
+    async def submit(self, request: cpb.SubmitQueryRequest) -> tuple[QueryInfo, bool]:
         """Admit a query (idempotent on its id); raises InvalidFieldError for bad input."""
         info, created = await self._admission.submit(request)
         if (
             not created
-            and info.state == cpb.QUERY_STATE_RUNNING
+            and info.state == QueryState.RUNNING
             and info.query_id not in self.ledger.active
         ):
             # Stored and running, yet not in memory: the submit script ran on an earlier
@@ -319,39 +329,39 @@ class Coordinator:
             await self._recovery.resume_one(info.query_id)
         return info, created
 
-    async def open_workflow(self, request: cpb.OpenWorkflowRequest) -> tuple[cpb.QueryInfo, bool]:
+    async def open_workflow(self, request: cpb.OpenWorkflowRequest) -> tuple[QueryInfo, bool]:
         """Open a workflow session (idempotent on its id); raises InvalidFieldError."""
         info, created = await self._sessions.open(request)
         if (
             not created
-            and info.state == cpb.QUERY_STATE_RUNNING
+            and info.state == QueryState.RUNNING
             and info.query_id not in self.ledger.active
         ):
             await self._recovery.resume_one(info.query_id)  # as in `submit`
         return info, created
 
-    def run_call(self, request: cpb.RunCallRequest) -> AsyncIterator[cpb.RunCallResponse]:
+    def run_call(self, request: cpb.RunCallRequest) -> AsyncIterator[CallSubmitted | QueryEvent]:
         """Give a call of an open session: its events until it finishes."""
         return self._sessions.run_call(request)
 
-    async def close_workflow(self, workflow_id: str) -> cpb.QueryInfo:
+    async def close_workflow(self, workflow_id: str) -> QueryInfo:
         return await self._sessions.close(workflow_id)
 
-    async def cancel(self, query_id: str) -> cpb.QueryInfo:
+    async def cancel(self, query_id: str) -> QueryInfo:
         return await self._completions.cancel(query_id)
 
-    def watch(self, query_id: str) -> AsyncIterator[cpb.QueryEvent]:
+    def watch(self, query_id: str) -> AsyncIterator[QueryEvent]:
         """The query's events so far, then live ones until it ends."""
-        return events.watch(query_id, self.ledger, self.store, self._views, self._writes)
+        return events.watch(query_id, self.ledger, self._views, self._writes)
 
-    async def get_info(self, query_id: str) -> cpb.QueryInfo:
+    async def get_info(self, query_id: str) -> QueryInfo:
         return await self._views.get_info(query_id)
 
-    async def get(self, query_id: str) -> cpb.GetQueryResponse:
+    async def get(self, query_id: str) -> QueryDetail:
         """The query's info, events and stages; raises UnknownQueryError."""
         return await self._views.get(query_id)
 
-    def status(self) -> cpb.ClusterStatusResponse:
+    def status(self) -> ClusterStatus:
         return self._views.status()
 
     async def set_alpha(self, alpha: float, reason: str) -> float:
@@ -364,7 +374,7 @@ class Coordinator:
         await self.store.set_alpha(alpha, self.clock.now(), reason)
         return previous
 
-    async def alpha_history(self, limit: int) -> cpb.GetAlphaHistoryResponse:
+    async def alpha_history(self, limit: int) -> AlphaHistory:
         """The α in force and the latest `limit` changes (0: all kept), oldest first, from
         this coordinator's ``alpha:history``; raises InvalidFieldError for a negative
         `limit`."""
@@ -372,17 +382,17 @@ class Coordinator:
             raise InvalidFieldError("limit", f"must be >= 0, got {limit}")
         history = await self.store.alpha_history(limit)
         clock = self.clock
-        return cpb.GetAlphaHistoryResponse(
+        return AlphaHistory(
             alpha=self.scheduler.alpha or 0.0,
-            changes=[
-                cpb.AlphaHistoryEntry(
+            changes=tuple(
+                AlphaChange(
                     time_s=c.time_s,
                     unix_s=clock.wall_time(c.time_s),
                     alpha=c.alpha,
                     reason=c.reason,
                 )
                 for c in history
-            ],
+            ),
         )
 
     # ------------------------------------------------------------------ workers

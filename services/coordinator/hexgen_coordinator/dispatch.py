@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 
 from opentelemetry import trace
 
-from hexgen_api.v1 import coordinator_pb2 as cpb
+from hexgen_coordinator.client_messages import EventKind
 from hexgen_coordinator.events import record_event
 from hexgen_coordinator.ledger import ActiveQuery, Ledger, call_id_of
 from hexgen_coordinator.worker_messages import CancelRun, Finished, NewDeadline, Run
@@ -38,8 +38,6 @@ from hexgen_service.telemetry import traceparent_of
 __all__ = ["Dispatch"]
 
 log = logging.getLogger("hexgen_coordinator.coordinator")  # the coordinator's one logger
-
-K = cpb.QueryEventKind
 
 
 class Dispatch:
@@ -108,7 +106,7 @@ class Dispatch:
         self, entry: ActiveQuery, stage: int, tickets: list[CallTicket], now: float
     ) -> None:
         query_id = entry.run.query.query_id
-        record_event(entry, K.QUERY_EVENT_KIND_STAGE_RELEASED, now, stage=stage)
+        record_event(entry, EventKind.STAGE_RELEASED, now, stage=stage)
         for ticket in tickets:
             ticket.call_id = call_id_of(query_id, stage, ticket.index)
             self.ledger.tickets[ticket.call_id] = ticket
@@ -218,7 +216,7 @@ class Dispatch:
             )
             record_event(
                 entry,
-                K.QUERY_EVENT_KIND_CALL_DISPATCHED,
+                EventKind.CALL_DISPATCHED,
                 ledger.clock.now(),
                 stage=ticket.stage,
                 call_id=ticket.call_id,
@@ -238,7 +236,7 @@ class Dispatch:
     def _redispatched(entry: ActiveQuery, ticket: CallTicket, now: float, why: str) -> None:
         record_event(
             entry,
-            K.QUERY_EVENT_KIND_CALL_REDISPATCHED,
+            EventKind.CALL_REDISPATCHED,
             now,
             stage=ticket.stage,
             call_id=ticket.call_id,
@@ -254,7 +252,7 @@ class Dispatch:
         links = self.ledger.links
         record_event(
             entry,
-            K.QUERY_EVENT_KIND_DEADLINE_UPDATED,
+            EventKind.DEADLINE_UPDATED,
             now,
             stage=ticket.stage,
             call_id=ticket.call_id,

@@ -12,9 +12,8 @@ import logging
 import weakref
 from collections.abc import AsyncIterator
 
-from hexgen_api.v1 import coordinator_pb2 as cpb
+from hexgen_coordinator.client_messages import EventKind, QueryEvent
 from hexgen_coordinator.ledger import ActiveQuery, Ledger
-from hexgen_coordinator.store import WorkflowStore
 from hexgen_coordinator.views import QueryViews
 from hexgen_coordinator.worker_messages import Finished
 from hexgen_coordinator.write_behind import WriteBehind
@@ -35,17 +34,15 @@ RESOURCE_EXHAUSTED (it can watch again: past events come back from the log)."""
 WATCH_RETRY_S = 1.0
 """The ``retry-after-s`` hint of a watch ended for falling behind."""
 
-K = cpb.QueryEventKind
-
 log = logging.getLogger(__name__)
 
-_fell_behind: weakref.WeakSet[asyncio.Queue[cpb.QueryEvent | None]] = weakref.WeakSet()
+_fell_behind: weakref.WeakSet[asyncio.Queue[QueryEvent | None]] = weakref.WeakSet()
 """Watchers whose stream was ended for falling behind (not because their query ended)."""
 
 
 def record_event(
     entry: ActiveQuery,
-    kind: cpb.QueryEventKind.ValueType,
+    kind: EventKind,
     now: float,
     *,
     stage: int = -1,
@@ -55,26 +52,25 @@ def record_event(
     finished: Finished | None = None,
 ) -> None:
     """Log an event and hand it to the watchers; `finished` (CALL_FINISHED) is the
-    worker's report, whose finish reason, tool calls and token counts the event carries."""
-    event = cpb.QueryEvent(
+    worker's report, whose finish reason, tool calls and token counts the event carries.
+
+    One object per event: the same `QueryEvent` is logged and given to every watcher (the
+    servicer encodes it for each stream, the write-behind for Redis)."""
+    event = QueryEvent(
         query_id=entry.run.query.query_id,
         kind=kind,
         time_s=now,
+        sequence=entry.event_base + len(entry.events),
         stage=stage,
         call_id=call_id,
         instance=instance,
         text=text,
-        sequence=entry.event_base + len(entry.events),
+        finish_reason=finished.finish_reason if finished else "",
+        tool_calls=finished.tool_calls if finished else (),
+        prompt_tokens=finished.prompt_tokens if finished else 0,
+        output_tokens=finished.output_tokens if finished else 0,
     )
-    if finished is not None:
-        event.finish_reason = finished.finish_reason
-        for tool_call in finished.tool_calls:
-            event.tool_calls.add(
-                id=tool_call.id, name=tool_call.name, arguments=tool_call.arguments
-            )
-        event.prompt_tokens = finished.prompt_tokens
-        event.output_tokens = finished.output_tokens
-    if kind != K.QUERY_EVENT_KIND_CALL_TOKENS:  # token chunks are live only
+    if kind != EventKind.CALL_TOKENS:  # token chunks are live only
         entry.events.append(event)
     for watcher in list(entry.watchers):
         try:
@@ -91,7 +87,7 @@ def record_event(
             )
 
 
-def end_watch(watcher: asyncio.Queue[cpb.QueryEvent | None]) -> None:
+def end_watch(watcher: asyncio.Queue[QueryEvent | None]) -> None:
     """End a watcher's stream (what it has not read yet is dropped if its buffer is full)."""
     while True:
         try:
@@ -101,7 +97,7 @@ def end_watch(watcher: asyncio.Queue[cpb.QueryEvent | None]) -> None:
             watcher.get_nowait()
 
 
-def check_not_behind(watcher: asyncio.Queue[cpb.QueryEvent | None], query_id: str) -> None:
+def check_not_behind(watcher: asyncio.Queue[QueryEvent | None], query_id: str) -> None:
     """For a watcher whose stream got its end (None): `OverloadedError` (RESOURCE_EXHAUSTED
     with a ``retry-after-s`` hint) when that end came because it fell behind, not because
     its query ended."""
@@ -115,8 +111,8 @@ def check_not_behind(watcher: asyncio.Queue[cpb.QueryEvent | None], query_id: st
 
 
 async def watch(
-    query_id: str, ledger: Ledger, store: WorkflowStore, views: QueryViews, writes: WriteBehind
-) -> AsyncIterator[cpb.QueryEvent]:
+    query_id: str, ledger: Ledger, views: QueryViews, writes: WriteBehind
+) -> AsyncIterator[QueryEvent]:
     """The query's events so far, then live ones until it ends."""
     entry = ledger.active.get(query_id)
     if entry is None:
@@ -124,17 +120,16 @@ async def watch(
         # A query that ended a moment ago may still have its last events behind: read the
         # log once they are in Redis, or the watcher sees it stop before its end.
         await writes.flush()
-        for raw in await store.events(query_id):
-            yield cpb.QueryEvent.FromString(raw)
+        for event in await views.logged_events(query_id):
+            yield event
         return
-    queue: asyncio.Queue[cpb.QueryEvent | None] = asyncio.Queue(maxsize=WATCH_BUFFER)
+    queue: asyncio.Queue[QueryEvent | None] = asyncio.Queue(maxsize=WATCH_BUFFER)
     past = list(entry.events)  # snapshot and subscribe with no await in between
     entry.watchers.add(queue)
     try:
         if entry.event_base:
-            stored = await store.events(query_id)
-            for raw in stored[: entry.event_base]:
-                yield cpb.QueryEvent.FromString(raw)
+            for event in await views.logged_events(query_id, entry.event_base):
+                yield event
         for event in past:
             yield event
         while True:

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 from opentelemetry import trace
 
-from hexgen_api.v1 import coordinator_pb2 as cpb
 from hexgen_api.v1 import workflow_pb2 as wfpb
+from hexgen_coordinator.client_messages import QueryEvent
 from hexgen_coordinator.links import WorkerLink
 from hexgen_coordinator.metrics import CoordinatorMetrics
 from hexgen_flow.runtime import CallTicket, QueryRun
@@ -91,13 +91,13 @@ class ActiveQuery:
     run: QueryRun
     prompts: list[tuple[str, ...]]
     span: trace.Span
-    events: list[cpb.QueryEvent] = field(default_factory=list)
+    events: list[QueryEvent] = field(default_factory=list)
     """Logged events since this coordinator took the query (token chunks are live only)."""
     event_base: int = 0
     """Events already in Redis when this coordinator resumed the query."""
     saved: int = 0
     """How many of `events` are in Redis."""
-    watchers: set[asyncio.Queue[cpb.QueryEvent | None]] = field(default_factory=set)
+    watchers: set[asyncio.Queue[QueryEvent | None]] = field(default_factory=set)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     first_dispatch_pending: float | None = None
     session: SessionState | None = None

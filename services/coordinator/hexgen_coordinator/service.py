@@ -4,7 +4,10 @@ the edge's guarded deserializers (`hexgen_coordinator.edge.add_services`).
 
 The worker stream is translated here, at the edge (`hexgen_coordinator.worker_wire`): the
 coordinator gets the reports of `hexgen_coordinator.worker_messages` and puts that module's
-commands in a link's outbox, which the stream's writer encodes."""
+commands in a link's outbox, which the stream's writer encodes. So are the client API's
+answers (`hexgen_coordinator.client_wire`): the coordinator gives the values of
+`hexgen_coordinator.client_messages` (a query's info and events, the cluster's status),
+which the RPCs encode."""
 
 from __future__ import annotations
 
@@ -21,6 +24,14 @@ from hexgen_api.v1 import coordinator_pb2 as cpb
 from hexgen_api.v1 import coordinator_pb2_grpc as cpb_grpc
 from hexgen_api.v1 import worker_pb2 as wpb
 from hexgen_api.v1 import worker_pb2_grpc as wpb_grpc
+from hexgen_coordinator.client_wire import (
+    encode_alpha_history,
+    encode_call_update,
+    encode_detail,
+    encode_event,
+    encode_info,
+    encode_status,
+)
 from hexgen_coordinator.coordinator import (
     Coordinator,
     SlotTakenError,
@@ -158,7 +169,7 @@ class CoordinatorServicer(cpb_grpc.CoordinatorServiceServicer):
         await self._id_free(context, request.query_id)
         async with statuses(context):
             info, created = await self.c.submit(request)
-            return cpb.SubmitQueryResponse(query=info, created=created)
+            return cpb.SubmitQueryResponse(query=encode_info(info), created=created)
         raise AssertionError("unreachable")
 
     async def WatchQuery(  # noqa: N802
@@ -171,7 +182,7 @@ class CoordinatorServicer(cpb_grpc.CoordinatorServiceServicer):
         async with statuses(context):
             try:
                 async for event in self.c.watch(request.query_id):
-                    yield cpb.WatchQueryResponse(event=event)
+                    yield cpb.WatchQueryResponse(event=encode_event(event))
             except UnknownQueryError:
                 await _not_found(context, request.query_id)
 
@@ -185,7 +196,7 @@ class CoordinatorServicer(cpb_grpc.CoordinatorServiceServicer):
             info, _ = await self.c.submit(request.query)
         async with statuses(context):
             async for event in self.c.watch(info.query_id):
-                yield cpb.RunQueryResponse(event=event)
+                yield cpb.RunQueryResponse(event=encode_event(event))
 
     async def CancelQuery(  # noqa: N802
         self, request: cpb.CancelQueryRequest, context: Context[object, object]
@@ -194,7 +205,9 @@ class CoordinatorServicer(cpb_grpc.CoordinatorServiceServicer):
         await self._visible(context, request.query_id)
         async with statuses(context):
             try:
-                return cpb.CancelQueryResponse(query=await self.c.cancel(request.query_id))
+                return cpb.CancelQueryResponse(
+                    query=encode_info(await self.c.cancel(request.query_id))
+                )
             except UnknownQueryError:
                 await _not_found(context, request.query_id)
         raise AssertionError("unreachable")
@@ -206,7 +219,7 @@ class CoordinatorServicer(cpb_grpc.CoordinatorServiceServicer):
         await self._visible(context, request.query_id)
         async with statuses(context):
             try:
-                return await self.c.get(request.query_id)
+                return encode_detail(await self.c.get(request.query_id))
             except UnknownQueryError:
                 await _not_found(context, request.query_id)
         raise AssertionError("unreachable")
@@ -215,7 +228,7 @@ class CoordinatorServicer(cpb_grpc.CoordinatorServiceServicer):
         self, request: cpb.ClusterStatusRequest, context: Context[object, object]
     ) -> cpb.ClusterStatusResponse:
         async with statuses(context):
-            status = self.c.status()
+            status = encode_status(self.c.status())
         principal = current_principal.get()
         if principal is not None and not principal.may(Role.OPERATOR):
             for instance in status.instances:  # who holds a slot is the operators' business
@@ -234,7 +247,7 @@ class CoordinatorServicer(cpb_grpc.CoordinatorServiceServicer):
         self, request: cpb.GetAlphaHistoryRequest, context: Context[object, object]
     ) -> cpb.GetAlphaHistoryResponse:
         async with statuses(context):
-            return await self.c.alpha_history(request.limit)
+            return encode_alpha_history(await self.c.alpha_history(request.limit))
         raise AssertionError("unreachable")
 
     async def OpenWorkflow(  # noqa: N802
@@ -245,7 +258,7 @@ class CoordinatorServicer(cpb_grpc.CoordinatorServiceServicer):
         await self._id_free(context, request.workflow_id)
         async with statuses(context):
             info, created = await self.c.open_workflow(request)
-            return cpb.OpenWorkflowResponse(workflow=info, created=created)
+            return cpb.OpenWorkflowResponse(workflow=encode_info(info), created=created)
         raise AssertionError("unreachable")
 
     async def RunCall(  # noqa: N802
@@ -255,8 +268,8 @@ class CoordinatorServicer(cpb_grpc.CoordinatorServiceServicer):
         await self._visible(context, request.workflow_id)
         async with statuses(context):
             try:
-                async for response in self.c.run_call(request):
-                    yield response
+                async for update in self.c.run_call(request):
+                    yield encode_call_update(update)
             except UnknownQueryError:
                 await _not_found(context, request.workflow_id)
 
@@ -268,7 +281,7 @@ class CoordinatorServicer(cpb_grpc.CoordinatorServiceServicer):
         async with statuses(context):
             try:
                 return cpb.CloseWorkflowResponse(
-                    workflow=await self.c.close_workflow(request.workflow_id)
+                    workflow=encode_info(await self.c.close_workflow(request.workflow_id))
                 )
             except UnknownQueryError:
                 await _not_found(context, request.workflow_id)

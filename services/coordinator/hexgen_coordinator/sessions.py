@@ -39,6 +39,13 @@ from collections.abc import AsyncIterator, Sequence
 from hexgen_api.v1 import coordinator_pb2 as cpb
 from hexgen_api.v1 import workflow_pb2 as wfpb
 from hexgen_coordinator.admission import Admission, limits_of
+from hexgen_coordinator.client_messages import (
+    CallSubmitted,
+    EventKind,
+    QueryEvent,
+    QueryInfo,
+    QueryState,
+)
 from hexgen_coordinator.completions import Completions
 from hexgen_coordinator.config import CoordinatorConfig
 from hexgen_coordinator.dispatch import Dispatch
@@ -71,12 +78,11 @@ __all__ = ["Sessions"]
 
 log = logging.getLogger("hexgen_coordinator.coordinator")  # the coordinator's one logger
 
-K = cpb.QueryEventKind
 
 _STATE_NAMES = {
-    cpb.QUERY_STATE_SUCCEEDED: "succeeded",
-    cpb.QUERY_STATE_CANCELLED: "cancelled",
-    cpb.QUERY_STATE_FAILED: "failed",
+    QueryState.SUCCEEDED: "succeeded",
+    QueryState.CANCELLED: "cancelled",
+    QueryState.FAILED: "failed",
 }
 CHARS_PER_TOKEN = 4
 """A prompt's token estimate when the client gives none: characters / 4."""
@@ -112,7 +118,7 @@ class Sessions:
 
     # ------------------------------------------------------------------ open
 
-    async def open(self, request: cpb.OpenWorkflowRequest) -> tuple[cpb.QueryInfo, bool]:
+    async def open(self, request: cpb.OpenWorkflowRequest) -> tuple[QueryInfo, bool]:
         """Open (or find) a workflow session; InvalidFieldError names a bad field."""
         if bool(request.template) == request.HasField("expected"):
             raise InvalidFieldError(
@@ -152,8 +158,11 @@ class Sessions:
 
     # ------------------------------------------------------------------ calls
 
-    async def run_call(self, request: cpb.RunCallRequest) -> AsyncIterator[cpb.RunCallResponse]:
-        """Give a call of an open session; its events until it finishes (or the query ends)."""
+    async def run_call(
+        self, request: cpb.RunCallRequest
+    ) -> AsyncIterator[CallSubmitted | QueryEvent]:
+        """Give a call of an open session; its events until it finishes (or the query ends):
+        first `CallSubmitted` (with the call's CALL_SUBMITTED event), then the call's events."""
         workflow_id, name = request.workflow_id, request.stage
         if not workflow_id:
             raise InvalidFieldError("workflow_id", "must not be empty")
@@ -183,16 +192,14 @@ class Sessions:
                     f"call.{field}", f"must be in [0, {MAX_TOKENS_PER_CALL}], got {value}"
                 )
         entry = await self._open_entry(workflow_id)
-        queue: asyncio.Queue[cpb.QueryEvent | None] = asyncio.Queue(maxsize=WATCH_BUFFER)
+        queue: asyncio.Queue[QueryEvent | None] = asyncio.Queue(maxsize=WATCH_BUFFER)
         entry.watchers.add(queue)  # before the call is given: none of its events is missed
         try:
             async with entry.lock:
                 await self._open_entry(workflow_id, entry)
                 submitted, deadline = await self._give(entry, name, request.call)
             call_id = submitted.call_id
-            yield cpb.RunCallResponse(
-                call_id=call_id, deadline_s=deadline, event=submitted, traceparent=entry.trace
-            )
+            yield CallSubmitted(submitted, deadline, entry.trace)
             while True:
                 event = await queue.get()
                 if event is None:
@@ -201,11 +208,11 @@ class Sessions:
                 if event is submitted:
                     continue  # the first response carried it
                 if event.call_id == call_id:
-                    yield cpb.RunCallResponse(event=event)
-                    if event.kind == K.QUERY_EVENT_KIND_CALL_FINISHED:
+                    yield event
+                    if event.kind == EventKind.CALL_FINISHED:
                         return
-                elif event.kind in (K.QUERY_EVENT_KIND_FAILED, K.QUERY_EVENT_KIND_CANCELLED):
-                    yield cpb.RunCallResponse(event=event)
+                elif event.kind in (EventKind.FAILED, EventKind.CANCELLED):
+                    yield event
                     return
         finally:
             entry.watchers.discard(queue)
@@ -286,7 +293,7 @@ class Sessions:
 
     async def _give(
         self, entry: ActiveQuery, name: str, given: wfpb.LLMCall
-    ) -> tuple[cpb.QueryEvent, float]:
+    ) -> tuple[QueryEvent, float]:
         """Give one call (the caller holds the query's lock): (its CALL_SUBMITTED event,
         its stage's deadline, or what it would get if released now)."""
         run, session, ledger = entry.run, entry.session, self.ledger
@@ -383,7 +390,7 @@ class Sessions:
             log.error("redis refused to give %s (status %d)", call_id, status)
         session.last_call_wall = time.monotonic()
         session.last_done_s = max(session.last_done_s, now)
-        record_event(entry, K.QUERY_EVENT_KIND_CALL_SUBMITTED, now, stage=stage, call_id=call_id)
+        record_event(entry, EventKind.CALL_SUBMITTED, now, stage=stage, call_id=call_id)
         submitted = entry.events[-1]
         actions: tuple[Action, ...] = ()
         ticket = ledger.tickets.get(call_id)
@@ -405,7 +412,7 @@ class Sessions:
 
     # ------------------------------------------------------------------ close
 
-    async def close(self, workflow_id: str, reason: str = "closed by the client") -> cpb.QueryInfo:
+    async def close(self, workflow_id: str, reason: str = "closed by the client") -> QueryInfo:
         """Close a session (idempotent: a closed or ended one is returned as it is)."""
         if not workflow_id:
             raise InvalidFieldError("workflow_id", "must not be empty")
@@ -458,7 +465,7 @@ class Sessions:
         )
         session.open = False
         actions = self.core.handle(SessionClosed(run, when))
-        record_event(entry, K.QUERY_EVENT_KIND_CLOSED, now, text=reason)
+        record_event(entry, EventKind.CLOSED, now, text=reason)
         await self._settle(entry, when, actions)
 
     async def _cancel_empty(self, entry: ActiveQuery, reason: str) -> None:
@@ -471,7 +478,7 @@ class Sessions:
         assert entry.session is not None
         entry.session.open = False
         self.completions.drop_calls(entry)
-        record_event(entry, K.QUERY_EVENT_KIND_CANCELLED, now, text=reason)
+        record_event(entry, EventKind.CANCELLED, now, text=reason)
         self.writes.persist(entry, [])
         await self.writes.flush()  # GetQuery reads a finished query's log from Redis
         self.completions.finish(entry, "cancelled")
@@ -483,7 +490,7 @@ class Sessions:
         await self.completions.settle(entry, actions, now)
         self.writes.persist(entry, [])
         if run.finished_s is not None:
-            record_event(entry, K.QUERY_EVENT_KIND_SUCCEEDED, run.finished_s)
+            record_event(entry, EventKind.SUCCEEDED, run.finished_s)
             self.writes.persist(entry, [])
             await self.writes.flush()  # GetQuery reads a finished query's log from Redis
             self.completions.finish(entry)

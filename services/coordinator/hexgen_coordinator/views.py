@@ -2,6 +2,10 @@
 
 A running query is read from the ledger (ahead of Redis by the writes still behind), any
 other from Redis. A query's events are streamed live by `hexgen_coordinator.events.watch`.
+
+The answers are `client_messages`' values (the servicer encodes them). This module also
+reads a query's event log back from Redis (`logged_events`): the log is kept as the
+client API's ``QueryEvent`` bytes, which `client_wire.event_from_bytes` decodes.
 """
 
 from __future__ import annotations
@@ -10,7 +14,19 @@ import time
 from collections.abc import Iterable
 from itertools import takewhile
 
-from hexgen_api.v1 import coordinator_pb2 as cpb
+from hexgen_coordinator.client_messages import (
+    ClusterStatus,
+    InstanceStatus,
+    LatencySummary,
+    Overhead,
+    QueryDetail,
+    QueryEvent,
+    QueryInfo,
+    QueryState,
+    RecentOutcomes,
+    StageInfo,
+)
+from hexgen_coordinator.client_wire import event_from_bytes
 from hexgen_coordinator.ledger import Ledger
 from hexgen_coordinator.session_store import stored_workflow
 from hexgen_coordinator.store import StoredQuery, WorkflowStore
@@ -25,12 +41,12 @@ from hexgen_service.redis_schema import F, S
 __all__ = ["QueryViews", "UnknownQueryError"]
 
 _STATES = {
-    S.RUNNING: cpb.QUERY_STATE_RUNNING,
-    S.SUCCEEDED: cpb.QUERY_STATE_SUCCEEDED,
-    S.CANCELLED: cpb.QUERY_STATE_CANCELLED,
-    S.FAILED: cpb.QUERY_STATE_FAILED,
+    S.RUNNING: QueryState.RUNNING,
+    S.SUCCEEDED: QueryState.SUCCEEDED,
+    S.CANCELLED: QueryState.CANCELLED,
+    S.FAILED: QueryState.FAILED,
 }
-"""A stored query's state (`redis_schema.F.STATE`) on the wire."""
+"""A stored query's state (`redis_schema.F.STATE`) as clients read it."""
 
 
 class UnknownQueryError(LookupError):
@@ -46,7 +62,7 @@ class QueryViews:
         self.store = store
         self.ledger = ledger
 
-    async def get_info(self, query_id: str) -> cpb.QueryInfo:
+    async def get_info(self, query_id: str) -> QueryInfo:
         entry = self.ledger.active.get(query_id)
         if entry is not None:
             return self.info_of_run(entry.run)
@@ -55,21 +71,28 @@ class QueryViews:
             raise UnknownQueryError(query_id)
         return self.info_of_stored(stored)
 
-    async def get(self, query_id: str) -> cpb.GetQueryResponse:
+    async def get(self, query_id: str) -> QueryDetail:
         """The query's info, its event log and its stages."""
         info = await self.get_info(query_id)
         entry = self.ledger.active.get(query_id)
         stored = await self.store.load(query_id)
-        events = [cpb.QueryEvent.FromString(r) for r in await self.store.events(query_id)]
         if entry is not None:
-            events = events[: entry.event_base] + list(entry.events)
-        return cpb.GetQueryResponse(query=info, events=events, stages=self._stages(stored))
+            events = await self.logged_events(query_id, entry.event_base)
+            events += entry.events
+        else:
+            events = await self.logged_events(query_id)
+        return QueryDetail(query=info, events=tuple(events), stages=self._stages(stored))
 
-    def _stages(self, stored: StoredQuery | None) -> list[cpb.StageInfo]:
+    async def logged_events(self, query_id: str, first: int | None = None) -> list[QueryEvent]:
+        """The query's event log as Redis has it (its `first` events; None: all)."""
+        raw = await self.store.events(query_id)
+        return [event_from_bytes(r) for r in raw[:first]]
+
+    def _stages(self, stored: StoredQuery | None) -> tuple[StageInfo, ...]:
         """Each stage from Redis, overlaid with what memory knows ahead of the writes still
         behind (a running query's releases, finishes and deadlines)."""
         if stored is None:
-            return []  # expired between the reads
+            return ()  # expired between the reads
         entry = self.ledger.active.get(stored.query_id)
         built = stored_workflow(stored)
         workflow = entry.run.query.workflow if entry is not None else built.query.workflow
@@ -96,41 +119,43 @@ class QueryViews:
                 1 for i in range(len(stage.calls)) if f"{stored.query_id}/{k}.{i}" in skipped_ids
             )
             given = built.given[k] if built.given is not None and k < len(built.given) else None
-            info = cpb.StageInfo(
+            released_s = float(released) if released is not None else 0.0
+            finished_s = float(finished) if finished is not None else 0.0
+            calls_done = len(stage.calls) - left
+            calls_given = len(stage.calls) if given is None else given
+            if entry is not None:  # memory is ahead of Redis
+                run = entry.run
+                released_s = run.stage_released_s[k] or 0.0
+                finished_s = run.stage_finished_s[k] or 0.0
+                calls_done = len(stage.calls) - run.stage_calls_left[k]
+                if run.given is not None:
+                    calls_given = run.given[k]
+            info = StageInfo(
                 index=k,
                 step=stage.step,
                 name=names[k] if k < len(names) else stage.step,
-                after=list(stage.after),
+                after=tuple(stage.after),
                 calls_total=len(stage.calls),
-                calls_done=len(stage.calls) - left,
+                calls_done=calls_done,
                 calls_skipped=skipped,
-                calls_given=len(stage.calls) if given is None else given,
-                released_s=float(released) if released is not None else 0.0,
-                finished_s=float(finished) if finished is not None else 0.0,
+                calls_given=calls_given,
+                released_s=released_s,
+                finished_s=finished_s,
                 deadline_s=deadlines.get(k, float(stored.stage(k, schema.STAGE_DL) or 0.0)),
             )
-            if entry is not None:
-                run = entry.run
-                info.released_s = run.stage_released_s[k] or 0.0
-                info.finished_s = run.stage_finished_s[k] or 0.0
-                info.calls_done = len(stage.calls) - run.stage_calls_left[k]
-                if run.given is not None:
-                    info.calls_given = run.given[k]
             stages.append(info)
-        return stages
+        return tuple(stages)
 
-    def info_of_run(self, run: QueryRun) -> cpb.QueryInfo:
+    def info_of_run(self, run: QueryRun) -> QueryInfo:
         q = run.query
         stages_done = sum(1 for f in run.stage_finished_s if f is not None)
         entry = self.ledger.active.get(q.query_id)
         session = entry.session if entry is not None and entry.run is run else None
         hold = 1 if session is not None and session.open else 0  # the open session's own
-        return cpb.QueryInfo(
+        return QueryInfo(
             query_id=q.query_id,
             tenant=q.tenant,
-            state=cpb.QUERY_STATE_SUCCEEDED
-            if run.finished_s is not None
-            else cpb.QUERY_STATE_RUNNING,
+            state=QueryState.SUCCEEDED if run.finished_s is not None else QueryState.RUNNING,
             arrival_s=run.arrival_s,
             slo_s=run.slo_s,
             deadline_s=run.deadline_s,
@@ -145,15 +170,15 @@ class QueryViews:
             traceparent=entry.trace if entry is not None and entry.run is run else "",
         )
 
-    def info_of_stored(self, stored: StoredQuery) -> cpb.QueryInfo:
+    def info_of_stored(self, stored: StoredQuery) -> QueryInfo:
         f = stored.fields
         # A session counts one call more in Redis: its own, done when it is closed.
         session = int(F.SESSION in f)
         hold = f.get(F.SESSION) == S.OPEN
-        return cpb.QueryInfo(
+        return QueryInfo(
             query_id=stored.query_id,
             tenant=f[F.TENANT],
-            state=_STATES.get(f[F.STATE], cpb.QUERY_STATE_UNSPECIFIED),
+            state=_STATES.get(f[F.STATE], QueryState.UNSPECIFIED),
             arrival_s=float(f[F.ARRIVAL_S]),
             slo_s=float(f[F.SLO_S]),
             deadline_s=float(f[F.DEADLINE_S]),
@@ -168,11 +193,11 @@ class QueryViews:
             traceparent=f.get(F.TRACE, ""),
         )
 
-    def _recent(self) -> cpb.RecentOutcomes:
+    def _recent(self) -> RecentOutcomes:
         since = time.monotonic() - RECENT_WINDOW_S
         ended = list(takewhile(lambda r: r[0] >= since, reversed(self.ledger.recent)))
         succeeded = [r for r in ended if r[1] == "succeeded"]
-        return cpb.RecentOutcomes(
+        return RecentOutcomes(
             window_s=RECENT_WINDOW_S,
             succeeded=len(succeeded),
             slo_met=sum(1 for r in succeeded if r[3]),
@@ -181,7 +206,7 @@ class QueryViews:
             latency_s=_summary(r[2] for r in succeeded),
         )
 
-    def status(self) -> cpb.ClusterStatusResponse:
+    def status(self) -> ClusterStatus:
         ledger = self.ledger
         load = self.scheduler.load
         learner = self.scheduler.learner
@@ -191,7 +216,7 @@ class QueryViews:
             link = ledger.links[inst.index]
             factors = learned[inst.index] if learned is not None else None
             instances.append(
-                cpb.InstanceStatus(
+                InstanceStatus(
                     index=inst.index,
                     name=inst.name,
                     gpu=inst.gpu,
@@ -212,8 +237,8 @@ class QueryViews:
                     learned_calls=factors.calls if factors else 0,
                 )
             )
-        return cpb.ClusterStatusResponse(
-            instances=instances,
+        return ClusterStatus(
+            instances=tuple(instances),
             policy=self.scheduler.preset.name,
             alpha=self.scheduler.alpha or 0.0,
             time_scale=ledger.clock.time_scale,
@@ -226,7 +251,7 @@ class QueryViews:
             recent=self._recent(),
             slo_base_s=self.scheduler.slo_base_s,
             cluster=self.cluster.description,
-            overhead=cpb.CoordinatorOverhead(
+            overhead=Overhead(
                 completion_to_dispatch_ms=_summary(ledger.completion_ms),
                 submit_to_dispatch_ms=_summary(ledger.submit_ms),
                 completions=ledger.completions,
@@ -238,10 +263,10 @@ RECENT_WINDOW_S = 300.0
 """Wall seconds of ended queries that ClusterStatus.recent sums."""
 
 
-def _summary(samples: Iterable[float]) -> cpb.LatencySummary:
+def _summary(samples: Iterable[float]) -> LatencySummary:
     values = list(samples)
     if not values:
-        return cpb.LatencySummary()
-    return cpb.LatencySummary(
+        return LatencySummary()
+    return LatencySummary(
         count=len(values), p50=percentile(values, 50), p99=percentile(values, 99), max=max(values)
     )

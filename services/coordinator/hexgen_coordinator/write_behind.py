@@ -6,6 +6,11 @@ can be rebuilt: which slot and attempt a call went to, a stage's budget and the 
 Placements have fields of their own (`WorkflowStore.place_commands`), which no completion
 reads as done, so a write that lands late cannot undo a completion; a write for a query that has
 ended renews its keys' retention window, so none of it outlives the query.
+
+Events are written as the client API's ``QueryEvent`` bytes (`client_wire.event_to_bytes`),
+the form every coordinator version reads back: this module, which writes the log, and
+`views`, which reads it, are the coordinator's only users of `client_wire` beside the
+servicer.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import asyncio
 import logging
 from collections.abc import Iterable, Mapping
 
+from hexgen_coordinator.client_wire import event_to_bytes
 from hexgen_coordinator.ledger import ActiveQuery
 from hexgen_coordinator.redis_retry import REDIS_UNAVAILABLE
 from hexgen_coordinator.store import Placement, WorkflowStore
@@ -62,7 +68,7 @@ class WriteBehind:
             try:
                 commands = []
                 for query_id, (entry, placements, deadlines) in merged.items():
-                    unsaved = [e.SerializeToString() for e in entry.events[entry.saved :]]
+                    unsaved = [event_to_bytes(e) for e in entry.events[entry.saved :]]
                     entry.saved = len(entry.events)
                     ended = self.active.get(query_id) is not entry
                     commands += self.store.place_commands(

@@ -1,0 +1,299 @@
+"""The client API as the coordinator's parts speak it: a query's events, what clients read
+about a query and the cluster, as small frozen values and enums.
+
+The `CoordinatorService` RPCs carry protobuf (``coordinator_pb2``); the gRPC servicer
+(`hexgen_coordinator.service`) and its translator (`hexgen_coordinator.client_wire`) see it,
+and so does the one module that reads and writes each stored form (`client_wire` says which).
+The parts that own the coordinator's state (`events`, `views`, `completions`, `dispatch`,
+`ledger`, `coordinator`) build and read these types, so that they are written and tested
+without the wire, and a change of the wire touches one module (issue 28).
+
+The types keep the wire's meanings, proto3's included: 0, "" and an empty list stand for
+"not given" wherever a field's docstring says so, as they did on the wire. They are not
+turned into None, because the wire cannot tell the two apart and the bytes a client gets
+(and the events kept in Redis) must stay those the coordinator wrote before these types
+existed; `client_wire`'s translations are exact.
+
+The enums' values are the wire's numbers, so a translation passes them through unchanged.
+
+No protobuf here and no grpc.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+
+from hexgen_coordinator.worker_messages import ToolCall
+
+__all__ = [
+    "AlphaChange",
+    "AlphaHistory",
+    "CallSubmitted",
+    "ClusterStatus",
+    "EventKind",
+    "InstanceStatus",
+    "LatencySummary",
+    "Overhead",
+    "QueryDetail",
+    "QueryEvent",
+    "QueryInfo",
+    "QueryState",
+    "RecentOutcomes",
+    "StageInfo",
+    "ToolCall",
+]
+
+
+class EventKind(IntEnum):
+    """What a `QueryEvent` says happened (the wire's ``QueryEventKind``, number for number).
+
+    A query's log in Redis may hold a kind this coordinator does not name (written by a
+    newer one before a roll back): it is kept as a member named ``UNKNOWN_<n>`` with its
+    number, so that replaying the log gives a client the bytes it was written with."""
+
+    UNSPECIFIED = 0
+    SUBMITTED = 1
+    STAGE_RELEASED = 2
+    CALL_DISPATCHED = 3
+    CALL_STARTED = 4
+    CALL_TOKENS = 5
+    """A chunk of a call's output: live only, never logged."""
+    CALL_FINISHED = 6
+    STAGE_FINISHED = 7
+    CALL_REDISPATCHED = 8
+    SUCCEEDED = 9
+    CANCELLED = 10
+    CALL_FAILED = 11
+    """One attempt of a call failed (text: the error)."""
+    FAILED = 12
+    """The query ended FAILED (text: the reason)."""
+    CALL_SKIPPED = 13
+    """A call a workflow session expected was not given (text: why)."""
+    CLOSED = 14
+    """A workflow session takes no more calls (text: closed by the client, or idle)."""
+    DEADLINE_UPDATED = 15
+    """A waiting call's stage deadline was recomputed (text: the new deadline)."""
+    CALL_SUBMITTED = 16
+    """A call's prompt was given (a workflow session's RunCall)."""
+
+    @classmethod
+    def _missing_(cls, value: object) -> EventKind | None:
+        """A number the enum does not name: a pseudo-member that keeps it (see above)."""
+        if not isinstance(value, int):
+            return None
+        member = int.__new__(cls, value)
+        member._name_ = f"UNKNOWN_{value}"
+        member._value_ = value
+        return member
+
+
+class QueryState(IntEnum):
+    """A query's state (the wire's ``QueryState``, number for number)."""
+
+    UNSPECIFIED = 0
+    """A stored state this coordinator does not know."""
+    RUNNING = 1
+    SUCCEEDED = 2
+    CANCELLED = 3
+    FAILED = 4
+    """A call failed on every attempt allowed (`QueryInfo.failure_reason` says why)."""
+
+
+@dataclass(frozen=True, slots=True)
+class QueryEvent:
+    """One entry of a query's event log, or a live-only token chunk.
+
+    Built once per event (`hexgen_coordinator.events.record_event`), kept in the query's
+    `ActiveQuery.events` until written behind to Redis, and handed as is to every watcher."""
+
+    query_id: str
+    kind: EventKind
+    time_s: float
+    sequence: int
+    """Position in the query's event log, from 0."""
+    stage: int = -1
+    """The stage's index in the expanded workflow; -1: not about a stage."""
+    call_id: str = ""
+    """"": not about a call."""
+    instance: str = ""
+    """The instance's name (e.g. ``"A100#0"``) of a call's event; "": none."""
+    text: str = ""
+    """Generated text (CALL_TOKENS, CALL_FINISHED), an error or reason; "": none."""
+    finish_reason: str = ""
+    """CALL_FINISHED: "stop", "length" or "tool_calls"; "": the engine does not say."""
+    tool_calls: tuple[ToolCall, ...] = ()
+    """CALL_FINISHED: the tools the model called (the worker's report's own tuple)."""
+    prompt_tokens: int = 0
+    """CALL_FINISHED: the prompt as the engine counted it; 0: it does not say."""
+    output_tokens: int = 0
+    """CALL_FINISHED: the tokens the engine generated; 0: it does not say."""
+
+
+@dataclass(frozen=True, slots=True)
+class CallSubmitted:
+    """The first answer to a workflow session's RunCall: the call's id (its event's), the
+    stage deadline it got (or would get if released now), its CALL_SUBMITTED event and the
+    workflow's traceparent. The events that follow are plain `QueryEvent`s."""
+
+    event: QueryEvent
+    deadline_s: float
+    traceparent: str
+    """The W3C traceparent of the workflow's root span; "": the coordinator does not say."""
+
+
+@dataclass(frozen=True, slots=True)
+class QueryInfo:
+    """A query as a client reads it (submitting, cancelling, getting it)."""
+
+    query_id: str
+    tenant: str
+    state: QueryState
+    arrival_s: float
+    slo_s: float
+    deadline_s: float
+    finished_s: float
+    """0: not ended."""
+    stages_total: int
+    stages_done: int
+    calls_total: int
+    calls_done: int
+    failure_reason: str = ""
+    """Why the query failed; "" unless `state` is FAILED."""
+    best_effort: bool = False
+    """Admitted over the admission check's prediction, at the lowest urgency."""
+    session: bool = False
+    """A workflow session (OpenWorkflow)."""
+    session_open: bool = False
+    """A session that still takes calls."""
+    traceparent: str = ""
+    """The W3C traceparent of the workflow's root span; "": not said."""
+
+
+@dataclass(frozen=True, slots=True)
+class StageInfo:
+    """One stage of a query, as GetQuery shows it."""
+
+    index: int
+    step: str
+    name: str
+    after: tuple[int, ...]
+    calls_total: int
+    calls_done: int
+    calls_skipped: int
+    calls_given: int
+    released_s: float
+    """0: not released."""
+    finished_s: float
+    """0: not finished."""
+    deadline_s: float
+    """0: none known."""
+
+
+@dataclass(frozen=True, slots=True)
+class QueryDetail:
+    """GetQuery's answer: the query, its event log and its stages."""
+
+    query: QueryInfo
+    events: tuple[QueryEvent, ...]
+    stages: tuple[StageInfo, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class LatencySummary:
+    """A sample's summary; all zeros: no sample (still a summary on the wire: present,
+    empty)."""
+
+    count: int = 0
+    p50: float = 0.0
+    p99: float = 0.0
+    max: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class RecentOutcomes:
+    """How the queries that ended in the last `window_s` wall seconds ended."""
+
+    window_s: float
+    succeeded: int
+    slo_met: int
+    failed: int
+    cancelled: int
+    latency_s: LatencySummary
+    """Of the succeeded ones."""
+
+
+@dataclass(frozen=True, slots=True)
+class Overhead:
+    """The coordinator's own time (the wire's ``CoordinatorOverhead``)."""
+
+    completion_to_dispatch_ms: LatencySummary
+    submit_to_dispatch_ms: LatencySummary
+    completions: int
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceStatus:
+    """One instance of the cluster and the worker holding it (if any)."""
+
+    index: int
+    name: str
+    gpu: str
+    model: str
+    worker_id: str
+    """"": no worker holds the slot."""
+    connected: bool
+    engine: str
+    """"": no worker holds the slot."""
+    in_flight: int
+    running: int
+    queued: int
+    kv_used_tokens: int
+    kv_capacity_tokens: int
+    outstanding_s: float
+    others_in_flight: int
+    others_weight: float
+    learned_prefill_factor: float
+    """0: nothing learned (or no learner)."""
+    learned_decode_factor: float
+    learned_calls: int
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterStatus:
+    """ClusterStatus's answer."""
+
+    instances: tuple[InstanceStatus, ...]
+    policy: str
+    alpha: float
+    """0: the policy has no alpha."""
+    time_scale: float
+    now_s: float
+    queries_running: int
+    queries_finished: int
+    queries_failed: int
+    queries_rejected: int
+    retention_s: float
+    recent: RecentOutcomes
+    slo_base_s: float
+    cluster: str
+    overhead: Overhead
+
+
+@dataclass(frozen=True, slots=True)
+class AlphaChange:
+    """One change of α, on the cluster clock and the wall clock."""
+
+    time_s: float
+    unix_s: float
+    alpha: float
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class AlphaHistory:
+    """GetAlphaHistory's answer: the α in force (0: the policy has none) and the changes
+    kept, oldest first."""
+
+    alpha: float
+    changes: tuple[AlphaChange, ...]

@@ -1,0 +1,231 @@
+"""The client API's wire: `hexgen_coordinator.client_messages` to ``coordinator_pb2`` (the
+answers and the events a client gets) and a query's stored event log to and from its bytes.
+
+The gRPC servicer (`hexgen_coordinator.service`) encodes every answer here. The event log
+is the other edge: Redis keeps each event as the bytes of a ``QueryEvent`` message (a
+coordinator of another version reads them), so the module that writes the log behind
+(`hexgen_coordinator.write_behind`, `event_to_bytes`) and the one that reads it back
+(`hexgen_coordinator.views`, `event_from_bytes`) use this module too; no other module of
+the coordinator imports it, and those that are free of the client API's protobuf stay so
+(tests/test_layers.py checks both).
+
+Each translation builds one message field by field (a zero kept as a zero, an enum as its
+number), so the bytes are those the coordinator wrote before the translation existed
+(tests/test_client_wire.py compares them with the old constructions).
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+from hexgen_api.v1 import coordinator_pb2 as cpb
+from hexgen_api.v1 import workflow_pb2 as wfpb
+from hexgen_coordinator.client_messages import (
+    AlphaHistory,
+    CallSubmitted,
+    ClusterStatus,
+    EventKind,
+    LatencySummary,
+    QueryDetail,
+    QueryEvent,
+    QueryInfo,
+    StageInfo,
+    ToolCall,
+)
+
+__all__ = [
+    "decode_event",
+    "encode_alpha_history",
+    "encode_call_update",
+    "encode_detail",
+    "encode_event",
+    "encode_info",
+    "encode_status",
+    "event_from_bytes",
+    "event_to_bytes",
+]
+
+
+# ------------------------------------------------------------------ events
+
+
+def encode_event(e: QueryEvent) -> cpb.QueryEvent:
+    """An event as watchers and GetQuery get it, and as Redis keeps it."""
+    return cpb.QueryEvent(
+        query_id=e.query_id,
+        kind=cast("cpb.QueryEventKind.ValueType", e.kind),  # its number (an int)
+        time_s=e.time_s,
+        stage=e.stage,
+        call_id=e.call_id,
+        instance=e.instance,
+        text=e.text,
+        sequence=e.sequence,
+        finish_reason=e.finish_reason,
+        tool_calls=[
+            wfpb.ToolCall(id=t.id, name=t.name, arguments=t.arguments) for t in e.tool_calls
+        ],
+        prompt_tokens=e.prompt_tokens,
+        output_tokens=e.output_tokens,
+    )
+
+
+def decode_event(pb: cpb.QueryEvent) -> QueryEvent:
+    """A logged event read back; a kind the enum does not name keeps its number
+    (`EventKind` says why)."""
+    return QueryEvent(
+        query_id=pb.query_id,
+        kind=EventKind(pb.kind),
+        time_s=pb.time_s,
+        sequence=pb.sequence,
+        stage=pb.stage,
+        call_id=pb.call_id,
+        instance=pb.instance,
+        text=pb.text,
+        finish_reason=pb.finish_reason,
+        tool_calls=(
+            tuple(ToolCall(t.id, t.name, t.arguments) for t in pb.tool_calls)
+            if pb.tool_calls
+            else ()
+        ),
+        prompt_tokens=pb.prompt_tokens,
+        output_tokens=pb.output_tokens,
+    )
+
+
+def event_to_bytes(e: QueryEvent) -> bytes:
+    """An event as the query's log in Redis keeps it (``ev:{id}``, redis_schema)."""
+    return encode_event(e).SerializeToString()
+
+
+def event_from_bytes(raw: bytes) -> QueryEvent:
+    """An event of the query's log in Redis."""
+    return decode_event(cpb.QueryEvent.FromString(raw))
+
+
+def encode_call_update(update: CallSubmitted | QueryEvent) -> cpb.RunCallResponse:
+    """One message of RunCall's stream: the first (`CallSubmitted`) carries the call's id,
+    deadline and the workflow's traceparent with its event; the others the event alone."""
+    if isinstance(update, CallSubmitted):
+        return cpb.RunCallResponse(
+            call_id=update.event.call_id,
+            deadline_s=update.deadline_s,
+            event=encode_event(update.event),
+            traceparent=update.traceparent,
+        )
+    return cpb.RunCallResponse(event=encode_event(update))
+
+
+# ------------------------------------------------------------------ what clients read
+
+
+def encode_info(info: QueryInfo) -> cpb.QueryInfo:
+    return cpb.QueryInfo(
+        query_id=info.query_id,
+        tenant=info.tenant,
+        state=cast("cpb.QueryState.ValueType", info.state),
+        arrival_s=info.arrival_s,
+        slo_s=info.slo_s,
+        deadline_s=info.deadline_s,
+        finished_s=info.finished_s,
+        stages_total=info.stages_total,
+        stages_done=info.stages_done,
+        calls_total=info.calls_total,
+        calls_done=info.calls_done,
+        failure_reason=info.failure_reason,
+        best_effort=info.best_effort,
+        session=info.session,
+        session_open=info.session_open,
+        traceparent=info.traceparent,
+    )
+
+
+def _encode_stage(s: StageInfo) -> cpb.StageInfo:
+    return cpb.StageInfo(
+        index=s.index,
+        step=s.step,
+        name=s.name,
+        after=s.after,
+        calls_total=s.calls_total,
+        calls_done=s.calls_done,
+        calls_skipped=s.calls_skipped,
+        calls_given=s.calls_given,
+        released_s=s.released_s,
+        finished_s=s.finished_s,
+        deadline_s=s.deadline_s,
+    )
+
+
+def encode_detail(detail: QueryDetail) -> cpb.GetQueryResponse:
+    return cpb.GetQueryResponse(
+        query=encode_info(detail.query),
+        events=[encode_event(e) for e in detail.events],
+        stages=[_encode_stage(s) for s in detail.stages],
+    )
+
+
+def _encode_summary(s: LatencySummary) -> cpb.LatencySummary:
+    """Always a message, all zeros too: the field is present on the wire either way."""
+    return cpb.LatencySummary(count=s.count, p50=s.p50, p99=s.p99, max=s.max)
+
+
+def encode_status(status: ClusterStatus) -> cpb.ClusterStatusResponse:
+    recent, overhead = status.recent, status.overhead
+    return cpb.ClusterStatusResponse(
+        instances=[
+            cpb.InstanceStatus(
+                index=i.index,
+                name=i.name,
+                gpu=i.gpu,
+                model=i.model,
+                worker_id=i.worker_id,
+                connected=i.connected,
+                engine=i.engine,
+                in_flight=i.in_flight,
+                running=i.running,
+                queued=i.queued,
+                kv_used_tokens=i.kv_used_tokens,
+                kv_capacity_tokens=i.kv_capacity_tokens,
+                outstanding_s=i.outstanding_s,
+                others_in_flight=i.others_in_flight,
+                others_weight=i.others_weight,
+                learned_prefill_factor=i.learned_prefill_factor,
+                learned_decode_factor=i.learned_decode_factor,
+                learned_calls=i.learned_calls,
+            )
+            for i in status.instances
+        ],
+        policy=status.policy,
+        alpha=status.alpha,
+        time_scale=status.time_scale,
+        now_s=status.now_s,
+        queries_running=status.queries_running,
+        queries_finished=status.queries_finished,
+        queries_failed=status.queries_failed,
+        queries_rejected=status.queries_rejected,
+        retention_s=status.retention_s,
+        recent=cpb.RecentOutcomes(
+            window_s=recent.window_s,
+            succeeded=recent.succeeded,
+            slo_met=recent.slo_met,
+            failed=recent.failed,
+            cancelled=recent.cancelled,
+            latency_s=_encode_summary(recent.latency_s),
+        ),
+        slo_base_s=status.slo_base_s,
+        cluster=status.cluster,
+        overhead=cpb.CoordinatorOverhead(
+            completion_to_dispatch_ms=_encode_summary(overhead.completion_to_dispatch_ms),
+            submit_to_dispatch_ms=_encode_summary(overhead.submit_to_dispatch_ms),
+            completions=overhead.completions,
+        ),
+    )
+
+
+def encode_alpha_history(history: AlphaHistory) -> cpb.GetAlphaHistoryResponse:
+    return cpb.GetAlphaHistoryResponse(
+        alpha=history.alpha,
+        changes=[
+            cpb.AlphaHistoryEntry(time_s=c.time_s, unix_s=c.unix_s, alpha=c.alpha, reason=c.reason)
+            for c in history.changes
+        ],
+    )

@@ -1,0 +1,396 @@
+"""The client API's translation (`hexgen_coordinator.client_wire`): the bytes a client gets,
+and those of a query's event log in Redis, are those the coordinator wrote before its parts
+spoke `client_messages` (each test builds the old message as the old code did), and a
+stored event read back is the event that was written."""
+
+from __future__ import annotations
+
+import pytest
+
+from hexgen_api.v1 import coordinator_pb2 as cpb
+from hexgen_api.v1 import workflow_pb2 as wfpb
+from hexgen_coordinator.client_messages import (
+    AlphaChange,
+    AlphaHistory,
+    CallSubmitted,
+    ClusterStatus,
+    EventKind,
+    InstanceStatus,
+    LatencySummary,
+    Overhead,
+    QueryDetail,
+    QueryEvent,
+    QueryInfo,
+    QueryState,
+    RecentOutcomes,
+    StageInfo,
+    ToolCall,
+)
+from hexgen_coordinator.client_wire import (
+    decode_event,
+    encode_alpha_history,
+    encode_call_update,
+    encode_detail,
+    encode_event,
+    encode_info,
+    encode_status,
+    event_from_bytes,
+    event_to_bytes,
+)
+
+# ------------------------------------------------------------------ enums
+
+
+@pytest.mark.parametrize("kind", list(cpb.QueryEventKind.values()))
+def test_every_event_kind_is_the_wires_number_and_name(kind: cpb.QueryEventKind.ValueType) -> None:
+    assert EventKind(kind).value == kind
+    assert "QUERY_EVENT_KIND_" + EventKind(kind).name == cpb.QueryEventKind.Name(kind)
+
+
+def test_the_event_kinds_are_the_wires_all() -> None:
+    assert sorted(k.value for k in EventKind) == sorted(cpb.QueryEventKind.values())
+
+
+@pytest.mark.parametrize("state", list(cpb.QueryState.values()))
+def test_every_query_state_is_the_wires_number_and_name(state: cpb.QueryState.ValueType) -> None:
+    assert "QUERY_STATE_" + QueryState(state).name == cpb.QueryState.Name(state)
+    assert len(QueryState) == len(cpb.QueryState.values())
+
+
+# ------------------------------------------------------------------ events
+
+FINISHED = QueryEvent(
+    query_id="q",
+    kind=EventKind.CALL_FINISHED,
+    time_s=12.5,
+    sequence=7,
+    stage=1,
+    call_id="q/1.0",
+    instance="A100#0",
+    text="done",
+    finish_reason="tool_calls",
+    tool_calls=(ToolCall("c1", "weather", '{"city":"Oslo"}'), ToolCall("c2", "", "")),
+    prompt_tokens=31,
+    output_tokens=9,
+)
+
+
+def _old_event(
+    kind: int,
+    *,
+    stage: int = -1,
+    call_id: str = "",
+    instance: str = "",
+    text: str = "",
+    finished: tuple[str, list[tuple[str, str, str]], int, int] | None = None,
+) -> cpb.QueryEvent:
+    """`events.record_event`'s construction before `client_messages`."""
+    event = cpb.QueryEvent(
+        query_id="q",
+        kind=kind,  # type: ignore[arg-type]
+        time_s=12.5,
+        stage=stage,
+        call_id=call_id,
+        instance=instance,
+        text=text,
+        sequence=7,
+    )
+    if finished is not None:
+        event.finish_reason = finished[0]
+        for id_, name, arguments in finished[1]:
+            event.tool_calls.add(id=id_, name=name, arguments=arguments)
+        event.prompt_tokens = finished[2]
+        event.output_tokens = finished[3]
+    return event
+
+
+def test_a_finished_event_is_the_bytes_it_was() -> None:
+    old = _old_event(
+        cpb.QUERY_EVENT_KIND_CALL_FINISHED,
+        stage=1,
+        call_id="q/1.0",
+        instance="A100#0",
+        text="done",
+        finished=("tool_calls", [("c1", "weather", '{"city":"Oslo"}'), ("c2", "", "")], 31, 9),
+    )
+    assert event_to_bytes(FINISHED) == old.SerializeToString()
+    assert encode_event(FINISHED) == old
+
+
+def test_a_finished_event_with_the_zeros_is_the_bytes_it_was() -> None:
+    """A report that says nothing more (proto3's zeros): the fields stay off the wire."""
+    event = QueryEvent("q", EventKind.CALL_FINISHED, 12.5, 7, stage=0, call_id="q/0.0")
+    old = _old_event(
+        cpb.QUERY_EVENT_KIND_CALL_FINISHED, stage=0, call_id="q/0.0", finished=("", [], 0, 0)
+    )
+    assert event_to_bytes(event) == old.SerializeToString()
+
+
+@pytest.mark.parametrize("kind", [k for k in EventKind if k != EventKind.CALL_FINISHED])
+def test_every_other_event_is_the_bytes_it_was(kind: EventKind) -> None:
+    event = QueryEvent("q", kind, 12.5, 7, text="why")
+    assert event_to_bytes(event) == _old_event(kind.value, text="why").SerializeToString()
+    assert event.stage == -1  # "not about a stage", as record_event's default was
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        FINISHED,
+        QueryEvent("q", EventKind.SUBMITTED, 0.0, 0),
+        QueryEvent("", EventKind.UNSPECIFIED, 0.0, 0, stage=0),
+        QueryEvent("q", EventKind.DEADLINE_UPDATED, 3.0, 2**40, stage=4, call_id="q/4.1"),
+    ],
+)
+def test_a_logged_event_reads_back_as_it_was_written(event: QueryEvent) -> None:
+    raw = event_to_bytes(event)
+    assert event_from_bytes(raw) == event
+    assert event_to_bytes(event_from_bytes(raw)) == raw
+
+
+def test_a_logged_event_of_a_kind_not_named_keeps_its_number() -> None:
+    """A log written by a newer coordinator: replayed to a client as it was written."""
+    old = cpb.QueryEvent(query_id="q", kind=99, time_s=1.0, stage=-1, sequence=3)  # type: ignore[arg-type]
+    event = event_from_bytes(old.SerializeToString())
+    assert event.kind == 99 and isinstance(event.kind, EventKind)
+    assert event.kind != EventKind.CALL_TOKENS
+    assert encode_event(event).SerializeToString() == old.SerializeToString()
+
+
+def test_a_decoded_event_without_tool_calls_shares_the_empty_tuple() -> None:
+    """The replay path builds one object per event (no list when there is no tool call)."""
+    event = decode_event(cpb.QueryEvent(query_id="q", kind=cpb.QUERY_EVENT_KIND_SUBMITTED))
+    assert event.tool_calls == ()
+
+
+def test_run_calls_answers_are_the_bytes_they_were() -> None:
+    submitted = QueryEvent("w", EventKind.CALL_SUBMITTED, 2.0, 4, stage=0, call_id="w/0.1")
+    old_event = _old_event(cpb.QUERY_EVENT_KIND_CALL_SUBMITTED, stage=0, call_id="w/0.1")
+    old_event.query_id, old_event.time_s, old_event.sequence = "w", 2.0, 4
+    old_first = cpb.RunCallResponse(
+        call_id="w/0.1", deadline_s=9.5, event=old_event, traceparent="00-ab-cd-01"
+    )
+    first = encode_call_update(CallSubmitted(submitted, 9.5, "00-ab-cd-01"))
+    assert first.SerializeToString() == old_first.SerializeToString()
+    old_next = cpb.RunCallResponse(
+        event=_old_event(
+            cpb.QUERY_EVENT_KIND_CALL_FINISHED,
+            stage=1,
+            call_id="q/1.0",
+            instance="A100#0",
+            text="done",
+            finished=("tool_calls", [("c1", "weather", '{"city":"Oslo"}'), ("c2", "", "")], 31, 9),
+        )
+    )
+    assert encode_call_update(FINISHED).SerializeToString() == old_next.SerializeToString()
+
+
+# ------------------------------------------------------------------ what clients read
+
+INFO = QueryInfo(
+    query_id="q",
+    tenant="t",
+    state=QueryState.FAILED,
+    arrival_s=1.0,
+    slo_s=30.0,
+    deadline_s=31.0,
+    finished_s=0.0,
+    stages_total=3,
+    stages_done=1,
+    calls_total=5,
+    calls_done=2,
+    failure_reason="boom",
+    best_effort=True,
+    session=True,
+    session_open=False,
+    traceparent="00-ab-cd-01",
+)
+OLD_INFO = cpb.QueryInfo(
+    query_id="q",
+    tenant="t",
+    state=cpb.QUERY_STATE_FAILED,
+    arrival_s=1.0,
+    slo_s=30.0,
+    deadline_s=31.0,
+    finished_s=0.0,
+    stages_total=3,
+    stages_done=1,
+    calls_total=5,
+    calls_done=2,
+    failure_reason="boom",
+    best_effort=True,
+    session=True,
+    session_open=False,
+    traceparent="00-ab-cd-01",
+)
+
+
+def test_a_query_info_is_the_bytes_it_was() -> None:
+    assert encode_info(INFO).SerializeToString() == OLD_INFO.SerializeToString()
+    running = QueryInfo("q", "t", QueryState.RUNNING, 1.0, 30.0, 31.0, 0.0, 1, 0, 1, 0)
+    old = cpb.QueryInfo(
+        query_id="q",
+        tenant="t",
+        state=cpb.QUERY_STATE_RUNNING,
+        arrival_s=1.0,
+        slo_s=30.0,
+        deadline_s=31.0,
+        stages_total=1,
+        calls_total=1,
+    )
+    assert encode_info(running).SerializeToString() == old.SerializeToString()
+
+
+def test_get_querys_answer_is_the_bytes_it_was() -> None:
+    stage = StageInfo(
+        index=0,
+        step="plan",
+        name="planner",
+        after=(),
+        calls_total=2,
+        calls_done=1,
+        calls_skipped=0,
+        calls_given=2,
+        released_s=1.5,
+        finished_s=0.0,
+        deadline_s=9.0,
+    )
+    later = StageInfo(1, "act", "act", (0,), 1, 0, 0, 1, 0.0, 0.0, 0.0)
+    detail = QueryDetail(INFO, (FINISHED,), (stage, later))
+    old_finished = encode_event(FINISHED)  # its bytes are the old ones (above)
+    old = cpb.GetQueryResponse(
+        query=OLD_INFO,
+        events=[old_finished],
+        stages=[
+            cpb.StageInfo(
+                index=0,
+                step="plan",
+                name="planner",
+                after=[],
+                calls_total=2,
+                calls_done=1,
+                calls_skipped=0,
+                calls_given=2,
+                released_s=1.5,
+                finished_s=0.0,
+                deadline_s=9.0,
+            ),
+            cpb.StageInfo(index=1, step="act", name="act", after=[0], calls_total=1, calls_given=1),
+        ],
+    )
+    assert encode_detail(detail).SerializeToString() == old.SerializeToString()
+
+
+def _instance(worker_id: str) -> InstanceStatus:
+    return InstanceStatus(
+        index=1,
+        name="A100#1",
+        gpu="A100",
+        model="m",
+        worker_id=worker_id,
+        connected=bool(worker_id),
+        engine="ENGINE_KIND_SIMULATED" if worker_id else "",
+        in_flight=3,
+        running=2,
+        queued=1,
+        kv_used_tokens=2**33,
+        kv_capacity_tokens=2**34,
+        outstanding_s=4.5,
+        others_in_flight=0,
+        others_weight=0.0,
+        learned_prefill_factor=1.1,
+        learned_decode_factor=0.9,
+        learned_calls=12,
+    )
+
+
+def test_the_cluster_status_is_the_bytes_it_was() -> None:
+    """Empty latency summaries stay present on the wire (`views._summary` gave an empty
+    message), and the zeros of an instance nobody holds stay off it."""
+    summary = LatencySummary(count=4, p50=1.0, p99=2.0, max=3.0)
+    status = ClusterStatus(
+        instances=(_instance("w1"), _instance("")),
+        policy="hexgen",
+        alpha=0.5,
+        time_scale=1.0,
+        now_s=100.0,
+        queries_running=2,
+        queries_finished=10,
+        queries_failed=1,
+        queries_rejected=0,
+        retention_s=3600.0,
+        recent=RecentOutcomes(300.0, 10, 9, 1, 0, summary),
+        slo_base_s=20.0,
+        cluster="A100:2",
+        overhead=Overhead(LatencySummary(), summary, 50),
+    )
+
+    def old_instance(worker_id: str) -> cpb.InstanceStatus:
+        return cpb.InstanceStatus(
+            index=1,
+            name="A100#1",
+            gpu="A100",
+            model="m",
+            worker_id=worker_id,
+            connected=bool(worker_id),
+            engine="ENGINE_KIND_SIMULATED" if worker_id else "",
+            in_flight=3,
+            running=2,
+            queued=1,
+            kv_used_tokens=2**33,
+            kv_capacity_tokens=2**34,
+            outstanding_s=4.5,
+            others_in_flight=0,
+            others_weight=0.0,
+            learned_prefill_factor=1.1,
+            learned_decode_factor=0.9,
+            learned_calls=12,
+        )
+
+    old_summary = cpb.LatencySummary(count=4, p50=1.0, p99=2.0, max=3.0)
+    old = cpb.ClusterStatusResponse(
+        instances=[old_instance("w1"), old_instance("")],
+        policy="hexgen",
+        alpha=0.5,
+        time_scale=1.0,
+        now_s=100.0,
+        queries_running=2,
+        queries_finished=10,
+        queries_failed=1,
+        queries_rejected=0,
+        retention_s=3600.0,
+        recent=cpb.RecentOutcomes(
+            window_s=300.0, succeeded=10, slo_met=9, failed=1, cancelled=0, latency_s=old_summary
+        ),
+        slo_base_s=20.0,
+        cluster="A100:2",
+        overhead=cpb.CoordinatorOverhead(
+            completion_to_dispatch_ms=cpb.LatencySummary(),
+            submit_to_dispatch_ms=old_summary,
+            completions=50,
+        ),
+    )
+    encoded = encode_status(status)
+    assert encoded.SerializeToString() == old.SerializeToString()
+    assert encoded.overhead.HasField("completion_to_dispatch_ms")
+
+
+def test_the_alpha_history_is_the_bytes_it_was() -> None:
+    history = AlphaHistory(
+        0.3, (AlphaChange(1.0, 1.7e9, 0.5, "start"), AlphaChange(2.0, 1.7e9 + 1, 0.3, ""))
+    )
+    old = cpb.GetAlphaHistoryResponse(
+        alpha=0.3,
+        changes=[
+            cpb.AlphaHistoryEntry(time_s=1.0, unix_s=1.7e9, alpha=0.5, reason="start"),
+            cpb.AlphaHistoryEntry(time_s=2.0, unix_s=1.7e9 + 1, alpha=0.3, reason=""),
+        ],
+    )
+    assert encode_alpha_history(history).SerializeToString() == old.SerializeToString()
+    assert encode_alpha_history(AlphaHistory(0.0, ())).SerializeToString() == b""
+
+
+def test_a_tool_call_is_the_client_apis_own() -> None:
+    """The event's tool calls are the worker report's `ToolCall`s, the wire's field for field."""
+    pb = encode_event(FINISHED).tool_calls[0]
+    assert pb == wfpb.ToolCall(id="c1", name="weather", arguments='{"city":"Oslo"}')
