@@ -36,7 +36,9 @@ from hexgen_coordinator.client_wire import (
     encode_status,
     event_from_bytes,
     event_to_bytes,
+    submission_from_bytes,
 )
+from hexgen_service.convert import parse_submit, stage_names, without_prompts
 
 # ------------------------------------------------------------------ enums
 
@@ -394,3 +396,48 @@ def test_a_tool_call_is_the_client_apis_own() -> None:
     """The event's tool calls are the worker report's `ToolCall`s, the wire's field for field."""
     pb = encode_event(FINISHED).tool_calls[0]
     assert pb == wfpb.ToolCall(id="c1", name="weather", arguments='{"city":"Oslo"}')
+
+
+# ------------------------------------------------------------------ stored submissions
+
+
+def _submission() -> cpb.SubmitQueryRequest:
+    return cpb.SubmitQueryRequest(
+        query_id="q",
+        tenant="t",
+        slo_s=30.0,
+        workflow=wfpb.Workflow(
+            stages=[
+                wfpb.Stage(
+                    id="plan",
+                    step="planner",
+                    calls=[wfpb.LLMCall(prompt="hi", input_tokens=10, output_tokens=5)],
+                ),
+                wfpb.Stage(
+                    step="act",
+                    after=["plan"],
+                    calls=[
+                        wfpb.LLMCall(prompt="a", input_tokens=3, output_tokens=2),
+                        wfpb.LLMCall(input_tokens=4, output_tokens=1),
+                    ],
+                ),
+            ]
+        ),
+    )
+
+
+def test_a_stored_submission_reads_back_as_parse_submit_reads_it() -> None:
+    request = _submission()
+    query, prompts, names = submission_from_bytes(request.SerializeToString())
+    assert (query, prompts) == parse_submit(request)
+    assert names == stage_names(request.workflow) == ["plan", "act"]
+    assert prompts == [("hi",), ("a", "")]
+
+
+def test_a_stored_shape_reads_back_without_its_prompts() -> None:
+    """What admission stores since prompts are kept apart (`without_prompts`): the same
+    query, every prompt empty."""
+    request = _submission()
+    query, prompts, _ = submission_from_bytes(without_prompts(request))
+    assert query == parse_submit(request)[0]
+    assert prompts == [("",), ("", "")]

@@ -369,18 +369,19 @@ CLIENT_PROTOBUF_SPEAKERS = {
     "admission.py": "SubmitQueryRequest in, and its stored bytes",
     "coordinator.py": "the requests it passes on (SubmitQuery, OpenWorkflow, RunCall)",
     "ledger.py": "a session call's chat part (LLMCall)",
-    "recovery.py": "the stored submission's bytes",
-    "session_store.py": "the stored submission and prompts' bytes",
+    "session_store.py": "a session's stored calls (LLMCall bytes) and their chat parts",
     "sessions.py": "OpenWorkflow and RunCall requests, the stored call's bytes",
 }
 """The coordinator's modules that may import the client API's protobuf, and why. Every other
 module (events, views, completions, dispatch, write_behind, ...) works on
 `client_messages`' types; freeing one more module means taking it off this list."""
 
-CLIENT_WIRE_USERS = ("service.py", "views.py", "write_behind.py")
-"""The modules that may import `client_wire`: the servicer (every answer), and the two ends
-of the event log in Redis, kept as ``QueryEvent`` bytes: `write_behind` writes it, `views`
-reads it back (GetQuery, and the replay of a watch)."""
+CLIENT_WIRE_USERS = ("service.py", "session_store.py", "views.py", "write_behind.py")
+"""The modules that may import `client_wire`: the servicer (every answer), and the owners of
+the client API's messages that Redis keeps as bytes: `write_behind` writes the event log
+(``QueryEvent`` bytes) and `views` reads it back (GetQuery, a watch's replay);
+`session_store` reads a stored submission (``SubmitQueryRequest`` bytes) for recovery,
+admission and views."""
 
 
 def test_only_the_listed_modules_speak_the_client_protobuf() -> None:

@@ -61,6 +61,7 @@ from hexgen_coordinator.dispatch import Dispatch
 from hexgen_coordinator.events import record_event
 from hexgen_coordinator.ledger import ActiveQuery, Ledger, SessionState, call_id_of
 from hexgen_coordinator.redis_memory import RedisMemory
+from hexgen_coordinator.session_store import stored_submission
 from hexgen_coordinator.store import WorkflowStore, prompts_digest
 from hexgen_coordinator.views import QueryViews
 from hexgen_coordinator.write_behind import WriteBehind
@@ -641,7 +642,7 @@ class Admission:
         if stored is None:
             return None
         try:
-            known, known_prompts = parse_submit(cpb.SubmitQueryRequest.FromString(stored.submit))
+            known, known_prompts = stored_submission(stored)
         except Exception:  # an unreadable stored submission cannot be matched
             known, known_prompts = None, []
         if known is None:

@@ -1,13 +1,18 @@
 """The client API's wire: `hexgen_coordinator.client_messages` to ``coordinator_pb2`` (the
 answers and the events a client gets) and a query's stored event log to and from its bytes.
 
-The gRPC servicer (`hexgen_coordinator.service`) encodes every answer here. The event log
-is the other edge: Redis keeps each event as the bytes of a ``QueryEvent`` message (a
-coordinator of another version reads them), so the module that writes the log behind
-(`hexgen_coordinator.write_behind`, `event_to_bytes`) and the one that reads it back
-(`hexgen_coordinator.views`, `event_from_bytes`) use this module too; no other module of
-the coordinator imports it, and those that are free of the client API's protobuf stay so
-(tests/test_layers.py checks both).
+The gRPC servicer (`hexgen_coordinator.service`) encodes every answer here. Redis is the
+other edge: it keeps the client API's messages as bytes (a coordinator of another version
+reads them), so the module that owns each stored form uses this module too:
+
+- a query's event log, ``QueryEvent`` bytes: `hexgen_coordinator.write_behind` writes it
+  (`event_to_bytes`), `hexgen_coordinator.views` reads it back (`event_from_bytes`);
+- a query's submission, ``SubmitQueryRequest`` bytes: `hexgen_coordinator.session_store`,
+  which rebuilds a stored query, reads it (`submission_from_bytes`) for recovery,
+  admission and views (admission still writes it: its requests are not translated yet).
+
+No other module of the coordinator imports this one, and those that are free of the
+client API's protobuf stay so (tests/test_layers.py checks both).
 
 Each translation builds one message field by field (a zero kept as a zero, an enum as its
 number), so the bytes are those the coordinator wrote before the translation existed
@@ -32,6 +37,8 @@ from hexgen_coordinator.client_messages import (
     StageInfo,
     ToolCall,
 )
+from hexgen_flow.workload import Query
+from hexgen_service.convert import parse_submit, stage_names
 
 __all__ = [
     "decode_event",
@@ -43,6 +50,7 @@ __all__ = [
     "encode_status",
     "event_from_bytes",
     "event_to_bytes",
+    "submission_from_bytes",
 ]
 
 
@@ -229,3 +237,17 @@ def encode_alpha_history(history: AlphaHistory) -> cpb.GetAlphaHistoryResponse:
             for c in history.changes
         ],
     )
+
+
+# ------------------------------------------------------------------ stored submissions
+
+
+def submission_from_bytes(raw: bytes) -> tuple[Query, list[tuple[str, ...]], list[str]]:
+    """A stored submission (the ``submit`` field of a query in Redis): the query as
+    submitted, its prompts per expanded stage ("" where the submission does not hold one:
+    since prompts are kept apart, none), and each expanded stage's name. Parsed without a
+    submission's limits (it passed them when it was stored); what `parse_submit` raises on
+    an unreadable one is raised."""
+    request = cpb.SubmitQueryRequest.FromString(raw)
+    query, prompts = parse_submit(request)
+    return query, prompts, stage_names(request.workflow)

@@ -19,11 +19,10 @@ from typing import NamedTuple
 import redis.asyncio as aioredis
 from opentelemetry import trace
 
-from hexgen_api.v1 import coordinator_pb2 as cpb
 from hexgen_coordinator.config import CoordinatorConfig
 from hexgen_coordinator.dispatch import Dispatch
 from hexgen_coordinator.ledger import ActiveQuery, Ledger, SessionState, call_id_of, chat_bytes
-from hexgen_coordinator.session_store import StoredWorkflow, stored_workflow
+from hexgen_coordinator.session_store import StoredWorkflow, stored_submission, stored_workflow
 from hexgen_coordinator.store import StoredQuery, WorkflowStore, prompts_digest
 from hexgen_flow.protocol import (
     Adopt,
@@ -37,7 +36,6 @@ from hexgen_flow.protocol import (
 )
 from hexgen_flow.runtime import CallState, CallTicket
 from hexgen_service import redis_schema as schema
-from hexgen_service.convert import parse_submit
 from hexgen_service.redis_schema import F, S
 from hexgen_service.telemetry import context_from_traceparent, traceparent_of
 
@@ -190,9 +188,7 @@ class Recovery:
             attributes={"query.id": query.query_id, "gen_ai.conversation.id": query.query_id},
         )
         # Stored before prompts were kept apart: no digest, and the submission held them.
-        digest = f.get(F.DIGEST) or prompts_digest(
-            parse_submit(cpb.SubmitQueryRequest.FromString(stored.submit))[1]
-        )
+        digest = f.get(F.DIGEST) or prompts_digest(stored_submission(stored)[1])
         entry = ActiveQuery(
             run,
             built.prompts,
@@ -203,7 +199,7 @@ class Recovery:
             trace=root or traceparent_of(span),
         )
         if built.given is not None:
-            opened = parse_submit(cpb.SubmitQueryRequest.FromString(stored.submit))[0]
+            opened = stored_submission(stored)[0]
             entry.session = SessionState(
                 opened=opened,
                 names=built.names,

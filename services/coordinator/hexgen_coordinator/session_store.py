@@ -33,13 +33,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from hexgen_api.v1 import coordinator_pb2 as cpb
 from hexgen_api.v1 import workflow_pb2 as wfpb
+from hexgen_coordinator.client_wire import submission_from_bytes
 from hexgen_coordinator.ledger import call_id_of, chat_part
 from hexgen_coordinator.store import LUA_HELPERS, StoredQuery, WorkflowStore
 from hexgen_flow.workload import LLMCall, Query, Stage, Workflow, canonical_step
 from hexgen_service import redis_schema as schema
-from hexgen_service.convert import parse_submit, stage_names
 from hexgen_service.redis_schema import F, S
 
 __all__ = [
@@ -50,6 +49,7 @@ __all__ = [
     "GiveMode",
     "SessionStore",
     "StoredWorkflow",
+    "stored_submission",
     "stored_workflow",
 ]
 
@@ -187,12 +187,17 @@ class StoredWorkflow:
     """Calls' chat messages and options (`chat_part`) by call id."""
 
 
+def stored_submission(stored: StoredQuery) -> tuple[Query, list[tuple[str, ...]]]:
+    """The query as it was submitted (or opened, for a session) and the prompts its stored
+    submission holds (none since prompts are kept apart: `stored_workflow` has those)."""
+    query, prompts, _ = submission_from_bytes(stored.submit)
+    return query, prompts
+
+
 def stored_workflow(stored: StoredQuery) -> StoredWorkflow:
     """The query's workflow as it stands in Redis (what recovery and views read), with the
     prompts still kept (a call done has none left)."""
-    request = cpb.SubmitQueryRequest.FromString(stored.submit)
-    opened, prompts = parse_submit(request)
-    names = stage_names(request.workflow)
+    opened, prompts, names = submission_from_bytes(stored.submit)
     f = stored.fields
     session = f.get(F.SESSION)
     kept = {c: wfpb.LLMCall.FromString(blob) for c, blob in stored.prompts.items()}
