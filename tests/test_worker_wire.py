@@ -16,6 +16,8 @@ import pytest
 from hexgen_api.v1 import coordinator_pb2 as cpb
 from hexgen_api.v1 import worker_pb2 as wpb
 from hexgen_api.v1 import workflow_pb2 as wfpb
+from hexgen_coordinator.client_messages import EventKind, QueryEvent
+from hexgen_coordinator.client_wire import encode_event
 from hexgen_coordinator.worker_messages import (
     Ack,
     CancelRun,
@@ -299,8 +301,9 @@ def test_a_run_is_the_ticket_as_it_was_sent() -> None:
 
 
 def test_a_finished_events_tool_calls_are_the_ones_reported() -> None:
-    """`events.record_event` copies a report's tool calls into the CALL_FINISHED event one
-    by one from the domain type: the same event as copying the wire's messages."""
+    """A report's tool calls reach the CALL_FINISHED event as the worker sent them: decoded
+    into the domain type, carried by the event (`events.record_event`) and encoded by
+    `client_wire.encode_event`, they are the bytes of the wire's own messages copied."""
     pb = wpb.CallFinished(
         call_id="q/0.0",
         tool_calls=[
@@ -310,10 +313,16 @@ def test_a_finished_events_tool_calls_are_the_ones_reported() -> None:
     )
     before = cpb.QueryEvent(call_id="q/0.0")
     before.tool_calls.extend(pb.tool_calls)
-    now = cpb.QueryEvent(call_id="q/0.0")
-    for t in decode_finished(pb).tool_calls:
-        now.tool_calls.add(id=t.id, name=t.name, arguments=t.arguments)
-    assert now.SerializeToString() == before.SerializeToString()
+    event = QueryEvent(
+        query_id="",
+        kind=EventKind.UNSPECIFIED,
+        time_s=0.0,
+        sequence=0,
+        stage=0,
+        call_id="q/0.0",
+        tool_calls=decode_finished(pb).tool_calls,
+    )
+    assert encode_event(event).SerializeToString() == before.SerializeToString()
 
 
 # ------------------------------------------------------------------ a hello's checks
