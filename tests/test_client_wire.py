@@ -1,9 +1,12 @@
 """The client API's translation (`hexgen_coordinator.client_wire`): the bytes a client gets,
 and those of a query's event log in Redis, are those the coordinator wrote before its parts
 spoke `client_messages` (each test builds the old message as the old code did), and a
-stored event read back is the event that was written."""
+stored event read back is the event that was written. A session's chat call, kept as a
+`worker_messages.Chat` (`session_store.chat_part`), is what the ``LLMCall`` kept before."""
 
 from __future__ import annotations
+
+import base64
 
 import pytest
 
@@ -38,7 +41,16 @@ from hexgen_coordinator.client_wire import (
     event_to_bytes,
     submission_from_bytes,
 )
+from hexgen_coordinator.ledger import chat_bytes
+from hexgen_coordinator.session_store import chat_part, stored_workflow
+from hexgen_coordinator.store import StoredQuery
+from hexgen_coordinator.worker_messages import Chat, Run
+from hexgen_coordinator.worker_wire import encode_command
+from hexgen_flow.runtime import CallTicket
+from hexgen_flow.workload import LLMCall
+from hexgen_service import redis_schema as schema
 from hexgen_service.convert import parse_submit, stage_names, without_prompts
+from hexgen_service.redis_schema import F, S
 
 # ------------------------------------------------------------------ enums
 
@@ -441,3 +453,125 @@ def test_a_stored_shape_reads_back_without_its_prompts() -> None:
     query, prompts, _ = submission_from_bytes(without_prompts(request))
     assert query == parse_submit(request)[0]
     assert prompts == [("",), ("", "")]
+
+
+# ------------------------------------------------------------------ a session's chat calls
+
+
+def _old_chat_part(call: wfpb.LLMCall) -> wfpb.LLMCall | None:
+    """What the ledger kept of a chat call before `Chat` (its old ``chat_part``)."""
+    options = call.options if call.HasField("options") else None
+    if not call.messages and options is None:
+        return None
+    return wfpb.LLMCall(messages=call.messages, options=options)
+
+
+def _old_chat_bytes(call: wfpb.LLMCall | None) -> int:
+    if call is None:
+        return 0
+    return sum(m.ByteSize() for m in call.messages) + call.options.ByteSize()
+
+
+_MESSAGES = [
+    wfpb.ChatMessage(role="system", content="Be brief."),
+    wfpb.ChatMessage(role="user", content="Weather in Oslo?", name="ann"),
+    wfpb.ChatMessage(
+        role="assistant",
+        tool_calls=[wfpb.ToolCall(id="c1", name="weather", arguments='{"city":"Oslo"}')],
+    ),
+    wfpb.ChatMessage(role="tool", content="3 °C", tool_call_id="c1"),
+]
+_OPTIONS = wfpb.CallOptions(temperature=0.0, stop=["\n\n"], seed=7, tools_json="[]")
+
+CHAT_CALLS = [
+    wfpb.LLMCall(prompt="p", step="s", input_tokens=9, messages=_MESSAGES, options=_OPTIONS),
+    wfpb.LLMCall(prompt="p", messages=_MESSAGES),  # no options: absent, not empty
+    wfpb.LLMCall(options=_OPTIONS),  # options only
+    wfpb.LLMCall(prompt="p", options=wfpb.CallOptions()),  # options present, every field unset
+    wfpb.LLMCall(messages=[wfpb.ChatMessage()]),  # one message, every field unset
+]
+
+
+def _ticket() -> CallTicket:
+    return CallTicket.detached(
+        seq=41,
+        call_id="q/0.0",
+        query_id="q",
+        query_seq=7,
+        tenant="t",
+        stage=0,
+        call=LLMCall("planner", 10, 5),
+        released_s=10.5,
+        deadline_s=20.25,
+        query_deadline_s=60.0,
+        remaining_after_s=4.5,
+        attempt=1,
+    )
+
+
+@pytest.mark.parametrize("call", CHAT_CALLS)
+def test_a_chat_part_is_what_the_ledger_kept_before(call: wfpb.LLMCall) -> None:
+    """The same messages and options (an empty options message stays present, absent ones
+    absent), the same bytes counted against the tenant."""
+    old, chat = _old_chat_part(call), chat_part(call)
+    assert old is not None and chat is not None
+    assert (chat.options is not None) == old.HasField("options")
+    again = wfpb.LLMCall(messages=chat.messages, options=chat.options)
+    assert again.SerializeToString() == old.SerializeToString()
+    assert chat_bytes(chat) == _old_chat_bytes(old)
+
+
+@pytest.mark.parametrize("call", CHAT_CALLS)
+def test_a_chat_calls_dispatch_is_the_bytes_it_was(call: wfpb.LLMCall) -> None:
+    """What a worker gets for the call: dispatch passed the kept LLMCall's messages, and
+    its options when it had them."""
+    old, chat = _old_chat_part(call), chat_part(call)
+    assert old is not None and chat is not None
+    before = Run.of(
+        _ticket(), "p", "tp", old.messages, old.options if old.HasField("options") else None
+    )
+    now = Run.of(_ticket(), "p", "tp", chat.messages, chat.options)
+    assert encode_command(now).SerializeToString() == encode_command(before).SerializeToString()
+
+
+def test_a_call_without_messages_or_options_has_no_chat() -> None:
+    plain = wfpb.LLMCall(prompt="p", step="s", input_tokens=9, output_tokens=3)
+    assert chat_part(plain) is None and _old_chat_part(plain) is None
+    assert chat_bytes(None) == 0
+
+
+def test_a_chat_part_is_a_copy_of_the_call() -> None:
+    """As the LLMCall kept before, the chat holds copies: the request it came in with can
+    go (or change) without it."""
+    call = wfpb.LLMCall(prompt="p", messages=_MESSAGES, options=_OPTIONS)
+    chat = chat_part(call)
+    assert chat is not None
+    del call.messages[:]
+    call.options.seed = 8
+    assert list(chat.messages) == _MESSAGES and chat.options == _OPTIONS
+
+
+def test_a_stored_chat_call_reads_back_as_it_was_kept() -> None:
+    """A session's given call in Redis (its sizes in ``g:{id}``, its prompt, messages and
+    options kept apart in ``pr:{id}``): `stored_workflow`'s chat is the old one."""
+    given = wfpb.LLMCall(step="planner", input_tokens=10, output_tokens=5)
+    kept = wfpb.LLMCall(prompt="hi", messages=_MESSAGES, options=_OPTIONS)
+    stored = StoredQuery(
+        query_id="q",
+        fields={
+            F.SESSION: S.OPEN,
+            schema.call_field(schema.GIVEN, "q/0.0"): base64.b64encode(
+                given.SerializeToString()
+            ).decode(),
+        },
+        submit=without_prompts(_submission()),
+        prompts={"q/0.0": kept.SerializeToString()},
+    )
+    built = stored_workflow(stored)
+    merged = wfpb.LLMCall()
+    merged.CopyFrom(given)
+    merged.MergeFrom(kept)
+    old = _old_chat_part(merged)
+    assert old is not None
+    assert built.chats == {"q/0.0": Chat(tuple(old.messages), old.options)}
+    assert built.prompts[0] == ("hi",)

@@ -368,13 +368,13 @@ CLIENT_PROTOBUF_SPEAKERS = {
     # Not translated yet (issue 28): requests, sessions, the stored submission and prompts.
     "admission.py": "SubmitQueryRequest in, and its stored bytes",
     "coordinator.py": "the requests it passes on (SubmitQuery, OpenWorkflow, RunCall)",
-    "ledger.py": "a session call's chat part (LLMCall)",
     "session_store.py": "a session's stored calls (LLMCall bytes) and their chat parts",
     "sessions.py": "OpenWorkflow and RunCall requests, the stored call's bytes",
 }
 """The coordinator's modules that may import the client API's protobuf, and why. Every other
-module (events, views, completions, dispatch, write_behind, ...) works on
-`client_messages`' types; freeing one more module means taking it off this list."""
+module (events, views, completions, dispatch, write_behind, ledger, ...) works on
+`client_messages`' types (and a chat call's `worker_messages.Chat`); freeing one more module
+means taking it off this list."""
 
 CLIENT_WIRE_USERS = ("service.py", "session_store.py", "views.py", "write_behind.py")
 """The modules that may import `client_wire`: the servicer (every answer), and the owners of

@@ -166,7 +166,7 @@ class Dispatch:
             ticket.attempt += 1  # a completion is taken only from the latest attempt
             instance = self.cluster.instances[ticket.instance]
             chat = entry.chats.get(ticket.call_id)
-            options = chat.options if chat is not None and chat.HasField("options") else None
+            options = chat.options if chat is not None else None
             # OpenTelemetry's GenAI semantic conventions (`hexgen_service.genai`): the
             # inference span, a call to a model, named "{operation} {model}".
             operation = genai.operation_of(chat is not None and bool(chat.messages))

@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 
 from opentelemetry import trace
 
-from hexgen_api.v1 import workflow_pb2 as wfpb
 from hexgen_coordinator.client_messages import QueryEvent
 from hexgen_coordinator.links import WorkerLink
 from hexgen_coordinator.metrics import CoordinatorMetrics
+from hexgen_coordinator.worker_messages import Chat
 from hexgen_flow.runtime import CallTicket, QueryRun
 from hexgen_flow.workload import Query
 from hexgen_service.clock import ClusterClock
@@ -31,26 +31,17 @@ __all__ = [
     "SessionState",
     "call_id_of",
     "chat_bytes",
-    "chat_part",
     "parse_call_id",
 ]
 
 
-def chat_part(call: wfpb.LLMCall) -> wfpb.LLMCall | None:
-    """What a session's call was given beside its prompt and sizes: its chat messages and
-    its options (sampling, tools, response_format), as an LLMCall holding only those;
-    None when it has neither."""
-    options = call.options if call.HasField("options") else None
-    if not call.messages and options is None:
-        return None
-    return wfpb.LLMCall(messages=call.messages, options=options)
-
-
-def chat_bytes(call: wfpb.LLMCall | None) -> int:
-    """Bytes of a call's messages and options: kept, and counted, as its prompt is."""
-    if call is None:
+def chat_bytes(chat: Chat | None) -> int:
+    """Bytes of a call's messages and options as the wire sizes them: kept, and counted,
+    as its prompt is (absent options count 0, as an empty options message does)."""
+    if chat is None:
         return 0
-    return sum(m.ByteSize() for m in call.messages) + call.options.ByteSize()
+    size = sum(m.ByteSize() for m in chat.messages)
+    return size + (chat.options.ByteSize() if chat.options is not None else 0)
 
 
 def call_id_of(query_id: str, stage: int, index: int) -> str:
@@ -104,9 +95,9 @@ class ActiveQuery:
     """Set for a workflow session (OpenWorkflow); None for a query submitted whole."""
     stage_spans: dict[int, trace.Span] = field(default_factory=dict)
     """The open span of each released stage (its calls' spans are its children)."""
-    chats: dict[str, wfpb.LLMCall] = field(default_factory=dict)
-    """A call's chat messages and options (`chat_part`) by call id, for the calls given
-    some (`prompts` holds the messages' rendering)."""
+    chats: dict[str, Chat] = field(default_factory=dict)
+    """A call's chat messages and options (`session_store.chat_part`) by call id, for the
+    calls given some (`prompts` holds the messages' rendering)."""
     held: dict[str, int] = field(default_factory=dict)
     """Bytes of each call's prompt still kept, by call id (`Ledger.hold_prompt`)."""
     digest: str = ""

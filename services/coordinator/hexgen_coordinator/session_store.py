@@ -35,8 +35,9 @@ from typing import Any, Literal
 
 from hexgen_api.v1 import workflow_pb2 as wfpb
 from hexgen_coordinator.client_wire import submission_from_bytes
-from hexgen_coordinator.ledger import call_id_of, chat_part
+from hexgen_coordinator.ledger import call_id_of
 from hexgen_coordinator.store import LUA_HELPERS, StoredQuery, WorkflowStore
+from hexgen_coordinator.worker_messages import Chat
 from hexgen_flow.workload import LLMCall, Query, Stage, Workflow, canonical_step
 from hexgen_service import redis_schema as schema
 from hexgen_service.redis_schema import F, S
@@ -49,6 +50,7 @@ __all__ = [
     "GiveMode",
     "SessionStore",
     "StoredWorkflow",
+    "chat_part",
     "stored_submission",
     "stored_workflow",
 ]
@@ -183,8 +185,24 @@ class StoredWorkflow:
     closed_stages: set[int]
     session_open: bool
     idle_s: float
-    chats: dict[str, wfpb.LLMCall]
+    chats: dict[str, Chat]
     """Calls' chat messages and options (`chat_part`) by call id."""
+
+
+def chat_part(call: wfpb.LLMCall) -> Chat | None:
+    """What a session's call was given beside its prompt and sizes: its chat messages and
+    its options (sampling, tools, response_format); None when it has neither.
+
+    Read from a RunCall's call (`hexgen_coordinator.sessions`) or from one kept in Redis
+    (`stored_workflow`). The messages and options are copied out of `call` into a message
+    of their own, as the ``LLMCall`` this kept before: the `Chat` then holds those only,
+    not the request (or the stored call) they came in with, prompt and all. Options are
+    kept only when `call` has them (`Chat.options`: absent is not empty)."""
+    options = call.options if call.HasField("options") else None
+    if not call.messages and options is None:
+        return None
+    part = wfpb.LLMCall(messages=call.messages, options=options)
+    return Chat(tuple(part.messages), part.options if options is not None else None)
 
 
 def stored_submission(stored: StoredQuery) -> tuple[Query, list[tuple[str, ...]]]:
@@ -218,7 +236,7 @@ def stored_workflow(stored: StoredQuery) -> StoredWorkflow:
         names.append(name)
         prompts.append(("",))
     given: list[int] = []
-    chats: dict[str, wfpb.LLMCall] = {}
+    chats: dict[str, Chat] = {}
     for k, stage in enumerate(stages):
         calls, texts = list(stage.calls), list(prompts[k])
         n = 0

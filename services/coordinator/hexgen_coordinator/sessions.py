@@ -50,9 +50,15 @@ from hexgen_coordinator.completions import Completions
 from hexgen_coordinator.config import CoordinatorConfig
 from hexgen_coordinator.dispatch import Dispatch
 from hexgen_coordinator.events import WATCH_BUFFER, check_not_behind, record_event
-from hexgen_coordinator.ledger import ActiveQuery, Ledger, call_id_of, chat_part
+from hexgen_coordinator.ledger import ActiveQuery, Ledger, call_id_of
 from hexgen_coordinator.redis_retry import until_stored
-from hexgen_coordinator.session_store import GIVE_APPLIED, GIVE_DUPLICATE, GiveMode, SessionStore
+from hexgen_coordinator.session_store import (
+    GIVE_APPLIED,
+    GIVE_DUPLICATE,
+    GiveMode,
+    SessionStore,
+    chat_part,
+)
 from hexgen_coordinator.views import QueryViews
 from hexgen_coordinator.write_behind import WriteBehind
 from hexgen_flow.protocol import (

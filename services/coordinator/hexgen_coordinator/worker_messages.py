@@ -17,10 +17,15 @@ Messages in (worker -> coordinator): `Hello`, `Heartbeat`, `Started`, `Tokens`, 
 Commands out (coordinator -> worker), what `WorkerLink.outbox` carries: `Welcome`, `Run`,
 `CancelRun`, `NewDeadline`, `Ack`.
 
+A session's chat call keeps what it was given beside its prompt, its `Chat`, from the
+RunCall that gave it until the call completes (`ActiveQuery.chats`); every `Run` of the call
+carries it.
+
 No protobuf here and no grpc. The one exception is typing only: a chat call's messages and
-its generation options (`Run.messages`, `Run.options`) are the client API's own messages
-(``workflow_pb2``), which the coordinator passes from the client's request to the worker
-untouched; restating them here would copy every message of every chat call per dispatch.
+its generation options (`Chat`, `Run.messages`, `Run.options`) are the client API's own
+messages (``workflow_pb2``), which the coordinator passes from the client's request to the
+worker untouched; restating them here would copy every message of every chat call per
+dispatch.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Ack",
     "CancelRun",
+    "Chat",
     "Command",
     "Finished",
     "Heartbeat",
@@ -166,6 +172,22 @@ Message = Hello | Heartbeat | Started | Tokens | Finished
 
 
 # ------------------------------------------------------------------ coordinator -> worker
+
+
+@dataclass(frozen=True, slots=True)
+class Chat:
+    """What a session's call was given beside its prompt and sizes: its chat messages and
+    its options (sampling, tools, response_format), kept from its RunCall (or from Redis,
+    after a restart) until it completes, and sent with each of its `Run`s.
+
+    `hexgen_coordinator.session_store.chat_part` makes one from the call's ``LLMCall``;
+    a call that has neither has none (None, not an empty `Chat`)."""
+
+    messages: tuple[workflow_pb2.ChatMessage, ...] = ()
+    """The chat's messages as the client gave them; empty: a plain prompt with options."""
+    options: workflow_pb2.CallOptions | None = None
+    """How to generate, as the client asked; None: absent on the wire (the engine's
+    defaults), which is not the same as an empty options message, kept as given."""
 
 
 @dataclass(frozen=True, slots=True)
