@@ -363,7 +363,6 @@ _CLIENT_PROTOBUF = ("coordinator_pb2", "coordinator_pb2_grpc", "workflow_pb2")
 CLIENT_PROTOBUF_SPEAKERS = {
     "service.py": "the gRPC servicer: the client API's module",
     "client_wire.py": "the client API's translator",
-    "worker_wire.py": "a dispatch's chat messages and options, and a tool call",
     "worker_messages.py": "typing only: a dispatch carries a chat's messages untouched",
     # Not translated yet (issue 28): requests, sessions, the stored submission and prompts.
     "admission.py": "SubmitQueryRequest in, and its stored bytes",

@@ -8,15 +8,14 @@ field (a report's zeros kept as zeros: `worker_messages` says why), so the bytes
 wire are those the coordinator sent before the translation existed.
 
 The servicer needs one direction of each: it decodes what workers send and encodes what
-it sends them. The other direction (`encode_message`, `decode_command`) is what a worker
-would do; it is here so that the round trip ``decode(encode(x)) == x`` is tested for every
-type, the proof that nothing is lost or added on the way.
+it sends them. The other direction, what a worker does, lives in tests/test_worker_wire.py,
+which checks the round trip ``decode(encode(x)) == x`` for every type: nothing is lost or
+added on the way.
 """
 
 from __future__ import annotations
 
 from hexgen_api.v1 import worker_pb2 as wpb
-from hexgen_api.v1 import workflow_pb2 as wfpb
 from hexgen_coordinator.worker_messages import (
     Ack,
     CancelRun,
@@ -24,25 +23,20 @@ from hexgen_coordinator.worker_messages import (
     Finished,
     Heartbeat,
     Hello,
-    Message,
     NewDeadline,
     Run,
     Started,
     Tokens,
     ToolCall,
-    Welcome,
 )
 
 __all__ = [
-    "decode_command",
     "decode_finished",
     "decode_heartbeat",
     "decode_hello",
-    "decode_message",
     "decode_started",
     "decode_tokens",
     "encode_command",
-    "encode_message",
     "hello_problem",
 ]
 
@@ -122,75 +116,6 @@ def decode_finished(pb: wpb.CallFinished) -> Finished:
     )
 
 
-def decode_message(pb: wpb.ConnectRequest) -> Message | None:
-    """What a worker sent; None: an empty message (no field of the oneof set)."""
-    kind = pb.WhichOneof("message")
-    if kind == "finished":
-        return decode_finished(pb.finished)
-    if kind == "started":
-        return decode_started(pb.started)
-    if kind == "tokens":
-        return decode_tokens(pb.tokens)
-    if kind == "heartbeat":
-        return decode_heartbeat(pb.heartbeat)
-    if kind == "hello":
-        return decode_hello(pb.hello)
-    return None
-
-
-def encode_message(msg: Message) -> wpb.ConnectRequest:
-    """A worker's side of `decode_message`."""
-    if isinstance(msg, Finished):
-        return wpb.ConnectRequest(
-            finished=wpb.CallFinished(
-                call_id=msg.call_id,
-                output_tokens=msg.output_tokens,
-                text=msg.text,
-                started_s=msg.started_s,
-                finished_s=msg.finished_s,
-                error=msg.error,
-                attempt=msg.attempt,
-                cached_tokens=msg.cached_tokens,
-                finish_reason=msg.finish_reason,
-                tool_calls=[
-                    wfpb.ToolCall(id=t.id, name=t.name, arguments=t.arguments)
-                    for t in msg.tool_calls
-                ],
-                prompt_tokens=msg.prompt_tokens,
-            )
-        )
-    if isinstance(msg, Started):
-        return wpb.ConnectRequest(started=wpb.CallStarted(call_id=msg.call_id))
-    if isinstance(msg, Tokens):
-        return wpb.ConnectRequest(tokens=wpb.CallTokens(call_id=msg.call_id, text=msg.text))
-    if isinstance(msg, Heartbeat):
-        return wpb.ConnectRequest(
-            heartbeat=wpb.WorkerHeartbeat(
-                running=msg.running,
-                queued=msg.queued,
-                kv_used_tokens=msg.kv_used_tokens,
-                others_in_flight=msg.others_in_flight,
-                others_outstanding_s=msg.others_outstanding_s,
-                others_tokens=msg.others_tokens,
-                others_weight=msg.others_weight,
-                others_weighted_outstanding_s=msg.others_weighted_outstanding_s,
-            )
-        )
-    return wpb.ConnectRequest(
-        hello=wpb.WorkerHello(
-            worker_id=msg.worker_id,
-            slot=msg.slot,
-            gpu=msg.gpu,
-            model=msg.model,
-            engine=wpb.EngineKind.Value(msg.engine),
-            kv_cache_tokens=msg.kv_cache_tokens,
-            max_batch=msg.max_batch,
-            resident_call_ids=msg.resident_call_ids,
-            unacked_call_ids=msg.unacked_call_ids,
-        )
-    )
-
-
 # ------------------------------------------------------------------ coordinator -> worker
 
 
@@ -243,53 +168,3 @@ def encode_command(cmd: Command) -> wpb.ConnectResponse:
             shard=cmd.shard,
         )
     )
-
-
-def decode_command(pb: wpb.ConnectResponse) -> Command | None:
-    """A worker's side of `encode_command`; None: an empty message."""
-    kind = pb.WhichOneof("message")
-    if kind == "dispatch":
-        d = pb.dispatch
-        return Run(
-            call_id=d.call_id,
-            query_id=d.query_id,
-            tenant=d.tenant,
-            stage=d.stage,
-            step=d.step,
-            input_tokens=d.input_tokens,
-            output_tokens=d.output_tokens,
-            expected_output_tokens=d.expected_output_tokens,
-            prompt=d.prompt,
-            sequence=d.sequence,
-            query_sequence=d.query_sequence,
-            released_s=d.released_s,
-            deadline_s=d.deadline_s,
-            query_deadline_s=d.query_deadline_s,
-            remaining_after_s=d.remaining_after_s,
-            traceparent=d.traceparent,
-            attempt=d.attempt,
-            weight=d.weight,
-            messages=tuple(d.messages),
-            options=d.options if d.HasField("options") else None,
-        )
-    if kind == "ack":
-        return Ack(tuple(pb.ack.call_ids))
-    if kind == "deadline":
-        return NewDeadline(pb.deadline.call_id, pb.deadline.deadline_s)
-    if kind == "cancel":
-        return CancelRun(pb.cancel.call_id)
-    if kind == "welcome":
-        w = pb.welcome
-        return Welcome(
-            slot=w.slot,
-            instance=w.instance,
-            epoch_unix_s=w.epoch_unix_s,
-            time_scale=w.time_scale,
-            cluster=w.cluster,
-            queue_policy=w.queue_policy,
-            queue_params_json=w.queue_params_json,
-            heartbeat_interval_s=w.heartbeat_interval_s,
-            drop_call_ids=tuple(w.drop_call_ids),
-            shard=w.shard,
-        )
-    return None
