@@ -344,7 +344,9 @@ def learned_truth(samples: list[dict[str, Any]], belief: Cluster) -> Cluster | N
     as believed); None when the samples hold no factors (an older --out-dir). This is what
     the mesh's own tuner replays; unlike the profiles, taken on quiet servers before the
     replays, it has seen the engines under the replay's load, the mesh's own processes
-    competing for the cores included."""
+    competing for the cores included. Its two factors per instance fit each call's total
+    time, not how it splits between prefill and decode, so in a batched run it can predict
+    worse than the profiles (docs/real-engines.md says by how much)."""
     last = next((s["factors"] for s in reversed(samples) if "factors" in s), None)
     if last is None:
         return None
