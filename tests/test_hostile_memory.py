@@ -85,11 +85,24 @@ _GIST = {
 }
 
 
-def _settled_rss(up: Up) -> float:
+def _settled_rss(up: Up, start_mb: float) -> float:
+    """The coordinator's resident memory once it is back within `SETTLED_MB` of `start_mb`,
+    or after `SETTLE_S`, whichever comes first. The heap trimmer gives a burst back a
+    second after it ends; a burst that outlasted its retries (a flood on a loaded machine)
+    is given back at the raised floor's recheck, 10 s later (`hexgen_service.heap`)."""
     import time
 
-    time.sleep(3.0)  # the heap trimmer runs a second after a burst ends
-    return _rss_mb(up.service_pid("hexgen_coordinator"))
+    pid = up.service_pid("hexgen_coordinator")
+    deadline = time.monotonic() + SETTLE_S
+    while True:
+        time.sleep(1.0)
+        rss = _rss_mb(pid)
+        if rss - start_mb < SETTLED_MB or time.monotonic() > deadline:
+            return rss
+
+
+SETTLED_MB = 100
+SETTLE_S = 30.0
 
 
 @pytest.fixture(scope="module")
@@ -124,9 +137,9 @@ def test_a_flood_of_huge_requests_leaves_memory_where_it_was(plain: Up) -> None:
         assert list(too_long) == [
             "INVALID_ARGUMENT: workflow.stages[0].calls[0].prompt: must be at most 1048576 bytes"
         ], too_long
-    after = _settled_rss(plain)
+    after = _settled_rss(plain, start)
     print(f"\ncoordinator RSS: {start:.0f} MB before, {after:.0f} MB after the floods")
-    assert after - start < 100, (start, after)
+    assert after - start < SETTLED_MB, (start, after)
 
 
 def test_unauthenticated_floods_are_refused_before_their_bodies_are_read(
@@ -144,6 +157,6 @@ def test_unauthenticated_floods_are_refused_before_their_bodies_are_read(
             assert set(codes) <= {NO_KEY, TOO_LARGE}, codes
         huge = _flood(channel, SUBMIT, _submission(60), 16, key)
         assert list(huge) == [TOO_LARGE], huge
-    after = _settled_rss(up)
+    after = _settled_rss(up, start)
     print(f"\ncoordinator RSS: {start:.0f} MB before, {after:.0f} MB after the floods")
-    assert after - start < 100, (start, after)
+    assert after - start < SETTLED_MB, (start, after)

@@ -13,7 +13,10 @@ handler frame holding the request, until the collector runs, which the coordinat
 tuning makes rare) and trims the heap: a few milliseconds, in the event loop. A trim in the
 middle of a burst is tried again when it is over; memory still in use after a few tries
 raises the floor, so a service that grows for real trims a few times per `growth_bytes` of
-growth. On a system without glibc or /proc it does nothing.
+growth. A raised floor is checked again later (a trim after 10 s, then 20, 40, ... up to
+320 s, while it stays above the lowest memory seen): a burst that outlasted the retries, as
+a flood on a loaded machine does, is given back once it is over instead of being taken for
+memory in use for good. On a system without glibc or /proc it does nothing.
 
 (The door's own receive limit, `hexgen_service.server.GrpcServer`, keeps requests beyond it
 from being parsed at all; this gives back what was read.)
@@ -62,7 +65,12 @@ class HeapTrimmer:
     """Trim the heap when resident memory grew by `growth_bytes` over its floor (see the
     module). A trim that leaves it that high is tried again `retry_s` later, up to
     `retries` times (the burst may still be arriving); then what is left counts as in use,
-    and the floor moves up to it."""
+    and the floor moves up to it. A floor so raised is tried again `recheck_s[0]` later,
+    the wait doubling up to `recheck_s[1]` while the trims give nothing back; it comes down
+    to what a trim leaves.
+
+    `rss` and `trim` are the process's resident memory and glibc's ``malloc_trim`` unless
+    given (tests give their own)."""
 
     def __init__(
         self,
@@ -70,44 +78,83 @@ class HeapTrimmer:
         period_s: float = 1.0,
         retry_s: float = 2.0,
         retries: int = 3,
+        recheck_s: tuple[float, float] = (10.0, 320.0),
+        *,
+        rss: Callable[[], int | None] = resident_bytes,
+        trim: Callable[[int], int] | None = None,
     ) -> None:
         self.growth_bytes = growth_bytes
         self.period_s = period_s
         self.retry_s = retry_s
         self.retries = retries
+        self.recheck_s = recheck_s
         self.trims = 0
         """Trims done (for tests and figures)."""
-        self._trim = _malloc_trim()
-        self._floor = resident_bytes()
+        self._rss = rss
+        self._trim = trim if trim is not None else _malloc_trim()
+        self._floor = rss()
+        self._lowest = self._floor
+        """The least resident memory seen: where a raised floor may come back to."""
         self._tried = 0
         """Trims since the last that brought memory down to its floor."""
         self._next_s = 0.0
+        self._recheck_wait_s = recheck_s[0]
+        self._recheck_at_s = float("inf")
+        """When a raised floor is tried again (never while it is not raised)."""
 
     @property
     def works(self) -> bool:
         return self._trim is not None and self._floor is not None
 
+    @property
+    def floor_bytes(self) -> int | None:
+        """The memory counted as in use: a trim is tried `growth_bytes` above it."""
+        return self._floor
+
     def check(self, now_s: float) -> bool:
-        """Trim if resident memory is `growth_bytes` above its floor (and a retry is due);
-        whether it did. `now_s`: a monotonic clock."""
-        rss = resident_bytes()
-        if self._trim is None or rss is None or self._floor is None:
+        """Trim if resident memory is `growth_bytes` above its floor (and a retry is due),
+        or if a raised floor is due to be tried again; whether it did. `now_s`: a monotonic
+        clock."""
+        rss = self._rss()
+        if self._trim is None or rss is None or self._floor is None or self._lowest is None:
             return False
         self._floor = min(self._floor, rss)
-        if rss - self._floor < self.growth_bytes or now_s < self._next_s:
-            return False
+        self._lowest = min(self._lowest, rss)
+        if rss - self._floor >= self.growth_bytes and now_s >= self._next_s:
+            after = self._trim_now(rss)
+            if after - self._floor < self.growth_bytes:
+                self._tried = 0
+            elif self._tried < self.retries:
+                self._tried += 1
+                self._next_s = now_s + self.retry_s
+            else:  # it stays: memory in use, not a burst's leftovers (for now: see recheck)
+                self._floor, self._tried = after, 0
+                self._recheck_wait_s = self.recheck_s[0]
+                self._recheck_at_s = now_s + self._recheck_wait_s
+            return True
+        if now_s >= self._recheck_at_s:
+            after = self._trim_now(rss)
+            gave_back = after <= self._floor - self.growth_bytes
+            self._floor = min(self._floor, after)
+            if self._floor - self._lowest < self.growth_bytes:
+                self._recheck_at_s = float("inf")
+            else:
+                self._recheck_wait_s = (
+                    self.recheck_s[0]
+                    if gave_back
+                    else min(2 * self._recheck_wait_s, self.recheck_s[1])
+                )
+                self._recheck_at_s = now_s + self._recheck_wait_s
+            return True
+        return False
+
+    def _trim_now(self, rss: int) -> int:
+        """Collect the young generations and trim; resident memory after."""
+        assert self._trim is not None
         gc.collect(1)
         self._trim(0)
         self.trims += 1
-        after = resident_bytes() or rss
-        if after - self._floor < self.growth_bytes:
-            self._tried = 0
-        elif self._tried < self.retries:
-            self._tried += 1
-            self._next_s = now_s + self.retry_s
-        else:  # it stays: memory in use, not a burst's leftovers
-            self._floor, self._tried = after, 0
-        return True
+        return self._rss() or rss
 
     async def watch(self) -> None:
         """`check` every `period_s` (until cancelled)."""
