@@ -231,6 +231,7 @@ class CallTicket:
         "call_id",
         "deadline_s",
         "finished_s",
+        "first_token_s",
         "index",
         "instance",
         "key",
@@ -312,6 +313,10 @@ class CallTicket:
         self.scheduled_s: float | None = None
         """When the engine first scheduled the call (its first prefill step): an engine
         that keeps a waiting list of its own sets it; `admitted_s` otherwise."""
+        self.first_token_s: float | None = None
+        """When the engine produced the call's first output token (the end of its prompt's
+        last prefill step): engine models that know set it; a cost learner reads it, to
+        tell prefill from decode."""
         self.attempt = 0
         """Dispatches of the call so far (the services count them; a completion names its own)."""
         self.state = _QUEUED

@@ -147,6 +147,8 @@ class BatchingEngineModel:
             self._clock = self._prefill_end
             v = self._v
             for decode, ticket in self._prefilling:
+                if ticket.first_token_s is None:
+                    ticket.first_token_s = self._clock  # the backlog's prefill drained
                 heapq.heappush(self._decoding, (v + decode, ticket.seq, ticket))
             self._prefilling.clear()
         if self._decoding:

@@ -657,7 +657,10 @@ class VllmV1EngineModel:
         if heap and heap[0][0] <= s:
             self._finish_decodes()
         if prefilled is not None:
+            t = self._t
             for req in prefilled:
+                if req.ticket.first_token_s is None:  # (a preempted call's recompute: not again)
+                    req.ticket.first_token_s = t
                 req.gen += 1  # the last chunk's step samples the next token
                 if req.gen >= req.out:
                     del self._order[req]
