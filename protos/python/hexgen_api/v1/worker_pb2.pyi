@@ -515,6 +515,7 @@ class CallFinished(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     TOOL_CALLS_FIELD_NUMBER: _builtins.int
     PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    FIRST_TOKEN_S_FIELD_NUMBER: _builtins.int
     call_id: _builtins.str
     output_tokens: _builtins.int
     text: _builtins.str
@@ -538,6 +539,12 @@ class CallFinished(_message.Message):
     """
     prompt_tokens: _builtins.int
     """The prompt's tokens as the engine counted them (0: it does not say)."""
+    first_token_s: _builtins.float
+    """When the engine produced the call's first output token, seconds on the cluster clock
+    (0: not given: an older worker, an engine that does not say, or a call that failed
+    before it). With started_s, the engine's time to first token; the coordinator's cost
+    learner (--learn-costs) fits prefill on it.
+    """
     @_builtins.property
     def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[_workflow_pb2.ToolCall]:
         """The tools the model called (finish_reason "tool_calls")."""
@@ -556,10 +563,11 @@ class CallFinished(_message.Message):
         finish_reason: _builtins.str = ...,
         tool_calls: _abc.Iterable[_workflow_pb2.ToolCall] | None = ...,
         prompt_tokens: _builtins.int = ...,
+        first_token_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "cached_tokens", b"cached_tokens", "call_id", b"call_id", "error", b"error", "finish_reason", b"finish_reason", "finished_s", b"finished_s", "output_tokens", b"output_tokens", "prompt_tokens", b"prompt_tokens", "started_s", b"started_s", "text", b"text", "tool_calls", b"tool_calls"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "cached_tokens", b"cached_tokens", "call_id", b"call_id", "error", b"error", "finish_reason", b"finish_reason", "finished_s", b"finished_s", "first_token_s", b"first_token_s", "output_tokens", b"output_tokens", "prompt_tokens", b"prompt_tokens", "started_s", b"started_s", "text", b"text", "tool_calls", b"tool_calls"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
