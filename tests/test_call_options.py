@@ -144,6 +144,8 @@ def test_the_openai_engine_sends_the_options_verbatim_and_joins_streamed_tool_ca
         ("call_1", "get_weather", '{"city": "Oslo"}')
     ]
     assert (done.prompt_tokens, done.output_tokens) == (31, 9)
+    # no text at all: the first tool-call piece is the first token
+    assert done.started_s < done.first_token_s <= done.finished_s
     [request] = server.received
     assert request.path == "/v1/chat/completions"
     sent = request.body

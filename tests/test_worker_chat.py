@@ -53,9 +53,10 @@ class Received:
 
 class OpenAIStreamServer:
     """An OpenAI-compatible HTTP server (``/v1/models``, streaming ``/v1/completions`` and
-    ``/v1/chat/completions``) that answers with fixed text and records every request."""
+    ``/v1/chat/completions``) that answers with fixed text and records every request. It
+    waits `pause_s` after the first chunk (a chat's, the role alone) and before the usage."""
 
-    def __init__(self) -> None:
+    def __init__(self, pause_s: float = 0.0) -> None:
         self.received: list[Received] = []
         owner = self
 
@@ -87,8 +88,12 @@ class OpenAIStreamServer:
                 self.send_header("Content-Type", "text/event-stream")
                 self.send_header("Connection", "close")
                 self.end_headers()
-                for piece in pieces:
+                for n, piece in enumerate(pieces):
+                    if n == 1 and pause_s:  # (a chat's first chunk has the role only)
+                        time.sleep(pause_s)
                     self._event({"choices": [{"index": 0, **piece}]})
+                if pause_s:
+                    time.sleep(pause_s)
                 self._event({"choices": [], "usage": {"completion_tokens": len(pieces)}})
                 self.wfile.write(b"data: [DONE]\n\n")
                 self.wfile.flush()
@@ -237,6 +242,25 @@ def test_a_call_with_messages_is_a_chat_request_with_those_messages(
     assert request.body["max_tokens"] == 8 and request.body["stream"] is True
     assert request.body["stream_options"] == {"include_usage": True}
     assert request.body["ignore_eos"] is True and request.body["priority"] == 0
+
+
+def test_the_first_token_is_the_first_chunk_with_text() -> None:
+    """The engine's first output token is when the first chunk carrying generated text
+    arrived (not the role-only chunk before it), on the cluster clock as started_s and
+    finished_s are."""
+    pause = 0.05
+    with OpenAIStreamServer(pause_s=pause) as server:
+        worker = Worker(OpenAIEngine(url=server.url, model="smol", api="chat"))
+
+        async def body() -> CallFinished:
+            worker.dispatch(ticket("ftt", 0), "hello")
+            return await worker.finish("ftt")
+
+        done = worker.run(body)
+    assert done.error == "" and done.text == "".join(CHAT_REPLY)
+    assert done.started_s < done.first_token_s < done.finished_s
+    assert done.first_token_s - done.started_s >= pause * 0.9  # the role's chunk is no token
+    assert done.finished_s - done.first_token_s >= pause * 0.9
 
 
 def test_a_call_without_messages_is_a_completion_request(server: OpenAIStreamServer) -> None:

@@ -105,6 +105,21 @@ def test_simulated_call_takes_the_latency_models_time() -> None:
     assert engine.load().running == 0 and engine.load().kv_used_tokens == 0
 
 
+def test_simulated_call_reports_its_first_token_after_the_prefill() -> None:
+    """The model's first output token (the end of the prompt's prefill), on the cluster
+    clock as started_s and finished_s are: a call of many output tokens decodes after it."""
+    engine = simulated()
+    prefill = engine.spec.latency.prefill_s(1000, 100)
+
+    async def body() -> CallFinished:
+        engine.admit(ticket(0), engine.clock.now())
+        return await next_finished(engine)
+
+    done = asyncio.run(started(engine, body))
+    assert done.started_s <= done.first_token_s < done.finished_s
+    assert done.first_token_s - done.started_s == pytest.approx(prefill, abs=1e-9)
+
+
 def test_simulated_calls_batch_like_the_simulator() -> None:
     engine = simulated()
     model = BatchingEngineModel(engine.spec)  # the simulator's model, driven offline
@@ -160,6 +175,8 @@ def test_simulated_engine_runs_the_vllm_v1_model_like_the_simulator() -> None:
 
     finished = asyncio.run(started(engine, body))
     assert len(expected) == 3
+    for result in finished.values():  # every call of this model has a first token
+        assert result.started_s <= result.first_token_s < result.finished_s
     for call_id, t in expected.items():
         assert finished[call_id].finished_s - finished[call_id].started_s == pytest.approx(
             t, abs=1e-9
@@ -258,6 +275,7 @@ def test_clock_change_keeps_the_model_continuous() -> None:
     done = asyncio.run(started(engine, body))
     assert done.finished_s - done.started_s == pytest.approx(single, abs=1e-6)
     assert done.started_s > 4999
+    assert done.started_s <= done.first_token_s < done.finished_s  # moved with them
 
 
 # ---------------------------------------------------------------------- real-engine helpers

@@ -194,10 +194,29 @@ def test_each_shards_times_are_on_its_own_clock() -> None:
             for done in w.finished(link):
                 assert done.started_s <= done.finished_s <= clock.now()
                 assert done.finished_s > clock.now() - 100.0  # just now, on that clock
+                assert done.started_s <= done.first_token_s < done.finished_s
         assert w.state.unacked(1)[0].finished_s == w.finished(1)[0].finished_s
 
     run(w, body, welcome(early), welcome(late, slot=2, instance="A100#2"))
     assert w.started() == [(0, "hold/0.0"), (1, "b/0.0"), (0, "a/0.0")]
+
+
+def test_a_first_token_not_given_stays_zero_on_another_shards_clock() -> None:
+    """A result without a first token (a call that failed before it) is translated to the
+    link's clock but for its first token: 0.0 means "not given" on every clock."""
+    w = TwoShards(kv_cache_tokens=500)
+    now = time.time()
+    early, late = ClusterClock(now, SCALE), ClusterClock(now - 50.0, SCALE)
+
+    async def body() -> None:
+        assert w.state.dispatch(ticket("big/0.0", 1), link=1) is DispatchOutcome.REJECTED
+
+    run(w, body, welcome(early), welcome(late, slot=2, instance="A100#2"))
+    [failed] = w.finished(1)
+    assert "never fit" in failed.error
+    assert failed.started_s > 50.0 * SCALE - 100.0  # on link 1's clock
+    assert failed.first_token_s == 0.0
+    assert w.state.unacked(1)[0].first_token_s == 0.0
 
 
 def test_each_shard_hears_the_load_of_the_others() -> None:

@@ -267,11 +267,12 @@ def test_welcome_drops_calls_and_rebuilds_the_queue() -> None:
 
 
 def test_clock_change_moves_held_times() -> None:
-    h = Harness(max_batch=1)
+    h = Harness(max_batch=1, kv_cache_tokens=4000)
 
     async def body() -> None:
         h.state.dispatch(ticket("a", 0))
         await h.until(lambda: h.finished() == ["a"])
+        assert h.state.dispatch(ticket("big", 3, input_tokens=5000)) is DispatchOutcome.REJECTED
         h.state.dispatch(ticket("b", 1, out=2000))
         h.state.dispatch(ticket("c", 2, deadline_s=100.0))
         assert h.state.settings is not None
@@ -279,7 +280,11 @@ def test_clock_change_moves_held_times() -> None:
         h.state.configure(settings(clock=ClusterClock(old.epoch_unix_s - 10.0, SCALE)))
         moved = h.state.ticket("c")
         assert moved is not None and moved.deadline_s == pytest.approx(10_100.0)
-        assert h.state.unacked()[0].finished_s > 10_000.0
+        done, failed = h.state.unacked()
+        assert done.call_id == "a" and done.finished_s > 10_000.0
+        assert done.started_s <= done.first_token_s < done.finished_s  # moved with them
+        assert failed.call_id == "big" and failed.started_s > 10_000.0
+        assert failed.first_token_s == 0.0  # not given stays not given on any clock
 
     run(h, body)
 

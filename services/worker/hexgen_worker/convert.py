@@ -181,6 +181,7 @@ def finished_message(event: CallFinished) -> worker_pb2.CallFinished:
             for c in event.tool_calls
         ],
         prompt_tokens=event.prompt_tokens,
+        first_token_s=event.first_token_s,
     )
 
 

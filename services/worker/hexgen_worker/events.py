@@ -81,6 +81,9 @@ class CallFinished:
     """The tools the model called."""
     prompt_tokens: int = 0
     """The prompt's tokens as the engine counted them (0: it does not say)."""
+    first_token_s: float = 0.0
+    """When the engine produced the first output token (cluster clock); 0: not given (an
+    engine that does not say, or a call that failed before it)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -358,6 +358,9 @@ class WorkerState:
                 done,
                 started_s=translate_time(done.started_s, old, new),
                 finished_s=translate_time(done.finished_s, old, new),
+                first_token_s=(  # 0: not given, on any clock
+                    translate_time(done.first_token_s, old, new) if done.first_token_s else 0.0
+                ),
             )
         self._queue_key = None  # queue keys were computed from the old times
 
@@ -625,7 +628,12 @@ class WorkerState:
         if started_s == finished.started_s:
             return finished  # one clock (always so with one coordinator)
         finished_s = shards.to_link(link, finished.finished_s)
-        return dataclasses.replace(finished, started_s=started_s, finished_s=finished_s)
+        first_token_s = finished.first_token_s  # 0: not given, on any clock
+        if first_token_s:
+            first_token_s = shards.to_link(link, first_token_s)
+        return dataclasses.replace(
+            finished, started_s=started_s, finished_s=finished_s, first_token_s=first_token_s
+        )
 
     async def run_engine_events(self) -> None:
         """Consume the engine's events for ever (run as a task; cancel to stop)."""

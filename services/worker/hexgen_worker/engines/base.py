@@ -187,6 +187,9 @@ class Generated:
     tool_calls: tuple[ToolCall, ...] = ()
     prompt_tokens: int = 0
     """The prompt's tokens as the engine counted them (0: it does not say)."""
+    first_token_s: float | None = None
+    """When the first generated text or token arrived (the engine's cluster clock); None:
+    the engine does not say, or nothing was generated."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -434,6 +437,7 @@ class RequestEngine(Engine):
                 finish_reason=result.finish_reason,
                 tool_calls=result.tool_calls,
                 prompt_tokens=result.prompt_tokens,
+                first_token_s=result.first_token_s or 0.0,  # 0: not given
             )
         )
 

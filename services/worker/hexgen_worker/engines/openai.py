@@ -210,13 +210,15 @@ class OpenAIEngine(RequestEngine):
 
     async def _stream(self, ticket: CallTicket, body: dict[str, Any], *, chat: bool) -> Generated:
         """Run one streaming request: its text, generated tokens, finish reason, tool
-        calls (their streamed pieces joined, by index) and prompt tokens."""
+        calls (their streamed pieces joined, by index), prompt tokens and when the first
+        chunk carrying generated text or a tool call's piece arrived."""
         path = "/chat/completions" if chat else "/completions"
         parts: list[str] = []
         chunks = 0
         usage_tokens: int | None = None
         prompt_tokens = 0
         finish_reason = ""
+        first_token_s: float | None = None
         calls: dict[int, list[str]] = {}  # index -> [id, name, arguments]
         async with self._client.stream("POST", path, json=body) as response:
             if response.status_code >= 400:
@@ -235,6 +237,8 @@ class OpenAIEngine(RequestEngine):
                     raise OpenAIServerError(str(chunk["error"]))
                 for choice in chunk.get("choices") or ():
                     piece = _piece(choice, chat=chat)
+                    if first_token_s is None and (piece or _has_tool_pieces(choice)):
+                        first_token_s = self.clock.now()
                     if piece:
                         parts.append(piece)
                         chunks += 1
@@ -257,7 +261,15 @@ class OpenAIEngine(RequestEngine):
             finish_reason,
             tuple(ToolCall(*calls[i]) for i in sorted(calls)),
             prompt_tokens,
+            first_token_s,
         )
+
+
+def _has_tool_pieces(choice: Any) -> bool:
+    """Whether a streamed chat choice carries ``delta.tool_calls`` pieces."""
+    delta = choice.get("delta") if isinstance(choice, dict) else None
+    pieces = delta.get("tool_calls") if isinstance(delta, dict) else None
+    return isinstance(pieces, list) and bool(pieces)
 
 
 def _tool_pieces(choice: dict[str, Any], calls: dict[int, list[str]]) -> None:

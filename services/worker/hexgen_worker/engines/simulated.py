@@ -254,6 +254,11 @@ class SimulatedEngine(Engine):
                 cached_tokens=ticket.cached_tokens,
                 finish_reason=reason,
                 tool_calls=tool_calls,
+                first_token_s=(
+                    0.0  # the model does not say
+                    if ticket.first_token_s is None
+                    else ticket.first_token_s - self._offset
+                ),
             )
         )
 

@@ -414,11 +414,14 @@ class VllmEngine(RequestEngine):
         tokens = 0
         reason = ""
         prompt_tokens = 0
+        first_token_s: float | None = None
         quiet = plan.forced or plan.parse  # tool-call text is not the answer's content
         async for output in llm.generate(
             engine_prompt, params, request_id=ticket.call_id, priority=priority
         ):
             for completion in output.outputs[:1]:
+                if first_token_s is None and completion.token_ids:
+                    first_token_s = self.clock.now()  # the first output with generated ids
                 if completion.text:
                     parts.append(completion.text)
                     if not quiet:
@@ -437,10 +440,10 @@ class VllmEngine(RequestEngine):
         if calls:
             if options.parallel_tool_calls is False:
                 calls = calls[:1]
-            return Generated("", tokens, "tool_calls", calls, prompt_tokens)
+            return Generated("", tokens, "tool_calls", calls, prompt_tokens, first_token_s)
         if quiet and text:  # no tool call after all: the text is the answer
             self.emit(CallTokens(ticket.call_id, text))
-        return Generated(text, tokens, reason, (), prompt_tokens)
+        return Generated(text, tokens, reason, (), prompt_tokens, first_token_s)
 
     def _tool_calls(self, text: str, plan: _ToolPlan, request: CallRequest) -> tuple[ToolCall, ...]:
         """The tool calls in a call's output, as `plan` says they come out."""
