@@ -45,6 +45,9 @@ from hexgen_coordinator.worker_wire import (
 from hexgen_flow.runtime import CallTicket
 from hexgen_flow.workload import LLMCall
 from hexgen_service.convert import ticket_to_dispatch
+from hexgen_worker.convert import finished_message
+from hexgen_worker.events import CallFinished as WorkerFinished
+from hexgen_worker.events import ToolCall as WorkerToolCall
 
 MESSAGES: list[Message] = [
     Hello(worker_id="w1", slot=-1, gpu="A100", model="", engine="ENGINE_KIND_SIMULATED"),
@@ -91,6 +94,7 @@ MESSAGES: list[Message] = [
             ToolCall("call_2", "time", "not json"),
         ),
         prompt_tokens=100,
+        first_token_s=12.875,
     ),
     Finished("q/2.0", error="engine error: out of memory", attempt=1),
     Finished("q/3.0", output_tokens=5, finished_s=2.0),  # an engine with no start time
@@ -138,6 +142,7 @@ def encode_message(msg: Message) -> wpb.ConnectRequest:
                     for t in msg.tool_calls
                 ],
                 prompt_tokens=msg.prompt_tokens,
+                first_token_s=msg.first_token_s,
             )
         )
     if isinstance(msg, Started):
@@ -320,6 +325,7 @@ def test_zeros_stay_zeros() -> None:
     assert finished == Finished("q/0.0")
     assert (finished.output_tokens, finished.started_s, finished.finished_s) == (0, 0.0, 0.0)
     assert (finished.attempt, finished.cached_tokens, finished.prompt_tokens) == (0, 0, 0)
+    assert finished.first_token_s == 0.0  # an older worker, or an engine that does not say
     assert (finished.error, finished.finish_reason, finished.tool_calls) == ("", "", ())
     heartbeat = decode_message(wpb.ConnectRequest(heartbeat=wpb.WorkerHeartbeat()))
     assert heartbeat == Heartbeat()
@@ -350,6 +356,7 @@ def test_absent_options_are_not_empty_options() -> None:
                 started_s=1.0,
                 finished_s=2.0,
                 attempt=4,
+                first_token_s=1.5,
                 tool_calls=[wfpb.ToolCall(id="x", name="f", arguments="{}")],
             )
         ),
@@ -448,6 +455,36 @@ def test_a_finished_events_tool_calls_are_the_ones_reported() -> None:
         tool_calls=decode_finished(pb).tool_calls,
     )
     assert encode_event(event).SerializeToString() == before.SerializeToString()
+
+
+def test_a_workers_report_is_the_bytes_it_sent() -> None:
+    """A worker's `CallFinished` (``hexgen_worker.convert.finished_message``), decoded at the
+    coordinator's edge and encoded back, is the bytes the worker sent: every field, the
+    engine's time to first token included, reaches `Finished`."""
+    event = WorkerFinished(
+        call_id="q/1.2",
+        output_tokens=17,
+        text="ok",
+        started_s=12.5,
+        finished_s=13.75,
+        attempt=2,
+        cached_tokens=64,
+        finish_reason="tool_calls",
+        tool_calls=(WorkerToolCall("call_1", "weather", '{"city": "Oslo"}'),),
+        prompt_tokens=100,
+        first_token_s=12.875,
+    )
+    sent = wpb.ConnectRequest(finished=finished_message(event)).SerializeToString()
+    finished = decode_finished(wpb.ConnectRequest.FromString(sent).finished)
+    assert (finished.started_s, finished.first_token_s, finished.finished_s) == (
+        12.5,
+        12.875,
+        13.75,
+    )
+    assert encode_message(finished).SerializeToString() == sent
+    # an engine that does not say: nothing on the wire, 0.0 at the coordinator
+    quiet = finished_message(WorkerFinished("q/0.0", 1, "", 1.0, 2.0))
+    assert not quiet.first_token_s and decode_finished(quiet).first_token_s == 0.0
 
 
 # ------------------------------------------------------------------ a hello's checks

@@ -165,6 +165,10 @@ class Finished:
     tool_calls: tuple[ToolCall, ...] = ()
     prompt_tokens: int = 0
     """The prompt as the engine counted it; 0: not said (the declared size stays)."""
+    first_token_s: float = 0.0
+    """When the engine produced the first output token, on the cluster clock; 0: not given.
+    The engine's time to first token is ``first_token_s - started_s`` only when
+    ``finished_s >= first_token_s >= started_s > 0``."""
 
 
 Message = Hello | Heartbeat | Started | Tokens | Finished

@@ -113,6 +113,7 @@ def decode_finished(pb: wpb.CallFinished) -> Finished:
             else ()
         ),
         prompt_tokens=pb.prompt_tokens,
+        first_token_s=pb.first_token_s,
     )
 
 
