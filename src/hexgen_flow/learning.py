@@ -21,17 +21,26 @@ the same steps) and on decode steps, each of which costs the decode plane
 
 where P is the calibration's prefill (of the uncached prompt, for the call's own; the
 others', whose outputs the driver does not know, on the calibration's prefill curve). Each
-call is one equation in (a, b); calls with long prompts pin a, long outputs pin b. With the
-engine's own numbers the factors stay near 1 (tests/test_learning.py measures how near).
+call is one equation in (a, b); calls with long prompts pin a, long outputs pin b. Calls of
+much the same shape pin only their sum. Workers report when the engine produced the
+call's first token (``first_token_s``), which can split the call in two equations, up to
+the first token and after it (`LearnerSettings.first_token`, off by default: it says why).
+With the engine's own numbers the factors stay near 1 (tests/test_learning.py measures how
+near).
 
-**How the factors are fitted** (`InstanceCostLearner`): relative least squares, each call
-divided by its own service time (a 2 s call weighs as much as a 60 s one):
+**How the factors are fitted** (`InstanceCostLearner`): relative least squares, each
+equation divided by its time as the current factors predict it (a 2 s call weighs as much
+as a 60 s one):
 
-    minimise  sum_j w_j (a u_j + b v_j - 1)^2 + n0 (ū² (a - 1)^2 + v̄² (b - 1)^2)
+    minimise  sum_j w_j (a u_j + b v_j - y_j)^2 + n0 (ū² (a - 1)^2 + v̄² (b - 1)^2)
 
-with u = P / service, v = decode term / service. The second term is the prior: the
-calibration counts as `prior_calls` observations, so a handful of calls moves little and
-hundreds move it all the way. Robust and following drift:
+with u = P / predicted, v = decode term / predicted and y = measured / predicted. Dividing
+by the prediction, not by the measured time, keeps the noise out of u and v: a call's time
+varies ±30 % with what shares the engine, and divided by that noisy time the fit put the
+engines' own table's prefill factor at 0.69-0.77 and decode at 1.08-1.16 (a split the
+real-engine benchmark showed too: docs/experiments/2026-12-06-first-token.md). The second
+term is the prior: the calibration counts as `prior_calls` observations, so a handful of
+calls moves little and hundreds move it all the way. Robust and following drift:
 
 - each call's weight w decays by ``1 - 1/memory_calls`` per later call (old behaviour fades:
   a GPU that throttles is followed within about `memory_calls` calls);
@@ -125,6 +134,13 @@ class CallCost:
     step_tokens: int = 0
     """The engine's token budget per step (chunked prefill: a prompt takes that many per
     step, each step also running the others' decodes); 0: prefill runs alone."""
+    first_token_s: float = 0.0
+    """Seconds from the start of its service to its first output token, as the engine
+    reported it; 0: not reported (the learner then has only the whole service time)."""
+    others_before_calls: int = 0
+    """Of `others_calls`, those taken before its first token."""
+    others_before_prompt_tokens: int = 0
+    """Their prompt tokens, summed (of `others_prompt_tokens`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +155,14 @@ class LearnerSettings:
     """Calls of an instance between two refits."""
     min_change: float = 0.03
     """Relative change of a factor below which the scheduler's model is left as it is."""
+    first_token: bool = False
+    """Fit each call's time to first token and the rest apart (two equations), where the
+    engine reports its first token, instead of its whole service time. Off by default: on
+    the simulated engines it brought the split of a table off by a constant factor nearer
+    the truth, but a call's first token also waits for the prompts of the calls taken before
+    it that are still prefilling, which no driver sees, and on `vllm-v1` engines
+    ``chess-measured`` planned with ``aiconfigurator`` it put one instance's decode factor
+    at 2.5 where the truth is about 0.95 (docs/experiments/2026-12-06-first-token.md)."""
 
     def __post_init__(self) -> None:
         if not self.prior_calls > 0:
@@ -207,6 +231,16 @@ class InstanceCostLearner:
     def predict_s(self, cost: CallCost) -> tuple[float, float]:
         """(prefill term, decode term) of `cost` by the calibration: the service time is
         a x prefill term + b x decode term (see the module docstring)."""
+        p1, x1, p2, x2 = self.predict_phases_s(cost)
+        return p1 + p2, x1 + x2
+
+    def predict_phases_s(self, cost: CallCost) -> tuple[float, float, float, float]:
+        """`predict_s`'s terms split at the first token: (prefill, decode) up to it, then
+        (prefill, decode) after it. Up to the first token: its own prompt's prefill, the
+        prompts of the others taken meanwhile and the decode steps its prompt's chunks
+        carried; after it: its own decode steps and the prompts of the others taken then.
+        (What this misses: the prompts of calls taken before it and still prefilling, which
+        a driver cannot see; see `LearnerSettings.first_token`.)"""
         prior = self.prior
         prefill = prior.prefill_s(cost.input_tokens, cost.output_tokens)
         cached = min(cost.cached_tokens, cost.input_tokens)
@@ -214,25 +248,38 @@ class InstanceCostLearner:
             whole = prior.prefill_curve_s(cost.input_tokens)
             if whole > 0:
                 prefill *= max(whole - prior.prefill_curve_s(cached), 0.0) / whole
+        before = after = 0.0
         if cost.others_calls > 0:
-            each = max(1, round(cost.others_prompt_tokens / cost.others_calls))
             # On the curve: `prefill_s(each, 1)` is a capped table's figure for one output
             # token, far below what the engine computes for the others' prompts.
-            prefill += cost.others_calls * prior.prefill_curve_s(each)
-        steps = max(cost.output_tokens - 1, 0)
+            n_before = min(max(cost.others_before_calls, 0), cost.others_calls)
+            tokens_before = min(max(cost.others_before_prompt_tokens, 0), cost.others_prompt_tokens)
+            if n_before > 0:
+                before = n_before * prior.prefill_curve_s(max(1, round(tokens_before / n_before)))
+            n_after = cost.others_calls - n_before
+            if n_after > 0:
+                tokens_after = cost.others_prompt_tokens - tokens_before
+                after = n_after * prior.prefill_curve_s(max(1, round(tokens_after / n_after)))
+        chunk_steps = 0
         if cost.step_tokens > 0:  # the steps of its own prompt carry the others' decodes
-            steps += -(-(cost.input_tokens - cached) // cost.step_tokens)
+            chunk_steps = -(-(cost.input_tokens - cached) // cost.step_tokens)
         batch = max(cost.mean_batch, 1.0)
         plane = self.plane
-        decode = steps * (plane.a_s + plane.b_s * batch + plane.c_s * cost.mean_kv_tokens)
-        return prefill, decode
+        step = plane.a_s + plane.b_s * batch + plane.c_s * cost.mean_kv_tokens
+        return (
+            prefill + before,
+            chunk_steps * step,
+            after,
+            max(cost.output_tokens - 1, 0) * step,
+        )
 
     def observe(self, cost: CallCost) -> bool:
         """Take one call in; True when it refitted and a factor moved by more than
         `LearnerSettings.min_change`."""
         self.calls += 1
         service = cost.service_s
-        p, x = self.predict_s(cost)
+        phases = self.predict_phases_s(cost)
+        p, x = phases[0] + phases[2], phases[1] + phases[3]
         predicted = self.a * p + self.b * x
         s, d = self._sums, self._decay
         if not (service > 0 and predicted > 0 and math.isfinite(service)):
@@ -250,14 +297,22 @@ class InstanceCostLearner:
         if outlier and not trusting:
             self.dropped += 1
             return False
-        u, v = p / service, x / service
         w = 1.0 / (1.0 + (distance / CAUCHY_SCALE) ** 2) if not trusting else 1.0
-        s[0] = s[0] * d + w
-        s[1] = s[1] * d + w * u * u
-        s[2] = s[2] * d + w * u * v
-        s[3] = s[3] * d + w * v * v
-        s[4] = s[4] * d + w * u
-        s[5] = s[5] * d + w * v
+        for k in range(6):
+            s[k] *= d
+        rows: tuple[tuple[float, float, float], ...] | None = self._phase_rows(
+            cost.first_token_s, service, phases
+        )
+        if rows is None:  # one equation: the whole service
+            rows = ((p / predicted, x / predicted, service / predicted),)
+        w /= len(rows)
+        for u, v, y in rows:
+            s[0] += w
+            s[1] += w * u * u
+            s[2] += w * u * v
+            s[3] += w * v * v
+            s[4] += w * u * y
+            s[5] += w * v * y
         self._since_fit += 1
         if self._since_fit < self.settings.refit_calls:
             return False
@@ -268,6 +323,22 @@ class InstanceCostLearner:
         if moved:
             self.a, self.b = a, b
         return moved
+
+    def _phase_rows(
+        self, first: float, service: float, phases: tuple[float, float, float, float]
+    ) -> tuple[tuple[float, float, float], tuple[float, float, float]] | None:
+        """A call's two equations (u, v, y), up to its first token (`first` seconds into
+        its `service`) and after it, each relative to its time as the current factors
+        predict it (see `observe`); None when the first token was not reported or one
+        phase says nothing (a one-token output). `phases`: `predict_phases_s`."""
+        rest = service - first
+        if not (self.settings.first_token and first > 0 and rest > 0 and math.isfinite(first)):
+            return None
+        p1, x1, p2, x2 = phases
+        one, two = self.a * p1 + self.b * x1, self.a * p2 + self.b * x2
+        if one <= 0 or x2 <= 0 or two <= 0:
+            return None
+        return (p1 / one, x1 / one, first / one), (p2 / two, x2 / two, rest / two)
 
     def _centre(self) -> float:
         """The median log-ratio of the recent calls to the current prediction (0 before
@@ -454,6 +525,7 @@ class CostMeter:
         "_kv_area",
         "_log",
         "_log_base",
+        "_log_s",
         "_started",
         "_t",
         "instance",
@@ -470,6 +542,7 @@ class CostMeter:
         self._held = 0  # calls held now
         self._t = 0.0
         self._log: deque[CallTicket] = deque()  # calls taken, oldest first
+        self._log_s: deque[float] = deque()  # when each was taken
         self._log_base = 0  # the position of _log[0] among every call taken
         self._started: dict[CallTicket, tuple[float, float, int, float]] = {}
         """Per call held: the integrals when it was taken, its place in the log, when."""
@@ -505,6 +578,7 @@ class CostMeter:
         self._held += 1
         self._kv += self._kv_of(ticket)
         self._log.append(ticket)
+        self._log_s.append(now)
         position = self._log_base + len(self._log) - 1
         self._started[ticket] = (self._area, self._kv_area, position, now)
 
@@ -517,11 +591,17 @@ class CostMeter:
         self._trim()
 
     def finished(
-        self, ticket: CallTicket, now: float, service_s: float | None = None
+        self,
+        ticket: CallTicket,
+        now: float,
+        service_s: float | None = None,
+        first_token_s: float | None = None,
     ) -> CallCost | None:
         """`ticket` came back at `now`: what it cost (None if it was not taken here).
         `service_s`: its service time as the engine reports it; by default from its
-        first step (`CallTicket.scheduled_s`, else when it was taken) to `now`."""
+        first step (`CallTicket.scheduled_s`, else when it was taken) to `now`.
+        `first_token_s`: seconds from that start to its first token as the engine reports
+        it; by default from `CallTicket.first_token_s` where the engine set it."""
         self._advance(now)
         started = self._started.pop(ticket, None)
         if started is None:
@@ -529,24 +609,34 @@ class CostMeter:
         self._held -= 1
         self._kv -= self._kv_of(ticket)
         area0, kv0, position, taken_s = started
+        start = ticket.scheduled_s if ticket.scheduled_s is not None else taken_s
         if service_s is None:
-            start = ticket.scheduled_s if ticket.scheduled_s is not None else taken_s
             service_s = now - start
+        if first_token_s is None and ticket.first_token_s is not None:
+            first_token_s = ticket.first_token_s - start
+        if first_token_s is None or not 0 < first_token_s <= service_s:
+            first_token_s = 0.0
+        first_token_at = start + first_token_s  # on this meter's clock
         span = now - taken_s
         call = ticket.call
         if call.input_tokens > 0:
             share = min(ticket.cached_tokens, call.input_tokens) / call.input_tokens
             self._backs += 1  # a plain mean over the first 20, then recent ones weigh more
             self._cached_share += max(0.05, 1 / self._backs) * (share - self._cached_share)
-        log, held, others, tokens = self._log, self._started, 0, 0.0
+        log, log_s, held, others, tokens = self._log, self._log_s, self._started, 0, 0.0
+        others_before, tokens_before = 0, 0.0
         uncached = 1.0 - self._cached_share
         for k in range(position + 1 - self._log_base, len(log)):
             other = log[k]
             others += 1
             if other in held:
-                tokens += other.call.input_tokens * uncached
+                prompt = other.call.input_tokens * uncached
             else:
-                tokens += other.call.input_tokens - other.cached_tokens
+                prompt = other.call.input_tokens - other.cached_tokens
+            tokens += prompt
+            if first_token_s > 0 and log_s[k] < first_token_at:
+                others_before += 1
+                tokens_before += prompt
         self._trim()
         return CallCost(
             self.instance,
@@ -559,10 +649,14 @@ class CostMeter:
             others,
             round(tokens),
             self.step_tokens,
+            first_token_s,
+            others_before,
+            round(tokens_before),
         )
 
     def _trim(self) -> None:
         log, held = self._log, self._started
         while log and log[0] not in held:  # nobody still held was taken before it
             log.popleft()
+            self._log_s.popleft()
             self._log_base += 1

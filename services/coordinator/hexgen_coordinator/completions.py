@@ -36,6 +36,7 @@ from hexgen_flow.protocol import (
     StageReleased,
 )
 from hexgen_flow.runtime import CallState, CallTicket
+from hexgen_flow.sim.vllm_v1 import default_max_num_batched_tokens
 from hexgen_service.redis_schema import CompletionEntry, encode_completion
 
 __all__ = ["Completions"]
@@ -65,10 +66,16 @@ class Completions:
         self.writes = writes
         self.views = views
         self.meters = (
-            [CostMeter(i) for i in range(len(cluster))] if core.policy.learner is not None else None
+            [
+                CostMeter(i, default_max_num_batched_tokens(spec))
+                for i, spec in enumerate(cluster.instances)
+            ]
+            if core.policy.learner is not None
+            else None
         )
         """What each call costs its instance (`CallCost`), for the scheduler's cost learner
-        (`--learn-costs`); None: it does not learn."""
+        (`--learn-costs`); None: it does not learn. Each instance's engine is taken to
+        prefill in chunks of vLLM's default token budget for its GPU, as vLLM serves."""
 
     def _meter_dropped(self, ticket: CallTicket, slot: int) -> None:
         """A call left its worker without a result to learn from."""
@@ -212,7 +219,13 @@ class Completions:
                 service = (
                     msg.finished_s - msg.started_s if msg.finished_s > msg.started_s > 0 else None
                 )
-                cost = self.meters[ran_on].finished(ticket, now, service)
+                # and its time to first token, which tells its prefill from its decode
+                first_token = (
+                    msg.first_token_s - msg.started_s
+                    if service is not None and msg.finished_s >= msg.first_token_s > msg.started_s
+                    else None
+                )
+                cost = self.meters[ran_on].finished(ticket, now, service, first_token)
             # The very effect Redis applied (evaluated once, above; the query's lock held).
             actions = self.core.handle(CallDone(ticket, now, cost, effect))
             if entry.session is not None:
