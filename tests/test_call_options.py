@@ -29,8 +29,10 @@ import pytest
 from pydantic import BaseModel
 
 from hexgen_api.v1 import coordinator_pb2, worker_pb2, workflow_pb2
+from hexgen_coordinator.worker_messages import Run
+from hexgen_coordinator.worker_wire import encode_command
 from hexgen_launch.processes import free_port
-from hexgen_service.convert import dispatch_to_ticket, ticket_to_dispatch
+from hexgen_service.convert import dispatch_to_ticket
 from hexgen_service.server import GrpcServer
 from hexgen_worker.convert import dispatch_messages, dispatch_options
 from hexgen_worker.engines import OpenAIEngine
@@ -127,7 +129,8 @@ def test_the_openai_engine_sends_the_options_verbatim_and_joins_streamed_tool_ca
     with ToolCallServer() as server:
         worker = Worker(OpenAIEngine(url=server.url, model="smol"))
         call = ticket("tools", 0)
-        pb = ticket_to_dispatch(call, "", "", [("user", "weather in Oslo?")], options_pb())
+        chat = [workflow_pb2.ChatMessage(role="user", content="weather in Oslo?")]
+        pb = encode_command(Run.of(call, "", "", chat, options_pb())).dispatch
 
         async def body() -> CallFinished:
             worker.state.dispatch(

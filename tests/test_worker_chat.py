@@ -22,10 +22,13 @@ from typing import Any, TypeVar
 
 import pytest
 
+from hexgen_api.v1 import workflow_pb2 as wfpb
+from hexgen_coordinator.worker_messages import Run
+from hexgen_coordinator.worker_wire import encode_command
 from hexgen_flow.runtime import CallTicket
 from hexgen_flow.workload import LLMCall
 from hexgen_service.clock import ClusterClock
-from hexgen_service.convert import dispatch_to_ticket, ticket_to_dispatch
+from hexgen_service.convert import dispatch_to_ticket
 from hexgen_worker import DispatchOutcome, WelcomeSettings, WorkerConfig, WorkerState
 from hexgen_worker.convert import dispatch_messages
 from hexgen_worker.engines import Engine, OpenAIEngine, SimulatedEngine
@@ -170,7 +173,8 @@ class Worker:
         self, call: CallTicket, prompt: str, messages: tuple[ChatMessage, ...] = ()
     ) -> DispatchOutcome:
         """Dispatch as the worker's link does: through the DispatchCall message."""
-        pb = ticket_to_dispatch(call, prompt, "", [(m.role, m.content) for m in messages])
+        chat = [wfpb.ChatMessage(role=m.role, content=m.content) for m in messages]
+        pb = encode_command(Run.of(call, prompt, "", chat)).dispatch
         return self.state.dispatch(
             dispatch_to_ticket(pb), prompt=pb.prompt, messages=dispatch_messages(pb)
         )

@@ -16,13 +16,15 @@ from typing import Any, TypeVar
 import pytest
 
 from dispatch_driver import Driver, context
+from hexgen_coordinator.worker_messages import Run
+from hexgen_coordinator.worker_wire import encode_command
 from hexgen_flow.cluster import DEFAULT_MODEL, parse_cluster
 from hexgen_flow.errors import ConfigError
 from hexgen_flow.policies.dispatch import LeastRequestsDispatcher, LeastWorkDispatcher
 from hexgen_flow.runtime import CallTicket
 from hexgen_flow.workload import LLMCall
 from hexgen_service.clock import ClusterClock
-from hexgen_service.convert import dispatch_to_ticket, ticket_to_dispatch
+from hexgen_service.convert import dispatch_to_ticket
 from hexgen_worker import DispatchOutcome, WelcomeSettings, WorkerConfig, WorkerState
 from hexgen_worker.convert import heartbeat_request, hello_request
 from hexgen_worker.engines import SimulatedEngine
@@ -227,7 +229,7 @@ def test_each_shard_hears_the_load_of_the_others() -> None:
 
     def wired(t: CallTicket, weight: float) -> CallTicket:
         t.weight = weight
-        return dispatch_to_ticket(ticket_to_dispatch(t))
+        return dispatch_to_ticket(encode_command(Run.of(t)).dispatch)
 
     async def body() -> None:
         w.state.dispatch(wired(ticket("a/0.0", 1, out=5_000), 0.25), link=0)
@@ -254,7 +256,7 @@ def test_each_shard_hears_the_load_of_the_others() -> None:
 
 def test_a_dispatch_without_a_weight_weighs_one() -> None:
     """A coordinator older than `DispatchCall.weight` sends none (0): the call weighs 1."""
-    sent = ticket_to_dispatch(ticket("a/0.0", 1))
+    sent = encode_command(Run.of(ticket("a/0.0", 1))).dispatch
     sent.ClearField("weight")
     assert dispatch_to_ticket(sent).weight == 1.0
 

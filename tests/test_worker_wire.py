@@ -44,7 +44,6 @@ from hexgen_coordinator.worker_wire import (
 )
 from hexgen_flow.runtime import CallTicket
 from hexgen_flow.workload import LLMCall
-from hexgen_service.convert import ticket_to_dispatch
 from hexgen_worker.convert import finished_message
 from hexgen_worker.events import CallFinished as WorkerFinished
 from hexgen_worker.events import ToolCall as WorkerToolCall
@@ -394,12 +393,36 @@ def test_a_dispatch_is_the_bytes_it_was(
     made: Callable[[], CallTicket], prompt: str, traceparent: str, with_chat: bool
 ) -> None:
     """What the servicer writes for a `Run` is what `Dispatch.send` queued before
-    (``ConnectResponse(dispatch=ticket_to_dispatch(...))``), to the byte."""
+    (a ``DispatchCall`` built from the ticket field by field), to the byte."""
     call = chat() if with_chat else None
     messages = call.messages if call is not None else ()
     options = call.options if call is not None else None
+    t = made()
     before = wpb.ConnectResponse(
-        dispatch=ticket_to_dispatch(made(), prompt, traceparent, messages, options)
+        dispatch=wpb.DispatchCall(
+            messages=messages,
+            options=options,
+            call_id=t.call_id,
+            query_id=t.query_id,
+            tenant=t.tenant,
+            stage=t.stage,
+            step=t.call.step,
+            input_tokens=t.call.input_tokens,
+            output_tokens=t.output_tokens,
+            expected_output_tokens=(
+                t.call.output_tokens if t.call.output_tokens != t.output_tokens else 0
+            ),
+            prompt=prompt,
+            sequence=t.seq,
+            query_sequence=t.query_seq,
+            released_s=t.released_s,
+            deadline_s=t.deadline_s,
+            query_deadline_s=t.query_deadline_s,
+            remaining_after_s=t.remaining_after_s,
+            traceparent=traceparent,
+            attempt=t.attempt,
+            weight=t.weight,
+        )
     )
     now = encode_command(Run.of(made(), prompt, traceparent, messages, options))
     assert now.SerializeToString() == before.SerializeToString()

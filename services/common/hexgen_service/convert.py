@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 import re
 import unicodedata
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hexgen_api.v1 import coordinator_pb2, worker_pb2, workflow_pb2
@@ -36,7 +35,6 @@ __all__ = [
     "stage_names",
     "submit_from_query",
     "template_to_proto",
-    "ticket_to_dispatch",
     "without_prompts",
     "workflow_from_proto",
     "workflow_to_proto",
@@ -321,49 +319,6 @@ def without_prompts(request: coordinator_pb2.SubmitQueryRequest) -> bytes:
         for call in stage.calls:
             call.prompt = ""
     return shape.SerializeToString()
-
-
-def ticket_to_dispatch(
-    ticket: CallTicket,
-    prompt: str = "",
-    traceparent: str = "",
-    messages: Sequence[tuple[str, str] | workflow_pb2.ChatMessage] = (),
-    options: workflow_pb2.CallOptions | None = None,
-) -> worker_pb2.DispatchCall:
-    """The DispatchCall of a ticket; `messages` are a chat request's ((role, content), or
-    whole messages), `options` how to generate (sampling, tools, response_format)."""
-    call = ticket.call
-    return worker_pb2.DispatchCall(
-        messages=[
-            m
-            if isinstance(m, workflow_pb2.ChatMessage)
-            else workflow_pb2.ChatMessage(role=m[0], content=m[1])
-            for m in messages
-        ],
-        options=options,
-        call_id=ticket.call_id,
-        query_id=ticket.query_id,
-        tenant=ticket.tenant,
-        stage=ticket.stage,
-        step=call.step,
-        input_tokens=call.input_tokens,
-        # What the engine is asked for: the declared tokens (`call` may hold the
-        # scheduler's belief, `hexgen_flow.lengths`).
-        output_tokens=ticket.output_tokens,
-        expected_output_tokens=(
-            call.output_tokens if call.output_tokens != ticket.output_tokens else 0
-        ),
-        prompt=prompt,
-        sequence=ticket.seq,
-        query_sequence=ticket.query_seq,
-        released_s=ticket.released_s,
-        deadline_s=ticket.deadline_s,
-        query_deadline_s=ticket.query_deadline_s,
-        remaining_after_s=ticket.remaining_after_s,
-        traceparent=traceparent,
-        attempt=ticket.attempt,
-        weight=ticket.weight,
-    )
 
 
 def dispatch_to_ticket(pb: worker_pb2.DispatchCall) -> CallTicket:

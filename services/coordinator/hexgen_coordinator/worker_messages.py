@@ -265,8 +265,9 @@ class Run:
         messages: Sequence[workflow_pb2.ChatMessage] = (),
         options: workflow_pb2.CallOptions | None = None,
     ) -> Run:
-        """The dispatch of `ticket` as it is now (`hexgen_service.convert.ticket_to_dispatch`'s
-        fields, which the worker decodes with `dispatch_to_ticket`)."""
+        """The dispatch of `ticket` as it is now (`worker_wire.encode_command` writes it as
+        a ``DispatchCall``, which the worker decodes with
+        `hexgen_service.convert.dispatch_to_ticket`)."""
         call = ticket.call
         return cls(
             call_id=ticket.call_id,
