@@ -4,8 +4,13 @@ in use, and what was freed but still held by the allocator until a trim gives it
 
 from __future__ import annotations
 
+import ctypes.util
+import platform
 from dataclasses import dataclass
 
+import pytest
+
+from hexgen_service import heap
 from hexgen_service.heap import HeapTrimmer, resident_bytes
 
 MB = 1 << 20
@@ -147,3 +152,17 @@ def test_without_malloc_trim_it_does_nothing() -> None:
 def test_this_process_resident_memory_is_read() -> None:
     rss = resident_bytes()
     assert rss is not None and rss > MB
+
+
+@pytest.mark.skipif(
+    platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc only"
+)
+def test_malloc_trim_is_found_without_ldconfig(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the C library cannot be named (no ``ldconfig``, no compiler on the path: what
+    `ctypes.util.find_library` runs), the trimmer still finds ``malloc_trim`` among the
+    symbols the interpreter has loaded, and trims."""
+    monkeypatch.setattr(ctypes.util, "find_library", lambda _name: None)
+    trim = heap._malloc_trim()
+    assert trim is not None
+    assert trim(0) in (0, 1)
+    assert HeapTrimmer().works

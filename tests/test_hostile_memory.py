@@ -101,8 +101,48 @@ def _settled_rss(up: Up, start_mb: float) -> float:
             return rss
 
 
-SETTLED_MB = 100
+SETTLED_MB = 150
+"""What one round of the three floods may leave behind. Measured on 2-core machines: with the
+trimmer off, 213-232 MB stays; with it, 3-85 MB here and 107 MB once in CI. What a trim
+cannot give back varies with how the concurrent requests' buffers fell in the allocator's
+arenas (the trimmer's log shows each trim: `_heap_log`); the test also checks the trimmer is
+on, so a failure of either kind tells which."""
 SETTLE_S = 30.0
+
+
+def _heap_log(up: Up) -> list[str]:
+    """What the coordinator's heap trimmer logged (`hexgen_service.heap`): whether it is on,
+    and its trims."""
+    log = (up.log_dir / "coordinator.log").read_text()
+    return [line for line in log.splitlines() if "heap trim" in line]
+
+
+def _trimming(up: Up) -> None:
+    """The memory given back is the trimmer's doing: it must be on in the coordinator."""
+    lines = _heap_log(up)
+    assert any("heap trimmer on" in line for line in lines), lines
+
+
+def _memory_report(pid: int) -> str:
+    """Where a process's resident memory lies: its totals by kind, its threads, and its five
+    largest mappings (for a failure's message: a heap the trimmer should have given back
+    reads differently from gRPC's buffers, a file or shared memory)."""
+    proc = Path(f"/proc/{pid}")
+    kinds = ("Rss:", "Anonymous:", "AnonHugePages:", "Shared_Clean:", "Private_Dirty:")
+    lines = [
+        line for line in (proc / "smaps_rollup").read_text().splitlines() if line.startswith(kinds)
+    ]
+    threads = len(list((proc / "task").iterdir()))
+    maps: list[tuple[int, str]] = []
+    name = ""
+    for line in (proc / "smaps").read_text().splitlines():
+        fields = line.split()
+        if "-" in fields[0] and not fields[0].endswith(":"):
+            name = f"{fields[0]} {fields[5] if len(fields) > 5 else '[anon]'}"
+        elif fields[0] == "Rss:":
+            maps.append((int(fields[1]), name))
+    largest = [f"{kb >> 10} MB {where}" for kb, where in sorted(maps, reverse=True)[:5]]
+    return "; ".join([*lines, f"threads {threads}", *largest])
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +161,7 @@ def secure(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Up, AuthD
 
 
 def test_a_flood_of_huge_requests_leaves_memory_where_it_was(plain: Up) -> None:
+    _trimming(plain)
     pid = plain.service_pid("hexgen_coordinator")
     start = _rss_mb(pid)
     with grpc.insecure_channel(
@@ -139,13 +180,14 @@ def test_a_flood_of_huge_requests_leaves_memory_where_it_was(plain: Up) -> None:
         ], too_long
     after = _settled_rss(plain, start)
     print(f"\ncoordinator RSS: {start:.0f} MB before, {after:.0f} MB after the floods")
-    assert after - start < SETTLED_MB, (start, after)
+    assert after - start < SETTLED_MB, (start, after, _memory_report(pid), _heap_log(plain))
 
 
 def test_unauthenticated_floods_are_refused_before_their_bodies_are_read(
     secure: tuple[Up, AuthDir],
 ) -> None:
     up, auth = secure
+    _trimming(up)
     pid = up.service_pid("hexgen_coordinator")
     start = _rss_mb(pid)
     credentials = grpc.ssl_channel_credentials(auth.ca.read_bytes())
@@ -159,4 +201,4 @@ def test_unauthenticated_floods_are_refused_before_their_bodies_are_read(
         assert list(huge) == [TOO_LARGE], huge
     after = _settled_rss(up, start)
     print(f"\ncoordinator RSS: {start:.0f} MB before, {after:.0f} MB after the floods")
-    assert after - start < SETTLED_MB, (start, after)
+    assert after - start < SETTLED_MB, (start, after, _memory_report(pid), _heap_log(up))

@@ -16,7 +16,10 @@ raises the floor, so a service that grows for real trims a few times per `growth
 growth. A raised floor is checked again later (a trim after 10 s, then 20, 40, ... up to
 320 s, while it stays above the lowest memory seen): a burst that outlasted the retries, as
 a flood on a loaded machine does, is given back once it is over instead of being taken for
-memory in use for good. On a system without glibc or /proc it does nothing.
+memory in use for good. On a system without glibc or /proc it does nothing. It logs whether
+it is on when it starts, and each trim with what it gave back (INFO when that is a quarter
+of `growth_bytes` or more): what a trim cannot give back (requests still held, or pages
+the allocator's arenas keep in use) shows there.
 
 (The door's own receive limit, `hexgen_service.server.GrpcServer`, keeps requests beyond it
 from being parsed at all; this gives back what was read.)
@@ -41,16 +44,19 @@ _STATM = Path("/proc/self/statm")
 
 
 def _malloc_trim() -> Callable[[int], int] | None:
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
-    try:
-        trim = ctypes.CDLL(name).malloc_trim
-    except (OSError, AttributeError):  # not glibc (musl, macOS)
-        return None
-    trim.argtypes = [ctypes.c_size_t]
-    trim.restype = ctypes.c_int
-    return trim
+    """glibc's ``malloc_trim``: looked up among the symbols the process has loaded (an
+    interpreter linked with glibc has it, whatever the environment), then in the C library
+    `ctypes.util.find_library` names (which runs ``ldconfig`` or a compiler to find it);
+    None where neither has it (musl, macOS)."""
+    for name in (None, ctypes.util.find_library("c")):
+        try:
+            trim = ctypes.CDLL(name).malloc_trim
+        except (OSError, AttributeError, TypeError):
+            continue
+        trim.argtypes = [ctypes.c_size_t]
+        trim.restype = ctypes.c_int
+        return trim
+    return None
 
 
 def resident_bytes() -> int | None:
@@ -149,12 +155,21 @@ class HeapTrimmer:
         return False
 
     def _trim_now(self, rss: int) -> int:
-        """Collect the young generations and trim; resident memory after."""
+        """Collect the young generations and trim; resident memory after (logged, at INFO
+        when the trim gave back a quarter of `growth_bytes` or more)."""
         assert self._trim is not None
         gc.collect(1)
         self._trim(0)
         self.trims += 1
-        return self._rss() or rss
+        after = self._rss() or rss
+        log.log(
+            logging.INFO if rss - after >= self.growth_bytes // 4 else logging.DEBUG,
+            "heap trimmed: %.0f MB -> %.0f MB resident (floor %.0f MB)",
+            rss / 2**20,
+            after / 2**20,
+            (self._floor or 0) / 2**20,
+        )
+        return after
 
     async def watch(self) -> None:
         """`check` every `period_s` (until cancelled)."""
@@ -176,6 +191,11 @@ def watch_heap() -> asyncio.Task[None] | None:
     if loop in _watching:
         return None
     _watching.add(loop)
-    task = loop.create_task(HeapTrimmer().watch())
+    trimmer = HeapTrimmer()
+    if trimmer.works:
+        log.info("heap trimmer on: trims at +%d MB resident", trimmer.growth_bytes >> 20)
+    else:
+        log.warning("heap trimmer off: no glibc malloc_trim or no /proc here")
+    task = loop.create_task(trimmer.watch())
     task.add_done_callback(lambda _: _watching.discard(loop))
     return task
