@@ -2,7 +2,9 @@
 and those of a query's event log in Redis, are those the coordinator wrote before its parts
 spoke `client_messages` (each test builds the old message as the old code did), and a
 stored event read back is the event that was written. A session's chat call, kept as a
-`worker_messages.Chat` (`session_store.chat_part`), is what the ``LLMCall`` kept before."""
+`worker_messages.Chat` (`client_wire.chat_part`), is what the ``LLMCall`` kept before; the
+prompts, given calls and session shapes Redis keeps are the bytes they were, and read back
+as they were."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from hexgen_coordinator.client_messages import (
     CallSubmitted,
     ClusterStatus,
     EventKind,
+    GivenCall,
     InstanceStatus,
     LatencySummary,
     Overhead,
@@ -30,6 +33,9 @@ from hexgen_coordinator.client_messages import (
     ToolCall,
 )
 from hexgen_coordinator.client_wire import (
+    call_from_bytes,
+    call_to_bytes,
+    chat_part,
     decode_event,
     encode_alpha_history,
     encode_call_update,
@@ -39,17 +45,24 @@ from hexgen_coordinator.client_wire import (
     encode_status,
     event_from_bytes,
     event_to_bytes,
+    prompt_to_bytes,
+    shape_to_bytes,
     submission_from_bytes,
 )
 from hexgen_coordinator.ledger import chat_bytes
-from hexgen_coordinator.session_store import chat_part, stored_workflow
+from hexgen_coordinator.session_store import stored_workflow
 from hexgen_coordinator.store import StoredQuery
 from hexgen_coordinator.worker_messages import Chat, Run
 from hexgen_coordinator.worker_wire import encode_command
 from hexgen_flow.runtime import CallTicket
-from hexgen_flow.workload import LLMCall
+from hexgen_flow.workload import LLMCall, Query, Stage, Workflow
 from hexgen_service import redis_schema as schema
-from hexgen_service.convert import parse_submit, stage_names, without_prompts
+from hexgen_service.convert import (
+    parse_submit,
+    stage_names,
+    submit_from_query,
+    without_prompts,
+)
 from hexgen_service.redis_schema import F, S
 
 # ------------------------------------------------------------------ enums
@@ -575,3 +588,122 @@ def test_a_stored_chat_call_reads_back_as_it_was_kept() -> None:
     assert old is not None
     assert built.chats == {"q/0.0": Chat(tuple(old.messages), old.options)}
     assert built.prompts[0] == ("hi",)
+
+
+def _old_stored_call(given: wfpb.LLMCall, held: wfpb.LLMCall | None) -> wfpb.LLMCall:
+    """`stored_workflow`'s merge of a given call (``g:{id}``) and its prompt kept apart
+    (``pr:{id}``) before `GivenCall`."""
+    pb = wfpb.LLMCall()
+    pb.CopyFrom(given)
+    if held is not None:
+        pb.prompt = held.prompt
+        del pb.messages[:]
+        pb.messages.extend(held.messages)
+        if held.HasField("options"):
+            pb.options.CopyFrom(held.options)
+    return pb
+
+
+_GIVEN = [
+    wfpb.LLMCall(step="planner", input_tokens=10, output_tokens=5),
+    wfpb.LLMCall(input_tokens=3, output_tokens=1),  # no step: the stage's
+    # the layout before prompts were kept apart: all in g:{id}
+    wfpb.LLMCall(step="s", input_tokens=9, output_tokens=2, prompt="p", messages=_MESSAGES),
+    wfpb.LLMCall(step="s", input_tokens=9, output_tokens=2, prompt="p", options=_OPTIONS),
+]
+_HELD = [
+    None,
+    wfpb.LLMCall(prompt="hi"),
+    wfpb.LLMCall(prompt="hi", messages=_MESSAGES, options=_OPTIONS),
+    wfpb.LLMCall(messages=_MESSAGES),
+    wfpb.LLMCall(options=wfpb.CallOptions()),
+]
+
+
+@pytest.mark.parametrize("given", _GIVEN)
+@pytest.mark.parametrize("held", _HELD)
+def test_a_stored_given_call_reads_back_as_it_did(
+    given: wfpb.LLMCall, held: wfpb.LLMCall | None
+) -> None:
+    """Every layout of a session's given call (its prompt and chat kept apart or not, with
+    options or messages on either side): the call, prompt and chat of the old merge."""
+    fields = {
+        F.SESSION: S.OPEN,
+        schema.call_field(schema.GIVEN, "q/0.0"): base64.b64encode(
+            given.SerializeToString()
+        ).decode(),
+    }
+    stored = StoredQuery(
+        query_id="q",
+        fields=fields,
+        submit=without_prompts(_submission()),
+        prompts={} if held is None else {"q/0.0": held.SerializeToString()},
+    )
+    built = stored_workflow(stored)
+    old = _old_stored_call(given, held)
+    call = built.query.workflow.stages[0].calls[0]
+    assert call == LLMCall(old.step or "planner", old.input_tokens, old.output_tokens)
+    assert built.prompts[0] == (old.prompt,)
+    part = _old_chat_part(old)
+    if part is None:
+        assert built.chats == {}
+    else:
+        options = part.options if part.HasField("options") else None
+        assert built.chats == {"q/0.0": Chat(tuple(part.messages), options)}
+
+
+@pytest.mark.parametrize("prompt", ["", "hi", "ünïcödé " * 100])
+def test_a_kept_prompt_is_the_bytes_it_was(prompt: str) -> None:
+    """A query's prompt in ``pr:{id}`` (admission's ``LLMCall(prompt=...)``)."""
+    assert prompt_to_bytes(prompt) == wfpb.LLMCall(prompt=prompt).SerializeToString()
+    assert call_from_bytes(prompt_to_bytes(prompt)).prompt == prompt
+
+
+@pytest.mark.parametrize("call", [*CHAT_CALLS, wfpb.LLMCall(prompt="p", step="s")])
+def test_a_kept_chat_call_is_the_bytes_it_was(call: wfpb.LLMCall) -> None:
+    """A session's call in ``pr:{id}``: its prompt with its messages, and its options when
+    it has them (sessions' old construction), and it reads back as its chat part."""
+    old = wfpb.LLMCall(
+        prompt=call.prompt,
+        messages=call.messages,
+        options=call.options if call.HasField("options") else None,
+    )
+    chat = chat_part(call)
+    assert prompt_to_bytes(call.prompt, chat) == old.SerializeToString()
+    back = call_from_bytes(prompt_to_bytes(call.prompt, chat))
+    assert (back.prompt, back.chat) == (call.prompt, chat)
+
+
+@pytest.mark.parametrize(
+    "call", [LLMCall("planner", 10, 5), LLMCall("x", 1, 1), LLMCall("ünï", 10**7, 2**31 - 1)]
+)
+def test_a_given_calls_sizes_are_the_bytes_they_were(call: LLMCall) -> None:
+    """A session's ``g:{id}`` (before base64): sessions' old ``LLMCall`` of step and sizes."""
+    old = wfpb.LLMCall(
+        step=call.step, input_tokens=call.input_tokens, output_tokens=call.output_tokens
+    )
+    assert call_to_bytes(call) == old.SerializeToString()
+    back = call_from_bytes(call_to_bytes(call))
+    assert back == GivenCall(call.step, call.input_tokens, call.output_tokens)
+
+
+@pytest.mark.parametrize(
+    "query",
+    [
+        Query("w", Workflow((Stage("plan", (LLMCall("plan", 10, 5),)),)), tenant="t", slo_s=30.0),
+        Query(
+            "w",
+            Workflow(
+                (
+                    Stage("plan", (LLMCall("plan", 10, 5),)),
+                    Stage("act", (LLMCall("act", 3, 2), LLMCall("tool", 4, 1)), after=(0,)),
+                )
+            ),
+            slo_scale=2.5,
+        ),
+    ],
+)
+def test_a_sessions_shape_is_the_bytes_it_was(query: Query) -> None:
+    """A session's ``shape`` (sessions' old ``submit_from_query(...).SerializeToString()``)."""
+    assert shape_to_bytes(query) == submit_from_query(query).SerializeToString()
+    assert submission_from_bytes(shape_to_bytes(query))[0] == query

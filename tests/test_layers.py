@@ -364,23 +364,29 @@ CLIENT_PROTOBUF_SPEAKERS = {
     "service.py": "the gRPC servicer: the client API's module",
     "client_wire.py": "the client API's translator",
     "worker_messages.py": "typing only: a dispatch carries a chat's messages untouched",
-    # Not translated yet (issue 28): requests, sessions, the stored submission and prompts.
+    # Not translated yet (issue 28): the requests and the stored submission's shape.
     "admission.py": "SubmitQueryRequest in, and its stored bytes",
     "coordinator.py": "the requests it passes on (SubmitQuery, OpenWorkflow, RunCall)",
-    "session_store.py": "a session's stored calls (LLMCall bytes) and their chat parts",
-    "sessions.py": "OpenWorkflow and RunCall requests, the stored call's bytes",
+    "sessions.py": "OpenWorkflow and RunCall requests",
 }
 """The coordinator's modules that may import the client API's protobuf, and why. Every other
 module (events, views, completions, dispatch, write_behind, ledger, ...) works on
 `client_messages`' types (and a chat call's `worker_messages.Chat`); freeing one more module
 means taking it off this list."""
 
-CLIENT_WIRE_USERS = ("service.py", "session_store.py", "views.py", "write_behind.py")
+CLIENT_WIRE_USERS = (
+    "admission.py",
+    "service.py",
+    "session_store.py",
+    "views.py",
+    "write_behind.py",
+)
 """The modules that may import `client_wire`: the servicer (every answer), and the owners of
 the client API's messages that Redis keeps as bytes: `write_behind` writes the event log
-(``QueryEvent`` bytes) and `views` reads it back (GetQuery, a watch's replay);
-`session_store` reads a stored submission (``SubmitQueryRequest`` bytes) for recovery,
-admission and views."""
+(``QueryEvent`` bytes) and `views` reads it back (GetQuery, a watch's replay); `admission`
+writes a query's prompts (``LLMCall`` bytes); `session_store` reads a stored submission
+(``SubmitQueryRequest`` bytes) for recovery, admission and views, reads the prompts back,
+and writes and reads a session's given calls (``LLMCall`` bytes) and its shape."""
 
 
 def test_only_the_listed_modules_speak_the_client_protobuf() -> None:

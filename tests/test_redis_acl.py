@@ -41,6 +41,7 @@ from hexgen_coordinator.store import _SUBMIT, Placement, WorkflowStore
 from hexgen_flow.errors import ConfigError
 from hexgen_flow.runtime import CompletionEffect
 from hexgen_flow.traces import load_trace, take_queries
+from hexgen_flow.workload import LLMCall
 from hexgen_launch.processes import ManagedProcess, free_port, stop_processes
 from hexgen_service.auth_dir import (
     AuthDir,
@@ -167,11 +168,11 @@ async def test_the_coordinator_user_runs_all_the_coordinator_does(acl: AclRedis)
         # a workflow session: a call given, completed, then the session closed
         await store.submit("q3", b"sub", "demo", 0.0, 10.0, [1], [0], session_idle_s=30.0)
         given = await sessions.give(
-            "q3", "q3/0/0", 0, b"call", "replace", name="s", now=1.0, shape=b""
+            "q3", "q3/0/0", 0, LLMCall("s", 1, 1), "replace", name="s", now=1.0, shape=None
         )
         assert given == GIVE_APPLIED
         await store.complete("q3", "q3/0/0", 0, [], ALONE, 2.0, {"call_id": "q3/0/0"})
-        assert await sessions.close_stages("q3", [0], shape=b"", close_session=True, now=3.0) == 2
+        assert await sessions.close_stages("q3", [0], shape=None, close_session=True, now=3.0) == 2
         # what recovery, views and the ledger read
         assert await store.active_ids() == []
         loaded = await store.load("q1")

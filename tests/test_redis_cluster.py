@@ -253,7 +253,7 @@ async def test_the_acl_users_do_their_work_on_a_cluster(redis_cluster: RedisClus
         assert (await store.load("q")) is not None and await store.events("q") == [b"e"]
         await store.submit("s", b"spec", "t", 0.0, 10.0, [0], [0], session_idle_s=5.0)
         closed = await SessionStore(store).close_stages(
-            "s", [0], shape=b"", close_session=True, now=3.0
+            "s", [0], shape=None, close_session=True, now=3.0
         )
         assert closed == 2  # closing the session ended it
         assert await store.active_ids() == []

@@ -54,8 +54,8 @@ from dataclasses import dataclass
 from opentelemetry import trace
 
 from hexgen_api.v1 import coordinator_pb2 as cpb
-from hexgen_api.v1 import workflow_pb2 as wfpb
 from hexgen_coordinator.client_messages import EventKind, QueryInfo
+from hexgen_coordinator.client_wire import prompt_to_bytes
 from hexgen_coordinator.config import CoordinatorConfig
 from hexgen_coordinator.dispatch import Dispatch
 from hexgen_coordinator.events import record_event
@@ -225,7 +225,7 @@ class Admission:
                 provisional = QueryRun(query, -1, now, slo_s)
                 self.model.track(provisional, self.config.admission_slack)
         kept = {
-            call_id_of(query_id, k, i): wfpb.LLMCall(prompt=text).SerializeToString()
+            call_id_of(query_id, k, i): prompt_to_bytes(text)
             for k, texts in enumerate(prompts)
             for i, text in enumerate(texts)
             if text

@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import IntEnum
 
-from hexgen_coordinator.worker_messages import ToolCall
+from hexgen_coordinator.worker_messages import Chat, ToolCall
 
 __all__ = [
     "AlphaChange",
@@ -32,6 +32,7 @@ __all__ = [
     "CallSubmitted",
     "ClusterStatus",
     "EventKind",
+    "GivenCall",
     "InstanceStatus",
     "LatencySummary",
     "Overhead",
@@ -140,6 +141,23 @@ class CallSubmitted:
     deadline_s: float
     traceparent: str
     """The W3C traceparent of the workflow's root span; "": the coordinator does not say."""
+
+
+@dataclass(frozen=True, slots=True)
+class GivenCall:
+    """A call of a workflow session as Redis keeps it once given: its sizes in the session's
+    ``g:{call_id}``, its prompt and chat part in ``pr:{id}`` until it completes
+    (`client_wire.call_from_bytes` reads either; the layout before kept them all in
+    ``g:{call_id}``)."""
+
+    step: str = ""
+    """"": the step of the stage it was given to."""
+    input_tokens: int = 0
+    output_tokens: int = 0
+    prompt: str = ""
+    """"": none kept."""
+    chat: Chat | None = None
+    """Its chat messages and options; None: it has neither."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,13 @@ reads them), so the module that owns each stored form uses this module too:
   (`event_to_bytes`), `hexgen_coordinator.views` reads it back (`event_from_bytes`);
 - a query's submission, ``SubmitQueryRequest`` bytes: `hexgen_coordinator.session_store`,
   which rebuilds a stored query, reads it (`submission_from_bytes`) for recovery,
-  admission and views (admission still writes it: its requests are not translated yet).
+  admission and views (admission still writes it: its requests are not translated yet);
+- a query's prompts until their calls complete, ``LLMCall`` bytes:
+  `hexgen_coordinator.admission` writes a submission's (`prompt_to_bytes`),
+  `hexgen_coordinator.session_store` a session's given call's, with its chat part, and
+  reads them all back (`call_from_bytes`);
+- a session's given calls (``LLMCall`` bytes: `call_to_bytes`, `call_from_bytes`) and
+  its shape (``SubmitQueryRequest`` bytes: `shape_to_bytes`): `session_store` writes both.
 
 No other module of the coordinator imports this one, and those that are free of the
 client API's protobuf stay so (tests/test_layers.py checks both).
@@ -30,6 +36,7 @@ from hexgen_coordinator.client_messages import (
     CallSubmitted,
     ClusterStatus,
     EventKind,
+    GivenCall,
     LatencySummary,
     QueryDetail,
     QueryEvent,
@@ -37,10 +44,14 @@ from hexgen_coordinator.client_messages import (
     StageInfo,
     ToolCall,
 )
-from hexgen_flow.workload import Query
-from hexgen_service.convert import parse_submit, stage_names
+from hexgen_coordinator.worker_messages import Chat
+from hexgen_flow.workload import LLMCall, Query
+from hexgen_service.convert import parse_submit, stage_names, submit_from_query
 
 __all__ = [
+    "call_from_bytes",
+    "call_to_bytes",
+    "chat_part",
     "decode_event",
     "encode_alpha_history",
     "encode_call_update",
@@ -50,6 +61,8 @@ __all__ = [
     "encode_status",
     "event_from_bytes",
     "event_to_bytes",
+    "prompt_to_bytes",
+    "shape_to_bytes",
     "submission_from_bytes",
 ]
 
@@ -251,3 +264,56 @@ def submission_from_bytes(raw: bytes) -> tuple[Query, list[tuple[str, ...]], lis
     request = cpb.SubmitQueryRequest.FromString(raw)
     query, prompts = parse_submit(request)
     return query, prompts, stage_names(request.workflow)
+
+
+def shape_to_bytes(query: Query) -> bytes:
+    """A workflow session's ``shape``: the workflow as it runs (its calls given, and those of
+    stages still open), as a submission of `query` (what the `finished` stream keeps for
+    the tuner's replays)."""
+    return submit_from_query(query).SerializeToString()
+
+
+# ------------------------------------------------------------------ prompts and given calls
+
+
+def prompt_to_bytes(prompt: str, chat: Chat | None = None) -> bytes:
+    """A call's prompt as Redis keeps it until the call completes (``pr:{id}``): an
+    ``LLMCall`` with the prompt alone, or with a session's chat call's messages and options
+    beside it (its options only when it has them: absent is not empty)."""
+    if chat is None:
+        return wfpb.LLMCall(prompt=prompt).SerializeToString()
+    return wfpb.LLMCall(
+        prompt=prompt, messages=chat.messages, options=chat.options
+    ).SerializeToString()
+
+
+def call_to_bytes(call: LLMCall) -> bytes:
+    """A session's given call as its ``g:{call_id}`` keeps it (before base64): an ``LLMCall``
+    with its step and token counts (its prompt is kept apart: `prompt_to_bytes`)."""
+    return wfpb.LLMCall(
+        step=call.step, input_tokens=call.input_tokens, output_tokens=call.output_tokens
+    ).SerializeToString()
+
+
+def call_from_bytes(raw: bytes) -> GivenCall:
+    """A call kept in Redis, its sizes (``g:{call_id}``) or its prompt (``pr:{id}``):
+    whatever of a given call the ``LLMCall`` holds, its chat part copied out
+    (`chat_part`)."""
+    pb = wfpb.LLMCall.FromString(raw)
+    return GivenCall(pb.step, pb.input_tokens, pb.output_tokens, pb.prompt, chat_part(pb))
+
+
+def chat_part(call: wfpb.LLMCall) -> Chat | None:
+    """What a session's call was given beside its prompt and sizes: its chat messages and
+    its options (sampling, tools, response_format); None when it has neither.
+
+    Read from a RunCall's call or from one kept in Redis (`call_from_bytes`). The messages
+    and options are copied out of `call` into a message of their own, as the ``LLMCall``
+    this kept before: the `Chat` then holds those only, not the request (or the stored
+    call) they came in with, prompt and all. Options are kept only when `call` has them
+    (`Chat.options`: absent is not empty)."""
+    options = call.options if call.HasField("options") else None
+    if not call.messages and options is None:
+        return None
+    part = wfpb.LLMCall(messages=call.messages, options=options)
+    return Chat(tuple(part.messages), part.options if options is not None else None)

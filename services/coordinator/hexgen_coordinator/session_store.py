@@ -24,6 +24,10 @@ grows the stage (a call beyond the expected ones) or the workflow (a new stage) 
 same step, only while the session is open and the query running. A retried `give` of a
 call already given changes nothing. A restarted coordinator rebuilds the session from
 these fields (`hexgen_coordinator.recovery`).
+
+The client API's messages among these (the submission, the shape, the given calls and the
+prompts kept apart) are encoded and read back by `hexgen_coordinator.client_wire`, as the
+coordinator has always written them.
 """
 
 from __future__ import annotations
@@ -33,8 +37,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from hexgen_api.v1 import workflow_pb2 as wfpb
-from hexgen_coordinator.client_wire import submission_from_bytes
+from hexgen_coordinator.client_messages import GivenCall
+from hexgen_coordinator.client_wire import (
+    call_from_bytes,
+    call_to_bytes,
+    chat_part,
+    prompt_to_bytes,
+    shape_to_bytes,
+    submission_from_bytes,
+)
 from hexgen_coordinator.ledger import call_id_of
 from hexgen_coordinator.store import LUA_HELPERS, StoredQuery, WorkflowStore
 from hexgen_coordinator.worker_messages import Chat
@@ -124,19 +135,31 @@ class SessionStore:
         query_id: str,
         call_id: str,
         stage: int,
-        call: bytes,
+        call: LLMCall,
         mode: GiveMode,
         *,
         name: str,
         now: float,
-        shape: bytes,
-        prompt: bytes = b"",
+        shape: Query | None,
+        prompt: str = "",
+        chat: Chat | None = None,
     ) -> int:
         """Record a given call (see the module docstring); one of the GIVE_* outcomes.
-        `call` is its LLMCall bytes without prompt and messages, `prompt` an LLMCall with
-        just those (kept until the call completes)."""
-        blob = base64.b64encode(call)
-        args: list[Any] = [call_id, stage, blob, mode, name, repr(now), shape, prompt]
+        `call` is what ``g:{call_id}`` keeps of it (its step and token counts); `prompt` and
+        `chat` are what ``pr:{id}`` keeps until the call completes (neither: nothing);
+        `shape` is the workflow as it runs now (None: nothing given, kept empty)."""
+        blob = base64.b64encode(call_to_bytes(call))
+        kept = prompt_to_bytes(prompt, chat) if prompt or chat is not None else b""
+        args: list[Any] = [
+            call_id,
+            stage,
+            blob,
+            mode,
+            name,
+            repr(now),
+            _shape_bytes(shape),
+            kept,
+        ]
         keys = [self.store.qkey(query_id), self.store.prkey(query_id)]
         return int(await self._give(keys=keys, args=args))
 
@@ -145,14 +168,14 @@ class SessionStore:
         query_id: str,
         stages: Iterable[int],
         *,
-        shape: bytes,
+        shape: Query | None,
         close_session: bool = False,
         now: float = 0.0,
     ) -> int:
         """Mark stages as taking no more calls and, with `close_session`, close the
         session (the query succeeds at `now` if no call is left); `shape` is what the
-        workflow runs now (what the `finished` stream keeps). 1 done, 2 done and the query
-        succeeded, -1 the query is not running."""
+        workflow runs now (what the `finished` stream keeps; None: nothing given, kept
+        empty). 1 done, 2 done and the query succeeded, -1 the query is not running."""
         store = self.store
         keys = [
             store.qkey(query_id),
@@ -167,7 +190,7 @@ class SessionStore:
             repr(now),
             store.retention_ms,
             store.stream_maxlen,
-            shape,
+            _shape_bytes(shape),
             *stages,
         ]
         return int(await self._close_stages(keys=keys, args=args))
@@ -189,20 +212,23 @@ class StoredWorkflow:
     """Calls' chat messages and options (`chat_part`) by call id."""
 
 
-def chat_part(call: wfpb.LLMCall) -> Chat | None:
-    """What a session's call was given beside its prompt and sizes: its chat messages and
-    its options (sampling, tools, response_format); None when it has neither.
+def _shape_bytes(shape: Query | None) -> bytes:
+    """A session's ``shape`` as Redis keeps it; empty when nothing was given (there is
+    nothing to replay)."""
+    return shape_to_bytes(shape) if shape is not None else b""
 
-    Read from a RunCall's call (`hexgen_coordinator.sessions`) or from one kept in Redis
-    (`stored_workflow`). The messages and options are copied out of `call` into a message
-    of their own, as the ``LLMCall`` this kept before: the `Chat` then holds those only,
-    not the request (or the stored call) they came in with, prompt and all. Options are
-    kept only when `call` has them (`Chat.options`: absent is not empty)."""
-    options = call.options if call.HasField("options") else None
-    if not call.messages and options is None:
-        return None
-    part = wfpb.LLMCall(messages=call.messages, options=options)
-    return Chat(tuple(part.messages), part.options if options is not None else None)
+
+def _kept_apart(given: GivenCall, held: GivenCall) -> tuple[str, Chat | None]:
+    """A given call's prompt and chat part when they were kept apart (``pr:{id}``): those
+    kept, with the given call's options when the kept ones have none (the layout before
+    kept them all in ``g:{call_id}``)."""
+    messages = held.chat.messages if held.chat is not None else ()
+    options = held.chat.options if held.chat is not None else None
+    if options is None and given.chat is not None:
+        options = given.chat.options
+    if not messages and options is None:
+        return held.prompt, None
+    return held.prompt, Chat(messages, options)
 
 
 def stored_submission(stored: StoredQuery) -> tuple[Query, list[tuple[str, ...]]]:
@@ -218,7 +244,7 @@ def stored_workflow(stored: StoredQuery) -> StoredWorkflow:
     opened, prompts, names = submission_from_bytes(stored.submit)
     f = stored.fields
     session = f.get(F.SESSION)
-    kept = {c: wfpb.LLMCall.FromString(blob) for c, blob in stored.prompts.items()}
+    kept = {c: call_from_bytes(blob) for c, blob in stored.prompts.items()}
     if session is None:
         for k, stage_prompts in enumerate(prompts):
             texts = list(stage_prompts)
@@ -245,23 +271,19 @@ def stored_workflow(stored: StoredQuery) -> StoredWorkflow:
             raw = f.get(schema.call_field(schema.GIVEN, call_id))
             if raw is None:
                 break
-            pb = wfpb.LLMCall.FromString(base64.b64decode(raw))
+            sizes = call_from_bytes(base64.b64decode(raw))
             held = kept.get(call_id)
-            if held is not None:  # the prompt kept apart (the layout before: in g:{call_id})
-                pb.prompt = held.prompt
-                del pb.messages[:]
-                pb.messages.extend(held.messages)
-                if held.HasField("options"):
-                    pb.options.CopyFrom(held.options)
-            chat = chat_part(pb)
+            prompt, chat = (  # the prompt kept apart (the layout before: in g:{call_id})
+                (sizes.prompt, sizes.chat) if held is None else _kept_apart(sizes, held)
+            )
             if chat is not None:
                 chats[call_id] = chat
-            call = LLMCall(pb.step or stage.step, pb.input_tokens, pb.output_tokens)
+            call = LLMCall(sizes.step or stage.step, sizes.input_tokens, sizes.output_tokens)
             if n < len(calls):
-                calls[n], texts[n] = call, pb.prompt
+                calls[n], texts[n] = call, prompt
             else:
                 calls.append(call)
-                texts.append(pb.prompt)
+                texts.append(prompt)
             n += 1
         given.append(n)
         stages[k] = Stage(step=stage.step, calls=tuple(calls), after=stage.after)

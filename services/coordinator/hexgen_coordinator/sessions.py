@@ -71,11 +71,10 @@ from hexgen_flow.protocol import (
     released_tickets,
 )
 from hexgen_flow.protocol import Dispatch as DispatchCall
-from hexgen_flow.workload import LLMCall, canonical_step
+from hexgen_flow.workload import LLMCall, Query, canonical_step
 from hexgen_service.convert import (
     MAX_TOKENS_PER_CALL,
     check_text,
-    submit_from_query,
     template_to_proto,
 )
 from hexgen_service.errors import FailedPreconditionError, InvalidFieldError
@@ -245,9 +244,10 @@ class Sessions:
         return entry
 
     @staticmethod
-    def _shape(entry: ActiveQuery) -> bytes:
+    def _shape(entry: ActiveQuery) -> Query | None:
         """The workflow as the session runs it (no call of a closed stage that was never
-        given): what the `finished` stream keeps for the tuner's replays."""
+        given): what the `finished` stream keeps for the tuner's replays; None when nothing
+        was given at all."""
         run, session = entry.run, entry.session
         assert session is not None and run.given is not None
         given = run.given
@@ -258,9 +258,8 @@ class Sessions:
         }
         workflow = run.query.workflow.without(dropped)
         if workflow is None:  # nothing given at all: there is nothing to replay
-            return b""
-        query = dataclasses.replace(run.query, workflow=workflow)
-        return submit_from_query(query).SerializeToString()
+            return None
+        return dataclasses.replace(run.query, workflow=workflow)
 
     def _stage_for(self, entry: ActiveQuery, name: str) -> tuple[int | None, list[int]]:
         """The stage a call named `name` goes to (None: a new one) and the stages that
@@ -373,23 +372,22 @@ class Sessions:
         if chat is not None:
             entry.chats[call_id] = chat
         ledger.hold_prompt(entry, call_id, prompt_bytes)
-        blob = wfpb.LLMCall(
-            step=call.step, input_tokens=call.input_tokens, output_tokens=call.output_tokens
-        ).SerializeToString()
-        text = (
-            wfpb.LLMCall(
-                prompt=given.prompt,
-                messages=given.messages,
-                options=given.options if given.HasField("options") else None,
-            ).SerializeToString()
-            if prompt_bytes
-            else b""
-        )
+        # kept until the call completes: its prompt and chat part, unless all are empty
+        prompt, kept_chat = (given.prompt, chat) if prompt_bytes else ("", None)
         shape = self._shape(entry)
         status = await until_stored(
             f"giving {call_id}",
             lambda: self.store.give(
-                query_id, call_id, stage, blob, mode, name=name, now=now, shape=shape, prompt=text
+                query_id,
+                call_id,
+                stage,
+                call,
+                mode,
+                name=name,
+                now=now,
+                shape=shape,
+                prompt=prompt,
+                chat=kept_chat,
             ),
         )
         if status not in (GIVE_APPLIED, GIVE_DUPLICATE):
