@@ -9,6 +9,7 @@ as they were."""
 from __future__ import annotations
 
 import base64
+from typing import Any, cast
 
 import pytest
 
@@ -37,6 +38,9 @@ from hexgen_coordinator.client_wire import (
     call_to_bytes,
     chat_part,
     decode_event,
+    decode_open_workflow,
+    decode_run_call,
+    decode_submit,
     encode_alpha_history,
     encode_call_update,
     encode_detail,
@@ -58,11 +62,14 @@ from hexgen_flow.runtime import CallTicket
 from hexgen_flow.workload import LLMCall, Query, Stage, Workflow
 from hexgen_service import redis_schema as schema
 from hexgen_service.convert import (
+    SubmitLimits,
     parse_submit,
     stage_names,
     submit_from_query,
+    template_to_proto,
     without_prompts,
 )
+from hexgen_service.errors import InvalidFieldError
 from hexgen_service.redis_schema import F, S
 
 # ------------------------------------------------------------------ enums
@@ -707,3 +714,168 @@ def test_a_sessions_shape_is_the_bytes_it_was(query: Query) -> None:
     """A session's ``shape`` (sessions' old ``submit_from_query(...).SerializeToString()``)."""
     assert shape_to_bytes(query) == submit_from_query(query).SerializeToString()
     assert submission_from_bytes(shape_to_bytes(query))[0] == query
+
+
+# ------------------------------------------------------------------ requests
+
+LIMITS = SubmitLimits(
+    max_calls=50,
+    max_stages=20,
+    max_prompt_bytes=1 << 20,
+    max_id_bytes=64,
+    max_tenant_bytes=16,
+    max_slo_s=1000.0,
+    allow_control_characters=False,
+)
+
+
+def _old_shape(request: cpb.SubmitQueryRequest) -> bytes:
+    """What admission stored of a submission (`without_prompts`, as it was written)."""
+    shape = cpb.SubmitQueryRequest()
+    shape.CopyFrom(request)
+    for stage in shape.workflow.stages:
+        for call in stage.calls:
+            call.prompt = ""
+    return shape.SerializeToString()
+
+
+def test_a_decoded_submission_is_what_admission_parsed() -> None:
+    """The query and prompts `parse_submit` gave admission, and the shape it stored."""
+    request = _submission()
+    submission = decode_submit(request, LIMITS)
+    assert (submission.query, submission.prompts) == parse_submit(request, LIMITS)
+    assert submission.shape() == _old_shape(request) == without_prompts(request)
+
+
+def test_a_submissions_shape_is_read_when_it_is_stored() -> None:
+    """The shape is the request as it is when admission stores it (no copy before)."""
+    request = _submission()
+    submission = decode_submit(request, LIMITS)
+    request.tenant = "other"
+    assert submission.shape() == _old_shape(request)
+
+
+def _bad(field: str, value: object) -> cpb.SubmitQueryRequest:
+    request = _submission()
+    if field == "prompt":
+        request.workflow.stages[0].calls[0].prompt = cast(str, value)
+    elif field == "stages":
+        del request.workflow.stages[:]
+    else:
+        setattr(request, field, value)
+    return request
+
+
+@pytest.mark.parametrize(
+    ("request_", "message"),
+    [
+        (_bad("query_id", ""), "query_id: must not be empty (it is the idempotency key)"),
+        (_bad("slo_s", 5000.0), "slo_s: must be at most 1000 s, got 5000"),
+        (_bad("slo_scale", -1.0), "slo_scale: must be a finite number >= 0, got -1.0"),
+        (_bad("stages", None), "workflow.stages: a workflow needs at least one stage"),
+        (
+            _bad("prompt", "x" * ((1 << 20) + 1)),
+            "workflow.stages[0].calls[0].prompt: must be at most 1048576 bytes, got 1048577",
+        ),
+    ],
+)
+def test_a_bad_submission_is_refused_as_admission_refused_it(
+    request_: cpb.SubmitQueryRequest, message: str
+) -> None:
+    with pytest.raises(InvalidFieldError) as parsed:
+        parse_submit(request_, LIMITS)
+    with pytest.raises(InvalidFieldError) as decoded:
+        decode_submit(request_, LIMITS)
+    assert str(decoded.value) == str(parsed.value) == message
+    assert decoded.value.field == parsed.value.field
+
+
+def _expected() -> wfpb.Workflow:
+    workflow = wfpb.Workflow()
+    workflow.CopyFrom(_submission().workflow)
+    for stage in workflow.stages:
+        for call in stage.calls:
+            call.prompt = ""
+    return workflow
+
+
+def test_an_opened_workflow_is_the_submission_sessions_made() -> None:
+    """The expected workflow as the submission `Sessions.open` built and admission parsed
+    and stored, with the stage names and idle timeout admission kept."""
+    request = cpb.OpenWorkflowRequest(
+        workflow_id="w", tenant="t", slo_s=30.0, expected=_expected(), idle_timeout_s=7.0
+    )
+    old = cpb.SubmitQueryRequest(
+        query_id="w", tenant="t", workflow=request.expected, slo_s=30.0, slo_scale=0.0
+    )
+    opened = decode_open_workflow(request, LIMITS, 60.0)
+    assert (opened.expected.query, opened.expected.prompts) == parse_submit(old, LIMITS)
+    assert opened.expected.shape() == _old_shape(old)
+    assert list(opened.names) == stage_names(old.workflow) == ["plan", "act"]
+    assert opened.idle_timeout_s == 7.0
+    by_default = decode_open_workflow(
+        cpb.OpenWorkflowRequest(workflow_id="w", template="chess"), LIMITS, 60.0
+    )
+    assert by_default.idle_timeout_s == 60.0
+    template = cpb.SubmitQueryRequest(query_id="w", workflow=template_to_proto("chess"))
+    assert by_default.expected.shape() == _old_shape(template)
+    assert list(by_default.names) == stage_names(template.workflow)
+
+
+def _open(**fields: Any) -> cpb.OpenWorkflowRequest:
+    return cpb.OpenWorkflowRequest(**{"workflow_id": "w", "expected": _expected(), **fields})
+
+
+@pytest.mark.parametrize(
+    ("request_", "message"),
+    [
+        (
+            _open(template="chess"),
+            "template: give a template name or the expected stages (exactly one)",
+        ),
+        (
+            cpb.OpenWorkflowRequest(workflow_id="w"),
+            "template: give a template name or the expected stages (exactly one)",
+        ),
+        (
+            cpb.OpenWorkflowRequest(workflow_id="w", template="x" * 65),
+            "template: must be at most 64 bytes, got 65",
+        ),
+        (
+            _open(expected=_submission().workflow),
+            "expected.stages[0].calls[0].prompt: an expected call has no prompt: give it with "
+            "RunCall",
+        ),
+        (_open(idle_timeout_s=-1.0), "idle_timeout_s: must be in (0, 1000] s, got -1"),
+        (  # a bad idle timeout is named before a bad workflow
+            _open(idle_timeout_s=5000.0, expected=wfpb.Workflow(stages=[wfpb.Stage()])),
+            "idle_timeout_s: must be in (0, 1000] s, got 5000",
+        ),
+        (_open(workflow_id=""), "workflow_id: must not be empty (it is the idempotency key)"),
+        (_open(expected=wfpb.Workflow()), "expected.stages: a workflow needs at least one stage"),
+        (_open(slo_s=5000.0), "slo_s: must be at most 1000 s, got 5000"),
+    ],
+)
+def test_a_bad_open_workflow_is_refused_as_sessions_refused_it(
+    request_: cpb.OpenWorkflowRequest, message: str
+) -> None:
+    """The checks, their order and their messages are those `Sessions.open` made (the
+    submission's fields named as the request names them)."""
+    with pytest.raises(InvalidFieldError) as refused:
+        decode_open_workflow(request_, LIMITS, 60.0)
+    assert str(refused.value) == message
+
+
+@pytest.mark.parametrize("call", [*CHAT_CALLS, wfpb.LLMCall(), wfpb.LLMCall(prompt="p", step="s")])
+def test_a_run_call_is_the_call_as_given(call: wfpb.LLMCall) -> None:
+    request = cpb.RunCallRequest(workflow_id="w", stage="plan", call=call)
+    decoded = decode_run_call(request)
+    assert (decoded.workflow_id, decoded.stage) == ("w", "plan")
+    given = decoded.call
+    assert (given.step, given.input_tokens, given.output_tokens, given.prompt) == (
+        call.step,
+        call.input_tokens,
+        call.output_tokens,
+        call.prompt,
+    )
+    assert given.chat == chat_part(call)

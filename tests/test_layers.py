@@ -364,15 +364,12 @@ CLIENT_PROTOBUF_SPEAKERS = {
     "service.py": "the gRPC servicer: the client API's module",
     "client_wire.py": "the client API's translator",
     "worker_messages.py": "typing only: a dispatch carries a chat's messages untouched",
-    # Not translated yet (issue 28): the requests and the stored submission's shape.
-    "admission.py": "SubmitQueryRequest in, and its stored bytes",
-    "coordinator.py": "the requests it passes on (SubmitQuery, OpenWorkflow, RunCall)",
-    "sessions.py": "OpenWorkflow and RunCall requests",
 }
 """The coordinator's modules that may import the client API's protobuf, and why. Every other
-module (events, views, completions, dispatch, write_behind, ledger, ...) works on
-`client_messages`' types (and a chat call's `worker_messages.Chat`); freeing one more module
-means taking it off this list."""
+module (admission, sessions, session_store, coordinator, events, views, completions,
+dispatch, write_behind, ledger, ...) works on `client_messages`' types (and a chat call's
+`worker_messages.Chat`); a module that needs one more message of the client API gets it
+translated in `client_wire`, not by joining this list."""
 
 CLIENT_WIRE_USERS = (
     "admission.py",
@@ -381,12 +378,14 @@ CLIENT_WIRE_USERS = (
     "views.py",
     "write_behind.py",
 )
-"""The modules that may import `client_wire`: the servicer (every answer), and the owners of
-the client API's messages that Redis keeps as bytes: `write_behind` writes the event log
-(``QueryEvent`` bytes) and `views` reads it back (GetQuery, a watch's replay); `admission`
-writes a query's prompts (``LLMCall`` bytes); `session_store` reads a stored submission
-(``SubmitQueryRequest`` bytes) for recovery, admission and views, reads the prompts back,
-and writes and reads a session's given calls (``LLMCall`` bytes) and its shape."""
+"""The modules that may import `client_wire`: the servicer (every request and answer), and
+the owners of the client API's messages that Redis keeps as bytes: `write_behind` writes
+the event log (``QueryEvent`` bytes) and `views` reads it back (GetQuery, a watch's
+replay); `admission` writes a query's prompts (``LLMCall`` bytes) and its shape
+(``SubmitQueryRequest`` bytes, which the `Submission` that `client_wire` decoded encodes);
+`session_store` reads a stored submission for recovery, admission and views, reads the
+prompts back, and writes and reads a session's given calls (``LLMCall`` bytes) and writes
+its shape."""
 
 
 def test_only_the_listed_modules_speak_the_client_protobuf() -> None:

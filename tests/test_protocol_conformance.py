@@ -38,6 +38,7 @@ import redis.asyncio as aioredis
 
 from hexgen_api.v1 import worker_pb2 as wpb
 from hexgen_client.convert import submit_request
+from hexgen_coordinator.client_wire import decode_submit
 from hexgen_coordinator.config import CoordinatorConfig
 from hexgen_coordinator.coordinator import Coordinator, WorkerLink
 from hexgen_coordinator.worker_wire import (
@@ -430,7 +431,8 @@ async def test_both_drivers_take_the_same_actions_for_the_same_events(
             query = dataclasses.replace(by_id[query_id], slo_s=slo_s)
             if case.lengths == "learned":  # a client declares caps, not lengths
                 query = dataclasses.replace(query, workflow=capped(query.workflow))
-            _, created = await coordinator.submit(submit_request(query))
+            submission = decode_submit(submit_request(query), coordinator.limits)
+            _, created = await coordinator.submit(submission)
             assert created
         elif kind in ("CallStarted", "CallDone"):
             _, key, now = event

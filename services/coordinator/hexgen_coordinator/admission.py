@@ -4,7 +4,10 @@ time, store it once, release its root stages.
 In order, a submission is
 
 1. **validated** against the coordinator's input limits (`--max-calls`, `--max-prompt-bytes`,
-   `--max-slo-s`, ...): `InvalidFieldError` naming the field (INVALID_ARGUMENT);
+   `--max-slo-s`, ...) as the servicer decodes it (`client_wire.decode_submit`, which
+   makes the `Submission` admitted here), then against what the deployment serves (a
+   call's output tokens, the KV caches, the SLO): `InvalidFieldError` naming the field
+   (INVALID_ARGUMENT);
 2. **matched** against a query of the same id: the same content returns the existing query
    (``created: false``, idempotent), different content is `AlreadyExistsError`;
 3. **limited**: more than `--max-running-queries` running, or `--max-tenant-queries` of its
@@ -53,8 +56,7 @@ from dataclasses import dataclass
 
 from opentelemetry import trace
 
-from hexgen_api.v1 import coordinator_pb2 as cpb
-from hexgen_coordinator.client_messages import EventKind, QueryInfo
+from hexgen_coordinator.client_messages import EventKind, QueryInfo, Submission
 from hexgen_coordinator.client_wire import prompt_to_bytes
 from hexgen_coordinator.config import CoordinatorConfig
 from hexgen_coordinator.dispatch import Dispatch
@@ -79,14 +81,7 @@ from hexgen_flow.protocol import Action, Admitted, Scheduler, Start, Submit
 from hexgen_flow.runtime import QueryRun
 from hexgen_flow.workload import LLMCall, Query
 from hexgen_service.auth import TenantLimits
-from hexgen_service.convert import (
-    MAX_TOKENS_PER_CALL,
-    SubmitLimits,
-    check_declared_tokens,
-    parse_submit,
-    stage_names,
-    without_prompts,
-)
+from hexgen_service.convert import MAX_TOKENS_PER_CALL, SubmitLimits, check_declared_tokens
 from hexgen_service.errors import AlreadyExistsError, InvalidFieldError, OverloadedError
 from hexgen_service.telemetry import traceparent_of
 
@@ -159,7 +154,6 @@ class Admission:
         self.dispatch = dispatch
         self.writes = writes
         self.views = views
-        self.limits = limits_of(config)
         self.mode = AdmissionMode.parse(config.admission)
         self.max_output_tokens = config.max_output_tokens or context_tokens(scheduler.cluster)
         """Most output tokens a call may ask for (``--max-output-tokens``)."""
@@ -177,16 +171,21 @@ class Admission:
         self._releaser: asyncio.Task[None] | None = None
 
     async def submit(
-        self, request: cpb.SubmitQueryRequest, *, session_idle_s: float | None = None
+        self,
+        submission: Submission,
+        *,
+        session_idle_s: float | None = None,
+        names: Sequence[str] = (),
     ) -> tuple[QueryInfo, bool]:
         """Admit a query (idempotent on its id); raises InvalidFieldError for bad input,
         AlreadyExistsError for a known id with other content, OverloadedError when refused.
+        `submission` is within the input limits (`client_wire.decode_submit` checked them).
 
         With `session_idle_s` the query is a workflow session (`hexgen_coordinator.sessions`)
-        whose workflow is what it expects: its calls wait until given, and it is closed
-        after that many wall seconds without a call."""
-        t0 = time.perf_counter()
-        query, prompts = parse_submit(request, self.limits)
+        whose workflow is what it expects, its stages named `names`: its calls wait until
+        given, and it is closed after that many wall seconds without a call."""
+        t0 = submission.received
+        query, prompts = submission.query, submission.prompts
         sizes = [[len(p.encode("utf-8")) for p in texts] for texts in prompts]
         self.check_fits(query, sizes)
         slo_s = self.scheduler.slo_of(query, self.config.slo_scale)
@@ -249,7 +248,7 @@ class Admission:
         self._pending.add(query_id)
         try:
             stages = query.workflow.stages
-            shape = without_prompts(request)
+            shape = submission.shape()
             created, index = await self.store.submit(
                 query_id,
                 shape,
@@ -297,7 +296,7 @@ class Admission:
         session: SessionState | None = None
         if session_idle_s is not None:
             session = SessionState(
-                names=stage_names(request.workflow),
+                names=list(names),
                 idle_timeout_s=session_idle_s,
                 last_call_wall=time.monotonic(),
                 opened=query,

@@ -1,12 +1,15 @@
-"""The client API as the coordinator's parts speak it: a query's events, what clients read
-about a query and the cluster, as small frozen values and enums.
+"""The client API as the coordinator's parts speak it: the requests that start work (a
+submission, a workflow session opened, a call given to it), a query's events, what clients
+read about a query and the cluster, as small frozen values and enums.
 
-The `CoordinatorService` RPCs carry protobuf (``coordinator_pb2``); the gRPC servicer
-(`hexgen_coordinator.service`) and its translator (`hexgen_coordinator.client_wire`) see it,
-and so does the one module that reads and writes each stored form (`client_wire` says which).
-The parts that own the coordinator's state (`events`, `views`, `completions`, `dispatch`,
-`ledger`, `coordinator`) build and read these types, so that they are written and tested
-without the wire, and a change of the wire touches one module (issue 28).
+The `CoordinatorService` RPCs carry protobuf (``coordinator_pb2``); only the gRPC servicer
+(`hexgen_coordinator.service`) and its translator (`hexgen_coordinator.client_wire`) see
+it. The servicer decodes each request into these types and encodes each answer from them;
+the modules that own a stored form of the client API's messages read and write it through
+`client_wire` (which says which). The parts that own the coordinator's state (`admission`,
+`sessions`, `events`, `views`, `completions`, `dispatch`, `ledger`, `coordinator`) build and
+read these types, so that they are written and tested without the wire, and a change of the
+wire touches one module (issue 28).
 
 The types keep the wire's meanings, proto3's included: 0, "" and an empty list stand for
 "not given" wherever a field's docstring says so, as they did on the wire. They are not
@@ -16,15 +19,18 @@ existed; `client_wire`'s translations are exact.
 
 The enums' values are the wire's numbers, so a translation passes them through unchanged.
 
-No protobuf here and no grpc.
+No protobuf here and no grpc (a chat call's `Chat` carries the client's messages as they
+came: `worker_messages` says why).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from enum import IntEnum
 
 from hexgen_coordinator.worker_messages import Chat, ToolCall
+from hexgen_flow.workload import Query
 
 __all__ = [
     "AlphaChange",
@@ -35,13 +41,16 @@ __all__ = [
     "GivenCall",
     "InstanceStatus",
     "LatencySummary",
+    "OpenWorkflow",
     "Overhead",
     "QueryDetail",
     "QueryEvent",
     "QueryInfo",
     "QueryState",
     "RecentOutcomes",
+    "RunCall",
     "StageInfo",
+    "Submission",
     "ToolCall",
 ]
 
@@ -144,20 +153,71 @@ class CallSubmitted:
 
 
 @dataclass(frozen=True, slots=True)
+class Submission:
+    """A query as a client submitted it (SubmitQuery, RunQuery's query), or the workflow a
+    session is opened with (`OpenWorkflow.expected`), within the coordinator's input
+    limits: what admission takes.
+
+    `client_wire.decode_submit` makes one from the request; a field outside the limits is
+    an `InvalidFieldError` naming it, raised there, as admission raised it before."""
+
+    query: Query
+    """The query as submitted (its SLO as asked: admission resolves it)."""
+    prompts: list[tuple[str, ...]]
+    """Each expanded stage's prompts, call by call ("" where a call has none): handed on,
+    not copied, to the running query (`ActiveQuery.prompts`)."""
+    shape: Callable[[], bytes] = field(compare=False, repr=False)
+    """The submission without its prompts, as Redis keeps it (the query's ``submit`` and
+    ``shape``): encoded when called, so that only a submission that is stored pays for
+    it."""
+    received: float = field(compare=False)
+    """`time.perf_counter()` when the request was decoded: where the coordinator's
+    submit-to-dispatch time starts."""
+
+
+@dataclass(frozen=True, slots=True)
+class OpenWorkflow:
+    """OpenWorkflow's request: the workflow a session expects, to be admitted as a
+    submission of the session's id (`client_wire.decode_open_workflow`)."""
+
+    expected: Submission
+    """A named template's stages, or those the client gave; no call has a prompt."""
+    names: tuple[str, ...]
+    """Each expanded stage's name (its id, else its step): a RunCall names its stage by it."""
+    idle_timeout_s: float
+    """Wall seconds without a call after which the session is closed (the coordinator's
+    ``--session-idle-s`` when the client gave none)."""
+
+
+@dataclass(frozen=True, slots=True)
 class GivenCall:
-    """A call of a workflow session as Redis keeps it once given: its sizes in the session's
-    ``g:{call_id}``, its prompt and chat part in ``pr:{id}`` until it completes
-    (`client_wire.call_from_bytes` reads either; the layout before kept them all in
-    ``g:{call_id}``)."""
+    """A call of a workflow session: as a client gives it (`RunCall.call`), or as Redis
+    keeps it once given, its sizes in the session's ``g:{call_id}`` and its prompt and chat
+    part in ``pr:{id}`` until it completes (`client_wire.call_from_bytes` reads either;
+    the layout before kept them all in ``g:{call_id}``)."""
 
     step: str = ""
-    """"": the step of the stage it was given to."""
+    """"": the step of the stage it is given to."""
     input_tokens: int = 0
+    """0: estimated from the prompt."""
     output_tokens: int = 0
+    """0: the expected call's (a default for a stage the workflow did not expect)."""
     prompt: str = ""
-    """"": none kept."""
+    """"": none (or none kept)."""
     chat: Chat | None = None
-    """Its chat messages and options; None: it has neither."""
+    """Its chat messages and options, copied out of the request (`client_wire.chat_part`);
+    None: it has neither."""
+
+
+@dataclass(frozen=True, slots=True)
+class RunCall:
+    """RunCall's request: one call given to a stage of an open workflow session."""
+
+    workflow_id: str
+    stage: str
+    """The stage's name (its id, else its step); one the workflow does not expect adds a
+    stage at the end."""
+    call: GivenCall
 
 
 @dataclass(frozen=True, slots=True)

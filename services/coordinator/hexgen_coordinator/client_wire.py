@@ -1,32 +1,44 @@
-"""The client API's wire: `hexgen_coordinator.client_messages` to ``coordinator_pb2`` (the
-answers and the events a client gets) and a query's stored event log to and from its bytes.
+"""The client API's wire: ``coordinator_pb2`` to and from
+`hexgen_coordinator.client_messages` (the requests a client sends, the answers and the
+events it gets), and the stored forms of the client API's messages to and from their bytes.
 
-The gRPC servicer (`hexgen_coordinator.service`) encodes every answer here. Redis is the
+The gRPC servicer (`hexgen_coordinator.service`) decodes every request here
+(`decode_submit`, `decode_open_workflow`, `decode_run_call`: a submission is checked against
+the coordinator's input limits as it is decoded) and encodes every answer. Redis is the
 other edge: it keeps the client API's messages as bytes (a coordinator of another version
 reads them), so the module that owns each stored form uses this module too:
 
 - a query's event log, ``QueryEvent`` bytes: `hexgen_coordinator.write_behind` writes it
   (`event_to_bytes`), `hexgen_coordinator.views` reads it back (`event_from_bytes`);
-- a query's submission, ``SubmitQueryRequest`` bytes: `hexgen_coordinator.session_store`,
-  which rebuilds a stored query, reads it (`submission_from_bytes`) for recovery,
-  admission and views (admission still writes it: its requests are not translated yet);
+- a query's submission without its prompts, ``SubmitQueryRequest`` bytes:
+  `hexgen_coordinator.admission` writes it (`Submission.shape`, which `decode_submit`
+  binds to the request), `hexgen_coordinator.session_store`, which rebuilds a stored
+  query, reads it (`submission_from_bytes`) for recovery, admission and views;
 - a query's prompts until their calls complete, ``LLMCall`` bytes:
   `hexgen_coordinator.admission` writes a submission's (`prompt_to_bytes`),
   `hexgen_coordinator.session_store` a session's given call's, with its chat part, and
   reads them all back (`call_from_bytes`);
 - a session's given calls (``LLMCall`` bytes: `call_to_bytes`, `call_from_bytes`) and
-  its shape (``SubmitQueryRequest`` bytes: `shape_to_bytes`): `session_store` writes both.
+  its shape (``SubmitQueryRequest`` bytes: `shape_to_bytes`): `session_store` writes both
+  and reads the calls back.
 
 No other module of the coordinator imports this one, and those that are free of the
 client API's protobuf stay so (tests/test_layers.py checks both).
 
 Each translation builds one message field by field (a zero kept as a zero, an enum as its
-number), so the bytes are those the coordinator wrote before the translation existed
-(tests/test_client_wire.py compares them with the old constructions).
+number; a submission's shape is the request with its prompts emptied, as it always was), so
+the bytes are those the coordinator wrote before the translation existed
+(tests/test_client_wire.py compares them with the old constructions), and a request is
+checked as it was, each error naming the field of the request the client sent.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
+import time
+from collections.abc import Iterator
+from functools import partial
 from typing import cast
 
 from hexgen_api.v1 import coordinator_pb2 as cpb
@@ -38,21 +50,36 @@ from hexgen_coordinator.client_messages import (
     EventKind,
     GivenCall,
     LatencySummary,
+    OpenWorkflow,
     QueryDetail,
     QueryEvent,
     QueryInfo,
+    RunCall,
     StageInfo,
+    Submission,
     ToolCall,
 )
 from hexgen_coordinator.worker_messages import Chat
 from hexgen_flow.workload import LLMCall, Query
-from hexgen_service.convert import parse_submit, stage_names, submit_from_query
+from hexgen_service.convert import (
+    SubmitLimits,
+    check_text,
+    parse_submit,
+    stage_names,
+    submit_from_query,
+    template_to_proto,
+    without_prompts,
+)
+from hexgen_service.errors import InvalidFieldError
 
 __all__ = [
     "call_from_bytes",
     "call_to_bytes",
     "chat_part",
     "decode_event",
+    "decode_open_workflow",
+    "decode_run_call",
+    "decode_submit",
     "encode_alpha_history",
     "encode_call_update",
     "encode_detail",
@@ -65,6 +92,88 @@ __all__ = [
     "shape_to_bytes",
     "submission_from_bytes",
 ]
+
+
+# ------------------------------------------------------------------ requests
+
+
+def decode_submit(request: cpb.SubmitQueryRequest, limits: SubmitLimits) -> Submission:
+    """A submission (SubmitQuery's request, RunQuery's query) as admission takes it;
+    `InvalidFieldError` naming the first field outside `limits` (`parse_submit`). Its
+    stored shape is the request without its prompts (`without_prompts`), encoded only when
+    admission stores it; the prompts are those `parse_submit` read, not copied again."""
+    received = time.perf_counter()
+    query, prompts = parse_submit(request, limits)
+    return Submission(query, prompts, partial(without_prompts, request), received)
+
+
+def decode_open_workflow(
+    request: cpb.OpenWorkflowRequest, limits: SubmitLimits, idle_timeout_s: float
+) -> OpenWorkflow:
+    """An OpenWorkflow's request: the workflow it expects (a named template's, or the stages
+    given) as a submission of the workflow's id, closed after `idle_timeout_s` wall seconds
+    without a call unless the request says otherwise.
+
+    `InvalidFieldError` names the first bad field of the request, in this order: the
+    template (exactly one of it and the expected stages, a known name), a prompt of an
+    expected call (it has none), the idle timeout (at most `limits.max_slo_s`), then the
+    submission's fields as the request names them (``workflow_id``, ``expected...``), which
+    is how `Sessions.open` names admission's own refusals too."""
+    if bool(request.template) == request.HasField("expected"):
+        raise InvalidFieldError(
+            "template", "give a template name or the expected stages (exactly one)"
+        )
+    if request.template:  # a name; its error repeats it, so it is held to an id's size
+        check_text("template", request.template, limits.max_id_bytes, limits)
+    expected = template_to_proto(request.template) if request.template else request.expected
+    for k, stage in enumerate(expected.stages):
+        for c, call in enumerate(stage.calls):
+            if call.prompt:
+                raise InvalidFieldError(
+                    f"expected.stages[{k}].calls[{c}].prompt",
+                    "an expected call has no prompt: give it with RunCall",
+                )
+    idle = request.idle_timeout_s or idle_timeout_s
+    if not (math.isfinite(idle) and 0 < idle <= limits.max_slo_s):
+        raise InvalidFieldError(
+            "idle_timeout_s", f"must be in (0, {limits.max_slo_s:g}] s, got {idle:g}"
+        )
+    submit = cpb.SubmitQueryRequest(
+        query_id=request.workflow_id,
+        tenant=request.tenant,
+        workflow=expected,
+        slo_s=request.slo_s,
+        slo_scale=request.slo_scale,
+    )
+    with _opened_fields():
+        submission = decode_submit(submit, limits)
+    return OpenWorkflow(submission, tuple(stage_names(submit.workflow)), idle)
+
+
+@contextlib.contextmanager
+def _opened_fields() -> Iterator[None]:
+    """An `InvalidFieldError` of the submission an OpenWorkflow is admitted as, named by
+    the request's own fields: its ``query_id`` is the request's ``workflow_id``, its
+    ``workflow`` the request's ``expected`` (as `Sessions.open` names admission's)."""
+    try:
+        yield
+    except InvalidFieldError as exc:
+        field = exc.field
+        if field == "query_id":
+            field = "workflow_id"
+        elif field.startswith("workflow"):
+            field = "expected" + field[len("workflow") :]
+        raise InvalidFieldError(field, str(exc).split(": ", 1)[-1]) from None
+
+
+def decode_run_call(request: cpb.RunCallRequest) -> RunCall:
+    """A RunCall's request as a session takes it, the call's chat part copied out of it
+    (`chat_part`); checked by the session (`hexgen_coordinator.sessions`)."""
+    call = request.call
+    given = GivenCall(
+        call.step, call.input_tokens, call.output_tokens, call.prompt, chat_part(call)
+    )
+    return RunCall(request.workflow_id, request.stage, given)
 
 
 # ------------------------------------------------------------------ events

@@ -14,6 +14,9 @@ call on:
 - `workers` (with `links`): slots, worker reconnects, lost workers, heartbeats;
 - `worker_messages`: the worker protocol as these parts speak it, plain values that the
   gRPC servicer (`service`, through `worker_wire`) alone translates to and from protobuf;
+- `client_messages`: the client API as they speak it (a submission, a session opened or
+  given a call, a query's events and what clients read), which the servicer (through
+  `client_wire`) translates; `client_wire` also encodes what Redis keeps of it;
 - `recovery`: rebuilding running queries from Redis after a restart;
 - `events`, `views`: a query's event log and watchers, what clients read;
 - `write_behind`: persistence off the critical path; `store`: Redis itself.
@@ -32,18 +35,20 @@ from typing import NamedTuple
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from hexgen_api.v1 import coordinator_pb2 as cpb
 from hexgen_coordinator import events
-from hexgen_coordinator.admission import Admission
+from hexgen_coordinator.admission import Admission, limits_of
 from hexgen_coordinator.client_messages import (
     AlphaChange,
     AlphaHistory,
     CallSubmitted,
     ClusterStatus,
+    OpenWorkflow,
     QueryDetail,
     QueryEvent,
     QueryInfo,
     QueryState,
+    RunCall,
+    Submission,
 )
 from hexgen_coordinator.completions import Completions
 from hexgen_coordinator.config import CoordinatorConfig
@@ -106,6 +111,9 @@ class Coordinator:
         """`pipelined`: the completion path's own Redis connection (`redis_retry.pipelined_client`);
         None: everything goes through `redis`."""
         self.config = config
+        self.limits = limits_of(config)
+        """The input limits a request is held to (`--max-calls`, `--max-prompt-bytes`, ...):
+        what the servicer decodes a submission with (`client_wire.decode_submit`)."""
         self.lease = lease
         """The shard this coordinator holds (`hexgen_coordinator.shards`); None: not sharded,
         every workflow is its own."""
@@ -316,9 +324,9 @@ class Coordinator:
 
     # ------------------------------------------------------------------ queries
 
-    async def submit(self, request: cpb.SubmitQueryRequest) -> tuple[QueryInfo, bool]:
+    async def submit(self, submission: Submission) -> tuple[QueryInfo, bool]:
         """Admit a query (idempotent on its id); raises InvalidFieldError for bad input."""
-        info, created = await self._admission.submit(request)
+        info, created = await self._admission.submit(submission)
         if (
             not created
             and info.state == QueryState.RUNNING
@@ -329,9 +337,9 @@ class Coordinator:
             await self._recovery.resume_one(info.query_id)
         return info, created
 
-    async def open_workflow(self, request: cpb.OpenWorkflowRequest) -> tuple[QueryInfo, bool]:
+    async def open_workflow(self, opened: OpenWorkflow) -> tuple[QueryInfo, bool]:
         """Open a workflow session (idempotent on its id); raises InvalidFieldError."""
-        info, created = await self._sessions.open(request)
+        info, created = await self._sessions.open(opened)
         if (
             not created
             and info.state == QueryState.RUNNING
@@ -340,7 +348,7 @@ class Coordinator:
             await self._recovery.resume_one(info.query_id)  # as in `submit`
         return info, created
 
-    def run_call(self, request: cpb.RunCallRequest) -> AsyncIterator[CallSubmitted | QueryEvent]:
+    def run_call(self, request: RunCall) -> AsyncIterator[CallSubmitted | QueryEvent]:
         """Give a call of an open session: its events until it finishes."""
         return self._sessions.run_call(request)
 

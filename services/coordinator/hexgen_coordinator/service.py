@@ -4,10 +4,11 @@ the edge's guarded deserializers (`hexgen_coordinator.edge.add_services`).
 
 The worker stream is translated here, at the edge (`hexgen_coordinator.worker_wire`): the
 coordinator gets the reports of `hexgen_coordinator.worker_messages` and puts that module's
-commands in a link's outbox, which the stream's writer encodes. So are the client API's
-answers (`hexgen_coordinator.client_wire`): the coordinator gives the values of
-`hexgen_coordinator.client_messages` (a query's info and events, the cluster's status),
-which the RPCs encode."""
+commands in a link's outbox, which the stream's writer encodes. So is the client API
+(`hexgen_coordinator.client_wire`): the RPCs decode each request into the values of
+`hexgen_coordinator.client_messages` (a submission, checked against the input limits as it
+is decoded; a workflow session opened; a call given to one) and encode the coordinator's
+answers from them (a query's info and events, the cluster's status)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,9 @@ from hexgen_api.v1 import coordinator_pb2_grpc as cpb_grpc
 from hexgen_api.v1 import worker_pb2 as wpb
 from hexgen_api.v1 import worker_pb2_grpc as wpb_grpc
 from hexgen_coordinator.client_wire import (
+    decode_open_workflow,
+    decode_run_call,
+    decode_submit,
     encode_alpha_history,
     encode_call_update,
     encode_detail,
@@ -168,7 +172,7 @@ class CoordinatorServicer(cpb_grpc.CoordinatorServiceServicer):
         request.tenant = await self._tenant_for(context, "tenant", request.tenant)
         await self._id_free(context, request.query_id)
         async with statuses(context):
-            info, created = await self.c.submit(request)
+            info, created = await self.c.submit(decode_submit(request, self.c.limits))
             return cpb.SubmitQueryResponse(query=encode_info(info), created=created)
         raise AssertionError("unreachable")
 
@@ -193,7 +197,7 @@ class CoordinatorServicer(cpb_grpc.CoordinatorServiceServicer):
         request.query.tenant = await self._tenant_for(context, "query.tenant", request.query.tenant)
         await self._id_free(context, request.query.query_id)
         async with statuses(context, "query."):
-            info, _ = await self.c.submit(request.query)
+            info, _ = await self.c.submit(decode_submit(request.query, self.c.limits))
         async with statuses(context):
             async for event in self.c.watch(info.query_id):
                 yield cpb.RunQueryResponse(event=encode_event(event))
@@ -257,7 +261,9 @@ class CoordinatorServicer(cpb_grpc.CoordinatorServiceServicer):
         request.tenant = await self._tenant_for(context, "tenant", request.tenant)
         await self._id_free(context, request.workflow_id)
         async with statuses(context):
-            info, created = await self.c.open_workflow(request)
+            c = self.c
+            opened = decode_open_workflow(request, c.limits, c.config.session_idle_s)
+            info, created = await c.open_workflow(opened)
             return cpb.OpenWorkflowResponse(workflow=encode_info(info), created=created)
         raise AssertionError("unreachable")
 
@@ -268,7 +274,7 @@ class CoordinatorServicer(cpb_grpc.CoordinatorServiceServicer):
         await self._visible(context, request.workflow_id)
         async with statuses(context):
             try:
-                async for update in self.c.run_call(request):
+                async for update in self.c.run_call(decode_run_call(request)):
                     yield encode_call_update(update)
             except UnknownQueryError:
                 await _not_found(context, request.workflow_id)

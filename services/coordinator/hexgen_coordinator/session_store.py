@@ -41,7 +41,6 @@ from hexgen_coordinator.client_messages import GivenCall
 from hexgen_coordinator.client_wire import (
     call_from_bytes,
     call_to_bytes,
-    chat_part,
     prompt_to_bytes,
     shape_to_bytes,
     submission_from_bytes,
@@ -61,7 +60,6 @@ __all__ = [
     "GiveMode",
     "SessionStore",
     "StoredWorkflow",
-    "chat_part",
     "stored_submission",
     "stored_workflow",
 ]
@@ -209,7 +207,7 @@ class StoredWorkflow:
     session_open: bool
     idle_s: float
     chats: dict[str, Chat]
-    """Calls' chat messages and options (`chat_part`) by call id."""
+    """Calls' chat messages and options (`client_wire.chat_part`) by call id."""
 
 
 def _shape_bytes(shape: Query | None) -> bytes:

@@ -25,6 +25,10 @@ until the client gives them:
 A call given after the workflow's deadline still runs: its stage deadline is the
 workflow's, already past, so every deadline-ordered queue serves it first among the
 late; the client sees ``deadline_s`` in the past on the first response.
+
+The requests come decoded (`client_messages.OpenWorkflow`, `client_messages.RunCall`: the
+servicer decodes them through `hexgen_coordinator.client_wire`), and what a session keeps
+in Redis is `hexgen_coordinator.session_store`'s to encode: no protobuf here.
 """
 
 from __future__ import annotations
@@ -36,28 +40,28 @@ import math
 import time
 from collections.abc import AsyncIterator, Sequence
 
-from hexgen_api.v1 import coordinator_pb2 as cpb
-from hexgen_api.v1 import workflow_pb2 as wfpb
 from hexgen_coordinator.admission import Admission, limits_of
 from hexgen_coordinator.client_messages import (
     CallSubmitted,
     EventKind,
+    GivenCall,
+    OpenWorkflow,
     QueryEvent,
     QueryInfo,
     QueryState,
+    RunCall,
 )
 from hexgen_coordinator.completions import Completions
 from hexgen_coordinator.config import CoordinatorConfig
 from hexgen_coordinator.dispatch import Dispatch
 from hexgen_coordinator.events import WATCH_BUFFER, check_not_behind, record_event
-from hexgen_coordinator.ledger import ActiveQuery, Ledger, call_id_of
+from hexgen_coordinator.ledger import ActiveQuery, Ledger, call_id_of, chat_bytes
 from hexgen_coordinator.redis_retry import until_stored
 from hexgen_coordinator.session_store import (
     GIVE_APPLIED,
     GIVE_DUPLICATE,
     GiveMode,
     SessionStore,
-    chat_part,
 )
 from hexgen_coordinator.views import QueryViews
 from hexgen_coordinator.write_behind import WriteBehind
@@ -72,11 +76,7 @@ from hexgen_flow.protocol import (
 )
 from hexgen_flow.protocol import Dispatch as DispatchCall
 from hexgen_flow.workload import LLMCall, Query, canonical_step
-from hexgen_service.convert import (
-    MAX_TOKENS_PER_CALL,
-    check_text,
-    template_to_proto,
-)
+from hexgen_service.convert import MAX_TOKENS_PER_CALL, check_text
 from hexgen_service.errors import FailedPreconditionError, InvalidFieldError
 
 __all__ = ["Sessions"]
@@ -123,36 +123,12 @@ class Sessions:
 
     # ------------------------------------------------------------------ open
 
-    async def open(self, request: cpb.OpenWorkflowRequest) -> tuple[QueryInfo, bool]:
+    async def open(self, opened: OpenWorkflow) -> tuple[QueryInfo, bool]:
         """Open (or find) a workflow session; InvalidFieldError names a bad field."""
-        if bool(request.template) == request.HasField("expected"):
-            raise InvalidFieldError(
-                "template", "give a template name or the expected stages (exactly one)"
-            )
-        if request.template:  # a name; its error repeats it, so it is held to an id's size
-            check_text("template", request.template, self.limits.max_id_bytes, self.limits)
-        expected = template_to_proto(request.template) if request.template else request.expected
-        for k, stage in enumerate(expected.stages):
-            for c, call in enumerate(stage.calls):
-                if call.prompt:
-                    raise InvalidFieldError(
-                        f"expected.stages[{k}].calls[{c}].prompt",
-                        "an expected call has no prompt: give it with RunCall",
-                    )
-        idle = request.idle_timeout_s or self.config.session_idle_s
-        if not (math.isfinite(idle) and 0 < idle <= self.config.max_slo_s):
-            raise InvalidFieldError(
-                "idle_timeout_s", f"must be in (0, {self.config.max_slo_s:g}] s, got {idle:g}"
-            )
-        submit = cpb.SubmitQueryRequest(
-            query_id=request.workflow_id,
-            tenant=request.tenant,
-            workflow=expected,
-            slo_s=request.slo_s,
-            slo_scale=request.slo_scale,
-        )
         try:
-            return await self.admission.submit(submit, session_idle_s=idle)
+            return await self.admission.submit(
+                opened.expected, session_idle_s=opened.idle_timeout_s, names=opened.names
+            )
         except InvalidFieldError as exc:  # the submission's field names, as this request has them
             field = exc.field
             if field == "query_id":
@@ -163,12 +139,10 @@ class Sessions:
 
     # ------------------------------------------------------------------ calls
 
-    async def run_call(
-        self, request: cpb.RunCallRequest
-    ) -> AsyncIterator[CallSubmitted | QueryEvent]:
+    async def run_call(self, request: RunCall) -> AsyncIterator[CallSubmitted | QueryEvent]:
         """Give a call of an open session; its events until it finishes (or the query ends):
         first `CallSubmitted` (with the call's CALL_SUBMITTED event), then the call's events."""
-        workflow_id, name = request.workflow_id, request.stage
+        workflow_id, name, given = request.workflow_id, request.stage, request.call
         if not workflow_id:
             raise InvalidFieldError("workflow_id", "must not be empty")
         if not name or len(name) > self.limits.max_id_chars:
@@ -176,22 +150,24 @@ class Sessions:
                 "stage", f"must be 1 to {self.limits.max_id_chars} characters, got {len(name)}"
             )
         check_text("stage", name, self.limits.max_id_bytes, self.limits)
-        if request.call.step:
-            check_text("call.step", request.call.step, self.limits.max_id_bytes, self.limits)
+        if given.step:
+            check_text("call.step", given.step, self.limits.max_id_bytes, self.limits)
         limit = self.limits.max_prompt_bytes
         if limit is not None:
             # A chat call's messages are its prompt too (`prompt` is their rendering), and
             # its options (tools' JSON Schemas) are kept with them.
+            messages = given.chat.messages if given.chat is not None else ()
+            options = given.chat.options if given.chat is not None else None
             sizes = [
-                ("call.prompt", len(request.call.prompt.encode("utf-8"))),
-                ("call.messages", sum(m.ByteSize() for m in request.call.messages)),
-                ("call.options", request.call.options.ByteSize()),
+                ("call.prompt", len(given.prompt.encode("utf-8"))),
+                ("call.messages", sum(m.ByteSize() for m in messages)),
+                ("call.options", options.ByteSize() if options is not None else 0),
             ]
             for field, size in sizes:
                 if size > limit:
                     raise InvalidFieldError(field, f"must be at most {limit} bytes, got {size}")
         for field in ("input_tokens", "output_tokens"):
-            value = getattr(request.call, field)
+            value = getattr(given, field)
             if not 0 <= value <= MAX_TOKENS_PER_CALL:
                 raise InvalidFieldError(
                     f"call.{field}", f"must be in [0, {MAX_TOKENS_PER_CALL}], got {value}"
@@ -202,7 +178,7 @@ class Sessions:
         try:
             async with entry.lock:
                 await self._open_entry(workflow_id, entry)
-                submitted, deadline = await self._give(entry, name, request.call)
+                submitted, deadline = await self._give(entry, name, given)
             call_id = submitted.call_id
             yield CallSubmitted(submitted, deadline, entry.trace)
             while True:
@@ -297,7 +273,7 @@ class Sessions:
         return chosen, closing
 
     async def _give(
-        self, entry: ActiveQuery, name: str, given: wfpb.LLMCall
+        self, entry: ActiveQuery, name: str, given: GivenCall
     ) -> tuple[QueryEvent, float]:
         """Give one call (the caller holds the query's lock): (its CALL_SUBMITTED event,
         its stage's deadline, or what it would get if released now)."""
@@ -322,11 +298,7 @@ class Sessions:
             given.input_tokens or max(1, math.ceil(len(given.prompt) / CHARS_PER_TOKEN)),
             given.output_tokens or (expected.output_tokens if expected else DEFAULT_OUTPUT_TOKENS),
         )
-        prompt_bytes = (
-            len(given.prompt.encode("utf-8"))
-            + sum(m.ByteSize() for m in given.messages)
-            + given.options.ByteSize()
-        )
+        prompt_bytes = len(given.prompt.encode("utf-8")) + chat_bytes(given.chat)
         # A session is held to a submission's limits, call by call.
         admission = self.admission
         admission.check_call("call", call, len(given.prompt.encode("utf-8")))
@@ -368,7 +340,7 @@ class Sessions:
                 texts.append(given.prompt)
             entry.prompts[stage] = tuple(texts)
         call_id = call_id_of(query_id, stage, index)
-        chat = chat_part(given)
+        chat = given.chat
         if chat is not None:
             entry.chats[call_id] = chat
         ledger.hold_prompt(entry, call_id, prompt_bytes)
