@@ -96,7 +96,7 @@ class ActiveQuery:
     stage_spans: dict[int, trace.Span] = field(default_factory=dict)
     """The open span of each released stage (its calls' spans are its children)."""
     chats: dict[str, Chat] = field(default_factory=dict)
-    """A call's chat messages and options (`session_store.chat_part`) by call id, for the
+    """A call's chat messages and options (`client_wire.chat_part`) by call id, for the
     calls given some (`prompts` holds the messages' rendering)."""
     held: dict[str, int] = field(default_factory=dict)
     """Bytes of each call's prompt still kept, by call id (`Ledger.hold_prompt`)."""

@@ -184,7 +184,7 @@ class Chat:
     its options (sampling, tools, response_format), kept from its RunCall (or from Redis,
     after a restart) until it completes, and sent with each of its `Run`s.
 
-    `hexgen_coordinator.session_store.chat_part` makes one from the call's ``LLMCall``;
+    `hexgen_coordinator.client_wire.chat_part` makes one from the call's ``LLMCall``;
     a call that has neither has none (None, not an empty `Chat`)."""
 
     messages: tuple[workflow_pb2.ChatMessage, ...] = ()
