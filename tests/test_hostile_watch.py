@@ -133,11 +133,11 @@ async def test_a_watcher_that_falls_behind_gets_resource_exhausted_and_a_log_lin
             call = stub.WatchQuery(cpb.WatchQueryRequest(query_id="slow-watch"))
             first = await call.read()
             assert isinstance(first, cpb.WatchQueryResponse)
-            entry = coordinator.ledger.active["slow-watch"]
+            entry = coordinator.active["slow-watch"]
             assert len(entry.watchers) == 1
             # The query logs more events than the watcher's buffer holds, all in one turn
             # of the loop: the stream cannot drain any of them in between.
-            now = coordinator.ledger.clock.now()
+            now = coordinator.clock.now()
             with caplog.at_level(logging.WARNING):
                 for n in range(WATCH_BUFFER + 1):
                     record_event(entry, EventKind.CALL_TOKENS, now, text=f"t{n}")

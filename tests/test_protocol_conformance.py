@@ -402,7 +402,7 @@ async def test_both_drivers_take_the_same_actions_for_the_same_events(
     coordinator: Coordinator = await coordinator_for(case.policy, case.lengths)
     assert coordinator.slo_base_s == pytest.approx(slo_base_s)
     clock = HandClock()
-    coordinator.ledger.clock = clock
+    coordinator.ledger.clock.set(clock)  # every part reads it through the one holder
     links = []
     for slot, gpu in enumerate(CLUSTER.split(",")):
         link = WorkerLink(worker_id=f"conformance-{slot}", engine="ENGINE_KIND_SIMULATED")

@@ -173,9 +173,9 @@ async def serve(config: CoordinatorConfig) -> None:
         else None
     )
     coordinator = Coordinator(config, redis, lease, pipelined=pipelined)
-    coordinator.ledger.metrics.tenants.limit = config.metrics_max_tenants
+    coordinator.metrics.tenants.limit = config.metrics_max_tenants
     await coordinator.start()
-    gc_pause = coordinator.ledger.metrics.gc_pause
+    gc_pause = coordinator.metrics.gc_pause
     GcPauses(observe=lambda generation, s: gc_pause.labels(str(generation)).observe(s)).install()
     if config.gc_tuning:  # after start-up: what it built (and rebuilt from Redis) is frozen
         frozen = freeze_startup()
@@ -235,7 +235,7 @@ async def serve(config: CoordinatorConfig) -> None:
     if config.metrics_listen:
         protection = MetricsProtection.of(config.tls_cert, config.tls_key, config.api_keys_file)
         address, metrics_server = serve_metrics(
-            coordinator.ledger.metrics.registry, config.metrics_listen, protection
+            coordinator.metrics.registry, config.metrics_listen, protection
         )
         logging.getLogger("hexgen_coordinator").info(
             "metrics on %s://%s/metrics%s",

@@ -61,7 +61,14 @@ from hexgen_coordinator.client_wire import prompt_to_bytes
 from hexgen_coordinator.config import CoordinatorConfig
 from hexgen_coordinator.dispatch import Dispatch
 from hexgen_coordinator.events import record_event
-from hexgen_coordinator.ledger import ActiveQuery, Ledger, SessionState, call_id_of
+from hexgen_coordinator.ledger import (
+    ActiveQuery,
+    Clock,
+    Queries,
+    SessionState,
+    Tally,
+    call_id_of,
+)
 from hexgen_coordinator.redis_memory import RedisMemory
 from hexgen_coordinator.session_store import stored_submission
 from hexgen_coordinator.store import WorkflowStore, prompts_digest
@@ -132,7 +139,9 @@ class Admission:
         core: Scheduler,
         store: WorkflowStore,
         tracer: trace.Tracer,
-        ledger: Ledger,
+        queries: Queries,
+        tally: Tally,
+        clock: Clock,
         dispatch: Dispatch,
         writes: WriteBehind,
         views: QueryViews,
@@ -150,7 +159,9 @@ class Admission:
         scheduler = core.policy
         self.store = store
         self.tracer = tracer
-        self.ledger = ledger
+        self.queries = queries
+        self.tally = tally
+        self.clock = clock
         self.dispatch = dispatch
         self.writes = writes
         self.views = views
@@ -195,7 +206,7 @@ class Admission:
                 f"the SLO must be at most {self.config.max_slo_s:g} s, got {slo_s:g} s",
             )
         digest = prompts_digest(prompts)
-        active = self.ledger.active
+        active = self.queries.active
         existing = active.get(query.query_id)
         if existing is not None:
             if existing.session is not None:
@@ -204,7 +215,7 @@ class Admission:
                 declared = self.core.declared(existing.run)
                 self._check_same(query, digest, declared, existing.digest)
             return self._info(existing.run), False
-        now = self.ledger.clock.now()
+        now = self.clock.now()
         query_id = query.query_id
         best_effort = False
         provisional: QueryRun | None = None
@@ -216,8 +227,7 @@ class Admission:
                 known = await self._known(query, digest)
                 if known is not None:
                     return known, False
-                self.ledger.queries_rejected += 1
-                self.ledger.metrics.queries_rejected.labels(query.tenant, exc.reason).inc()
+                self.tally.rejected(query.tenant, exc.reason)
                 raise
             if not best_effort and self._tracks(query.tenant):
                 # Counted in the backlog at once: submissions racing this one see it.
@@ -292,7 +302,7 @@ class Admission:
         admitted = actions[0]
         assert isinstance(admitted, Admitted)
         run = admitted.run
-        self.ledger.metrics.admitted(query.tenant, (s.step for s in stages))
+        self.tally.metrics.admitted(query.tenant, (s.step for s in stages))
         session: SessionState | None = None
         if session_idle_s is not None:
             session = SessionState(
@@ -315,10 +325,11 @@ class Admission:
             digest=digest,
             trace=root,
         )
-        active[query_id] = entry
+        queries = self.queries
+        queries.add(entry)
         for k, texts in enumerate(sizes):
             for i, nbytes in enumerate(texts):
-                self.ledger.hold_prompt(entry, call_id_of(query_id, k, i), nbytes)
+                queries.hold_prompt(entry, call_id_of(query_id, k, i), nbytes)
         record_event(entry, EventKind.SUBMITTED, now)
         if best_effort:
             self._waiting.append(entry)
@@ -340,7 +351,7 @@ class Admission:
         """Release the waiting best-effort queries that would now be admitted, in arrival
         order (the first that would not stops the rest); keep looking while any wait.
         Returns how many were released."""
-        waiting, active = self._waiting, self.ledger.active
+        waiting, active = self._waiting, self.queries.active
         released = 0
         while waiting:
             entry = waiting[0]
@@ -348,7 +359,7 @@ class Admission:
             if active.get(run.query.query_id) is not entry:  # cancelled meanwhile
                 waiting.popleft()
                 continue
-            now = self.ledger.clock.now()
+            now = self.clock.now()
             prediction = self.predict(self.core.declared(run), now, run.slo_s, best_effort=True)
             if not prediction.meets(run.slo_s, self.config.admission_slack):
                 break
@@ -415,7 +426,7 @@ class Admission:
                 ) from None
         limits = self._limits(tenant)
         quota = limits.max_prompt_bytes or self.config.max_tenant_prompt_bytes
-        kept = self.ledger.prompt_bytes.get(tenant, 0)
+        kept = self.queries.kept_bytes(tenant)
         if prompt_bytes > quota:
             whose = "its own" if limits.max_prompt_bytes else "--max-tenant-prompt-bytes"
             raise InvalidFieldError(
@@ -425,7 +436,7 @@ class Admission:
                 reason="too_large",
             )
         if kept + prompt_bytes > quota:
-            now = self.ledger.clock.now()
+            now = self.clock.now()
             raise OverloadedError(
                 f"tenant {tenant!r} keeps {kept} bytes of prompts in running calls; "
                 f"{prompt_bytes} more would pass its quota of {quota} bytes: retry when its "
@@ -462,7 +473,7 @@ class Admission:
         """Whether to admit `query` best-effort; raises OverloadedError to refuse it for
         now, InvalidFieldError to refuse it for good."""
         config = self.config
-        active = self.ledger.active
+        active = self.queries.active
         if len(active) >= config.max_running_queries:
             raise OverloadedError(
                 f"{len(active)} queries are running (the coordinator's limit: "
@@ -549,7 +560,7 @@ class Admission:
         """A retry hint in wall seconds for a wait of `cluster_s` (on the cluster clock,
         or in wall seconds with `time_scale` 1): at least a second, spread over up to half
         again at random, at most ten minutes."""
-        scale = self.ledger.clock.time_scale if time_scale is None else time_scale
+        scale = self.clock.time_scale if time_scale is None else time_scale
         if not math.isfinite(cluster_s):
             return _MAX_RETRY_S
         wall = max(cluster_s / scale, _MIN_RETRY_S) * (1.0 + _RETRY_JITTER * self._rng.random())
@@ -572,20 +583,20 @@ class Admission:
         """Cluster seconds until a running query (of `tenant`) is due: a retry hint."""
         due = [
             e.run.deadline_s - now
-            for e in self.ledger.active.values()
+            for e in self.queries.active.values()
             if tenant is None or e.run.query.tenant == tenant
         ]
         return max(min(due, default=1.0), 0.0)
 
     def _alive(self, run: QueryRun) -> bool:
-        entry = self.ledger.active.get(run.query.query_id)
+        entry = self.queries.active.get(run.query.query_id)
         return (entry is not None and entry.run is run) or run.index < 0
 
     def _sync(self) -> None:
         """Track running queries the model does not know yet (resumed after a restart)."""
         if self.mode is AdmissionMode.OFF:
             return
-        active = self.ledger.active
+        active = self.queries.active
         if len(self.model) >= len(active) - len(self._waiting):
             return
         tracked = {run.query.query_id for run in self.model.tracked()}
@@ -633,7 +644,7 @@ class Admission:
         """The stored query of the same id (its info), None when there is none; raises
         AlreadyExistsError when its content differs (its prompts by their digest: they are
         gone once its calls finished)."""
-        entry = self.ledger.active.get(query.query_id)
+        entry = self.queries.active.get(query.query_id)
         if entry is not None:
             self._check_same(query, digest, self.core.declared(entry.run), entry.digest)
             return self._info(entry.run)

@@ -14,7 +14,16 @@ from collections.abc import Sequence
 from hexgen_coordinator.client_messages import EventKind, QueryInfo
 from hexgen_coordinator.dispatch import Dispatch
 from hexgen_coordinator.events import end_watch, record_event
-from hexgen_coordinator.ledger import ActiveQuery, Ledger, call_id_of, parse_call_id
+from hexgen_coordinator.ledger import (
+    ActiveQuery,
+    Calls,
+    Clock,
+    Queries,
+    Slots,
+    Tally,
+    call_id_of,
+    parse_call_id,
+)
 from hexgen_coordinator.links import WorkerLink
 from hexgen_coordinator.redis_retry import until_stored
 from hexgen_coordinator.store import COMPLETE_DUPLICATE, FailureResult, WorkflowStore
@@ -50,7 +59,11 @@ class Completions:
         cluster: Cluster,
         core: Scheduler,
         store: WorkflowStore,
-        ledger: Ledger,
+        queries: Queries,
+        calls: Calls,
+        slots: Slots,
+        tally: Tally,
+        clock: Clock,
         dispatch: Dispatch,
         writes: WriteBehind,
         views: QueryViews,
@@ -61,7 +74,11 @@ class Completions:
         self.cluster = cluster
         self.core = core
         self.store = store
-        self.ledger = ledger
+        self.queries = queries
+        self.calls = calls
+        self.slots = slots
+        self.tally = tally
+        self.clock = clock
         self.dispatch = dispatch
         self.writes = writes
         self.views = views
@@ -80,23 +97,23 @@ class Completions:
     def _meter_dropped(self, ticket: CallTicket, slot: int) -> None:
         """A call left its worker without a result to learn from."""
         if self.meters is not None and 0 <= slot < len(self.meters):
-            self.meters[slot].dropped(ticket, self.ledger.clock.now())
+            self.meters[slot].dropped(ticket, self.clock.now())
 
     def on_started(self, link: WorkerLink, msg: Started) -> None:
-        ledger = self.ledger
-        ticket = ledger.tickets.get(msg.call_id)
-        entry = ledger.active.get(ticket.query_id) if ticket else None
+        clock = self.clock
+        ticket = self.calls.tickets.get(msg.call_id)
+        entry = self.queries.active.get(ticket.query_id) if ticket else None
         if ticket is None or entry is None:
             return
         if ticket.instance == link.slot:
             # running: no longer moved on a new deadline
-            self.core.handle(CallStarted(ticket, ledger.clock.now()))
+            self.core.handle(CallStarted(ticket, clock.now()))
             if self.meters is not None:
-                self.meters[link.slot].taken(ticket, ledger.clock.now())
+                self.meters[link.slot].taken(ticket, clock.now())
         record_event(
             entry,
             EventKind.CALL_STARTED,
-            ledger.clock.now(),
+            clock.now(),
             stage=ticket.stage,
             call_id=msg.call_id,
             instance=self.cluster.instances[link.slot].name,
@@ -104,15 +121,14 @@ class Completions:
         self.writes.persist(entry, [])  # a crash keeps the start in the log
 
     def on_tokens(self, link: WorkerLink, msg: Tokens) -> None:
-        ledger = self.ledger
-        ticket = ledger.tickets.get(msg.call_id)
-        entry = ledger.active.get(ticket.query_id) if ticket else None
+        ticket = self.calls.tickets.get(msg.call_id)
+        entry = self.queries.active.get(ticket.query_id) if ticket else None
         if ticket is None or entry is None or not entry.watchers:
             return
         record_event(
             entry,
             EventKind.CALL_TOKENS,
-            ledger.clock.now(),
+            self.clock.now(),
             stage=ticket.stage,
             call_id=msg.call_id,
             text=msg.text,
@@ -124,7 +140,7 @@ class Completions:
         if ticket.instance >= 0:
             if ticket.instance != link.slot:
                 return f"the call is on slot {ticket.instance}, not {link.slot}"
-        elif self.ledger.adoptable.get(ticket.call_id) != link.slot:
+        elif self.calls.adoptable.get(ticket.call_id) != link.slot:
             return "the call waits to be dispatched again"
         if attempt and ticket.attempt and attempt != ticket.attempt:
             return f"attempt {attempt} is not the latest ({ticket.attempt})"
@@ -132,7 +148,7 @@ class Completions:
 
     async def on_finished(self, link: WorkerLink, msg: Finished) -> None:
         t0 = time.perf_counter()
-        ledger = self.ledger
+        queries, calls = self.queries, self.calls
         call_id = msg.call_id
         try:
             query_id, stage, _ = parse_call_id(call_id)
@@ -140,12 +156,12 @@ class Completions:
             log.warning("worker %s reported a malformed call id %r", link.worker_id, call_id)
             link.ack(call_id)
             return
-        entry = ledger.active.get(query_id)
+        entry = queries.active.get(query_id)
         if entry is None:  # finished, cancelled or unknown: nothing to apply
             link.ack(call_id)
             return
         async with entry.lock:
-            ticket = ledger.tickets.get(call_id)
+            ticket = calls.tickets.get(call_id)
             if ticket is None:  # already applied (a resend)
                 link.ack(call_id)
                 return
@@ -157,9 +173,9 @@ class Completions:
             if msg.error:
                 await self._failed(entry, ticket, link, msg)
                 return
-            now = ledger.clock.now()
+            now = self.clock.now()
             run = entry.run
-            ledger.adoptable.pop(call_id, None)  # resent after a restart: nothing to reclaim
+            calls.drop_adoptable(call_id)  # resent after a restart: nothing to reclaim
             # A ticket resumed after a restart sits on no instance until reclaimed; the
             # worker that reports the result is the one that ran it.
             ran_on = ticket.instance if ticket.instance >= 0 else link.slot
@@ -207,9 +223,9 @@ class Completions:
                     "redis refused the completion of %s (status %d)", call_id, result.status
                 )
                 return
-            del ledger.tickets[call_id]
-            ledger.drop_prompt(entry, call_id)  # Redis's copy went with the completion
-            ledger.completions += 1
+            calls.forget(call_id)
+            queries.drop_prompt(entry, call_id)  # Redis's copy went with the completion
+            self.tally.call_completed()
             if msg.output_tokens > 0:  # what it generated, not what was declared
                 ticket.output_tokens = msg.output_tokens  # (what learned lengths learn)
             cost = None
@@ -240,7 +256,7 @@ class Completions:
                 text=msg.text,
                 finished=msg,
             )
-            span = ledger.call_spans.pop(call_id, None)
+            span = calls.close_span(call_id)
             if span is not None:
                 self.dispatch.end_call_span(span, msg, inst.model if inst else "")
             stage_finished = run.stage_finished_s[stage] is not None
@@ -250,12 +266,10 @@ class Completions:
                 released_s = run.stage_released_s[stage]
                 if released_s is not None:
                     step = run.query.workflow.stages[stage].step
-                    ledger.metrics.stage_finished(step, now - released_s)
+                    self.tally.metrics.stage_finished(step, now - released_s)
             released = await self.settle(entry, actions, now)
             if released:
-                elapsed = time.perf_counter() - t0
-                ledger.completion_ms.append(elapsed * 1e3)
-                ledger.metrics.completion_to_dispatch.observe(elapsed)
+                self.tally.completion_dispatch(time.perf_counter() - t0)
             if run.finished_s is not None:
                 record_event(entry, EventKind.SUCCEEDED, now)
             self.writes.persist(entry, [])
@@ -280,7 +294,7 @@ class Completions:
             session = entry.session
             if session is None or not session.closed_stages:
                 return out
-            run, ledger = entry.run, self.ledger
+            run, tickets = entry.run, self.calls.tickets
             query_id = run.query.query_id
             unwanted = [
                 ticket
@@ -289,7 +303,7 @@ class Completions:
                 for index in range(
                     run.given[k] if run.given else 0, len(run.query.workflow.stages[k].calls)
                 )
-                if (ticket := ledger.tickets.get(call_id_of(query_id, k, index))) is not None
+                if (ticket := tickets.get(call_id_of(query_id, k, index))) is not None
                 and ticket.call_id not in tried
             ]
             if not unwanted:
@@ -302,7 +316,7 @@ class Completions:
 
     async def _skip(self, entry: ActiveQuery, ticket: CallTicket, now: float) -> list[Action]:
         """Complete a session's call that was never given (its stage is closed)."""
-        ledger, run, call_id = self.ledger, entry.run, ticket.call_id
+        run, call_id = entry.run, ticket.call_id
         query_id = run.query.query_id
         dependents = run.query.workflow.dependents[ticket.stage]
         effect = run.completion_effect(ticket.stage)
@@ -315,8 +329,8 @@ class Completions:
         if not (result.applied or result.status == COMPLETE_DUPLICATE):
             log.warning("redis refused to skip %s (status %d)", call_id, result.status)
             return []
-        del ledger.tickets[call_id]
-        ledger.drop_prompt(entry, call_id)
+        self.calls.forget(call_id)
+        self.queries.drop_prompt(entry, call_id)
         assert entry.session is not None
         entry.session.skipped.add(call_id)
         # On no instance: no load to free; the effect Redis applied, not evaluated again.
@@ -358,7 +372,7 @@ class Completions:
         failed_on = ticket.instance if ticket.instance >= 0 else link.slot
         self._meter_dropped(ticket, link.slot)
         # off the failing instance while it waits (BACKOFF)
-        self.core.handle(CallFailed(ticket, self.ledger.clock.now()))
+        self.core.handle(CallFailed(ticket, self.clock.now()))
         self.writes.persist(entry, [ticket])
         delay = min(0.1 * 2 ** (result.failures - 1), 2.0)  # wall seconds
         asyncio.get_running_loop().call_later(
@@ -374,14 +388,14 @@ class Completions:
         its query FAILED after ``--max-call-attempts`` instead of going round for ever.
         Otherwise the call goes out again after the same backoff. The ticket is off the
         instance already (`hexgen_coordinator.workers`)."""
-        ledger, call_id = self.ledger, ticket.call_id
-        entry = ledger.active.get(ticket.query_id)
+        active, call_id = self.queries.active, ticket.call_id
+        entry = active.get(ticket.query_id)
         if entry is None:
             return
         async with entry.lock:
             if (
-                ledger.active.get(ticket.query_id) is not entry
-                or ledger.tickets.get(call_id) is not ticket
+                active.get(ticket.query_id) is not entry
+                or self.calls.tickets.get(call_id) is not ticket
             ):
                 return  # the query ended, or the call completed (a result resent), meanwhile
             self._meter_dropped(ticket, slot)
@@ -418,8 +432,8 @@ class Completions:
         """Count a failed attempt of `ticket`'s call in Redis (from `slot` and `attempt`,
         -1 / 0: any), log it, count it on instance `ran_on` and in the query's events; at
         the attempt limit the query ends FAILED here (the caller holds its lock)."""
-        ledger, call_id = self.ledger, ticket.call_id
-        now = ledger.clock.now()
+        call_id = ticket.call_id
+        now = self.clock.now()
         limit = self.max_attempts
         reason = f"call {call_id} failed {limit} times; last error: {error}"
         result = await until_stored(
@@ -445,7 +459,7 @@ class Completions:
             error,
         )
         instance = self.cluster.instances[ran_on].name if ran_on >= 0 else ""
-        ledger.metrics.calls_failed.labels(instance).inc()
+        self.tally.metrics.calls_failed.labels(instance).inc()
         record_event(
             entry,
             EventKind.CALL_FAILED,
@@ -460,73 +474,57 @@ class Completions:
             record_event(entry, EventKind.FAILED, now, text=reason)
             self.writes.persist(entry, [])
             await self.writes.flush()  # GetQuery reads a finished query's log from Redis
-            ledger.queries_failed += 1
+            self.tally.query_failed()
             self.finish(entry, "failed")
         return result
 
     def _retry(self, ticket: CallTicket, avoid: int, reason: str) -> None:
-        entry = self.ledger.active.get(ticket.query_id)
-        if entry is None or self.ledger.tickets.get(ticket.call_id) is not ticket:
+        entry = self.queries.active.get(ticket.query_id)
+        if entry is None or self.calls.tickets.get(ticket.call_id) is not ticket:
             return  # the query ended meanwhile
         if ticket.state is not CallState.BACKOFF:
             return  # sent again meanwhile
-        now = self.ledger.clock.now()
+        now = self.clock.now()
         self.dispatch.carry_out(
             self.core.handle(Redispatch(ticket, now, avoid)), now, reason=reason
         )
 
     def drop_calls(self, entry: ActiveQuery) -> None:
         """The query ended early: the core withdraws its calls (`QueryEnded`), those on
-        workers are aborted, and the ledger forgets them all."""
-        ledger = self.ledger
-        for action in self.core.handle(QueryEnded(entry.run, ledger.clock.now())):
+        workers are aborted, and `Calls` forgets them all."""
+        links = self.slots.links
+        for action in self.core.handle(QueryEnded(entry.run, self.clock.now())):
             assert isinstance(action, Cancel)
             ticket = action.ticket
             if action.instance >= 0:
-                link = ledger.links[action.instance]
+                link = links[action.instance]
                 if link is not None:
                     link.send(CancelRun(ticket.call_id))
                 self._meter_dropped(ticket, action.instance)
-        query_id = entry.run.query.query_id
-        for ticket in [t for t in ledger.tickets.values() if t.query_id == query_id]:
-            del ledger.tickets[ticket.call_id]
-            ledger.adoptable.pop(ticket.call_id, None)
-            span = ledger.call_spans.pop(ticket.call_id, None)
-            if span is not None:
-                span.end()
+        self.calls.forget_query(entry.run.query.query_id)
 
     def finish(self, entry: ActiveQuery, outcome: str = "succeeded") -> None:
         """Forget a query that ended (`outcome`: succeeded, failed or cancelled)."""
         run = entry.run
-        query_id, tenant = run.query.query_id, run.query.tenant
         for stage in list(entry.stage_spans):
-            self.dispatch.end_stage_span(entry, stage, self.ledger.clock.now())
+            self.dispatch.end_stage_span(entry, stage, self.clock.now())
         entry.span.end()
         for watcher in entry.watchers:
             end_watch(watcher)
-        self.ledger.active.pop(query_id, None)
-        self.ledger.drop_prompts(entry)  # Redis's went with the script that ended it
-        metrics = self.ledger.metrics
-        metrics.queries_finished.labels(tenant, outcome).inc()
-        latency, met = 0.0, False
-        if run.finished_s is not None:  # succeeded (the `finished` stream counts these)
-            self.ledger.queries_finished += 1
-            latency = run.finished_s - run.arrival_s
-            metrics.query_latency.labels(tenant).observe(latency)
-            met = latency <= run.slo_s
-            if met:
-                metrics.slo_met.labels(tenant).inc()
-        self.ledger.recent.append((time.monotonic(), outcome, latency, met))
+        self.queries.end(entry)  # its prompts too: Redis's went with the script that ended it
+        # only a query that succeeded has a latency (the `finished` stream counts these)
+        latency = run.finished_s - run.arrival_s if run.finished_s is not None else None
+        self.tally.query_ended(run.query.tenant, outcome, latency, run.slo_s)
 
     async def cancel(self, query_id: str) -> QueryInfo:
-        ledger = self.ledger
-        entry = ledger.active.get(query_id)
+        active = self.queries.active
+        entry = active.get(query_id)
         if entry is None:
             return await self.views.get_info(query_id)  # raises UnknownQueryError if none
         async with entry.lock:
-            if ledger.active.get(query_id) is not entry:  # ended while we waited for the lock
+            if active.get(query_id) is not entry:  # ended while we waited for the lock
                 return await self.views.get_info(query_id)
-            now = ledger.clock.now()
+            now = self.clock.now()
             await self.store.cancel(query_id, now)  # Redis away: UNAVAILABLE, retryable
             self.drop_calls(entry)
             record_event(entry, EventKind.CANCELLED, now)

@@ -6,7 +6,9 @@ the actions it returns. `Coordinator` is the one object the gRPC servicers, `__m
 the tests hold; it builds the parts a live system needs around the core and passes each
 call on:
 
-- `ledger`: the shared in-memory state, and the locking rule every part follows;
+- `ledger`: the in-memory state, held by one owner per concern (running queries, calls in
+  flight, worker slots, counters, the clock), each part given only those it uses; and the
+  locking rule every part follows;
 - `admission`: validating and storing a submitted query, releasing its roots;
 - `dispatch`: released stages to tickets, tickets to their workers' streams;
 - `completions`: what workers report about their calls, and cancellation;
@@ -55,6 +57,7 @@ from hexgen_coordinator.config import CoordinatorConfig
 from hexgen_coordinator.dispatch import Dispatch
 from hexgen_coordinator.ledger import ActiveQuery, Ledger
 from hexgen_coordinator.links import SlotTakenError, WorkerLink
+from hexgen_coordinator.metrics import CoordinatorMetrics
 from hexgen_coordinator.pipelined_redis import PipelinedRedis
 from hexgen_coordinator.recovery import Recovery
 from hexgen_coordinator.redis_memory import RedisMemory
@@ -144,16 +147,27 @@ class Coordinator:
         self.slo_base_s = self.scheduler.slo_base_s
         self.tracer = setup_tracing("hexgen-coordinator")
         self.ledger = Ledger(len(self.cluster), ClusterClock.starting_now(config.time_scale))
-        # The ledger's own objects, under the names tests and benchmarks read.
-        self.active: dict[str, ActiveQuery] = self.ledger.active
-        self.tickets: dict[str, CallTicket] = self.ledger.tickets
-        self.links: list[WorkerLink | None] = self.ledger.links
+        """The owners of the in-memory state; each part below takes the ones it uses."""
+        ledger = self.ledger
+        queries, calls, slots, tally, clock = (
+            ledger.queries,
+            ledger.calls,
+            ledger.slots,
+            ledger.tally,
+            ledger.clock,
+        )
+        # The owners' own objects, under the names tests and benchmarks read.
+        self.active: dict[str, ActiveQuery] = queries.active
+        self.tickets: dict[str, CallTicket] = calls.tickets
+        self.links: list[WorkerLink | None] = slots.links
         self._tasks: list[asyncio.Task[None]] = []
-        ledger, cluster, scheduler, store = self.ledger, self.cluster, self.scheduler, self.store
+        cluster, scheduler, store = self.cluster, self.scheduler, self.store
         core = self.core
-        self._writes = WriteBehind(store, ledger.active)
-        self._views = QueryViews(cluster, scheduler, store, ledger)
-        self._dispatch = Dispatch(cluster, core, self.tracer, ledger, self._writes)
+        self._writes = WriteBehind(store, queries.active)
+        self._views = QueryViews(cluster, scheduler, store, queries, calls, slots, tally, clock)
+        self._dispatch = Dispatch(
+            cluster, core, self.tracer, queries, calls, slots, tally, clock, self._writes
+        )
         self.keys = KeyStore(Path(config.api_keys_file)) if config.api_keys_file else None
         """The API keys (`hexgen_service.auth`); None: clients are not authenticated."""
         self._admission = Admission(
@@ -161,7 +175,9 @@ class Coordinator:
             core,
             store,
             self.tracer,
-            ledger,
+            queries,
+            tally,
+            clock,
             self._dispatch,
             self._writes,
             self._views,
@@ -171,7 +187,11 @@ class Coordinator:
             cluster,
             core,
             store,
-            ledger,
+            queries,
+            calls,
+            slots,
+            tally,
+            clock,
             self._dispatch,
             self._writes,
             self._views,
@@ -181,19 +201,25 @@ class Coordinator:
             config,
             core,
             SessionStore(store),
-            ledger,
+            queries,
+            calls,
+            clock,
             self._admission,
             self._dispatch,
             self._completions,
             self._writes,
             self._views,
         )
-        self._recovery = Recovery(config, core, store, redis, self.tracer, ledger, self._dispatch)
+        self._recovery = Recovery(
+            config, core, store, redis, self.tracer, queries, calls, clock, self._dispatch
+        )
         self._workers = WorkerSlots(
             config,
             cluster,
             core,
-            ledger,
+            calls,
+            slots,
+            clock,
             self._dispatch,
             self._writes,
             self._recovery,
@@ -201,21 +227,26 @@ class Coordinator:
         )
         for i in range(len(self.cluster)):  # no worker holds a slot yet
             core.handle(InstanceLost(i, 0.0))
-        ledger.metrics.watch(ledger, scheduler, cluster)
+        tally.metrics.watch(queries, slots, scheduler, cluster)
 
     @property
     def clock(self) -> ClusterClock:
-        return self.ledger.clock
+        return self.ledger.clock.current
+
+    @property
+    def metrics(self) -> CoordinatorMetrics:
+        """The coordinator's Prometheus metrics (`hexgen_coordinator.metrics`)."""
+        return self.ledger.tally.metrics
 
     @property
     def completions(self) -> int:
         """Calls completed since this coordinator started."""
-        return self.ledger.completions
+        return self.ledger.tally.completions
 
     @property
     def queries_finished(self) -> int:
         """Queries that succeeded in this cluster (the `finished` stream's length)."""
-        return self.ledger.queries_finished
+        return self.ledger.tally.queries_finished
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -225,13 +256,13 @@ class Coordinator:
             log.warning(
                 "cluster keeps its first time scale %s (asked: %s)", scale, self.config.time_scale
             )
-        self.ledger.clock = ClusterClock(epoch, scale)
+        self.ledger.clock.set(ClusterClock(epoch, scale))
         stored_alpha = await self.store.alpha()
         alpha = self.config.alpha if self.config.alpha is not None else stored_alpha
         if alpha is not None and self.scheduler.alpha is not None:
             self.core.handle(AlphaChanged(alpha))
         await self._record_starting_alpha(stored_alpha)
-        self.ledger.queries_finished = int(await self.redis.xlen(self.store.finished_key))
+        self.ledger.tally.carry_on(int(await self.redis.xlen(self.store.finished_key)))
         if self.scheduler.learner is not None:
             restored = self.scheduler.restore_costs(await self.store.learned())
             if restored:
@@ -257,7 +288,7 @@ class Coordinator:
             self._tasks.append(grace)
         await self._sessions.settle_resumed()
         self._tasks.append(asyncio.create_task(self._workers.watch_heartbeats()))
-        lag = self.ledger.metrics.loop_lag
+        lag = self.metrics.loop_lag
         self._tasks.append(asyncio.create_task(watch_loop_lag(lag.observe)))
         self._tasks.append(asyncio.create_task(self._sessions.close_idle()))
 
@@ -327,11 +358,7 @@ class Coordinator:
     async def submit(self, submission: Submission) -> tuple[QueryInfo, bool]:
         """Admit a query (idempotent on its id); raises InvalidFieldError for bad input."""
         info, created = await self._admission.submit(submission)
-        if (
-            not created
-            and info.state == QueryState.RUNNING
-            and info.query_id not in self.ledger.active
-        ):
+        if not created and info.state == QueryState.RUNNING and info.query_id not in self.active:
             # Stored and running, yet not in memory: the submit script ran on an earlier
             # try whose reply was lost (Redis went away). Take it up as a restart would.
             await self._recovery.resume_one(info.query_id)
@@ -340,11 +367,7 @@ class Coordinator:
     async def open_workflow(self, opened: OpenWorkflow) -> tuple[QueryInfo, bool]:
         """Open a workflow session (idempotent on its id); raises InvalidFieldError."""
         info, created = await self._sessions.open(opened)
-        if (
-            not created
-            and info.state == QueryState.RUNNING
-            and info.query_id not in self.ledger.active
-        ):
+        if not created and info.state == QueryState.RUNNING and info.query_id not in self.active:
             await self._recovery.resume_one(info.query_id)  # as in `submit`
         return info, created
 
@@ -360,7 +383,7 @@ class Coordinator:
 
     def watch(self, query_id: str) -> AsyncIterator[QueryEvent]:
         """The query's events so far, then live ones until it ends."""
-        return events.watch(query_id, self.ledger, self._views, self._writes)
+        return events.watch(query_id, self.ledger.queries, self._views, self._writes)
 
     async def get_info(self, query_id: str) -> QueryInfo:
         return await self._views.get_info(query_id)

@@ -17,7 +17,7 @@ from opentelemetry import trace
 
 from hexgen_coordinator.client_messages import EventKind
 from hexgen_coordinator.events import record_event
-from hexgen_coordinator.ledger import ActiveQuery, Ledger, call_id_of
+from hexgen_coordinator.ledger import ActiveQuery, Calls, Clock, Queries, Slots, Tally, call_id_of
 from hexgen_coordinator.worker_messages import CancelRun, Finished, NewDeadline, Run
 from hexgen_coordinator.write_behind import WriteBehind
 from hexgen_flow.cluster import Cluster
@@ -46,13 +46,21 @@ class Dispatch:
         cluster: Cluster,
         core: Scheduler,
         tracer: trace.Tracer,
-        ledger: Ledger,
+        queries: Queries,
+        calls: Calls,
+        slots: Slots,
+        tally: Tally,
+        clock: Clock,
         writes: WriteBehind,
     ) -> None:
         self.cluster = cluster
         self.core = core
         self.tracer = tracer
-        self.ledger = ledger
+        self.queries = queries
+        self.calls = calls
+        self.slots = slots
+        self.tally = tally
+        self.clock = clock
         self.writes = writes
 
     def carry_out(self, actions: Sequence[Action], now: float, *, reason: str = "") -> list[Action]:
@@ -65,7 +73,7 @@ class Dispatch:
         in order."""
         rest: list[Action] = []
         touched: dict[str, list[CallTicket]] = {}
-        active = self.ledger.active
+        active = self.queries.active
         for action in actions:
             if isinstance(action, StageReleased):
                 entry = active.get(action.run.query.query_id)
@@ -105,11 +113,11 @@ class Dispatch:
     def register_released(
         self, entry: ActiveQuery, stage: int, tickets: list[CallTicket], now: float
     ) -> None:
-        query_id = entry.run.query.query_id
+        query_id, calls = entry.run.query.query_id, self.calls
         record_event(entry, EventKind.STAGE_RELEASED, now, stage=stage)
         for ticket in tickets:
             ticket.call_id = call_id_of(query_id, stage, ticket.index)
-            self.ledger.tickets[ticket.call_id] = ticket
+            calls.add(ticket)
         if stage not in entry.stage_spans and tickets:
             names = entry.session.names if entry.session is not None else ()
             entry.stage_spans[stage] = self.tracer.start_span(
@@ -150,19 +158,19 @@ class Dispatch:
 
     def send(self, tickets: Iterable[CallTicket]) -> None:
         """Hand dispatched tickets to their workers' streams (parked ones wait)."""
-        ledger = self.ledger
+        links, active, clock = self.slots.links, self.queries.active, self.clock
         for ticket in tickets:
             if ticket.instance < 0:
                 continue
-            link = ledger.links[ticket.instance]
+            link = links[ticket.instance]
             if link is None:  # the slot went away between dispatch and send
-                now = ledger.clock.now()
+                now = clock.now()
                 self.carry_out(
                     self.core.handle(Redispatch(ticket, now)), now, reason="instance went away"
                 )
                 continue
-            entry = ledger.active[ticket.query_id]
-            ledger.metrics.dispatched_on[ticket.instance].inc()
+            entry = active[ticket.query_id]
+            self.tally.metrics.dispatched_on[ticket.instance].inc()
             ticket.attempt += 1  # a completion is taken only from the latest attempt
             instance = self.cluster.instances[ticket.instance]
             chat = entry.chats.get(ticket.call_id)
@@ -199,10 +207,7 @@ class Dispatch:
                 kind=trace.SpanKind.CLIENT,
                 attributes=attributes,
             )
-            old = ledger.call_spans.pop(ticket.call_id, None)
-            if old is not None:
-                old.end()
-            ledger.call_spans[ticket.call_id] = span
+            self.calls.open_span(ticket.call_id, span)
             prompts = entry.prompts[ticket.stage]
             index = ticket.index
             link.send(
@@ -217,7 +222,7 @@ class Dispatch:
             record_event(
                 entry,
                 EventKind.CALL_DISPATCHED,
-                ledger.clock.now(),
+                clock.now(),
                 stage=ticket.stage,
                 call_id=ticket.call_id,
                 instance=self.cluster.instances[ticket.instance].name,
@@ -226,8 +231,7 @@ class Dispatch:
     def note_first_dispatch(self, entry: ActiveQuery, sent: Iterable[CallTicket]) -> None:
         if entry.first_dispatch_pending is not None and any(t.instance >= 0 for t in sent):
             elapsed = time.perf_counter() - entry.first_dispatch_pending
-            self.ledger.submit_ms.append(elapsed * 1e3)
-            self.ledger.metrics.submit_to_dispatch.observe(elapsed)
+            self.tally.first_dispatch(elapsed)
             entry.first_dispatch_pending = None
 
     # ------------------------------------------------------------------ re-budgeting
@@ -249,7 +253,7 @@ class Dispatch:
         the new deadline (UpdateDeadline), or a moved call is cancelled where it waited and
         sent where it goes (the core moves a call only between connected instances)."""
         ticket = action.ticket
-        links = self.ledger.links
+        links = self.slots.links
         record_event(
             entry,
             EventKind.DEADLINE_UPDATED,

@@ -13,7 +13,7 @@ import weakref
 from collections.abc import AsyncIterator
 
 from hexgen_coordinator.client_messages import EventKind, QueryEvent
-from hexgen_coordinator.ledger import ActiveQuery, Ledger
+from hexgen_coordinator.ledger import ActiveQuery, Queries
 from hexgen_coordinator.views import QueryViews
 from hexgen_coordinator.worker_messages import Finished
 from hexgen_coordinator.write_behind import WriteBehind
@@ -111,10 +111,10 @@ def check_not_behind(watcher: asyncio.Queue[QueryEvent | None], query_id: str) -
 
 
 async def watch(
-    query_id: str, ledger: Ledger, views: QueryViews, writes: WriteBehind
+    query_id: str, queries: Queries, views: QueryViews, writes: WriteBehind
 ) -> AsyncIterator[QueryEvent]:
     """The query's events so far, then live ones until it ends."""
-    entry = ledger.active.get(query_id)
+    entry = queries.active.get(query_id)
     if entry is None:
         await views.get_info(query_id)  # NOT_FOUND if unknown
         # A query that ended a moment ago may still have its last events behind: read the

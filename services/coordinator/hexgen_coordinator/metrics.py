@@ -3,7 +3,8 @@
 Counters and histograms are updated where things happen (a query ends, a call is sent, a
 call fails, a submission is refused, the coordinator hands out released calls); gauges of
 the present (queries running, alpha, each instance's load as its worker last reported it)
-are read from the ledger when Prometheus scrapes, so they cost the hot path nothing.
+are read from the coordinator's state (`ledger.Queries`, `ledger.Slots`) and its scheduler
+when Prometheus scrapes, so they cost the hot path nothing.
 
 Times are seconds: query latency and the SLO on the cluster clock (what clients see), the
 coordinator's own overhead in wall seconds.
@@ -32,7 +33,7 @@ from hexgen_flow.cluster import Cluster
 from hexgen_flow.scheduler import GlobalScheduler
 
 if TYPE_CHECKING:
-    from hexgen_coordinator.ledger import Ledger
+    from hexgen_coordinator.ledger import Queries, Slots
 
 __all__ = [
     "DEFAULT_MAX_STAGES",
@@ -220,10 +221,13 @@ class CoordinatorMetrics:
             registry=r,
         )
 
-    def watch(self, ledger: Ledger, scheduler: GlobalScheduler, cluster: Cluster) -> None:
-        """Report the present state of `ledger` and `scheduler` at every scrape, and keep each
-        instance's labelled counters at hand (a dispatch counts without a label lookup)."""
-        self.registry.register(_Present(ledger, scheduler, cluster))
+    def watch(
+        self, queries: Queries, slots: Slots, scheduler: GlobalScheduler, cluster: Cluster
+    ) -> None:
+        """Report the present state of `queries`, `slots` and `scheduler` at every scrape, and
+        keep each instance's labelled counters at hand (a dispatch counts without a label
+        lookup)."""
+        self.registry.register(_Present(queries, slots, scheduler, cluster))
         names = [inst.name for inst in cluster.instances]
         self.dispatched_on = [self.calls_dispatched.labels(name) for name in names]
         """`calls_dispatched` of each instance, by slot."""
@@ -256,15 +260,20 @@ class CoordinatorMetrics:
 class _Present(Collector):
     """Gauges read at scrape time."""
 
-    def __init__(self, ledger: Ledger, scheduler: GlobalScheduler, cluster: Cluster) -> None:
-        self.ledger = ledger
+    def __init__(
+        self, queries: Queries, slots: Slots, scheduler: GlobalScheduler, cluster: Cluster
+    ) -> None:
+        self.queries = queries
+        self.slots = slots
         self.scheduler = scheduler
         self.cluster = cluster
 
     def collect(self) -> Iterator[Metric]:
-        ledger, load = self.ledger, self.scheduler.load
+        load = self.scheduler.load
         yield GaugeMetricFamily(
-            "hexgen_flow_queries_running", "Queries admitted and not ended.", len(ledger.active)
+            "hexgen_flow_queries_running",
+            "Queries admitted and not ended.",
+            len(self.queries.active),
         )
         alpha = self.scheduler.alpha
         yield GaugeMetricFamily(
@@ -289,7 +298,7 @@ class _Present(Collector):
             for name, doc in gauges.items()
         }
         for inst in self.cluster.instances:
-            link = ledger.links[inst.index]
+            link = self.slots.links[inst.index]
             values = {
                 "connected": 1.0 if link is not None else 0.0,
                 "in_flight_calls": load.in_flight[inst.index],

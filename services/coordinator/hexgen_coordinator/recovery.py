@@ -21,7 +21,15 @@ from opentelemetry import trace
 
 from hexgen_coordinator.config import CoordinatorConfig
 from hexgen_coordinator.dispatch import Dispatch
-from hexgen_coordinator.ledger import ActiveQuery, Ledger, SessionState, call_id_of, chat_bytes
+from hexgen_coordinator.ledger import (
+    ActiveQuery,
+    Calls,
+    Clock,
+    Queries,
+    SessionState,
+    call_id_of,
+    chat_bytes,
+)
 from hexgen_coordinator.session_store import StoredWorkflow, stored_submission, stored_workflow
 from hexgen_coordinator.store import StoredQuery, WorkflowStore, prompts_digest
 from hexgen_flow.protocol import (
@@ -102,7 +110,9 @@ class Recovery:
         store: WorkflowStore,
         redis: aioredis.Redis[bytes],
         tracer: trace.Tracer,
-        ledger: Ledger,
+        queries: Queries,
+        calls: Calls,
+        clock: Clock,
         dispatch: Dispatch,
     ) -> None:
         self.config = config
@@ -110,7 +120,9 @@ class Recovery:
         self.store = store
         self.redis = redis
         self.tracer = tracer
-        self.ledger = ledger
+        self.queries = queries
+        self.calls = calls
+        self.clock = clock
         self.dispatch = dispatch
         self.reclaimed = 0
         """Calls a worker reclaimed after the resume (its hello listed them as resident)."""
@@ -121,19 +133,19 @@ class Recovery:
         """Rebuild every running query from Redis; its calls wait for their workers to
         reclaim them for `resume_grace_s`, then go out again (the task returned, if any
         call waits)."""
-        ledger = self.ledger
+        calls = self.calls
         found: list[_Found] = []
         for query_id in await self.store.active_ids():
             taken = await self._load(query_id)
             if taken is not None:
                 found.append(taken)
         self._take_up(found, reserve=True)
-        self._waiting = len(ledger.adoptable)
-        if ledger.adoptable or any(t.instance < 0 for t in ledger.tickets.values()):
+        self._waiting = len(calls.adoptable)
+        if calls.adoptable or any(t.instance < 0 for t in calls.tickets.values()):
             log.info(
                 "resumed %d queries, %d calls wait for their workers",
-                len(ledger.active),
-                len(ledger.tickets),
+                len(self.queries.active),
+                len(calls.tickets),
             )
             return asyncio.create_task(self._end_grace())
         return None
@@ -141,15 +153,15 @@ class Recovery:
     async def resume_one(self, query_id: str) -> None:
         """Take up one stored running query this coordinator does not hold, and dispatch
         its released calls."""
-        if query_id in self.ledger.active:
+        if query_id in self.queries.active:
             return
         taken = await self._load(query_id)
-        if taken is None or query_id in self.ledger.active:
+        if taken is None or query_id in self.queries.active:
             return
         # No worker holds a call of a query never taken: nothing is reserved.
         self._take_up([taken], reserve=False)
         log.info("took up query %s, stored by a try whose reply was lost", query_id)
-        now = self.ledger.clock.now()
+        now = self.clock.now()
         self.dispatch.carry_out(self.core.handle(Tick(now)), now)
 
     async def _load(self, query_id: str) -> _Found | None:
@@ -175,7 +187,7 @@ class Recovery:
             self._hold(taken, action)
 
     def _hold(self, taken: _Found, resumed: Resumed) -> None:
-        ledger = self.ledger
+        queries, calls = self.queries, self.calls
         stored, built, run = taken.stored, taken.built, resumed.run
         query = built.query
         f = stored.fields
@@ -208,15 +220,15 @@ class Recovery:
                 open=built.session_open,
                 closed_stages=built.closed_stages,
                 skipped=stored.skipped(),
-                last_done_s=self.ledger.clock.now(),
+                last_done_s=self.clock.now(),
             )
-        ledger.active[query.query_id] = entry
+        queries.add(entry)
         for k, texts in enumerate(built.prompts):  # the prompts still kept (calls not done)
             for index, text in enumerate(texts):
                 call_id = call_id_of(query.query_id, k, index)
                 if text and not stored.done(call_id):
                     nbytes = len(text.encode("utf-8")) + chat_bytes(built.chats.get(call_id))
-                    ledger.hold_prompt(entry, call_id, nbytes)
+                    queries.hold_prompt(entry, call_id, nbytes)
         for ticket in resumed.tickets:
             call_id = call_id_of(query.query_id, ticket.stage, ticket.index)
             ticket.call_id = call_id
@@ -225,16 +237,15 @@ class Recovery:
             # later attempt than Redis says. Its result is taken by slot alone; the next
             # dispatch counts from 1 again.
             ticket.attempt = 0
-            ledger.tickets[call_id] = ticket
+            calls.add(ticket)
             if ticket.state is CallState.RESERVED:
                 placed = stored.placement(call_id)
                 assert placed is not None  # RESERVED: the core found it placed
-                ledger.adoptable[call_id] = placed.slot
+                calls.keep_adoptable(call_id, placed.slot)
 
     async def _end_grace(self) -> None:
         await asyncio.sleep(self.config.resume_grace_s)
-        unclaimed = list(self.ledger.adoptable)
-        self.ledger.adoptable.clear()
+        unclaimed = self.calls.take_unclaimed()
         # What left the adoptable set otherwise: results a worker resent (or cancels).
         reported = self._waiting - self.reclaimed - len(unclaimed)
         log.info(
@@ -245,11 +256,11 @@ class Recovery:
             max(reported, 0),
             len(unclaimed),
         )
-        now = self.ledger.clock.now()
+        now = self.clock.now()
         self.dispatch.carry_out(self.core.handle(GraceOver(now)), now)
 
     def adopt(self, ticket: CallTicket, slot: int) -> None:
         """A call a reconnecting worker still holds goes back on its ledger."""
-        self.ledger.adoptable.pop(ticket.call_id, None)
+        self.calls.drop_adoptable(ticket.call_id)
         self.reclaimed += 1
-        self.core.handle(Adopt(ticket, slot, self.ledger.clock.now()))
+        self.core.handle(Adopt(ticket, slot, self.clock.now()))

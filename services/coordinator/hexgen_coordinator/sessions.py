@@ -55,7 +55,14 @@ from hexgen_coordinator.completions import Completions
 from hexgen_coordinator.config import CoordinatorConfig
 from hexgen_coordinator.dispatch import Dispatch
 from hexgen_coordinator.events import WATCH_BUFFER, check_not_behind, record_event
-from hexgen_coordinator.ledger import ActiveQuery, Ledger, call_id_of, chat_bytes
+from hexgen_coordinator.ledger import (
+    ActiveQuery,
+    Calls,
+    Clock,
+    Queries,
+    call_id_of,
+    chat_bytes,
+)
 from hexgen_coordinator.redis_retry import until_stored
 from hexgen_coordinator.session_store import (
     GIVE_APPLIED,
@@ -101,7 +108,9 @@ class Sessions:
         config: CoordinatorConfig,
         core: Scheduler,
         store: SessionStore,
-        ledger: Ledger,
+        queries: Queries,
+        calls: Calls,
+        clock: Clock,
         admission: Admission,
         dispatch: Dispatch,
         completions: Completions,
@@ -113,7 +122,9 @@ class Sessions:
         self.scheduler = core.policy
         """Read only here (a stage's revised budget, for the answer's deadline)."""
         self.store = store
-        self.ledger = ledger
+        self.queries = queries
+        self.calls = calls
+        self.clock = clock
         self.admission = admission
         self.dispatch = dispatch
         self.completions = completions
@@ -201,7 +212,7 @@ class Sessions:
     async def _open_entry(self, workflow_id: str, held: ActiveQuery | None = None) -> ActiveQuery:
         """The running session `workflow_id`; NOT_FOUND, or FAILED_PRECONDITION naming why
         it takes no calls."""
-        entry = self.ledger.active.get(workflow_id)
+        entry = self.queries.active.get(workflow_id)
         if entry is None or (held is not None and entry is not held):
             info = await self.views.get_info(workflow_id)  # UnknownQueryError: NOT_FOUND
             state = _STATE_NAMES.get(info.state, "ended")
@@ -277,10 +288,10 @@ class Sessions:
     ) -> tuple[QueryEvent, float]:
         """Give one call (the caller holds the query's lock): (its CALL_SUBMITTED event,
         its stage's deadline, or what it would get if released now)."""
-        run, session, ledger = entry.run, entry.session, self.ledger
+        run, session, calls = entry.run, entry.session, self.calls
         assert session is not None and run.given is not None
         query_id = run.query.query_id
-        now = ledger.clock.now()
+        now = self.clock.now()
         stage, closing = self._stage_for(entry, name)
         stages = run.query.workflow.stages
         expected = (
@@ -343,7 +354,7 @@ class Sessions:
         chat = given.chat
         if chat is not None:
             entry.chats[call_id] = chat
-        ledger.hold_prompt(entry, call_id, prompt_bytes)
+        self.queries.hold_prompt(entry, call_id, prompt_bytes)
         # kept until the call completes: its prompt and chat part, unless all are empty
         prompt, kept_chat = (given.prompt, chat) if prompt_bytes else ("", None)
         shape = self._shape(entry)
@@ -369,7 +380,7 @@ class Sessions:
         record_event(entry, EventKind.CALL_SUBMITTED, now, stage=stage, call_id=call_id)
         submitted = entry.events[-1]
         actions: tuple[Action, ...] = ()
-        ticket = ledger.tickets.get(call_id)
+        ticket = calls.tickets.get(call_id)
         if mode == "new":  # the core releases the stage it added
             actions = self.core.handle(ReleaseStage(run, stage, now))
             ticket = released_tickets(actions)[0]
@@ -380,7 +391,7 @@ class Sessions:
             joined = actions[0]
             assert isinstance(joined, DispatchCall | Park)
             ticket = joined.ticket
-            ledger.tickets[call_id] = ticket
+            calls.add(ticket)  # named `call_id` by the core
         await self.completions.settle(entry, actions, now)
         self.writes.persist(entry, [])
         deadline = ticket.deadline_s if ticket else self.scheduler.budget.revise(run, stage, now)
@@ -392,7 +403,7 @@ class Sessions:
         """Close a session (idempotent: a closed or ended one is returned as it is)."""
         if not workflow_id:
             raise InvalidFieldError("workflow_id", "must not be empty")
-        entry = self.ledger.active.get(workflow_id)
+        entry = self.queries.active.get(workflow_id)
         if entry is None:
             return await self.views.get_info(workflow_id)
         if entry.session is None:
@@ -401,7 +412,7 @@ class Sessions:
             )
         async with entry.lock:
             session = entry.session
-            if self.ledger.active.get(workflow_id) is entry and session.open:
+            if self.queries.active.get(workflow_id) is entry and session.open:
                 await self._close(entry, reason)
         return await self.views.get_info(workflow_id)
 
@@ -419,7 +430,7 @@ class Sessions:
             for k in range(len(run.query.workflow.stages))
             if k not in session.closed_stages and run.stage_finished_s[k] is None
         ]
-        now = self.ledger.clock.now()
+        now = self.clock.now()
         # Nothing left running: the workflow ended with its last call, not when it was
         # closed (the client's think time after its last answer is not its latency).
         given = run.given or []
@@ -446,7 +457,7 @@ class Sessions:
 
     async def _cancel_empty(self, entry: ActiveQuery, reason: str) -> None:
         """End a session that never got a call CANCELLED (the caller holds its lock)."""
-        now = self.ledger.clock.now()
+        now = self.clock.now()
         query_id = entry.run.query.query_id
         await until_stored(
             f"cancelling {query_id}", lambda: self.store.store.cancel(query_id, now, reason)
@@ -475,12 +486,12 @@ class Sessions:
         """After a restart: the sessions resumed with closed stages skip what those stages
         were never given (a crash between closing them and skipping would otherwise leave
         a closed session waiting for calls that never come)."""
-        now = self.ledger.clock.now()
-        for query_id, entry in list(self.ledger.active.items()):
+        now = self.clock.now()
+        for query_id, entry in list(self.queries.active.items()):
             if entry.session is None or not entry.session.closed_stages:
                 continue
             async with entry.lock:
-                if self.ledger.active.get(query_id) is entry:
+                if self.queries.active.get(query_id) is entry:
                     await self._settle(entry, now)
 
     async def close_idle(self) -> None:
@@ -490,7 +501,7 @@ class Sessions:
             wall = time.monotonic()
             idle = [
                 (query_id, entry.session.idle_timeout_s)
-                for query_id, entry in list(self.ledger.active.items())
+                for query_id, entry in list(self.queries.active.items())
                 if entry.session is not None
                 and entry.session.open
                 and wall - entry.session.last_call_wall > entry.session.idle_timeout_s

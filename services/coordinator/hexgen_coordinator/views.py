@@ -1,7 +1,8 @@
 """What clients read: a query's `QueryInfo` and events, and the cluster's status.
 
-A running query is read from the ledger (ahead of Redis by the writes still behind), any
-other from Redis. A query's events are streamed live by `hexgen_coordinator.events.watch`.
+A running query is read from memory (`ledger.Queries`: ahead of Redis by the writes still
+behind), any other from Redis. A query's events are streamed live by
+`hexgen_coordinator.events.watch`.
 
 The answers are `client_messages`' values (the servicer encodes them). This module also
 reads a query's event log back from Redis (`logged_events`): the log is kept as the
@@ -27,7 +28,7 @@ from hexgen_coordinator.client_messages import (
     StageInfo,
 )
 from hexgen_coordinator.client_wire import event_from_bytes
-from hexgen_coordinator.ledger import Ledger
+from hexgen_coordinator.ledger import Calls, Clock, Queries, Slots, Tally
 from hexgen_coordinator.session_store import stored_workflow
 from hexgen_coordinator.store import StoredQuery, WorkflowStore
 from hexgen_flow.admission import is_best_effort
@@ -55,15 +56,27 @@ class UnknownQueryError(LookupError):
 
 class QueryViews:
     def __init__(
-        self, cluster: Cluster, scheduler: GlobalScheduler, store: WorkflowStore, ledger: Ledger
+        self,
+        cluster: Cluster,
+        scheduler: GlobalScheduler,
+        store: WorkflowStore,
+        queries: Queries,
+        calls: Calls,
+        slots: Slots,
+        tally: Tally,
+        clock: Clock,
     ) -> None:
         self.cluster = cluster
         self.scheduler = scheduler
         self.store = store
-        self.ledger = ledger
+        self.queries = queries
+        self.calls = calls
+        self.slots = slots
+        self.tally = tally
+        self.clock = clock
 
     async def get_info(self, query_id: str) -> QueryInfo:
-        entry = self.ledger.active.get(query_id)
+        entry = self.queries.active.get(query_id)
         if entry is not None:
             return self.info_of_run(entry.run)
         stored = await self.store.load(query_id)
@@ -74,7 +87,7 @@ class QueryViews:
     async def get(self, query_id: str) -> QueryDetail:
         """The query's info, its event log and its stages."""
         info = await self.get_info(query_id)
-        entry = self.ledger.active.get(query_id)
+        entry = self.queries.active.get(query_id)
         stored = await self.store.load(query_id)
         if entry is not None:
             events = await self.logged_events(query_id, entry.event_base)
@@ -93,7 +106,7 @@ class QueryViews:
         behind (a running query's releases, finishes and deadlines)."""
         if stored is None:
             return ()  # expired between the reads
-        entry = self.ledger.active.get(stored.query_id)
+        entry = self.queries.active.get(stored.query_id)
         built = stored_workflow(stored)
         workflow = entry.run.query.workflow if entry is not None else built.query.workflow
         names = entry.session.names if entry is not None and entry.session else built.names
@@ -101,9 +114,9 @@ class QueryViews:
             entry.session.skipped if entry is not None and entry.session else stored.skipped()
         )
         deadlines: dict[int, float] = {}
-        now = self.ledger.clock.now()
+        now = self.clock.now()
         if entry is not None:
-            for ticket in self.ledger.tickets.values():
+            for ticket in self.calls.tickets.values():
                 if ticket.query_id == stored.query_id:
                     deadlines[ticket.stage] = ticket.deadline_s
             run = entry.run
@@ -149,7 +162,7 @@ class QueryViews:
     def info_of_run(self, run: QueryRun) -> QueryInfo:
         q = run.query
         stages_done = sum(1 for f in run.stage_finished_s if f is not None)
-        entry = self.ledger.active.get(q.query_id)
+        entry = self.queries.active.get(q.query_id)
         session = entry.session if entry is not None and entry.run is run else None
         hold = 1 if session is not None and session.open else 0  # the open session's own
         return QueryInfo(
@@ -195,7 +208,7 @@ class QueryViews:
 
     def _recent(self) -> RecentOutcomes:
         since = time.monotonic() - RECENT_WINDOW_S
-        ended = list(takewhile(lambda r: r[0] >= since, reversed(self.ledger.recent)))
+        ended = list(takewhile(lambda r: r[0] >= since, reversed(self.tally.recent)))
         succeeded = [r for r in ended if r[1] == "succeeded"]
         return RecentOutcomes(
             window_s=RECENT_WINDOW_S,
@@ -207,13 +220,13 @@ class QueryViews:
         )
 
     def status(self) -> ClusterStatus:
-        ledger = self.ledger
+        tally, clock = self.tally, self.clock
         load = self.scheduler.load
         learner = self.scheduler.learner
         learned = learner.factors() if learner is not None else None
         instances = []
         for inst in self.cluster.instances:
-            link = ledger.links[inst.index]
+            link = self.slots.links[inst.index]
             factors = learned[inst.index] if learned is not None else None
             instances.append(
                 InstanceStatus(
@@ -241,20 +254,20 @@ class QueryViews:
             instances=tuple(instances),
             policy=self.scheduler.preset.name,
             alpha=self.scheduler.alpha or 0.0,
-            time_scale=ledger.clock.time_scale,
-            now_s=ledger.clock.now(),
-            queries_running=len(ledger.active),
-            queries_finished=ledger.queries_finished,
-            queries_failed=ledger.queries_failed,
-            queries_rejected=ledger.queries_rejected,
+            time_scale=clock.time_scale,
+            now_s=clock.now(),
+            queries_running=len(self.queries.active),
+            queries_finished=tally.queries_finished,
+            queries_failed=tally.queries_failed,
+            queries_rejected=tally.queries_rejected,
             retention_s=self.store.retention_ms / 1000,
             recent=self._recent(),
             slo_base_s=self.scheduler.slo_base_s,
             cluster=self.cluster.description,
             overhead=Overhead(
-                completion_to_dispatch_ms=_summary(ledger.completion_ms),
-                submit_to_dispatch_ms=_summary(ledger.submit_ms),
-                completions=ledger.completions,
+                completion_to_dispatch_ms=_summary(tally.completion_ms),
+                submit_to_dispatch_ms=_summary(tally.submit_ms),
+                completions=tally.completions,
             ),
         )
 

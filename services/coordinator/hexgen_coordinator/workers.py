@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from hexgen_coordinator.completions import Completions
 from hexgen_coordinator.config import CoordinatorConfig
 from hexgen_coordinator.dispatch import Dispatch
-from hexgen_coordinator.ledger import Ledger
+from hexgen_coordinator.ledger import Calls, Clock, Slots
 from hexgen_coordinator.links import WorkerLink, slot_for
 from hexgen_coordinator.recovery import Recovery
 from hexgen_coordinator.worker_messages import Heartbeat, Hello, Welcome
@@ -42,7 +42,9 @@ class WorkerSlots:
         config: CoordinatorConfig,
         cluster: Cluster,
         core: Scheduler,
-        ledger: Ledger,
+        calls: Calls,
+        slots: Slots,
+        clock: Clock,
         dispatch: Dispatch,
         writes: WriteBehind,
         recovery: Recovery,
@@ -53,7 +55,9 @@ class WorkerSlots:
         self.core = core
         self.scheduler = core.policy
         """Read only here (its preset; a worker's report of other shards' load)."""
-        self.ledger = ledger
+        self.calls = calls
+        self.slots = slots
+        self.clock = clock
         self.dispatch = dispatch
         self.writes = writes
         self.recovery = recovery
@@ -62,20 +66,20 @@ class WorkerSlots:
 
     def connect(self, hello: Hello, link: WorkerLink) -> Welcome:
         """Give a worker its slot; raises InvalidFieldError / SlotTakenError."""
-        ledger = self.ledger
-        slot = slot_for(hello, self.cluster, ledger.links)
-        old = ledger.links[slot]
+        calls, slots, clock = self.calls, self.slots, self.clock
+        slot = slot_for(hello, self.cluster, slots.links)
+        old = slots.links[slot]
         if old is not None and old is not link:
             old.close()  # the same worker reconnecting: its old stream is dead
         link.slot = slot
-        ledger.links[slot] = link
-        now = ledger.clock.now()
+        slots.hold(slot, link)
+        now = clock.now()
         drop = []
         for call_id in hello.resident_call_ids:
-            ticket = ledger.tickets.get(call_id)
+            ticket = calls.tickets.get(call_id)
             if ticket is not None and ticket.instance == slot:
                 continue
-            if ticket is not None and ticket.instance < 0 and ledger.adoptable.get(call_id) == slot:
+            if ticket is not None and ticket.instance < 0 and calls.adoptable.get(call_id) == slot:
                 self.recovery.adopt(ticket, slot)
                 continue
             drop.append(call_id)
@@ -84,14 +88,14 @@ class WorkerSlots:
         # attempt. Then parked calls go out.
         resident = set(hello.resident_call_ids)
         lacking = tuple(
-            t for t in ledger.tickets.values() if t.instance == slot and t.call_id not in resident
+            t for t in calls.tickets.values() if t.instance == slot and t.call_id not in resident
         )
         actions = self.core.handle(InstanceBack(slot, now, lacking))
         welcome = Welcome(
             slot=slot,
             instance=self.cluster.instances[slot].name,
-            epoch_unix_s=ledger.clock.epoch_unix_s,
-            time_scale=ledger.clock.time_scale,
+            epoch_unix_s=clock.epoch_unix_s,
+            time_scale=clock.time_scale,
             cluster=self.cluster.inline,
             queue_policy=self.scheduler.preset.queue.name,
             queue_params_json=json.dumps(dict(self.scheduler.preset.queue.params)),
@@ -113,7 +117,7 @@ class WorkerSlots:
     def on_heartbeat(self, link: WorkerLink, msg: Heartbeat) -> None:
         link.last_seen = time.monotonic()
         link.running, link.queued, link.kv_used = msg.running, msg.queued, msg.kv_used_tokens
-        if link.slot >= 0 and self.ledger.links[link.slot] is link:
+        if link.slot >= 0 and self.slots.links[link.slot] is link:
             # A worker shared by coordinator shards reports what the other shards have on it
             # (0 from a worker of this coordinator alone, or from one older than these
             # fields). The dispatcher then counts those calls as in flight there.
@@ -134,13 +138,13 @@ class WorkerSlots:
 
     def disconnect(self, link: WorkerLink, reason: str) -> None:
         """The worker's stream ended: its calls go elsewhere."""
-        ledger = self.ledger
+        slots = self.slots
         link.close()
-        if link.slot < 0 or ledger.links[link.slot] is not link:
+        if link.slot < 0 or slots.links[link.slot] is not link:
             return
         slot = link.slot
-        ledger.links[slot] = None
-        now = ledger.clock.now()
+        slots.free(slot)
+        now = self.clock.now()
         actions = self.core.handle(InstanceLost(slot, now))
         lost = [a for a in actions if isinstance(a, Lost)]
         log.warning(
@@ -174,6 +178,6 @@ class WorkerSlots:
         while True:
             await asyncio.sleep(min(timeout / 4, 0.25))
             now = time.monotonic()
-            for link in list(self.ledger.links):
+            for link in list(self.slots.links):
                 if link is not None and now - link.last_seen > timeout:
                     self.disconnect(link, f"no heartbeat for {now - link.last_seen:.1f} s")
