@@ -103,7 +103,7 @@ def _settled_rss(up: Up, start_mb: float) -> float:
 
 SETTLED_MB = 150
 """What one round of the three floods may leave behind. Measured on 2-core machines: with the
-trimmer off, 213-232 MB stays; with it, 3-85 MB here and 107 MB once in CI. What a trim
+trimmer off, 213-232 MB stays; with it, 2-85 MB here and 107 MB once in CI. What a trim
 cannot give back varies with how the concurrent requests' buffers fell in the allocator's
 arenas (the trimmer's log shows each trim: `_heap_log`); the test also checks the trimmer is
 on, so a failure of either kind tells which."""
