@@ -48,15 +48,18 @@ def _malloc_trim() -> Callable[[int], int] | None:
     interpreter linked with glibc has it, whatever the environment), then in the C library
     `ctypes.util.find_library` names (which runs ``ldconfig`` or a compiler to find it);
     None where neither has it (musl, macOS)."""
-    for name in (None, ctypes.util.find_library("c")):
-        try:
-            trim = ctypes.CDLL(name).malloc_trim
-        except (OSError, AttributeError, TypeError):
-            continue
-        trim.argtypes = [ctypes.c_size_t]
-        trim.restype = ctypes.c_int
-        return trim
-    return None
+    return _symbol(None) or _symbol(ctypes.util.find_library("c"))
+
+
+def _symbol(library: str | None) -> Callable[[int], int] | None:
+    """``malloc_trim`` in `library` (None: the process's own symbols), or None."""
+    try:
+        trim = ctypes.CDLL(library).malloc_trim
+    except (OSError, AttributeError, TypeError):
+        return None
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    return trim
 
 
 def resident_bytes() -> int | None:
