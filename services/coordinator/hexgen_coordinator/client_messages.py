@@ -25,12 +25,14 @@ came: `worker_messages` says why).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from enum import IntEnum
 
 from hexgen_coordinator.worker_messages import Chat, ToolCall
 from hexgen_flow.workload import Query
+from hexgen_service.errors import InvalidFieldError
 
 __all__ = [
     "AlphaChange",
@@ -52,6 +54,7 @@ __all__ = [
     "StageInfo",
     "Submission",
     "ToolCall",
+    "opened_fields",
 ]
 
 
@@ -375,3 +378,21 @@ class AlphaHistory:
 
     alpha: float
     changes: tuple[AlphaChange, ...]
+
+
+@contextlib.contextmanager
+def opened_fields() -> Iterator[None]:
+    """An `InvalidFieldError` of the submission an OpenWorkflow is admitted as, named by
+    the request's own fields: its ``query_id`` is the request's ``workflow_id``, its
+    ``workflow`` the request's ``expected``. Both checks an OpenWorkflow meets use it: the
+    input limits as it is decoded (`client_wire.decode_open_workflow`) and what the
+    deployment serves as it is admitted (`Sessions.open`)."""
+    try:
+        yield
+    except InvalidFieldError as exc:
+        field = exc.field
+        if field == "query_id":
+            field = "workflow_id"
+        elif field.startswith("workflow"):
+            field = "expected" + field[len("workflow") :]
+        raise InvalidFieldError(field, str(exc).split(": ", 1)[-1]) from None

@@ -34,10 +34,8 @@ checked as it was, each error naming the field of the request the client sent.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
-from collections.abc import Iterator
 from functools import partial
 from typing import cast
 
@@ -58,6 +56,7 @@ from hexgen_coordinator.client_messages import (
     StageInfo,
     Submission,
     ToolCall,
+    opened_fields,
 )
 from hexgen_coordinator.worker_messages import Chat
 from hexgen_flow.workload import LLMCall, Query
@@ -145,25 +144,9 @@ def decode_open_workflow(
         slo_s=request.slo_s,
         slo_scale=request.slo_scale,
     )
-    with _opened_fields():
+    with opened_fields():
         submission = decode_submit(submit, limits)
     return OpenWorkflow(submission, tuple(stage_names(submit.workflow)), idle)
-
-
-@contextlib.contextmanager
-def _opened_fields() -> Iterator[None]:
-    """An `InvalidFieldError` of the submission an OpenWorkflow is admitted as, named by
-    the request's own fields: its ``query_id`` is the request's ``workflow_id``, its
-    ``workflow`` the request's ``expected`` (as `Sessions.open` names admission's)."""
-    try:
-        yield
-    except InvalidFieldError as exc:
-        field = exc.field
-        if field == "query_id":
-            field = "workflow_id"
-        elif field.startswith("workflow"):
-            field = "expected" + field[len("workflow") :]
-        raise InvalidFieldError(field, str(exc).split(": ", 1)[-1]) from None
 
 
 def decode_run_call(request: cpb.RunCallRequest) -> RunCall:

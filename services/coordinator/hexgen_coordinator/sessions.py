@@ -50,6 +50,7 @@ from hexgen_coordinator.client_messages import (
     QueryInfo,
     QueryState,
     RunCall,
+    opened_fields,
 )
 from hexgen_coordinator.completions import Completions
 from hexgen_coordinator.config import CoordinatorConfig
@@ -136,17 +137,10 @@ class Sessions:
 
     async def open(self, opened: OpenWorkflow) -> tuple[QueryInfo, bool]:
         """Open (or find) a workflow session; InvalidFieldError names a bad field."""
-        try:
+        with opened_fields():  # the submission's field names, as this request has them
             return await self.admission.submit(
                 opened.expected, session_idle_s=opened.idle_timeout_s, names=opened.names
             )
-        except InvalidFieldError as exc:  # the submission's field names, as this request has them
-            field = exc.field
-            if field == "query_id":
-                field = "workflow_id"
-            elif field.startswith("workflow"):
-                field = "expected" + field[len("workflow") :]
-            raise InvalidFieldError(field, str(exc).split(": ", 1)[-1]) from None
 
     # ------------------------------------------------------------------ calls
 
