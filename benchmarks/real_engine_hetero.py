@@ -273,6 +273,8 @@ def _measure_all(
             if resumed and (work / f"measured-{policy.label}.json").is_file():
                 continue
             info(f"{policy.label}: replaying {len(queries)} workflows at {args.qps:g} q/s")
+            journal = work / f"costs-{policy.label}.jsonl"  # what its learner took in
+            journal.unlink(missing_ok=True)  # an interrupted try's calls are not this run's
             samples: list[dict[str, float]] = []
 
             def sample(
@@ -296,6 +298,7 @@ def _measure_all(
                 log_dir=work / f"mesh-{policy.label}", progress=not args.json,
                 server_pids=pids, cluster=str(chosen.belief_file),
                 learn_costs=policy.learn_costs, on_status=sample if policy.learn_costs else None,
+                cost_journal=journal,
             )  # fmt: skip
             save_measured(work / f"measured-{policy.label}.json", 2, args.qps, result)
             (work / f"learning-{policy.label}.json").write_text(json.dumps(samples))

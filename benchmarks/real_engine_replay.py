@@ -166,13 +166,15 @@ def measure(
     learn_costs: bool = False,
     on_status: Callable[[float, cpb.ClusterStatusResponse], None] | None = None,
     status_every_s: float = 2.0,
+    cost_journal: Path | None = None,
 ) -> RunResult:
     """Replay `queries` through a mesh of one openai worker per server URL (whose processes
     are `server_pids`, for the CPU account). The mesh's slots are `cluster` (a cluster
     spec or file; default: that many `MESH_GPU`s) planned with `calibration` (default: the
     cluster's), learning each instance's costs with `learn_costs`; `on_status(t, status)`,
     when given, sees the coordinator's status every `status_every_s` seconds of the replay
-    (`t`: seconds since it began) and once after it."""
+    (`t`: seconds since it began) and once after it. With `learn_costs`, the coordinator
+    appends each call's measured cost to `cost_journal` (``--cost-journal``) when given."""
     options = (
         "--openai-model", SERVED_MODEL,
         "--max-batch", str(MAX_BATCH),
@@ -193,7 +195,10 @@ def measure(
         admission="off",
         # The servers run without prefix caching (`predict` says so to the simulator):
         # the coordinator is told too, so that neither plans with cache hits.
-        coordinator_args=("--no-prefix-caching",),
+        coordinator_args=(
+            "--no-prefix-caching",
+            *(("--cost-journal", str(cost_journal)) if learn_costs and cost_journal else ()),
+        ),
         time_scale=1.0,  # real engines run in real time
         log_dir=log_dir,
         start_timeout_s=120.0,

@@ -67,6 +67,7 @@ NON_DEFAULT: dict[str, Any] = {
     "tls_ca": "/tls/ca.pem",
     "insecure": True,
     "learn_costs": True,
+    "cost_journal": "/runs/costs.jsonl",
     "prefix_caching": False,
     "output_lengths": "learned",
     "gc_tuning": False,
@@ -93,6 +94,9 @@ NON_DEFAULT: dict[str, Any] = {
     "max_slo_s": 600.0,
 }
 """A valid value other than the default for every setting but the secrets."""
+
+NEEDS: dict[str, dict[str, object]] = {"cost_journal": {"learn_costs": True}}
+"""Settings that are refused without another (``--cost-journal`` needs ``--learn-costs``)."""
 
 BAD: dict[str, tuple[str, str]] = {
     "lease_ttl_s": ("0", "--lease-ttl-s must be > 0"),
@@ -151,10 +155,14 @@ def test_every_setting_has_a_non_default_value_here() -> None:
 
 @pytest.mark.parametrize("name", sorted(NON_DEFAULT))
 def test_each_setting_renders_and_parses_back(name: str) -> None:
-    config = CoordinatorConfig(**{name: NON_DEFAULT[name]})
+    companions = NEEDS.get(name, {})
+    config = CoordinatorConfig(**{name: NON_DEFAULT[name], **companions})
     argv = coordinator_argv(config)
+    for companion in companions:  # rendered first, in the settings' order
+        assert argv.pop(0) == _flag(companion)
     assert argv[0] in (_flag(name), "--no-" + _flag(name)[2:])  # only what differs
     assert len(argv) == (1 if isinstance(NON_DEFAULT[name], bool) else 2)
+    argv = coordinator_argv(config)
     assert _parse(argv) == config
 
 
@@ -310,6 +318,7 @@ def test_a_bad_value_is_one_line_naming_its_flag(
     [
         (["--alpha", "2"], "--alpha must be in [0, 1]"),
         (["--max-request-bytes", "10"], "--max-request-bytes (10) must be at least"),
+        (["--cost-journal", "/tmp/c.jsonl"], "--cost-journal needs --learn-costs"),
         (["--admission", "maybe"], "argument --admission: invalid choice: 'maybe'"),
         (["--max-calls", "x"], "argument --max-calls: invalid int value: 'x'"),
     ],

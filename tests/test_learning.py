@@ -13,12 +13,15 @@ import pytest
 
 from cli_runner import run_json
 from hexgen_flow.cluster import parse_cluster
+from hexgen_flow.errors import ConfigError
 from hexgen_flow.learning import (
     CallCost,
     CostLearner,
     CostMeter,
     InstanceCostLearner,
     LearnerSettings,
+    cost_journal_line,
+    read_cost_journal,
 )
 from hexgen_flow.policies.dispatch import MarginalLatencyDispatcher
 from hexgen_flow.policies.presets import PRESETS
@@ -440,3 +443,34 @@ def test_noisy_calls_leave_the_factors_of_the_engines_own_table_near_one() -> No
             learner.observe(_served_in_phases(learner, cost, 1.0, 1.0, rng))
         assert learner.a == pytest.approx(1.0, rel=0.1), settings
         assert learner.b == pytest.approx(1.0, rel=0.1), settings
+
+
+def test_a_cost_journal_gives_back_the_very_calls() -> None:
+    costs = [
+        dataclasses.replace(c, service_s=1.5 + i, first_token_s=0.25 * i)
+        for i, c in enumerate(calls(random.Random(3), 5))
+    ]
+    text = "".join(cost_journal_line(c) for c in costs)
+    assert text.count("\n") == len(costs)
+    assert read_cost_journal(text.splitlines()) == costs
+    # A field a later version added is ignored; blank lines are skipped.
+    newer = text.replace('{"instance"', '{"engine_version":"x","instance"', 1) + "\n"
+    assert read_cost_journal(newer.splitlines()) == costs
+
+
+@pytest.mark.parametrize(
+    ("line", "why"),
+    [
+        ("[1, 2]", "not an object"),
+        ('{"instance": 0}', "missing"),
+        ('{"instance": 0, "input_tokens": 5, "output_tokens": 2, "service_s": "slow",'
+         ' "mean_batch": 1}', "service_s not a finite number"),
+        ('{"instance": 0, "input_tokens": 5, "output_tokens": 2, "service_s": NaN,'
+         ' "mean_batch": 1}', "service_s not a finite number"),
+        ("{oops", "Expecting"),
+    ],
+)  # fmt: skip
+def test_a_cost_journal_line_that_is_not_a_call_is_named(line: str, why: str) -> None:
+    good = cost_journal_line(calls(random.Random(1), 1)[0])
+    with pytest.raises(ConfigError, match=f"cost journal line 2: not a CallCost .*{why}"):
+        read_cost_journal([good, line])

@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from hexgen_client.client import CoordinatorClient
 from hexgen_coordinator.coordinator import LEARNED_SAVE_S
 from hexgen_flow.cluster import parse_cluster
-from hexgen_flow.learning import CostLearner
+from hexgen_flow.learning import CostLearner, read_cost_journal
 from hexgen_flow.policies.presets import PRESETS
 from hexgen_flow.sim.simulator import SimConfig, Simulation
 from hexgen_flow.workload import LLMCall, Query, Workflow
@@ -42,6 +42,8 @@ STATUS = (sys.executable, "-m", "hexgen_cli", "status")
 LEARNED_METRICS = "hexgen_flow_instance_learned"
 LEARNING_GPUS = ("L40S", "L40S")
 """Two alike instances share the calls evenly, so each sees dozens."""
+JOURNAL = "costs.jsonl"
+"""The learning coordinator's ``--cost-journal``, in the mesh's folder."""
 
 
 class _Mesh(ProcessMesh):
@@ -53,8 +55,9 @@ class _Mesh(ProcessMesh):
         coordinator_args = [
             "--calibration", "aiconfigurator", "--admission", "off",
             "--metrics-listen", f"127.0.0.1:{port}",
-            *(["--learn-costs"] if learn else []),
+            *(["--learn-costs", "--cost-journal", str(folder / JOURNAL)] if learn else []),
         ]  # fmt: skip
+        self.journal = folder / JOURNAL
         super().__init__(
             folder,
             coordinator_args,
@@ -158,6 +161,19 @@ def test_the_coordinator_learns_what_its_workers_cost(learning_mesh: _Mesh) -> N
         assert row["learned_prefill_factor"] == factor(row["name"], "prefill")
         assert row["learned_decode_factor"] == factor(row["name"], "decode")
         assert f"prefill x{row['learned_prefill_factor']:.2f}" in shown
+    # The cost journal holds exactly what the learner took in: replayed through a fresh
+    # learner, it gives the very factors the coordinator exports.
+    costs = read_cost_journal(learning_mesh.journal.read_text().splitlines())
+    replayed = CostLearner(planner)
+    for cost in costs:
+        replayed.observe(cost)
+    for instance, learned in zip(instances, replayed.factors(), strict=True):
+        calls = m[("hexgen_flow_instance_learned_calls", (("gpu_instance", instance),))]
+        assert learned.calls == calls
+        assert (learned.prefill, learned.decode) == (
+            factor(instance, "prefill"),
+            factor(instance, "decode"),
+        )
     # One implementation in both drivers: the simulator, given the same calls, the same
     # beliefs and engines, learns factors close to the coordinator's (arrivals and the
     # wall clock's jitter differ a little).

@@ -72,10 +72,11 @@ One implementation serves the simulator and the coordinator alike.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,6 +93,8 @@ __all__ = [
     "InstanceCostLearner",
     "LearnedFactors",
     "LearnerSettings",
+    "cost_journal_line",
+    "read_cost_journal",
 ]
 
 OUTLIER_RATIO = 8.0
@@ -141,6 +144,41 @@ class CallCost:
     """Of `others_calls`, those taken before its first token."""
     others_before_prompt_tokens: int = 0
     """Their prompt tokens, summed (of `others_prompt_tokens`)."""
+
+
+def cost_journal_line(cost: CallCost) -> str:
+    """`cost` as one line of a cost journal (a JSON object of its fields, newline ended):
+    what a driver keeps of the learner's input (the coordinator's ``--cost-journal``)."""
+    return json.dumps(dataclasses.asdict(cost), separators=(",", ":")) + "\n"
+
+
+_COST_FIELDS = frozenset(f.name for f in dataclasses.fields(CallCost))
+
+
+def read_cost_journal(lines: Iterable[str]) -> list[CallCost]:
+    """The calls of a cost journal (`cost_journal_line`'s lines; blank ones skipped), in
+    order; ConfigError naming the line that is not one. A field a later version added is
+    ignored, so an older reader still replays a newer journal."""
+    out = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            doc = json.loads(line)
+            if not isinstance(doc, dict):
+                raise TypeError("not an object")
+            fields = {k: v for k, v in doc.items() if k in _COST_FIELDS}
+            bad = [
+                k
+                for k, v in fields.items()
+                if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v)
+            ]
+            if bad:
+                raise TypeError(f"{', '.join(sorted(bad))} not a finite number")
+            out.append(CallCost(**fields))
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"cost journal line {number}: not a CallCost ({exc})") from None
+    return out
 
 
 @dataclass(frozen=True, slots=True)

@@ -198,6 +198,15 @@ class CoordinatorConfig:
     """Learn each instance's prefill and decode costs online from the calls its worker
     served, with the calibration as the prior (`hexgen_flow.learning`): dispatch, the
     urgency queues' estimates, stage budgets and admission plan with what was learned."""
+    cost_journal: str = setting(
+        "",
+        "with --learn-costs, append what each finished call cost its instance (the cost "
+        "learner's input, hexgen_flow.learning.CallCost) to FILE, one JSON object per line",
+        metavar="FILE",
+    )
+    """With `learn_costs`, the file each call's `CallCost` is appended to as a JSON line
+    (`hexgen_flow.learning.read_cost_journal` reads it back): what the learner saw, to
+    replay through another fit offline; empty: none kept."""
     output_lengths: str = setting(
         "known",
         "what dispatch, stage budgets, the urgency queues' estimates and admission believe "
@@ -360,6 +369,8 @@ class CoordinatorConfig:
                 f"--max-request-bytes ({self.max_request_bytes}) must be at least "
                 f"--max-prompt-bytes ({self.max_prompt_bytes}): a request carries its prompts"
             )
+        if self.cost_journal and not self.learn_costs:
+            raise ConfigError("--cost-journal needs --learn-costs: without it no cost is measured")
         check_redis_url(self.redis_url, cluster=self.redis_cluster)
 
 

@@ -10,6 +10,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
+from typing import TextIO
 
 from hexgen_coordinator.client_messages import EventKind, QueryInfo
 from hexgen_coordinator.dispatch import Dispatch
@@ -31,7 +32,7 @@ from hexgen_coordinator.views import QueryViews
 from hexgen_coordinator.worker_messages import CancelRun, Finished, Started, Tokens
 from hexgen_coordinator.write_behind import WriteBehind
 from hexgen_flow.cluster import Cluster
-from hexgen_flow.learning import CostMeter
+from hexgen_flow.learning import CostMeter, cost_journal_line
 from hexgen_flow.protocol import (
     Action,
     CallDone,
@@ -68,6 +69,7 @@ class Completions:
         writes: WriteBehind,
         views: QueryViews,
         max_attempts: int = 3,
+        cost_journal: TextIO | None = None,
     ) -> None:
         self.max_attempts = max_attempts
         """Failed attempts after which a call's query ends FAILED."""
@@ -93,6 +95,8 @@ class Completions:
         """What each call costs its instance (`CallCost`), for the scheduler's cost learner
         (`--learn-costs`); None: it does not learn. Each instance's engine is taken to
         prefill in chunks of vLLM's default token budget for its GPU, as vLLM serves."""
+        self.cost_journal = cost_journal
+        """Where each call's `CallCost` is appended (``--cost-journal``); None: nowhere."""
 
     def _meter_dropped(self, ticket: CallTicket, slot: int) -> None:
         """A call left its worker without a result to learn from."""
@@ -242,6 +246,8 @@ class Completions:
                     else None
                 )
                 cost = self.meters[ran_on].finished(ticket, now, service, first_token)
+                if cost is not None and self.cost_journal is not None:
+                    self.cost_journal.write(cost_journal_line(cost))
             # The very effect Redis applied (evaluated once, above; the query's lock held).
             actions = self.core.handle(CallDone(ticket, now, cost, effect))
             if entry.session is not None:

@@ -32,7 +32,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, TextIO
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -71,6 +71,7 @@ from hexgen_coordinator.workers import WorkerSlots
 from hexgen_coordinator.write_behind import WriteBehind
 from hexgen_flow.alpha import alpha_problem
 from hexgen_flow.cluster import parse_cluster
+from hexgen_flow.errors import ConfigError
 from hexgen_flow.lengths import OutputLengthPredictor
 from hexgen_flow.policies.presets import resolve_policy
 from hexgen_flow.protocol import AlphaChanged, InstanceLost, Scheduler
@@ -127,6 +128,13 @@ class Coordinator:
         )
         if config.learn_costs:
             self.scheduler.learn_costs()
+        self._cost_journal: TextIO | None = None
+        """``--cost-journal``: each call's cost appended, a line at a time."""
+        if config.cost_journal:
+            try:
+                self._cost_journal = open(config.cost_journal, "a", encoding="utf-8", buffering=1)  # noqa: SIM115 (closed by `stop`)
+            except OSError as exc:
+                raise ConfigError(f"--cost-journal {config.cost_journal}: {exc.strerror}") from None
         self.core = Scheduler(
             self.scheduler,
             lengths=OutputLengthPredictor(within_declared=True)
@@ -196,6 +204,7 @@ class Coordinator:
             self._writes,
             self._views,
             max_attempts=config.max_call_attempts,
+            cost_journal=self._cost_journal,
         )
         self._sessions = Sessions(
             config,
@@ -348,6 +357,8 @@ class Coordinator:
         for link in self.links:
             if link is not None:
                 link.close()
+        if self._cost_journal is not None:
+            self._cost_journal.close()
 
     async def flush(self) -> None:
         """Wait until every write behind has reached Redis."""
