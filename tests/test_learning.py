@@ -375,6 +375,31 @@ def test_the_cost_meter_splits_the_others_at_the_first_token() -> None:
         meter.taken(b, 1.0)
 
 
+def test_the_cost_meter_sees_the_prompts_still_ahead_of_a_call() -> None:
+    """A call taken before another and still prefilling when the other began is ahead of
+    it, for the share of its prefill (taken to first token) within the other's service;
+    one done prefilling before, one that did not report its first token and one still
+    held when the other came back are not."""
+    meter = CostMeter(0)
+    run = QueryRun(Query("q", Workflow.chain([(LLMCall("a", 1000, 100),)])), 0, 0.0, 1e9)
+    tickets = [
+        CallTicket(i, run, 0, LLMCall(f"c{i}", 1000 * (i + 1), 10), 0.0, 1e9) for i in range(5)
+    ]
+    early, ahead, silent, long, late = tickets
+    for t, at in zip(tickets, (0.0, 0.0, 0.2, 0.4, 1.0), strict=True):
+        meter.taken(t, at)
+    assert meter.finished(early, 0.9, service_s=0.9, first_token_s=0.5) is not None  # before 1.0
+    assert meter.finished(ahead, 5.0, service_s=5.0, first_token_s=3.0) is not None
+    assert meter.finished(silent, 4.0, service_s=3.8) is not None  # no first token said
+    cost = meter.finished(late, 6.0, service_s=5.0)
+    assert cost is not None
+    # `ahead` prefilled over [0, 3]: 2 of its 3 s within late's service [1, 6]
+    assert cost.ahead_calls == pytest.approx(2 / 3, abs=1e-3)
+    assert cost.ahead_prompt_tokens == pytest.approx(2000 * 2 / 3, abs=0.1)
+    assert meter.held == 1  # `long` is still held: not counted, and not forgotten
+    assert meter.finished(long, 7.0, service_s=6.6) is not None and meter.held == 0
+
+
 def test_engine_models_report_the_first_token_to_the_meter() -> None:
     """Both engine models set `CallTicket.first_token_s`; the meter measures it from the
     call's first step, within its service."""
