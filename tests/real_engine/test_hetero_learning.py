@@ -11,7 +11,9 @@ on any machine, not how fast it is (the figures are the benchmark's to print):
   the servers' profiles and with what the learning mesh had learned of them;
 - the slow server really is slower than the fast one (its own profile says so);
 - the learning mesh learned that: its belief about the slow server moved from the fast
-  server's profile toward the slow one's, so its model error shrank.
+  server's profile toward the slow one's, so its model error shrank;
+- its coordinator kept every call it learned from (``--cost-journal``), with the engines'
+  first tokens, and those calls replayed give the factors it ended with.
 
 Skipped unless the tier is configured (conftest.py) and this process may make a cgroup
 (root); it takes several minutes.
@@ -27,6 +29,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+
+from hexgen_flow.cluster import parse_cluster
+from hexgen_flow.learning import CostLearner, read_cost_journal
 
 if TYPE_CHECKING:  # conftest is pytest's to import, not a module of a package
     from real_engine.conftest import RealEngines
@@ -76,3 +81,13 @@ def test_the_mesh_learns_which_real_engine_is_slow(
     assert curve[0]["calls"] == 0 and curve[0]["error"] < -0.3  # it starts believing server 0
     assert len(curve) > 1, "the learner never took in a call of the slow server"
     assert abs(curve[-1]["error"]) < abs(curve[0]["error"])
+    # The coordinator kept every call its learner took in (--cost-journal): the engine's
+    # first tokens came with them, and replayed they give the factors it ended with.
+    costs = read_cost_journal((tmp_path / "costs-hexgen-flow+learn.jsonl").read_text().splitlines())
+    assert costs and any(c.first_token_s > 0 for c in costs)
+    replayed = CostLearner(parse_cluster(str(tmp_path / "cluster.yaml")))
+    for cost in costs:
+        replayed.observe(cost)
+    last = json.loads((tmp_path / "learning-hexgen-flow+learn.json").read_text())[-1]
+    for learned, shown in zip(replayed.factors(), last["factors"], strict=True):
+        assert [learned.prefill, learned.decode] == pytest.approx(shown, rel=1e-6)
