@@ -137,7 +137,9 @@ def test_the_committed_results_are_what_the_code_measures() -> None:
             r for r in doc["rows"] if (r["information"], r["trace"]) == (info.name, task.trace)
         )
         committed = row["loads"][0]["p95_s"]["least-requests"]
-        assert run_task(task)["p95_s"] == committed, (key, DRIFTED)
+        # To the last bits: the same code and results gave a P95 3e-14 relative off on
+        # another CPU (numpy's and libm's kernels vary with it); a change of code, far more.
+        assert run_task(task)["p95_s"] == pytest.approx(committed, rel=1e-9), (key, DRIFTED)
 
 
 def test_the_cli_writes_the_quick_part(tmp_path: Path) -> None:
