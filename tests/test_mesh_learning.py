@@ -49,15 +49,22 @@ JOURNAL = "costs.jsonl"
 class _Mesh(ProcessMesh):
     """The coordinator plans with aiconfigurator, the workers' engines run chess-measured."""
 
-    def __init__(self, folder: Path, *, learn: bool, gpus: tuple[str, ...] = GPUS) -> None:
+    def __init__(
+        self,
+        folder: Path,
+        *,
+        learn: bool,
+        gpus: tuple[str, ...] = GPUS,
+        journal: Path | None = None,
+    ) -> None:
         port = free_port()
         self.metrics = f"http://127.0.0.1:{port}/metrics"
+        self.journal = journal or folder / JOURNAL
         coordinator_args = [
             "--calibration", "aiconfigurator", "--admission", "off",
             "--metrics-listen", f"127.0.0.1:{port}",
-            *(["--learn-costs", "--cost-journal", str(folder / JOURNAL)] if learn else []),
+            *(["--learn-costs", "--cost-journal", str(self.journal)] if learn else []),
         ]  # fmt: skip
-        self.journal = folder / JOURNAL
         super().__init__(
             folder,
             coordinator_args,
@@ -185,6 +192,20 @@ def test_the_coordinator_learns_what_its_workers_cost(learning_mesh: _Mesh) -> N
     for instance, learned in zip(instances, sim.scheduler.learner.factors(), strict=True):
         assert factor(instance, "prefill") == pytest.approx(learned.prefill, rel=0.3)
         assert factor(instance, "decode") == pytest.approx(learned.decode, rel=0.3)
+
+
+def test_a_cost_journal_that_cannot_be_written_costs_no_call(tmp_path: Path) -> None:
+    """A full disk (/dev/full) under the journal: the coordinator gives the journal up with
+    a warning and every query still finishes, learning as before."""
+    mesh = _Mesh(tmp_path, learn=True, gpus=LEARNING_GPUS, journal=Path("/dev/full"))
+    try:
+        _run(mesh, _queries(4))
+        m = _scrape(mesh.metrics)
+        for instance in ("L40S#0", "L40S#1"):
+            assert m[("hexgen_flow_instance_learned_calls", (("gpu_instance", instance),))] > 0
+        assert "cost journal given up" in mesh.log("coordinator")
+    finally:
+        mesh.stop()
 
 
 def test_a_coordinator_killed_carries_on_from_what_it_learned(learning_mesh: _Mesh) -> None:

@@ -32,7 +32,7 @@ from hexgen_coordinator.views import QueryViews
 from hexgen_coordinator.worker_messages import CancelRun, Finished, Started, Tokens
 from hexgen_coordinator.write_behind import WriteBehind
 from hexgen_flow.cluster import Cluster
-from hexgen_flow.learning import CostMeter, cost_journal_line
+from hexgen_flow.learning import CallCost, CostMeter, cost_journal_line
 from hexgen_flow.protocol import (
     Action,
     CallDone,
@@ -97,6 +97,16 @@ class Completions:
         prefill in chunks of vLLM's default token budget for its GPU, as vLLM serves."""
         self.cost_journal = cost_journal
         """Where each call's `CallCost` is appended (``--cost-journal``); None: nowhere."""
+
+    def _journal(self, cost: CallCost) -> None:
+        """Append `cost` to the cost journal; a journal that cannot be written (a full
+        disk) is given up with one warning, never at the cost of the completion."""
+        assert self.cost_journal is not None
+        try:
+            self.cost_journal.write(cost_journal_line(cost))
+        except (OSError, ValueError) as exc:  # ValueError: the file was closed
+            log.warning("cost journal given up: %s", exc)
+            self.cost_journal = None
 
     def _meter_dropped(self, ticket: CallTicket, slot: int) -> None:
         """A call left its worker without a result to learn from."""
@@ -247,7 +257,7 @@ class Completions:
                 )
                 cost = self.meters[ran_on].finished(ticket, now, service, first_token)
                 if cost is not None and self.cost_journal is not None:
-                    self.cost_journal.write(cost_journal_line(cost))
+                    self._journal(cost)
             # The very effect Redis applied (evaluated once, above; the query's lock held).
             actions = self.core.handle(CallDone(ticket, now, cost, effect))
             if entry.session is not None:
