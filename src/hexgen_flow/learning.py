@@ -77,6 +77,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import statistics
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -95,6 +96,8 @@ __all__ = [
     "InstanceCostLearner",
     "LearnedFactors",
     "LearnerSettings",
+    "PredictionCheck",
+    "check_predictions",
     "cost_journal_line",
     "read_cost_journal",
 ]
@@ -562,6 +565,59 @@ class CostLearner:
                 continue
             restored.append(inst.index)
         return restored
+
+
+@dataclass(frozen=True, slots=True)
+class PredictionCheck:
+    """How well one instance's learner predicted the calls it was then given
+    (`check_predictions`): the error of each call's prediction from the calls before it."""
+
+    instance: int
+    calls: int
+    """The calls judged: the instance's calls after the first `skip`, with a service time."""
+    bias: float
+    """Median of log(measured / predicted): > 0 when the calls took longer than predicted
+    (NaN when no call was judged)."""
+    spread: float
+    """Median of |log(measured / predicted)| (NaN when no call was judged)."""
+
+
+def check_predictions(
+    costs: Iterable[CallCost],
+    cluster: Cluster,
+    settings: LearnerSettings | None = None,
+    *,
+    skip: int = 50,
+) -> list[PredictionCheck]:
+    """Replay `costs` (a cost journal, in order) through a fresh `CostLearner` of `cluster`
+    and judge, for each instance, every call after its first `skip` by what the learner
+    predicted for it just before taking it in. It needs no profile of the engines: it asks
+    whether the learner predicts the calls the engines really served, under whatever load
+    they served them (an error against a profile taken under other load mixes the two)."""
+    if skip < 0:
+        raise ConfigError(f"skip must be >= 0, got {skip}")
+    learner = CostLearner(cluster, settings)
+    ratios: list[list[float]] = [[] for _ in learner.instances]
+    seen = [0] * len(learner.instances)
+    for cost in costs:
+        i = cost.instance
+        if 0 <= i < len(learner.instances) and cost.service_s > 0:
+            one = learner.instances[i]
+            p, x = one.predict_s(cost)
+            predicted = one.a * p + one.b * x
+            if seen[i] >= skip and predicted > 0:
+                ratios[i].append(math.log(cost.service_s / predicted))
+            seen[i] += 1
+        learner.observe(cost)
+    out = []
+    for i, logs in enumerate(ratios):
+        if logs:
+            bias = statistics.median(logs)
+            spread = statistics.median([abs(v) for v in logs])
+        else:
+            bias = spread = math.nan
+        out.append(PredictionCheck(i, len(logs), bias, spread))
+    return out
 
 
 class CostMeter:
