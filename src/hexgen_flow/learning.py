@@ -296,6 +296,12 @@ class InstanceCostLearner:
         p1, x1, p2, x2 = self.predict_phases_s(cost)
         return p1 + p2, x1 + x2
 
+    def service_s(self, cost: CallCost) -> float:
+        """The service time this learner now predicts for `cost`: a x prefill term +
+        b x decode term."""
+        p, x = self.predict_s(cost)
+        return self.a * p + self.b * x
+
     def predict_phases_s(self, cost: CallCost) -> tuple[float, float, float, float]:
         """`predict_s`'s terms split at the first token: (prefill, decode) up to it, then
         (prefill, decode) after it. Up to the first token: its own prompt's prefill, the
@@ -602,9 +608,7 @@ def check_predictions(
     for cost in costs:
         i = cost.instance
         if 0 <= i < len(learner.instances) and cost.service_s > 0:
-            one = learner.instances[i]
-            p, x = one.predict_s(cost)
-            predicted = one.a * p + one.b * x
+            predicted = learner.instances[i].service_s(cost)
             if seen[i] >= skip and predicted > 0:
                 ratios[i].append(math.log(cost.service_s / predicted))
             seen[i] += 1
