@@ -642,7 +642,7 @@ class CostMeter:
         "_area",
         "_backs",
         "_cached_share",
-        "_first_at",
+        "_came_back",
         "_held",
         "_kv",
         "_kv_area",
@@ -667,7 +667,7 @@ class CostMeter:
         self._log: deque[CallTicket] = deque()  # calls taken, oldest first
         self._log_s: deque[float] = deque()  # when each was taken
         self._log_base = 0  # the position of _log[0] among every call taken
-        self._first_at: dict[CallTicket, tuple[float, float]] = {}
+        self._came_back: dict[CallTicket, tuple[float, float]] = {}
         """Calls in the log that came back: when their first token came (0: not reported)
         and when they came back, to tell the calls taken after them whether their prompt
         was still ahead."""
@@ -745,7 +745,7 @@ class CostMeter:
             first_token_s = 0.0
         first_token_at = start + first_token_s  # on this meter's clock
         # a prefill phase apart from the whole call: what the calls taken after it see ahead
-        self._first_at[ticket] = (first_token_at if 0 < first_token_s < service_s else 0.0, now)
+        self._came_back[ticket] = (first_token_at if 0 < first_token_s < service_s else 0.0, now)
         span = now - taken_s
         call = ticket.call
         if call.input_tokens > 0:
@@ -793,13 +793,13 @@ class CostMeter:
         whose prefill, from being taken to their first token, overlapped its service
         [`start`, `end`]; and their uncached prompt tokens; each weighted by the share of
         its prefill that overlapped."""
-        log, log_s, first_at = self._log, self._log_s, self._first_at
+        log, log_s, back = self._log, self._log_s, self._came_back
         calls, tokens = 0.0, 0.0
         k = position - self._log_base - 1
         stop = max(k - MAX_AHEAD, -1)
         while k > stop:
             other = log[k]
-            first = first_at.get(other, (0.0, 0.0))[0]
+            first = back.get(other, (0.0, 0.0))[0]
             taken = log_s[k]
             k -= 1
             if first <= start or first <= taken:  # not back, not reported, or done before
@@ -815,7 +815,7 @@ class CostMeter:
         return round(calls, 4), round(tokens, 1)
 
     def _trim(self) -> None:
-        log, held, back = self._log, self._started, self._first_at
+        log, held, back = self._log, self._started, self._came_back
         # The oldest call held: a call back before it was taken was not ahead of it.
         oldest = next(iter(held.values()))[3] if held else math.inf
         while log and log[0] not in held:  # nobody still held was taken before it
