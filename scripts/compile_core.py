@@ -4,6 +4,7 @@
     .venv/bin/python scripts/compile_core.py --clean   # remove them: back to pure Python
     .venv/bin/python scripts/compile_core.py --check   # fail if a built module's source changed
     .venv/bin/python scripts/compile_core.py --tree build/compiled  # a compiled copy of src/
+    .venv/bin/python scripts/compile_core.py --wheel build/wheel     # a compiled wheel of it all
 
 `MODULES` are the modules that hold the simulator's time under cProfile: the engine models,
 the dispatcher, queues and budgets, the event loop, the protocol, the scheduler and the
@@ -26,6 +27,13 @@ editing a compiled module, rebuild or ``--clean``, or the stale extension keeps 
 (``--check``, which tests/test_compiled_modules.py runs, catches it). ``--tree DIR`` copies
 ``src/`` and ``pyproject.toml`` to DIR and compiles there, leaving this tree as it is (CI:
 `make test-compiled`). Needs mypy (the ``dev`` extra) and a C compiler.
+
+``--wheel DIR`` is how the compiled core ships (the Docker image installs it; `make
+test-compiled` tests it): it copies the project's package roots (pyproject.toml's
+``[tool.setuptools.packages.find] where``), compiles that copy in place and builds one wheel
+of the whole project into DIR, the extensions and the shared library inside it, tagged for
+this Python and platform (``cp311-cp311-linux_x86_64``), not ``py3-none-any``. The tree the
+wheel is built from is fresh, so nothing stale can ship; this tree stays as it is.
 """
 
 from __future__ import annotations
@@ -36,8 +44,10 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 from typing import Any, cast
 
@@ -132,12 +142,72 @@ def build(root: Path, opt_level: str) -> None:
     (root / "src" / STAMP).write_text(json.dumps(hashes, indent=1) + "\n", encoding="utf-8")
 
 
+PACKAGE_DATA = '"*" = ["py.typed"]'
+"""pyproject.toml's package data for every package: the wheel's copy adds the extensions."""
+
+BINARY_SETUP = """\
+# Written by scripts/compile_core.py --wheel: the wheel carries compiled extensions, so it is
+# tagged for this Python and platform rather than as pure Python.
+from setuptools import setup
+from setuptools.dist import Distribution
+
+
+class BinaryDistribution(Distribution):
+    def has_ext_modules(self) -> bool:
+        return True
+
+
+setup(distclass=BinaryDistribution)
+"""
+
+
+def copy_project(root: Path) -> None:
+    """Copy what a wheel is built from (pyproject.toml, README.md and the package roots that
+    pyproject.toml lists) to `root`, without built files, and mark its packages' extension
+    modules as package data and its wheel as binary."""
+    pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    roots = tomllib.loads(pyproject)["tool"]["setuptools"]["packages"]["find"]["where"]
+    shutil.rmtree(root, ignore_errors=True)
+    ignore = shutil.ignore_patterns("*.so", "__pycache__", "*.egg-info", ".mypyc-sources.json")
+    for where in roots:
+        shutil.copytree(ROOT / where, root / where, ignore=ignore)
+    if PACKAGE_DATA not in pyproject:
+        raise SystemExit(f"compile_core: pyproject.toml no longer has {PACKAGE_DATA}")
+    data = PACKAGE_DATA.replace('"py.typed"]', '"py.typed", "*.so"]')
+    (root / "pyproject.toml").write_text(pyproject.replace(PACKAGE_DATA, data), encoding="utf-8")
+    shutil.copy2(ROOT / "README.md", root / "README.md")
+    (root / "setup.py").write_text(BINARY_SETUP, encoding="utf-8")
+
+
+def build_wheel(out: Path, opt_level: str) -> Path:
+    """Compile a fresh copy of the project and build its wheel into `out`; return its path."""
+    out = out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("hexgen_flow-*.whl"):
+        old.unlink()
+    tree = out / "tree"
+    copy_project(tree)
+    here = Path.cwd()
+    build(tree, opt_level)
+    os.chdir(here)
+    # mypyc's own build folder: setuptools would pack its copy of the shared library too
+    shutil.rmtree(tree / "build")
+    pip = [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation"]
+    subprocess.run([*pip, "--wheel-dir", str(out), str(tree)], check=True)
+    shutil.rmtree(tree)
+    (wheel,) = out.glob("hexgen_flow-*.whl")
+    return wheel
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     what = parser.add_mutually_exclusive_group()
     what.add_argument("--clean", action="store_true", help="remove the compiled modules")
     what.add_argument("--check", action="store_true", help="fail if a compiled module is stale")
     what.add_argument("--tree", type=Path, help="compile a copy of src/ in TREE/src instead")
+    what.add_argument(
+        "--wheel", type=Path, metavar="DIR", help="build a compiled wheel of the project in DIR"
+    )
     parser.add_argument("--opt-level", default="3", help="the C compiler's -O level (mypyc's)")
     args = parser.parse_args()
     root = ROOT
@@ -146,6 +216,13 @@ def main() -> int:
         for problem in problems:
             print(f"compile_core: {problem}: rerun scripts/compile_core.py (or --clean)")
         return 1 if problems else 0
+    if args.wheel is not None:
+        start = time.monotonic()
+        wheel = build_wheel(args.wheel, args.opt_level)
+        print(
+            f"built {wheel} ({len(MODULES)} modules compiled) in {time.monotonic() - start:.0f} s"
+        )
+        return 0
     if args.tree is not None:
         root = args.tree.resolve()
         shutil.rmtree(root / "src", ignore_errors=True)

@@ -31,6 +31,7 @@ from hexgen_cli.options import (
     print_json,
     print_rows,
 )
+from hexgen_flow import compiled_modules
 from hexgen_flow.cluster import DEFAULT_CLUSTER, DEFAULT_MODEL, Cluster, parse_cluster
 from hexgen_flow.errors import ConfigError
 from hexgen_flow.lengths import OutputLengths
@@ -275,7 +276,11 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     metrics = sim.run()
     wall_s = time.perf_counter() - started
     calls = sum(q.workflow.num_calls for q in run.queries)
-    speed = f"{calls:,} LLM calls in {wall_s:.3f} s ({calls / max(wall_s, 1e-9):,.0f} calls/s)"
+    compiled = compiled_modules()
+    how = f"{len(compiled)} modules compiled" if compiled else "as Python"
+    speed = (
+        f"{calls:,} LLM calls in {wall_s:.3f} s ({calls / max(wall_s, 1e-9):,.0f} calls/s, {how})"
+    )
 
     if args.json:
         doc = metrics.to_json()

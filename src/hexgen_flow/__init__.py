@@ -6,7 +6,7 @@ import os as _os
 import sys as _sys
 
 __version__ = "0.1.0"
-__all__ = ["__version__"]
+__all__ = ["__version__", "compiled_modules"]
 
 
 def _register_compiled_runtime() -> None:
@@ -28,3 +28,15 @@ def _register_compiled_runtime() -> None:
 
 
 _register_compiled_runtime()
+
+
+def compiled_modules() -> list[str]:
+    """The modules of this package loaded so far that run compiled (scripts/compile_core.py:
+    the compiled wheel, or `make compile` in a checkout), sorted; empty when all run as
+    Python."""
+    return sorted(
+        name
+        for name, module in list(_sys.modules.items())
+        if name.startswith("hexgen_flow")
+        and not (getattr(module, "__file__", None) or ".py").endswith(".py")
+    )
