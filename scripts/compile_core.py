@@ -25,8 +25,9 @@ byte-identical
 An extension is tied to this Python version and to the source it was built from: after
 editing a compiled module, rebuild or ``--clean``, or the stale extension keeps running
 (``--check``, which tests/test_compiled_modules.py runs, catches it). ``--tree DIR`` copies
-``src/`` and ``pyproject.toml`` to DIR and compiles there, leaving this tree as it is (CI:
-`make test-compiled`). Needs mypy (the ``dev`` extra) and a C compiler.
+``src/`` and ``pyproject.toml`` to DIR and compiles there, leaving this tree as it is (to
+run a benchmark on a compiled copy: ``PYTHONPATH=DIR/src``). Needs mypy (the ``dev`` extra)
+and a C compiler.
 
 ``--wheel DIR`` is how the compiled core ships (the Docker image installs it; `make
 test-compiled` tests it): it copies the project's package roots (pyproject.toml's
