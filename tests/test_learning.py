@@ -24,6 +24,7 @@ from hexgen_flow.learning import (
     check_predictions,
     cost_journal_line,
     read_cost_journal,
+    within_after,
 )
 from hexgen_flow.policies.dispatch import MarginalLatencyDispatcher
 from hexgen_flow.policies.presets import PRESETS
@@ -520,6 +521,34 @@ def test_checking_a_journal_judges_each_call_by_what_the_learner_then_predicted(
     for check in learning:
         assert check.bias == pytest.approx(0.0, abs=0.05), check
         assert check.spread < 0.12, check
+
+
+def test_a_learners_error_falls_within_the_bound_over_its_last_calls() -> None:
+    # Windows of 3 calls: after 6 calls the median of the last three, [1, 1, 0], is still
+    # e^1 off; after 7, that of [1, 0, 0] is 0, and every later window is inside.
+    assert within_after([1.0] * 5 + [0.0] * 10, 3, 0.2) == (7, 1.0)
+    assert within_after([0.0] * 10, 3, 0.2) == (3, 1.0)  # the prior was right
+    assert within_after([0.1, -0.1, 0.15], 3, 0.2) == (3, 1.0)  # log 1.2 = 0.18 either way
+    assert within_after([0.0] * 10 + [-0.5], 3, 0.2) == (3, 1.0)  # one outlier moves no median
+    # It got there and left again: of the 10 windows from the first on, the last is off.
+    assert within_after([0.0] * 10 + [-0.5] * 2, 3, 0.2) == (3, 0.9)
+    assert within_after([1.0] * 10, 3, 0.2)[0] is None  # never
+    assert within_after([0.0, 0.0], 3, 0.2)[0] is None  # too few calls for one window
+    costs = _journal_of_two_servers(300)
+    cluster = parse_cluster("L40S,L40S")
+    # A learner that never refits stays 2x off on server 0; server 1's prior is right.
+    frozen = check_predictions(costs, cluster, LearnerSettings(refit_calls=1000), skip=0)
+    assert frozen[0].within_after is None and math.isnan(frozen[0].windows_within)
+    assert (frozen[1].within_after, frozen[1].windows_within) == (20, 1.0)
+    # The real learner gets server 0 within 20 % in its first 50 calls, and stays there.
+    learning = check_predictions(costs, cluster, skip=50)
+    assert learning[0].within_after is not None and 20 < learning[0].within_after <= 50
+    assert learning[0].windows_within == 1.0
+    assert (learning[1].within_after, learning[1].windows_within) == (20, 1.0)
+    with pytest.raises(ConfigError, match="window must be >= 1, got 0"):
+        check_predictions(costs, cluster, window=0)
+    with pytest.raises(ConfigError, match="within must be > 0, got 0"):
+        check_predictions(costs, cluster, within=0.0)
 
 
 def test_checking_a_journal_without_a_servers_calls_says_so() -> None:

@@ -100,6 +100,7 @@ __all__ = [
     "check_predictions",
     "cost_journal_line",
     "read_cost_journal",
+    "within_after",
 ]
 
 OUTLIER_RATIO = 8.0
@@ -586,6 +587,29 @@ class PredictionCheck:
     (NaN when no call was judged)."""
     spread: float
     """Median of |log(measured / predicted)| (NaN when no call was judged)."""
+    within_after: int | None
+    """How many of the instance's calls the learner had taken in when its error first fell
+    within `within` either way: the fewest n ≥ `window` at which the median
+    log(measured / predicted) of its last `window` calls (the first `skip` too) is within
+    ±log(1 + `within`); None when it never did (or had fewer than `window` calls)."""
+    windows_within: float
+    """Of the windows of `window` calls ending from `within_after` on (one per call), the
+    share whose median is within the bound: whether it stayed there (NaN when it never
+    got there)."""
+
+
+def within_after(logs: Sequence[float], window: int, within: float) -> tuple[int | None, float]:
+    """`PredictionCheck.within_after` and `windows_within` of one instance's calls'
+    log(measured / predicted), in the order the learner took them in."""
+    bound = math.log1p(within)
+    inside = [
+        abs(statistics.median(logs[end - window : end])) <= bound
+        for end in range(window, len(logs) + 1)
+    ]
+    if True not in inside:
+        return None, math.nan
+    first = inside.index(True)
+    return first + window, sum(inside[first:]) / len(inside[first:])
 
 
 def check_predictions(
@@ -594,33 +618,41 @@ def check_predictions(
     settings: LearnerSettings | None = None,
     *,
     skip: int = 50,
+    window: int = 20,
+    within: float = 0.2,
 ) -> list[PredictionCheck]:
     """Replay `costs` (a cost journal, in order) through a fresh `CostLearner` of `cluster`
     and judge, for each instance, every call after its first `skip` by what the learner
-    predicted for it just before taking it in. It needs no profile of the engines: it asks
-    whether the learner predicts the calls the engines really served, under whatever load
-    they served them (an error against a profile taken under other load mixes the two)."""
+    predicted for it just before taking it in, and say after how many calls its error over
+    the last `window` calls first fell within `within`, and whether it stayed there. It
+    needs no profile of the engines: it asks whether the learner predicts the calls the
+    engines really served, under whatever load they served them (an error against a profile
+    taken under other load mixes the two)."""
     if skip < 0:
         raise ConfigError(f"skip must be >= 0, got {skip}")
+    if window < 1:
+        raise ConfigError(f"window must be >= 1, got {window}")
+    if not within > 0:
+        raise ConfigError(f"within must be > 0, got {within}")
     learner = CostLearner(cluster, settings)
     ratios: list[list[float]] = [[] for _ in learner.instances]
-    seen = [0] * len(learner.instances)
     for cost in costs:
         i = cost.instance
         if 0 <= i < len(learner.instances) and cost.service_s > 0:
             predicted = learner.instances[i].service_s(cost)
-            if seen[i] >= skip and predicted > 0:
+            if predicted > 0:
                 ratios[i].append(math.log(cost.service_s / predicted))
-            seen[i] += 1
         learner.observe(cost)
     out = []
-    for i, logs in enumerate(ratios):
+    for i, every in enumerate(ratios):
+        logs = every[skip:]
         if logs:
             bias = statistics.median(logs)
             spread = statistics.median([abs(v) for v in logs])
         else:
             bias = spread = math.nan
-        out.append(PredictionCheck(i, len(logs), bias, spread))
+        first, stayed = within_after(every, window, within)
+        out.append(PredictionCheck(i, len(logs), bias, spread, first, stayed))
     return out
 
 
