@@ -76,8 +76,8 @@ def test_simulate_reports_speed_on_stderr_and_in_summary() -> None:
     assert re.search(r"simulator speed .*calls/s", proc.stdout)
     proc = run_cli("simulate", "--policy", "vllm", "--num-queries", "20", "--json")
     assert re.search(r"simulator speed: .*calls/s", proc.stderr)
-    # Whether the hot modules ran compiled: under `make test-compiled`, the installed wheel's 16.
-    how = "16 modules compiled" if os.environ.get("HEXGEN_EXPECT_COMPILED") else "as Python"
+    # Whether the hot modules ran compiled: under `make test-compiled`, the installed wheel's.
+    how = r"\d+ modules compiled" if os.environ.get("HEXGEN_EXPECT_COMPILED") else "as Python"
     assert re.search(rf"calls/s, {how}\)", proc.stderr), proc.stderr
 
 
