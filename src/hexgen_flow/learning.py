@@ -300,7 +300,11 @@ class InstanceCostLearner:
     def service_s(self, cost: CallCost) -> float:
         """The service time this learner now predicts for `cost`: a x prefill term +
         b x decode term."""
-        p, x = self.predict_s(cost)
+        return self._time_s(*self.predict_s(cost))
+
+    def _time_s(self, p: float, x: float) -> float:
+        """A prefill term `p` and a decode term `x` (seconds as calibrated) as the current
+        factors weigh them."""
         return self.a * p + self.b * x
 
     def predict_phases_s(self, cost: CallCost) -> tuple[float, float, float, float]:
@@ -352,7 +356,7 @@ class InstanceCostLearner:
         service = cost.service_s
         phases = self.predict_phases_s(cost)
         p, x = phases[0] + phases[2], phases[1] + phases[3]
-        predicted = self.a * p + self.b * x
+        predicted = self._time_s(p, x)
         s, d = self._sums, self._decay
         if not (service > 0 and predicted > 0 and math.isfinite(service)):
             self.dropped += 1
@@ -407,7 +411,7 @@ class InstanceCostLearner:
         if not (self.settings.first_token and first > 0 and rest > 0 and math.isfinite(first)):
             return None
         p1, x1, p2, x2 = phases
-        one, two = self.a * p1 + self.b * x1, self.a * p2 + self.b * x2
+        one, two = self._time_s(p1, x1), self._time_s(p2, x2)
         if one <= 0 or x2 <= 0 or two <= 0:
             return None
         return (p1 / one, x1 / one, first / one), (p2 / two, x2 / two, rest / two)
@@ -415,11 +419,8 @@ class InstanceCostLearner:
     def _centre(self) -> float:
         """The median log-ratio of the recent calls to the current prediction (0 before
         any): where the calls agree the instance is, whatever the calibration says."""
-        ratios = sorted(
-            math.log(service / (self.a * p + self.b * x))
-            for service, p, x in self._recent
-            if self.a * p + self.b * x > 0
-        )
+        times = ((service, self._time_s(p, x)) for service, p, x in self._recent)
+        ratios = sorted(math.log(service / t) for service, t in times if t > 0)
         if not ratios:
             return 0.0
         mid = len(ratios) // 2
