@@ -82,7 +82,7 @@ from real_engine_replay import (
     measure,
     predict,
 )
-from real_engine_results import RunResult, load_measured, save_measured
+from real_engine_results import RunResult, aligned, load_measured, save_measured
 from real_engine_servers import Servers, info, profile_servers
 
 __all__ = [
@@ -507,11 +507,7 @@ def _print(doc: dict[str, Any]) -> None:
         )
         for r in doc["runs"]
     ]
-    widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
-    for r in rows:
-        print(
-            "  ".join([r[0].ljust(widths[0]), *(r[c].rjust(widths[c]) for c in range(1, len(r)))])
-        )
+    print("\n".join(aligned(rows)))
     if learned:
         print(
             "from learned: the simulator's prediction with the engines as the learning mesh "
@@ -665,11 +661,7 @@ def _print_summary(summary: dict[str, Any]) -> None:
         )
         for p in summary["policies"]
     ]
-    widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
-    for r in rows:
-        print(
-            "  ".join([r[0].ljust(widths[0]), *(r[c].rjust(widths[c]) for c in range(1, len(r)))])
-        )
+    print("\n".join(aligned(rows)))
     print("pred. err: the simulator's worst error in predicting the policy's P95 over the seeds")
 
 

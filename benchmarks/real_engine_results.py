@@ -132,9 +132,15 @@ def table(run: dict[str, Any]) -> list[str]:
         rows.append(
             (label, f"{m:.3f}", f"{p:.3f}", f"{100 * e:+.1f} %" if math.isfinite(e) else "-")
         )
-    widths = [max(len(r[c]) for r in rows) for c in range(4)]
+    return aligned(rows)
+
+
+def aligned(rows: Sequence[Sequence[str]]) -> list[str]:
+    """`rows` (the header first) as text lines: the first column left-aligned, the others
+    right-aligned, each as wide as its widest cell."""
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     return [
-        "  ".join([r[0].ljust(widths[0]), *(r[c].rjust(widths[c]) for c in (1, 2, 3))])
+        "  ".join([r[0].ljust(widths[0]), *(r[c].rjust(widths[c]) for c in range(1, len(r)))])
         for r in rows
     ]
 
