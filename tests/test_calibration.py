@@ -153,7 +153,7 @@ def test_qwen_under_chess_measured_keeps_the_4000_token_sample() -> None:
         ours = latency_model("qwen3-30b-a3b", gpu, calibration="chess-measured")
         system = ours.hardware.gpu.aiconfigurator_system or ""
         ttft, tpot = aiconfigurator_rows("qwen3-30b-a3b")[(system, 1)]
-        assert ours.split(4000, 200) == pytest.approx((ttft, 200 * tpot), rel=1e-12)
+        assert ours.split(4000, 200) == pytest.approx((ttft, 199 * tpot), rel=1e-12)
         theirs = latency_model("qwen3-30b-a3b", gpu, calibration="aiconfigurator")
         assert theirs.prefill_s(4000, 200) == pytest.approx(ttft, rel=0.05)
 
@@ -195,9 +195,12 @@ def test_a_measured_profile_loads_and_drives_the_simulator(tmp_path: Path) -> No
     lat = latency_model(MODEL, "A100", calibration=name)
     assert lat.source.description == "measured: a100.yaml (test numbers)"
     assert lat.prefill_s(4000, 200) == pytest.approx(0.02 + 170e-6 * 4000, rel=1e-9)
-    # Decode per token grows with the prompt: 28 ms at 1,000 tokens, 32 ms at 12,000.
-    assert lat.split(1000, 100)[1] == pytest.approx(100 * 0.028, rel=1e-9)
-    assert lat.split(12000, 100)[1] == pytest.approx(100 * 0.032, rel=1e-9)
+    # A decode step grows with the prompt: 28 ms at 1,000 tokens, 32 ms at 12,000; a call of
+    # 100 output tokens takes 99 of them (the prefill's step samples the first), and a call
+    # of one output token its time to first token alone.
+    assert lat.split(1000, 100)[1] == pytest.approx(99 * 0.028, rel=1e-9)
+    assert lat.split(12000, 100)[1] == pytest.approx(99 * 0.032, rel=1e-9)
+    assert lat.single_s(1000, 1) == lat.prefill_s(1000, 1) == pytest.approx(0.02 + 0.17)
     assert lat.slowdown(8) == pytest.approx(0.031 / 0.028, rel=1e-9)
     assert has_latency_data(lat.hardware, name)
     assert known_gpus(MODEL, name) == ["A100"]

@@ -49,7 +49,7 @@ def _rows(model: str, gpu: str, tp: int) -> Any:
 
 def _step(lat: LatencyModel, batch: int, context: int) -> float:
     """The latency model's decode step of `batch` sequences at `context` tokens each."""
-    return lat.split(context, 1)[1] * lat.slowdown(batch)
+    return lat.decode_step_s(batch, context)
 
 
 def test_the_sweep_covers_what_the_data_readme_lists() -> None:

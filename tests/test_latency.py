@@ -197,8 +197,11 @@ def test_aiconfigurator_only_model_uses_its_batch1_ttft_and_tpot() -> None:
     for gpu in ("A100", "H100", "H200", "L40S"):
         ttft, tpot = qwen[(AICONF_SYSTEM[gpu], 1)]
         model = latency_model("qwen3-30b-a3b", gpu)
-        # At aiconfigurator's own point (4,000 in / 200 out) the model reproduces it.
-        assert model.single_s(4000, 200) == pytest.approx(ttft + 200 * tpot, rel=1e-12)
+        # At aiconfigurator's own point (4,000 in / 200 out) the model reproduces it: the
+        # first token comes with the prefill, then a TPOT for each of the other 199.
+        assert model.single_s(4000, 200) == pytest.approx(ttft + 199 * tpot, rel=1e-12)
+        # A call of one output token is its prefill alone.
+        assert model.single_s(4000, 1) == model.prefill_s(4000, 1) == pytest.approx(ttft)
         assert model.prefill_s(2000, 1) == pytest.approx(ttft / 2, rel=1e-12)
 
 

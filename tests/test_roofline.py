@@ -156,10 +156,14 @@ def test_estimate_without_latency_data_has_floors_only() -> None:
     assert estimate.context_tokens == 12_000
 
 
-def test_estimate_decode_step_is_per_token_decode_times_slowdown() -> None:
+def test_estimate_decode_step_is_per_step_decode_times_slowdown() -> None:
     lat = latency_model(MODEL, "A100")
     estimate = estimate_instance(lat.hardware, lat, 4000, 200, batch=8, context_tokens=2000)
-    per_token = lat.split(2000, 200)[1] / 200
-    assert estimate.decode_step_s == pytest.approx(per_token * lat.slowdown(8), rel=1e-12)
+    per_step = lat.split(2000, 200)[1] / 199  # 200 output tokens: the prefill samples one
+    assert estimate.decode_step_s == pytest.approx(per_step * lat.slowdown(8), rel=1e-12)
+    # One output token takes no decode step: the estimate shows the model's reference step.
+    alone = estimate_instance(lat.hardware, lat, 4000, 1, batch=8, context_tokens=2000)
+    assert alone.decode_step_s == pytest.approx(lat.decode_step_s(8, 2000), rel=1e-12)
+    assert alone.latency_s == lat.prefill_s(4000, 1)
     assert estimate.latency_s == lat.single_s(4000, 200)
     assert estimate.floor_decode_step_s == decode_step_floor_s(lat.hardware, 8, 2000)

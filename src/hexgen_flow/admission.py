@@ -8,7 +8,7 @@ The prediction is a fluid model in the scheduler's own estimates:
 
 - **work**: a call's *saturated work*, the share of an instance's time it takes once the
   instance is busy: its prefill (serial) plus its decode steps' cost per sequence at the
-  batch it would decode in (``a / B + b + c x context`` per output token from the
+  batch it would decode in (``a / B + b + c x context`` per decode step from the
   instance's fitted decode step, B its max batch or as many such calls as its KV cache
   holds), as the cluster mean;
 - **backlog**: the saturated work of every unfinished call of the running queries a driver
@@ -73,6 +73,7 @@ from dataclasses import dataclass
 
 from hexgen_flow.cluster import Cluster
 from hexgen_flow.estimate import REPRESENTATIVE_TOKENS, Estimator, WorkflowPlan
+from hexgen_flow.latency import decode_steps
 from hexgen_flow.runtime import QueryRun
 from hexgen_flow.workload import DEFAULT_TENANT, STANDARD_TEMPLATE, LLMCall, Workflow
 
@@ -299,7 +300,7 @@ class AdmissionModel:
         batch = max(1, min(self._max_batch[i], self._kv[i] // max(tokens, 1)))
         fit = self._fits[i]
         per_token = fit.a_s / batch + fit.b_s + fit.c_s * context
-        return prefill + call.output_tokens * per_token
+        return prefill + decode_steps(call.output_tokens) * per_token
 
     def call_work_s(self, call: LLMCall) -> float:
         """The call's saturated work (cluster mean, single-request seconds)."""

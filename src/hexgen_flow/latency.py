@@ -38,7 +38,12 @@ from hexgen_flow.hardware import (
     parse_precision,
     resolve_model,
 )
-from hexgen_flow.latency_parameters import LatencyParameters, LatencySource, SingleRequestTable
+from hexgen_flow.latency_parameters import (
+    LatencyParameters,
+    LatencySource,
+    SingleRequestTable,
+    decode_steps,
+)
 from hexgen_flow.roofline import check_floors
 
 __all__ = [
@@ -49,6 +54,7 @@ __all__ = [
     "LatencyModel",
     "LatencySource",
     "SingleRequestTable",
+    "decode_steps",
     "has_latency_data",
     "known_gpus",
     "known_models",
@@ -135,8 +141,10 @@ class LatencyModel:
     """Latency of one model on one GPU type (one serving instance of it).
 
     `single_s` is the end-to-end latency of a request alone on the instance. The batching
-    engine splits it into `prefill_s` (serial, compute-bound) and batch-1 decode seconds
-    (`single_s - prefill_s`), which stretch by `slowdown(B)` when B requests decode together.
+    engine splits it into `prefill_s` (serial, compute-bound; it samples the first output
+    token) and batch-1 decode seconds (`single_s - prefill_s`, over `decode_steps` steps: one
+    per output token after the first), which stretch by `slowdown(B)` when B requests decode
+    together.
     """
 
     def __init__(
@@ -196,10 +204,11 @@ class LatencyModel:
 
     def decode_step_s(self, batch: int, context: int) -> float:
         """Seconds of one decode step of `batch` sequences holding `context` KV tokens each:
-        the batch-1 decode time per output token of a call with a `context`-token prompt
-        (averaged over `DECODE_REFERENCE_TOKENS` outputs) stretched by `slowdown(batch)`."""
-        per_token = self.split(context, DECODE_REFERENCE_TOKENS)[1] / DECODE_REFERENCE_TOKENS
-        return per_token * self.slowdown(batch)
+        the batch-1 decode time per step of a call with a `context`-token prompt (averaged
+        over the steps of `DECODE_REFERENCE_TOKENS` outputs) stretched by `slowdown(batch)`."""
+        steps = decode_steps(DECODE_REFERENCE_TOKENS)
+        per_step = self.split(context, DECODE_REFERENCE_TOKENS)[1] / steps
+        return per_step * self.slowdown(batch)
 
     @functools.lru_cache(maxsize=16)  # noqa: B019 - a handful of models live for the process
     def decode_step_fit(self, max_batch: int, kv_capacity: int) -> DecodeStepFit:
@@ -258,8 +267,8 @@ class LatencyModel:
             if self._prefill_scale == self._decode_scale == 1.0:
                 measured = single
         else:
-            per_token = self._decode_per_token_s + self._decode_per_context_token_s * input_tokens
-            decode = output_tokens * per_token
+            per_step = self._decode_per_token_s + self._decode_per_context_token_s * input_tokens
+            decode = decode_steps(output_tokens) * per_step
         result = (prefill * self._prefill_scale, decode * self._decode_scale)
         if len(self._cache) >= CACHE_MAX:  # a long-running service sees endless token counts
             self._cache.clear()

@@ -14,7 +14,21 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["LatencyParameters", "LatencySource", "SingleRequestTable", "robust_line"]
+__all__ = [
+    "LatencyParameters",
+    "LatencySource",
+    "SingleRequestTable",
+    "decode_steps",
+    "robust_line",
+]
+
+
+def decode_steps(output_tokens: int) -> int:
+    """The decode steps a call of `output_tokens` output tokens takes: one fewer than its
+    tokens, since the step that finishes its prompt's prefill samples the first (vLLM's and
+    every engine's; a time to first token is that step). A call of one output token is its
+    prefill alone."""
+    return output_tokens - 1 if output_tokens > 1 else 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,9 +109,10 @@ class LatencyParameters:
     """What one calibration says about one instance: the arguments of `LatencyModel`.
 
     With a `table`, a call's single-request latency is the table's and `prefill_line` splits
-    it; without one, prefill follows `prefill_points` (or else `prefill_line`) and decode
-    takes `decode_per_token_s` + `decode_per_context_token_s` x prompt tokens per output
-    token. Prefill and decode are then scaled by `prefill_scale` and `decode_scale`.
+    it; without one, prefill (the time to first token) follows `prefill_points` (or else
+    `prefill_line`) and decode takes `decode_per_token_s` + `decode_per_context_token_s` x
+    prompt tokens per decode step, one per output token after the first (`decode_steps`).
+    Prefill and decode are then scaled by `prefill_scale` and `decode_scale`.
     """
 
     source: LatencySource
@@ -114,7 +129,7 @@ class LatencyParameters:
     table: SingleRequestTable | None = None
     decode_per_token_s: float = 0.0
     decode_per_context_token_s: float = 0.0
-    """How the decode time per output token grows with the prompt (its KV cache is read at
+    """How the decode step's time grows with the prompt (its KV cache is read at
     every step); 0 keeps it flat."""
     prefill_scale: float = 1.0
     decode_scale: float = 1.0

@@ -85,7 +85,7 @@ from typing import Any
 
 from hexgen_flow.cluster import Cluster, InstanceSpec
 from hexgen_flow.errors import ConfigError, HexgenFlowError
-from hexgen_flow.latency import LatencyModel
+from hexgen_flow.latency import LatencyModel, decode_steps
 from hexgen_flow.roofline import decode_step_floor_s, prefill_floor_s
 from hexgen_flow.runtime import CallTicket
 
@@ -346,7 +346,7 @@ class InstanceCostLearner:
             prefill + before,
             chunk_steps * step,
             after,
-            max(cost.output_tokens - 1, 0) * step,
+            decode_steps(cost.output_tokens) * step,
         )
 
     def observe(self, cost: CallCost) -> bool:

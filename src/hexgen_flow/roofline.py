@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Literal
 
 from hexgen_flow.errors import ConfigError
 from hexgen_flow.hardware import InstanceHardware
-from hexgen_flow.latency_parameters import LatencySource
+from hexgen_flow.latency_parameters import LatencySource, decode_steps
 
 if TYPE_CHECKING:  # latency.py runs the check on every model it builds, so imports this one
     from hexgen_flow.latency import LatencyModel
@@ -67,10 +67,14 @@ def decode_step_floor_s(hardware: InstanceHardware, batch: int, context_tokens: 
 def decode_step_s(
     latency: LatencyModel, context_tokens: int, output_tokens: int, batch: int
 ) -> float:
-    """The latency model's decode step at `batch`: its batch-1 decode time per output token
-    of a call with `context_tokens` prompt tokens, stretched by `slowdown(batch)`."""
+    """The latency model's decode step at `batch`: its batch-1 decode time per step of a call
+    of `output_tokens` with `context_tokens` prompt tokens, stretched by `slowdown(batch)`
+    (a call of one output token takes no step: then the model's reference step)."""
+    steps = decode_steps(output_tokens)
+    if steps == 0:
+        return latency.decode_step_s(batch, context_tokens)
     decode_s = latency.split(context_tokens, output_tokens)[1]
-    return decode_s / output_tokens * latency.slowdown(batch)
+    return decode_s / steps * latency.slowdown(batch)
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,8 +6,9 @@ backend; read by `hexgen_flow.profiles.aiconfigurator_sweep`). For one GPU syste
 
 - prefill is the piecewise-linear curve through the batch-1 TTFTs at 128-16,384 prompt
   tokens (each row reproduced exactly; beyond the last row the last segment continues);
-- decode per output token at batch 1 is a line in the context (`decode_per_context_token_s`),
-  least squares in relative terms through the batch-1 steps at 512-16,384 tokens of context;
+- a decode step at batch 1 (one per output token after the first) is a line in the context
+  (`decode_per_context_token_s`), least squares in relative terms through the batch-1 steps
+  at 512-16,384 tokens of context;
 - the batch slowdown f(B) is the step at batch B over batch 1, both at `REFERENCE_CONTEXT`
   tokens of context (the only context the sweep has at every batch up to 128 on nearly every
   instance); beyond its last batch the last segment continues, as for every calibration.

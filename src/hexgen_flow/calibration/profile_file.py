@@ -22,7 +22,8 @@ A file holds one profile, or several under ``profiles:`` (a list of the above), 
 
 - prefill: a least-squares line in prompt tokens (through the origin with one prompt length,
   or when the line would start below zero);
-- decode per output token at batch 1: a line in the prompt's tokens through the batch-1 rows
+- a decode step at batch 1 (one per output token after the first: the time to first token
+  includes the first): a line in the prompt's tokens through the batch-1 rows
   (flat at their mean with one context, or if the line would fall with context);
 - the batch slowdown f(B): the mean over the rows at batch B of the step time over the
   batch-1 line at their context; the rows need batch 1 and at least one more batch size.
