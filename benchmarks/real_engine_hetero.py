@@ -70,7 +70,12 @@ import yaml
 from hexgen_api.v1 import coordinator_pb2 as cpb
 from hexgen_flow.cluster import Cluster, parse_cluster
 from hexgen_flow.latency import LatencyModel
-from hexgen_flow.learning import check_predictions, read_cost_journal
+from hexgen_flow.learning import (
+    InstanceCostLearner,
+    LearnerSettings,
+    check_predictions,
+    read_cost_journal,
+)
 from hexgen_flow.metrics import json_safe, percentile
 from hexgen_flow.traces import load_trace, take_queries
 from hexgen_flow.workload import Query
@@ -90,6 +95,7 @@ __all__ = [
     "Policy",
     "main",
     "model_error",
+    "replayed_curve",
     "slo_of",
     "summarise",
     "truth_cluster",
@@ -442,6 +448,33 @@ def _curve(samples: list[dict[str, float]], chosen: Setting) -> list[dict[str, f
     return out
 
 
+def replayed_curve(journal: Path, chosen: Setting) -> list[dict[str, float]]:
+    """`_curve` with the slow server's calls of a cost journal replayed through this
+    version's learner (its default settings) rather than read off the mesh's samples: the
+    error against the slow server's profile after each change of the factors. It grades a
+    change to the learner on the very calls a run served, with no engine (``--predict-from``).
+    Each point also counts the calls so far whose first token was their prefill alone
+    (`CallCost.prefilled_alone`)."""
+    belief, truth = chosen.belief.instances[1].latency, chosen.truth.instances[1].latency
+    learner = InstanceCostLearner(chosen.belief.instances[1], LearnerSettings())
+    out: list[dict[str, float]] = [
+        {"calls": 0, "alone": 0, "error": model_error(chosen.queries, belief, truth, (1.0, 1.0))}
+    ]
+    alone = 0
+    for cost in read_cost_journal(journal.read_text().splitlines()):
+        if cost.instance != 1:
+            continue
+        alone += cost.prefilled_alone
+        if learner.observe(cost):
+            factors = (learner.a, learner.b)
+            error = model_error(chosen.queries, belief, truth, factors)
+            out.append(
+                {"calls": learner.calls, "alone": alone, "error": error,
+                 "prefill_factor": factors[0], "decode_factor": factors[1]}
+            )  # fmt: skip
+    return out
+
+
 def within_20pct(curve: list[dict[str, float]]) -> int | None:
     """The calls of the slow server after which the model error stayed within 20 %."""
     inside = None
@@ -523,6 +556,27 @@ def _print(doc: dict[str, Any]) -> None:
             if within is None
             else f"  within 20 % after {within} calls of the slow server"
         )
+    for label, curve in doc.get("replayed", {}).items():
+        print(
+            f"\n{label}: the same, its cost journal replayed through this version's learner "
+            "(alone: calls so far whose first token was their prefill alone)"
+        )
+        for point in curve:
+            print(
+                f"  {int(point['calls']):4d} calls  {100 * point['error']:+6.1f} %"
+                f"  alone {int(point['alone']):3d}"
+                + (
+                    f"  prefill {point['prefill_factor']:.2f} decode {point['decode_factor']:.2f}"
+                    if "prefill_factor" in point
+                    else ""
+                )
+            )
+        within = within_20pct(curve)
+        print(
+            "  never within 20 %"
+            if within is None
+            else f"  within 20 % after {within} calls of the slow server"
+        )
     for label, check in doc.get("journal_check", {}).items():
         print(
             f"\n{label}: each call predicted from the calls before it (its cost journal), "
@@ -552,6 +606,7 @@ def _analyse(
     learning mesh converged: the document `_print` shows."""
     runs, learning = [], {}
     checks: dict[str, dict[str, Any]] = {}
+    replayed: dict[str, list[dict[str, float]]] = {}
     learned: Cluster | None = None
     for policy in policies:
         samples_file = folder / f"learning-{policy.label}.json"
@@ -562,6 +617,7 @@ def _analyse(
         journal = folder / f"costs-{policy.label}.jsonl"
         if policy.learn_costs and journal.is_file():
             checks[policy.label] = journal_check(journal, chosen.belief)
+            replayed[policy.label] = replayed_curve(journal, chosen)
     for policy in policies:
         path = folder / f"measured-{policy.label}.json"
         if not path.is_file():
@@ -587,6 +643,7 @@ def _analyse(
         "learning": learning,
         "within_20pct_after_calls": {k: within_20pct(v) for k, v in learning.items()},
         "journal_check": checks,
+        "replayed": replayed,
     }
 
 

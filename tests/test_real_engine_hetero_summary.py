@@ -10,6 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
+
+from hexgen_flow.learning import CallCost, cost_journal_line
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
@@ -131,3 +134,46 @@ def test_the_summary_prints_a_column_per_seed(capsys: pytest.CaptureFixture[str]
     # half its SLOs met
     assert x.split()[-9:] == ["1.000", "2/2", "1/2", "100", "%", "100", "%", "0", "%"]
     assert y.split()[-8:] == ["1/2", "0/2", "50", "%", "50", "%", "30", "%"]
+
+
+def test_a_cost_journal_replayed_grades_the_learner_without_an_engine(tmp_path: Path) -> None:
+    """`replayed_curve`: the slow server's calls of a cost journal, each served alone as
+    that server's own profile says (prefill 3x, decode 1.5x the fast one's), replayed
+    through this version's learner: the error against that profile starts at the belief's
+    and ends within 5 %, and the calls that prefilled alone are counted (the fast server's
+    calls are not the slow one's)."""
+    root = Path(__file__).resolve().parent.parent
+    template = root / "examples" / "cpu-1core-cluster.yaml"
+    fast = root / "examples" / "profiles" / "smollm2-135m-vllm-cpu-1core.yaml"
+    doc = yaml.safe_load(fast.read_text())  # a server 3x slower to prefill, 1.5x to decode
+    for point in doc["prefill"]:
+        point["ttft_s"] *= 3.0
+    for point in doc["decode"]:
+        point["decode_step_s"] *= 1.5
+    slow = tmp_path / "profile.server1.yaml"
+    slow.write_text(yaml.safe_dump(doc))
+    belief = het.parse_cluster(str(het.write_cluster(template, fast, tmp_path / "cluster.yaml")))
+    truth = het.truth_cluster(belief, template, slow, tmp_path)
+    workload = root / "benchmarks" / "workloads" / "smollm2-replay.jsonl"
+    queries = het.take_queries(het.load_trace(str(workload)), 10)
+    chosen = het.Setting(tmp_path / "cluster.yaml", belief, truth, tuple(queries))
+    model = truth.instances[1].latency
+    lines = []
+    for query in queries:
+        for stage in query.workflow.stages:
+            for call in stage.calls:
+                prefill, decode = model.split(call.input_tokens, call.output_tokens)
+                for instance in (0, 1):
+                    cost = CallCost(
+                        instance, call.input_tokens, call.output_tokens, prefill + decode,
+                        1.0, call.input_tokens + call.output_tokens / 2,
+                        first_token_s=prefill, held_at_start=0,
+                    )  # fmt: skip
+                    lines.append(cost_journal_line(cost))
+    journal = tmp_path / "costs-hexgen-flow+learn.jsonl"
+    journal.write_text("".join(lines))
+    curve = het.replayed_curve(journal, chosen)
+    start = het.model_error(chosen.queries, belief.instances[1].latency, model, (1.0, 1.0))
+    assert curve[0]["error"] == start and abs(start) > 0.2, start
+    assert len(curve) > 1 and abs(curve[-1]["error"]) < 0.05, curve[-1]
+    assert all(point["alone"] == point["calls"] for point in curve)

@@ -188,7 +188,7 @@ class LatencyModel:
         ratios = [slowdown_points[x] / slowdown_points[xs[0]] for x in xs]
         self._slowdown_ys = monotone_slowdown(ratios)
 
-    def slowdown(self, batch: int) -> float:
+    def slowdown(self, batch: float) -> float:
         """Per-token decode time at batch `batch` over batch 1 (piecewise linear in B)."""
         xs, ys = self._slowdown_xs, self._slowdown_ys
         if batch <= xs[-1]:
@@ -202,7 +202,7 @@ class LatencyModel:
         """`slowdown(B)` for B = 0..up_to, for O(1) lookups on the hot path (B = 0 -> 1.0)."""
         return (1.0, *(self.slowdown(b) for b in range(1, up_to + 1)))
 
-    def decode_step_s(self, batch: int, context: int) -> float:
+    def decode_step_s(self, batch: float, context: int) -> float:
         """Seconds of one decode step of `batch` sequences holding `context` KV tokens each:
         the batch-1 decode time per step of a call with a `context`-token prompt (averaged
         over the steps of `DECODE_REFERENCE_TOKENS` outputs) stretched by `slowdown(batch)`."""

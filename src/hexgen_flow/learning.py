@@ -15,18 +15,32 @@ the calls the engine took meanwhile with their prompt tokens, and the calls take
 whose prompt was still being computed when it began (``ahead``: known from their first
 token, once they are back). A continuous-batching engine spends a call's service on
 prefill (its own, and the other prompts it schedules in the same steps) and on decode
-steps, each of which costs the decode plane ``a0 + b0 B + c0 K`` of the calibration
-(`LatencyModel.decode_step_fit`). Under the factors (a, b) the model predicts
+steps, each of which costs the calibration's decode step at batch B and context K / B
+(`LatencyModel.decode_step_s`: the very figures `LatencyModel.rescaled` multiplies by the
+decode factor, so that a factor learned is the factor applied; the step's plane
+``a0 + b0 B + c0 K`` that the `vllm-v1` engine model charges is fitted over contexts and
+batches far beyond a small server's, and on a CPU server's profile it charged a lone
+call's step 24 % above the profile's, which the decode factor then learned to undo).
+Under the factors (a, b) the model predicts
 
-    service = a x (P_own + P_others + P_ahead) + b x (output tokens - 1) x plane(B, K)
+    service = a x (P_own + P_others + P_ahead)
+              + b x ((output tokens - 1) x step(B) + own prompt's steps x (step(B) - step(1)))
 
 where P is the calibration's prefill (of the uncached prompt, for the call's own; the
 others', whose outputs the driver does not know, on the calibration's prefill curve; of a
-prompt ahead, the share of its prefill that fell within this call's service). Each
+prompt ahead, the share of its prefill that fell within this call's service), and each of
+its prompt's steps (chunks of `CallCost.step_tokens`) carries the others' decodes: what a
+step of B sequences costs over a step of one, nothing for a call alone (charged a whole
+step per chunk, a lone call's prefill took a decode step it never ran, and on two real
+servers, whose calls are mostly prompts of one step, the learner put their prefill
+factors at 0.74 and 1.65 where their lone first tokens said 1.01 and 2.61:
+docs/experiments/2026-12-07-learner-split.md). Each
 call is one equation in (a, b); calls with long prompts pin a, long outputs pin b. Calls of
 much the same shape pin only their sum. Workers report when the engine produced the
-call's first token (``first_token_s``), which can split the call in two equations, up to
-the first token and after it (`LearnerSettings.first_token`, off by default: it says why).
+call's first token (``first_token_s``), which splits the call in two equations, up to the
+first token and after it, where that token is its own prompt's prefill alone: a call taken
+by an idle engine, with nothing taken before its first token (`FirstToken.ALONE`, the
+default; `LearnerSettings.first_token` says why not every call).
 With the engine's own numbers the factors stay near 1 (tests/test_learning.py measures how
 near).
 
@@ -75,6 +89,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import json
 import math
 import statistics
@@ -93,6 +108,7 @@ __all__ = [
     "CallCost",
     "CostLearner",
     "CostMeter",
+    "FirstToken",
     "InstanceCostLearner",
     "LearnedFactors",
     "LearnerSettings",
@@ -161,6 +177,17 @@ class CallCost:
     call's service that `others_calls` misses."""
     ahead_prompt_tokens: float = 0.0
     """Their uncached prompt tokens, each weighted by the same share."""
+    held_at_start: int = -1
+    """Calls the engine held when it took this one; -1: not reported (a journal kept
+    before the field was). With none held and none taken before its first token
+    (`others_before_calls`), its first token is its own prompt's prefill alone."""
+
+    @property
+    def prefilled_alone(self) -> bool:
+        """Whether its first token measures its own prompt's prefill and nothing else: the
+        engine held no call when it took this one, none came before its first token, and
+        the first token was reported."""
+        return self.held_at_start == 0 and self.others_before_calls == 0 and self.first_token_s > 0
 
 
 def cost_journal_line(cost: CallCost) -> str:
@@ -198,6 +225,31 @@ def read_cost_journal(lines: Iterable[str]) -> list[CallCost]:
     return out
 
 
+class FirstToken(enum.Enum):
+    """Which calls' first tokens the learner fits apart from the rest of their service.
+
+    A whole call pins only the sum of its prefill and decode terms; calls of much the same
+    shape then leave the split to the prior (tests/test_learning.py). The first token would
+    split them, but it also waits for the prompts of calls taken earlier and still
+    prefilling, which a driver does not see until they are back; a call taken by an idle
+    engine has none. On the two real servers' calls (one run's cost journal replayed:
+    docs/experiments/2026-12-07-learner-split.md) `ALONE` and `WHOLE` learned the same
+    prefill factors and the slow server's error against its profile ended at -5 and -0.4 %;
+    `ALWAYS` put that server's decode factor 1.6x above the others' and the error at +26 %."""
+
+    WHOLE = "whole"
+    """No call: one equation per call, its whole service."""
+    ALONE = "alone"
+    """The calls that `CallCost.prefilled_alone` says began on an idle engine with nothing
+    taken before their first token: that token is their prompt's prefill and nothing else,
+    an equation in the prefill factor alone. The default."""
+    ALWAYS = "always"
+    """Every call that reports its first token. On `vllm-v1` engines ``chess-measured``
+    planned with ``aiconfigurator`` it put one instance's decode factor at 2.5 where the
+    truth is about 0.95: the prompts still ahead of a call that no driver sees
+    (docs/experiments/2026-12-06-first-token.md)."""
+
+
 @dataclass(frozen=True, slots=True)
 class LearnerSettings:
     """How fast and how far the learner moves from the calibration."""
@@ -210,14 +262,10 @@ class LearnerSettings:
     """Calls of an instance between two refits."""
     min_change: float = 0.03
     """Relative change of a factor below which the scheduler's model is left as it is."""
-    first_token: bool = False
-    """Fit each call's time to first token and the rest apart (two equations), where the
-    engine reports its first token, instead of its whole service time. Off by default: on
-    the simulated engines it brought the split of a table off by a constant factor nearer
-    the truth, but a call's first token also waits for the prompts of the calls taken before
-    it that are still prefilling, which no driver sees, and on `vllm-v1` engines
-    ``chess-measured`` planned with ``aiconfigurator`` it put one instance's decode factor
-    at 2.5 where the truth is about 0.95 (docs/experiments/2026-12-06-first-token.md)."""
+    first_token: FirstToken = FirstToken.ALONE
+    """Which calls the learner fits as two equations, up to the first token and after it,
+    where the engine reports the first token, rather than as one over the whole service
+    (`FirstToken`)."""
 
     count_ahead: bool = True
     """Charge each call the prompts still ahead of it when it began (`CallCost.ahead_calls`)
@@ -236,6 +284,9 @@ class LearnerSettings:
             raise ConfigError(f"refit_calls must be >= 1, got {self.refit_calls}")
         if not self.min_change >= 0:
             raise ConfigError(f"min_change must be >= 0, got {self.min_change}")
+        if not isinstance(self.first_token, FirstToken):
+            names = ", ".join(m.value for m in FirstToken)
+            raise ConfigError(f"first_token must be one of {names}, got {self.first_token!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,7 +316,6 @@ class InstanceCostLearner:
         "dropped",
         "floor_decode",
         "floor_prefill",
-        "plane",
         "prior",
         "settings",
     )
@@ -273,8 +323,6 @@ class InstanceCostLearner:
     def __init__(self, spec: InstanceSpec, settings: LearnerSettings) -> None:
         prior = spec.latency
         self.prior = prior
-        self.plane = prior.decode_step_fit(spec.max_batch, spec.kv_cache_tokens)
-        """The calibration's decode step: a0 + b0 x batch + c0 x KV tokens."""
         self.settings = settings
         self.a = 1.0
         self.b = 1.0
@@ -340,11 +388,15 @@ class InstanceCostLearner:
         if cost.step_tokens > 0:  # the steps of its own prompt carry the others' decodes
             chunk_steps = -(-(cost.input_tokens - cached) // cost.step_tokens)
         batch = max(cost.mean_batch, 1.0)
-        plane = self.plane
-        step = plane.a_s + plane.b_s * batch + plane.c_s * cost.mean_kv_tokens
+        context = max(1, round(cost.mean_kv_tokens / batch))
+        step = prior.decode_step_s(batch, context)
+        # A prompt's step costs its prefill, which the calibration's prefill already holds
+        # with the step's fixed cost, and the others' decodes it carries: what a step of B
+        # sequences costs over a step of one (none when it ran alone).
+        carried = max(step - prior.decode_step_s(1, context), 0.0)
         return (
             prefill + before,
-            chunk_steps * step,
+            chunk_steps * carried,
             after,
             decode_steps(cost.output_tokens) * step,
         )
@@ -376,9 +428,7 @@ class InstanceCostLearner:
         w = 1.0 / (1.0 + (distance / CAUCHY_SCALE) ** 2) if not trusting else 1.0
         for k in range(6):
             s[k] *= d
-        rows: tuple[tuple[float, float, float], ...] | None = self._phase_rows(
-            cost.first_token_s, service, phases
-        )
+        rows: tuple[tuple[float, float, float], ...] | None = self._phase_rows(cost, phases)
         if rows is None:  # one equation: the whole service
             rows = ((p / predicted, x / predicted, service / predicted),)
         w /= len(rows)
@@ -401,16 +451,23 @@ class InstanceCostLearner:
         return moved
 
     def _phase_rows(
-        self, first: float, service: float, phases: tuple[float, float, float, float]
+        self, cost: CallCost, phases: tuple[float, float, float, float]
     ) -> tuple[tuple[float, float, float], tuple[float, float, float]] | None:
-        """A call's two equations (u, v, y), up to its first token (`first` seconds into
-        its `service`) and after it, each relative to its time as the current factors
-        predict it (see `observe`); None when the first token was not reported or one
-        phase says nothing (a one-token output). `phases`: `predict_phases_s`."""
+        """A call's two equations (u, v, y), up to its first token and after it, each
+        relative to its time as the current factors predict it (see `observe`); None where
+        `LearnerSettings.first_token` leaves the call whole, the first token was not
+        reported, or one phase says nothing (a one-token output). `phases`:
+        `predict_phases_s`. A call that prefilled alone has no decode term before its first
+        token: nothing else ran in its prompt's steps."""
+        mode, first, service = self.settings.first_token, cost.first_token_s, cost.service_s
         rest = service - first
-        if not (self.settings.first_token and first > 0 and rest > 0 and math.isfinite(first)):
+        if mode is FirstToken.WHOLE or not (first > 0 and rest > 0 and math.isfinite(first)):
             return None
         p1, x1, p2, x2 = phases
+        if mode is FirstToken.ALONE:
+            if not cost.prefilled_alone:
+                return None
+            x1 = 0.0
         one, two = self._time_s(p1, x1), self._time_s(p2, x2)
         if one <= 0 or x2 <= 0 or two <= 0:
             return None
@@ -704,8 +761,9 @@ class CostMeter:
         """Calls in the log that came back: when their first token came (0: not reported)
         and when they came back, to tell the calls taken after them whether their prompt
         was still ahead."""
-        self._started: dict[CallTicket, tuple[float, float, int, float]] = {}
-        """Per call held: the integrals when it was taken, its place in the log, when."""
+        self._started: dict[CallTicket, tuple[float, float, int, float, int]] = {}
+        """Per call held: the integrals when it was taken, its place in the log, when, and
+        how many calls the engine held then."""
         self._backs = 0  # calls back so far
         self._cached_share = 0.0
         """The share of a prompt found cached, over the recent calls back (what a call still
@@ -735,12 +793,13 @@ class CostMeter:
         while len(started) >= MAX_HELD:
             self.dropped(next(iter(started)), now)
         self._advance(now)
+        held_before = self._held
         self._held += 1
         self._kv += self._kv_of(ticket)
         self._log.append(ticket)
         self._log_s.append(now)
         position = self._log_base + len(self._log) - 1
-        self._started[ticket] = (self._area, self._kv_area, position, now)
+        self._started[ticket] = (self._area, self._kv_area, position, now, held_before)
 
     def dropped(self, ticket: CallTicket, now: float) -> None:
         """`ticket` left the engine without a result worth learning from."""
@@ -768,7 +827,7 @@ class CostMeter:
             return None
         self._held -= 1
         self._kv -= self._kv_of(ticket)
-        area0, kv0, position, taken_s = started
+        area0, kv0, position, taken_s, held_before = started
         start = ticket.scheduled_s if ticket.scheduled_s is not None else taken_s
         if service_s is None:
             service_s = now - start
@@ -817,6 +876,7 @@ class CostMeter:
             round(tokens_before),
             ahead,
             ahead_tokens,
+            held_before,
         )
 
     def _ahead(
