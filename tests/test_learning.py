@@ -469,7 +469,7 @@ def test_calls_that_prefilled_alone_tell_prefill_from_decode() -> None:
     rng = random.Random(7)
     shape = []
     for i, c in enumerate(calls(rng, 600)):
-        alone = i % 4 == 0
+        lone = i % 4 == 0
         shape.append(
             dataclasses.replace(
                 c,
@@ -478,8 +478,8 @@ def test_calls_that_prefilled_alone_tell_prefill_from_decode() -> None:
                 others_calls=0,
                 others_prompt_tokens=0,
                 cached_tokens=0,
-                held_at_start=0 if alone else 1 + i % 3,
-                mean_batch=1.0 if alone else c.mean_batch,
+                held_at_start=0 if lone else 1 + i % 3,
+                mean_batch=1.0 if lone else c.mean_batch,
             )
         )
     learners = {

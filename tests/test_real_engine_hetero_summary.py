@@ -12,7 +12,9 @@ from typing import Any
 import pytest
 import yaml
 
+from hexgen_flow.cluster import parse_cluster
 from hexgen_flow.learning import CallCost, cost_journal_line
+from hexgen_flow.traces import load_trace, take_queries
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
@@ -152,10 +154,10 @@ def test_a_cost_journal_replayed_grades_the_learner_without_an_engine(tmp_path: 
         point["decode_step_s"] *= 1.5
     slow = tmp_path / "profile.server1.yaml"
     slow.write_text(yaml.safe_dump(doc))
-    belief = het.parse_cluster(str(het.write_cluster(template, fast, tmp_path / "cluster.yaml")))
+    belief = parse_cluster(str(het.write_cluster(template, fast, tmp_path / "cluster.yaml")))
     truth = het.truth_cluster(belief, template, slow, tmp_path)
     workload = root / "benchmarks" / "workloads" / "smollm2-replay.jsonl"
-    queries = het.take_queries(het.load_trace(str(workload)), 10)
+    queries = take_queries(load_trace(str(workload)), 10)
     chosen = het.Setting(tmp_path / "cluster.yaml", belief, truth, tuple(queries))
     model = truth.instances[1].latency
     lines = []
