@@ -234,8 +234,9 @@ class FirstToken(enum.Enum):
     prefilling, which a driver does not see until they are back; a call taken by an idle
     engine has none. On the two real servers' calls (one run's cost journal replayed:
     docs/experiments/2026-12-07-learner-split.md) `ALONE` and `WHOLE` learned the same
-    prefill factors and the slow server's error against its profile ended at -5 and -0.4 %;
-    `ALWAYS` put that server's decode factor 1.6x above the others' and the error at +26 %."""
+    prefill factor (2.37) and the slow server's error against its profile ended at -5 and
+    -0.4 %; `ALWAYS` put that server's decode factor at 4.2 against their 2.7-2.9 and the
+    error at +26 %."""
 
     WHOLE = "whole"
     """No call: one equation per call, its whole service."""
