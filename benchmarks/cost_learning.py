@@ -112,8 +112,14 @@ def main() -> int:
     for k, setting in enumerate(SETTINGS, 1):
         truth = parse_cluster(args.cluster, calibration=setting.engines)
         belief = parse_cluster(args.cluster, calibration=setting.planner)
-        if setting.errors:
-            belief = belief.misjudged(setting.errors)
+        errors = {gpu: f for gpu, f in setting.errors.items() if gpu in truth.gpus}
+        if setting.errors and not errors:
+            # It names only GPU types the cluster lacks (a homogeneous H100 one, say): it
+            # would be the exact setting again.
+            print(f"[{k}/{len(SETTINGS)}] {setting.name}: skipped, no such GPU", file=sys.stderr)
+            continue
+        if errors:
+            belief = belief.misjudged(errors)
         elif setting.planner == setting.engines:
             belief = truth
         p95: dict[str, list[float]] = {}
