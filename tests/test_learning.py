@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+from typing import Any
 
 import pytest
 
@@ -434,22 +435,26 @@ def _served_in_phases(
     return dataclasses.replace(cost, service_s=first + rest, first_token_s=first)
 
 
+def _of_one_shape(cost: CallCost, **fields: Any) -> CallCost:
+    """`cost` as a call of one shape (a 6,000-token prompt, nothing cached, 200 output
+    tokens, alone among the calls taken), with `fields` besides."""
+    return dataclasses.replace(
+        cost,
+        input_tokens=6000,
+        output_tokens=200,
+        others_calls=0,
+        others_prompt_tokens=0,
+        cached_tokens=0,
+        **fields,
+    )
+
+
 def test_the_first_token_tells_prefill_from_decode_where_the_totals_cannot() -> None:
     """Calls of one shape (a prompt's prefill always about the same share of the service):
     their totals pin only a x prefill + b x decode, and the prior decides the split; their
     first tokens pin each. Truth: prefill 0.5x, decode 1.6x the calibration."""
     rng = random.Random(5)
-    shape = [
-        dataclasses.replace(
-            c,
-            input_tokens=6000,
-            output_tokens=200,
-            others_calls=0,
-            others_prompt_tokens=0,
-            cached_tokens=0,
-        )
-        for c in calls(rng, 600)
-    ]
+    shape = [_of_one_shape(c) for c in calls(rng, 600)]
     told = InstanceCostLearner(L40S, dataclasses.replace(SETTINGS, first_token=FirstToken.ALWAYS))
     untold = InstanceCostLearner(L40S, dataclasses.replace(SETTINGS, first_token=FirstToken.WHOLE))
     for cost in shape:
@@ -471,13 +476,8 @@ def test_calls_that_prefilled_alone_tell_prefill_from_decode() -> None:
     for i, c in enumerate(calls(rng, 600)):
         lone = i % 4 == 0
         shape.append(
-            dataclasses.replace(
+            _of_one_shape(
                 c,
-                input_tokens=6000,
-                output_tokens=200,
-                others_calls=0,
-                others_prompt_tokens=0,
-                cached_tokens=0,
                 held_at_start=0 if lone else 1 + i % 3,
                 mean_batch=1.0 if lone else c.mean_batch,
             )
