@@ -46,6 +46,7 @@ from up_runner import check_state
 
 CLUSTER = "A100,A100"
 TIME_SCALE = 10.0
+OVERLOAD_TIME_SCALE = 5.0
 
 
 pytestmark = needs_redis
@@ -73,7 +74,10 @@ def test_overload_with_a_worker_killed_rejects_the_excess_and_keeps_the_slo(
     # --admission reject (the default), with 20 % of the SLO kept for the failure: the calls
     # in flight on the killed worker start again from scratch elsewhere. (With 10 % kept, 15
     # of 17 admitted met their SLO; the rule before docs/admission.md's change admitted 7.)
-    mesh = mesh_factory(["--admission-slack", "0.8"])
+    # Time scale 5, not the mesh's 10: the cluster clock multiplies a loaded host's stalls
+    # and the killed worker's restart by the scale (at 20, this run's P95 went from 109 s
+    # to 135 s of the 120 s SLO on an idle 2-core machine, and 12 of 14 met it).
+    mesh = mesh_factory(["--admission-slack", "0.8"], time_scale=OVERLOAD_TIME_SCALE)
     cli = subprocess.Popen(
         [
             sys.executable, "-m", "hexgen_cli", "replay",
@@ -85,7 +89,7 @@ def test_overload_with_a_worker_killed_rejects_the_excess_and_keeps_the_slo(
     )  # fmt: skip
     try:
         started = time.monotonic()
-        # The arrivals take 5 cluster seconds (0.5 s wall); 3 s wall in, the admitted
+        # The arrivals take 5 cluster seconds (1 s wall); 3 s wall in, the admitted
         # queries are running: a refused submission carries a retry-after hint.
         time.sleep(3.0)
         with grpc.insecure_channel(mesh.address) as channel:
@@ -167,7 +171,10 @@ def test_a_steady_light_load_is_admitted_almost_whole(mesh_factory: MeshFactory)
 async def test_best_effort_admits_everything_and_keeps_the_slo_of_the_predicted(
     mesh_factory: MeshFactory,
 ) -> None:
-    mesh = mesh_factory(["--admission", "best-effort"], time_scale=20.0)
+    # At time scale 20 the coordinator serves ~50 calls a wall second and a busy host
+    # falls behind (CI once: 7 of 12 met their SLO); at 10, this host kept all 12 up to an
+    # equivalent load four times the test's.
+    mesh = mesh_factory(["--admission", "best-effort"], time_scale=TIME_SCALE)
     queries = _queries(30, "best-effort")
 
     async def follow(client: CoordinatorClient, query_id: str) -> cpb.QueryInfo:
@@ -180,7 +187,7 @@ async def test_best_effort_admits_everything_and_keeps_the_slo_of_the_predicted(
         for q in queries:  # 20 q/s on the cluster clock
             answers.append(await client.submit(q))
             followers.append(asyncio.create_task(follow(client, q.query_id)))
-            await asyncio.sleep(1 / 20 / 20.0)
+            await asyncio.sleep(1 / 20 / TIME_SCALE)
         ended = await asyncio.gather(*followers)
     assert all(a.created for a in answers)
     assert all(i.state == cpb.QUERY_STATE_SUCCEEDED for i in ended)
