@@ -53,6 +53,8 @@ async def test_a_clean_state_passes(store: WorkflowStore) -> None:
     await store.complete("done", "done/0.0", 0, [1], FIRST, 1.0, _record("done/0.0"))
     await store.complete("done", "done/1.0", 1, [], LAST, 2.0, _record("done/1.0"))
     await _two_stage(store, "running")
+    # a write-behind that landed after its query expired: it has the window again, no query
+    await store.write(store.place_commands("gone", {}, {0: 9.0}, [b"late"], ended=True))
     # the α history, and the one an older tuner kept (retired, harmless: no orphan)
     await store.set_alpha(0.4, 1.0, "operator")
     await store.redis.rpush(f"{store.prefix}tuner:alpha_history", b"{}")
@@ -76,14 +78,15 @@ async def test_each_kind_of_damage_is_counted(store: WorkflowStore) -> None:
     await r.persist(store.qkey("forever"))  # ended, yet never expires
     await r.rpush(store.evkey("nobody"), b"e")  # a log without its query
     await r.set(f"{p}stray", b"x")  # belongs to nothing
+    await store.write(store.place_commands("late", {}, {0: 9.0}))  # a late write, no window
     code, report = _check(store)
     assert code == 1
     assert report["duplicate_completions"] == 2, report  # the count and the stream
     assert report["missing_completions"] == 1, report
     assert report["stuck_queries"] == 1, report
-    assert report["orphan_keys"] == 3, report
+    assert report["orphan_keys"] == 4, report
     problems = "\n".join(report["problems"])  # type: ignore[arg-type]
-    for words in ("twice", "uncounted", "'lost'", "never expires", "nobody", "stray"):
+    for words in ("twice", "uncounted", "'lost'", "never expires", "nobody", "stray", "'late'"):
         assert words in problems
 
 

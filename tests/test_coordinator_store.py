@@ -26,6 +26,7 @@ from hexgen_coordinator.store import (
 )
 from hexgen_flow.runtime import CompletionEffect, QueryRun
 from hexgen_flow.workload import LLMCall, Query, Stage, Workflow
+from hexgen_service.redis_schema import PLACED
 from redis_cluster_here import RedisClusterHere, needs_redis_cluster
 
 REDIS_URL = os.environ.get("HEXGEN_TEST_REDIS", "redis://127.0.0.1:6379/0")
@@ -306,6 +307,16 @@ async def test_finished_queries_expire_after_the_retention_window(store: Workflo
     await _place(short, "q", {"q/0.0": Placement(0, 0, 1)}, {}, [b"very late"], ended=True)
     assert 0 < await store.redis.pttl(short.qkey("q")) <= 200
     assert 0 < await store.redis.pttl(short.evkey("q")) <= 200
+    # What it left is no query (reading it once raised KeyError: INTERNAL to a client)...
+    assert await short.load("q") is None
+    # ... and a new query of that id starts clean: none of its placements or events.
+    created, _ = await short.submit("q", b"again", "acme", 2.0, 100.0, [1], [0])
+    assert created
+    again = await short.load("q")
+    assert again is not None and again.submit == b"again"
+    assert not any(k.startswith(PLACED) for k in again.fields), again.fields
+    assert await short.events("q") == []
+    assert await store.redis.pttl(short.qkey("q")) == -1  # running: no retention window
 
 
 async def test_no_query_id_can_reach_another_querys_keys(store: WorkflowStore) -> None:

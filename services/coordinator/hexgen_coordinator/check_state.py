@@ -192,6 +192,10 @@ def _check_query(
     now_s: float | None,
     stuck_after_s: float | None,
 ) -> None:
+    if F.SUBMIT not in raw and ttl_ms != -1:
+        # A write-behind that landed after its query expired (placements, events): it has
+        # the retention window again and goes with it; no query is stored here.
+        return
     f = {k: _text(v) for k, v in raw.items() if k not in (F.SUBMIT, F.SHAPE)}
     report.queries += 1
     try:

@@ -74,15 +74,17 @@ ALPHA_HISTORY_MAX = 1000
 it through the coordinator's GetAlphaHistory)."""
 
 _SUBMIT = """
--- KEYS: q, qseq, active, admitted, pr ; ARGV: submit, shape, tenant, arrival_s, slo_s,
+-- KEYS: q, qseq, active, admitted, pr, ev ; ARGV: submit, shape, tenant, arrival_s, slo_s,
 --        deadline_s, calls_total, stages_total, then per stage: left, deps, then query_id,
 --        session ('' for a static query, else 'open'), idle timeout of a session, maxlen,
 --        digest, trace (the root span's traceparent), best effort ('1' or ''), then
 --        call_id, prompt pairs
 -- returns {created, index}
-if redis.call('EXISTS', KEYS[1]) == 1 then
+if redis.call('HEXISTS', KEYS[1], 'submit') == 1 then
   return {0, tonumber(redis.call('HGET', KEYS[1], 'index'))}
 end
+-- a write-behind that landed after an earlier query of this id expired: not a query
+redis.call('DEL', KEYS[1], KEYS[6])
 local index = redis.call('INCR', KEYS[2]) - 1
 redis.call('HSET', KEYS[1], 'submit', ARGV[1], 'shape', ARGV[2], 'tenant', ARGV[3],
   'index', index, 'arrival_s', ARGV[4], 'slo_s', ARGV[5], 'deadline_s', ARGV[6],
@@ -512,6 +514,7 @@ class WorkflowStore:
             self.active_key,
             self.admitted_key,
             self.prkey(query_id),
+            self.evkey(query_id),
         ]
         created, index = await self._submit(keys=keys, args=args)
         return bool(created), int(index)
@@ -647,7 +650,11 @@ class WorkflowStore:
         if not raw:
             return None
         fields = {(k.decode() if isinstance(k, bytes) else k): v for k, v in raw.items()}
-        submit = fields.pop(F.SUBMIT)
+        submit = fields.pop(F.SUBMIT, None)
+        if submit is None:
+            # Only a write-behind that landed after the query expired (`place_commands`,
+            # which gives it the retention window again): no query is stored here.
+            return None
         fields.pop(F.SHAPE, None)
         text = {k: (v.decode() if isinstance(v, bytes) else str(v)) for k, v in fields.items()}
         prompts = {
