@@ -317,6 +317,11 @@ async def test_finished_queries_expire_after_the_retention_window(store: Workflo
     assert not any(k.startswith(PLACED) for k in again.fields), again.fields
     assert await short.events("q") == []
     assert await store.redis.pttl(short.qkey("q")) == -1  # running: no retention window
+    # A late log alone (no placements) is no query either, and no new one inherits it.
+    await _place(short, "lone", {}, {}, [b"late"], ended=True)
+    assert await short.load("lone") is None
+    assert (await short.submit("lone", b"new", "acme", 3.0, 100.0, [1], [0]))[0]
+    assert await short.events("lone") == []
 
 
 async def test_no_query_id_can_reach_another_querys_keys(store: WorkflowStore) -> None:

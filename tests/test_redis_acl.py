@@ -158,6 +158,14 @@ async def test_the_coordinator_user_runs_all_the_coordinator_does(acl: AclRedis)
         assert last.applied and last.calls_left == 0
         # a write after the end
         await store.write(store.place_commands("q1", {}, {}, [b"e3"], ended=True))
+        # a write after an end long gone (no query left), and a new query of that id on it
+        await store.write(
+            store.place_commands("q0", {"q0/0/0": Placement(0, 1, 1)}, {}, [b"x"], ended=True)
+        )
+        assert await store.load("q0") is None
+        assert (await store.submit("q0", b"sub", "demo", 0.0, 10.0, [1], [0]))[0]
+        assert await store.events("q0") == []
+        assert await store.cancel("q0", 1.0)
         # a query whose call fails, then is cancelled
         await store.submit("q2", b"sub", "demo", 0.0, 10.0, [1], [0])
         failed = await store.fail_call(
@@ -190,7 +198,7 @@ async def test_the_coordinator_user_runs_all_the_coordinator_does(acl: AclRedis)
     report = check_state(sync, PREFIX, None)
     sync.close()
     assert report.clean, report.problems
-    assert report.queries == 3
+    assert report.queries == 4
     assert acl.denials() == []
 
 

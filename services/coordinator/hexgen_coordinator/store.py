@@ -83,8 +83,12 @@ _SUBMIT = """
 if redis.call('HEXISTS', KEYS[1], 'submit') == 1 then
   return {0, tonumber(redis.call('HGET', KEYS[1], 'index'))}
 end
--- a write-behind that landed after an earlier query of this id expired: not a query
-redis.call('DEL', KEYS[1], KEYS[6])
+-- What a write-behind left after an earlier query of this id expired is not a query:
+-- emptied (field by field, and the log trimmed: the coordinator's ACL user has no DEL).
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  redis.call('HDEL', KEYS[1], unpack(redis.call('HKEYS', KEYS[1])))
+end
+redis.call('LTRIM', KEYS[6], 1, 0)
 local index = redis.call('INCR', KEYS[2]) - 1
 redis.call('HSET', KEYS[1], 'submit', ARGV[1], 'shape', ARGV[2], 'tenant', ARGV[3],
   'index', index, 'arrival_s', ARGV[4], 'slo_s', ARGV[5], 'deadline_s', ARGV[6],
