@@ -508,6 +508,15 @@ def journal_check(journal: Path, belief: Cluster) -> dict[str, Any]:
     return {"after_calls": JOURNAL_SKIP, "servers": [dataclasses.asdict(c) for c in checks]}
 
 
+def _print_within(curve: list[dict[str, float]]) -> None:
+    within = within_20pct(curve)
+    print(
+        "  never within 20 %"
+        if within is None
+        else f"  within 20 % after {within} calls of the slow server"
+    )
+
+
 def _print(doc: dict[str, Any]) -> None:
     print(
         f"\n{doc['workflows']} workflows at {doc['qps']:g} q/s on two vLLM servers (SmolLM2-135M, "
@@ -550,12 +559,7 @@ def _print(doc: dict[str, Any]) -> None:
         print(f"\n{label}: the slow server's model error by calls learned from")
         for point in curve:
             print(f"  {int(point['calls']):4d} calls  {100 * point['error']:+6.1f} %")
-        within = within_20pct(curve)
-        print(
-            "  never within 20 %"
-            if within is None
-            else f"  within 20 % after {within} calls of the slow server"
-        )
+        _print_within(curve)
     for label, curve in doc.get("replayed", {}).items():
         print(
             f"\n{label}: the same, its cost journal replayed through this version's learner "
@@ -571,12 +575,7 @@ def _print(doc: dict[str, Any]) -> None:
                     else ""
                 )
             )
-        within = within_20pct(curve)
-        print(
-            "  never within 20 %"
-            if within is None
-            else f"  within 20 % after {within} calls of the slow server"
-        )
+        _print_within(curve)
     for label, check in doc.get("journal_check", {}).items():
         print(
             f"\n{label}: each call predicted from the calls before it (its cost journal), "

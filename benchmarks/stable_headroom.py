@@ -69,7 +69,7 @@ def floor_tasks(doc: dict[str, Any], floor_qps: float) -> list[Task]:
 
 
 def floors(
-    doc: dict[str, Any], results: dict[tuple[Any, ...], dict[str, Any]]
+    results: dict[tuple[Any, ...], dict[str, Any]],
 ) -> dict[tuple[str, str], tuple[float, str]]:
     """Per (engine calibration, trace): the lowest P95 among the floor runs `results`, and
     the preset that reached it."""
@@ -169,7 +169,7 @@ def main() -> int:
         file=sys.stderr,
     )
     started = time.perf_counter()
-    floor_of = floors(doc, run_tasks(tasks, args.workers))
+    floor_of = floors(run_tasks(tasks, args.workers))
     cells = headroom(doc, floor_of, args.loads)
     if args.json:
         print(json.dumps({"floor_qps": args.floor_qps, "target": args.target, "cells": cells}))
