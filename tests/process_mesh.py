@@ -20,6 +20,7 @@ from hexgen_api.v1 import coordinator_pb2 as cpb
 from hexgen_api.v1 import coordinator_pb2_grpc as cpb_grpc
 from hexgen_launch.cluster_config import worker_argv
 from hexgen_launch.processes import free_port
+from hexgen_service import redis_schema as rs
 from hexgen_service.healthcheck import check
 from redis_here import REDIS_URL
 
@@ -122,6 +123,17 @@ class ProcessMesh:
         with grpc.insecure_channel(self.address) as channel:
             stub = cpb_grpc.CoordinatorServiceStub(channel)
             return stub.ClusterStatus(cpb.ClusterStatusRequest(), timeout=5)
+
+    def epoch_unix_s(self) -> float:
+        """The cluster clock's epoch, as the coordinator keeps it in Redis: cluster time t is
+        Unix time ``epoch + t / time_scale``."""
+        client = redis.Redis.from_url(self.redis_url)
+        try:
+            value = client.hget(rs.key(self.prefix, rs.META), rs.M.EPOCH_UNIX_S)
+        finally:
+            client.close()
+        assert value is not None, "the coordinator wrote no clock"
+        return float(value)
 
     def wait_connected(self, n: int, timeout_s: float = 30.0) -> None:
         deadline = time.monotonic() + timeout_s
