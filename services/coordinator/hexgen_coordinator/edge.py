@@ -5,7 +5,9 @@ status with a one-line message, never UNKNOWN with a traceback.
   exceptions to statuses (`InvalidFieldError` -> INVALID_ARGUMENT, `AlreadyExistsError` ->
   ALREADY_EXISTS, `OverloadedError` -> RESOURCE_EXHAUSTED with the ``retry-after-s``
   trailer, Redis unreachable -> UNAVAILABLE, anything unexpected -> INTERNAL with an
-  incident id only, logged here with its traceback under that id).
+  incident id only, logged here with its traceback under that id). A client that left
+  before its answer gets nothing and is no bug: gRPC refuses the send, and the handler
+  ends as cancelled with a debug line.
 - `add_services`: registers a servicer (hexgen_coordinator.service's
   `add_coordinator_services` registers the CoordinatorService and WorkerService with it)
   with request deserializers that answer undecodable bytes with INVALID_ARGUMENT (grpc's
@@ -23,7 +25,9 @@ of what was read is given back to the system (`hexgen_service.heap`, run by the 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import importlib
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -61,36 +65,70 @@ def _one_line(text: str) -> str:
     return " ".join(text.split())
 
 
+_EXECUTE_BATCH_ERROR: type[Exception] | None = getattr(
+    importlib.import_module("grpc._cython.cygrpc"), "ExecuteBatchError", None
+)
+_CLIENT_GONE: tuple[type[Exception], ...] = (
+    grpc.aio.UsageError,
+    *((_EXECUTE_BATCH_ERROR,) if _EXECUTE_BATCH_ERROR is not None else ()),
+)
+"""What gRPC raises on a send (a response, a status) to an RPC that is already over: the
+client cancelled, its deadline passed or its connection closed while the handler still ran
+(work shielded from cancellation, as the coordinator's Redis writes are)."""
+
+
+async def _abort(
+    context: Context[Any, Any], code: grpc.StatusCode, details: str, **kw: Any
+) -> None:
+    try:
+        await context.abort(code, details, **kw)
+    except _CLIENT_GONE as exc:
+        raise _gone(exc, code.name) from exc
+
+
+def _gone(exc: Exception, what: str) -> asyncio.CancelledError:
+    """The RPC is over, so nothing can reach its client: the handler ends as cancelled (gRPC
+    ends a cancelled handler quietly), with a debug line instead of an error."""
+    log.debug("the client left before its answer (%s): %s", what, _one_line(str(exc)))
+    return asyncio.CancelledError()
+
+
 @contextlib.asynccontextmanager
 async def statuses(context: Context[Any, Any], field_prefix: str = "") -> AsyncIterator[None]:
     """Run a handler's body; turn what it raises into the matching status (see the module
-    docstring). `field_prefix` is put before a field path (``query.`` in RunQuery)."""
+    docstring). `field_prefix` is put before a field path (``query.`` in RunQuery). A
+    client that left first gets nothing: the handler ends as cancelled, logged at debug
+    level, not as a bug."""
     try:
         yield
     except InvalidFieldError as exc:
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _one_line(field_prefix + str(exc)))
+        await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, _one_line(field_prefix + str(exc)))
     except AlreadyExistsError as exc:
-        await context.abort(grpc.StatusCode.ALREADY_EXISTS, _one_line(field_prefix + str(exc)))
+        await _abort(context, grpc.StatusCode.ALREADY_EXISTS, _one_line(field_prefix + str(exc)))
     except FailedPreconditionError as exc:
-        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, _one_line(str(exc)))
+        await _abort(context, grpc.StatusCode.FAILED_PRECONDITION, _one_line(str(exc)))
     except OverloadedError as exc:
-        await context.abort(
+        await _abort(
+            context,
             grpc.StatusCode.RESOURCE_EXHAUSTED,
             _one_line(str(exc)),
             trailing_metadata=((RETRY_AFTER_KEY, f"{exc.retry_after_s:.3f}"),),
         )
     except _REDIS_DOWN as exc:
-        await context.abort(
-            grpc.StatusCode.UNAVAILABLE, _one_line(f"redis unavailable: {exc}, retry")
+        await _abort(
+            context, grpc.StatusCode.UNAVAILABLE, _one_line(f"redis unavailable: {exc}, retry")
         )
     except (grpc.aio.AbortError, GeneratorExit):
         raise
+    except _CLIENT_GONE as exc:  # a response written after the client left
+        raise _gone(exc, "a response") from exc
     except Exception:
         # The client learns that it was a bug, and which log line has it; not the bug's text
         # (it can hold other tenants' data, paths, or what an attacker is probing for).
         incident = uuid.uuid4().hex[:12]
         log.exception("internal error %s", incident)
-        await context.abort(
+        await _abort(
+            context,
             grpc.StatusCode.INTERNAL,
             f"internal error {incident}: a bug of the coordinator, logged there under that id",
         )
