@@ -16,6 +16,10 @@ back-off for up to `retry_s`. The metrics count what was admitted: ``num_queries
 ``slo_attainment`` are over the admitted queries, and ``extra`` says ``submitted``,
 ``admitted``, ``rejected``, ``failed`` (ended FAILED) and ``best_effort`` (admitted at the
 lowest urgency).
+
+A query followed across a coordinator restart that outlasted its retention is NOT_FOUND
+when the coordinator is back: it is reported from its terminal event if the watch saw one,
+and otherwise ends the run with that error (`_await_end`).
 """
 
 from __future__ import annotations
@@ -25,12 +29,17 @@ import random
 import sys
 from collections.abc import Sequence
 
+import grpc
 from tqdm import tqdm
 
 from hexgen_api.v1 import coordinator_pb2
 from hexgen_client.client import CoordinatorClient
-from hexgen_client.convert import TERMINAL_STATES
-from hexgen_client.errors import CoordinatorOverloadedError, CoordinatorUnavailableError
+from hexgen_client.convert import TERMINAL_EVENTS, TERMINAL_STATES
+from hexgen_client.errors import (
+    CoordinatorError,
+    CoordinatorOverloadedError,
+    CoordinatorUnavailableError,
+)
 from hexgen_flow.errors import ConfigError
 from hexgen_flow.metrics import RunMetrics
 from hexgen_flow.workload import Query
@@ -84,8 +93,8 @@ async def replay(
         total=len(queries), desc="replay", unit="query", file=sys.stderr, disable=not progress
     )
 
-    async def follow(index: int) -> None:
-        infos[index] = await _await_end(client, queries[index].query_id, retry_s)
+    async def follow(index: int, admitted: coordinator_pb2.QueryInfo) -> None:
+        infos[index] = await _await_end(client, queries[index].query_id, retry_s, admitted)
         bar.update(1)
 
     async def submit_and_follow(index: int) -> None:
@@ -98,7 +107,7 @@ async def replay(
         resubmitted += not response.created
         if response.query.best_effort:
             best_effort.add(index)
-        await follow(index)
+        await follow(index, response.query)
 
     tasks: list[asyncio.Task[None]] = []
     started = loop.time()
@@ -119,7 +128,7 @@ async def replay(
                     resubmitted += not response.created
                     if response.query.best_effort:
                         best_effort.add(index)
-                    tasks.append(asyncio.create_task(follow(index)))
+                    tasks.append(asyncio.create_task(follow(index, response.query)))
             # A follower that failed fails the run now, not after every submission.
             for task in tasks:
                 if task.done() and task.exception() is not None:
@@ -190,17 +199,29 @@ async def _submit(
 
 
 async def _await_end(
-    client: CoordinatorClient, query_id: str, retry_s: float
+    client: CoordinatorClient,
+    query_id: str,
+    retry_s: float,
+    admitted: coordinator_pb2.QueryInfo,
 ) -> coordinator_pb2.QueryInfo:
     """The query's final `QueryInfo`, once it has succeeded, failed or been cancelled.
     Watches its events until the terminal one (re-watching after a dropped stream: the
-    coordinator replays past events first), then reads its state."""
+    coordinator replays past events first), then reads its state.
+
+    A query whose terminal event arrived but whose state could not be read before the
+    coordinator went away may have expired (its retention over) by the time it is back: it
+    is then reported from `admitted` (what the submission answered) and that event, the
+    time of which is its finish. One that vanished without a terminal event seen is not
+    covered for: NOT_FOUND is raised, as for a lost query."""
     loop = asyncio.get_running_loop()
     unreachable_since: float | None = None
+    terminal: coordinator_pb2.QueryEvent | None = None
     while True:
         try:
-            async for _event in client.watch(query_id):
+            async for event in client.watch(query_id):
                 unreachable_since = None  # it answered: an outage later starts a new count
+                if event.kind in TERMINAL_EVENTS:
+                    terminal = event
             info = (await client.get(query_id)).query
             if info.state in TERMINAL_STATES:
                 return info
@@ -211,4 +232,29 @@ async def _await_end(
                 unreachable_since = now
             elif now - unreachable_since >= retry_s:
                 raise
+        except CoordinatorError as exc:
+            if exc.code != grpc.StatusCode.NOT_FOUND or terminal is None:
+                raise
+            return _ended_as(admitted, terminal)
         await asyncio.sleep(_RETRY_PAUSE_S)
+
+
+_STATE_OF_EVENT = {
+    coordinator_pb2.QUERY_EVENT_KIND_SUCCEEDED: coordinator_pb2.QUERY_STATE_SUCCEEDED,
+    coordinator_pb2.QUERY_EVENT_KIND_FAILED: coordinator_pb2.QUERY_STATE_FAILED,
+    coordinator_pb2.QUERY_EVENT_KIND_CANCELLED: coordinator_pb2.QUERY_STATE_CANCELLED,
+}
+
+
+def _ended_as(
+    admitted: coordinator_pb2.QueryInfo, terminal: coordinator_pb2.QueryEvent
+) -> coordinator_pb2.QueryInfo:
+    """`admitted` as its terminal event left it: its state and finish time (the stage and
+    call counts stay as admitted; a failure's reason is in the coordinator's log only)."""
+    info = coordinator_pb2.QueryInfo()
+    info.CopyFrom(admitted)
+    info.state = _STATE_OF_EVENT[terminal.kind]
+    info.finished_s = terminal.time_s
+    if info.state == coordinator_pb2.QUERY_STATE_SUCCEEDED:
+        info.stages_done, info.calls_done = info.stages_total, info.calls_total
+    return info
