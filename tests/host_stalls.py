@@ -86,3 +86,11 @@ class HostStalls:
     def lost_between(self, start_unix: float, end_unix: float) -> float:
         """Seconds the host stood still within [start_unix, end_unix]."""
         return sum(max(0.0, min(end_unix, s + d) - max(start_unix, s)) for s, d in self.intervals)
+
+    def lost_on_cluster_clock(
+        self, epoch_unix_s: float, time_scale: float, start_s: float, end_s: float
+    ) -> float:
+        """Cluster seconds the host stood still within [start_s, end_s] of a cluster clock
+        (`epoch_unix_s`, `time_scale`): each wall second of a stall counts `time_scale`."""
+        wall = (epoch_unix_s + start_s / time_scale, epoch_unix_s + end_s / time_scale)
+        return time_scale * self.lost_between(*wall)

@@ -119,6 +119,16 @@ def test_overload_with_a_worker_killed_rejects_the_excess_and_keeps_the_slo(
     assert cli.returncode == 0, err.decode()
     doc = json.loads(out)
     status = mesh.status()
+    # The host's stalls, taken off each latency (see the best-effort run below).
+    epoch = mesh.epoch_unix_s()
+    met = [
+        q["latency_s"]
+        - stalls.lost_on_cluster_clock(
+            epoch, GRADED_TIME_SCALE, q["arrival_s"], q["arrival_s"] + q["latency_s"]
+        )
+        <= q["slo_s"]
+        for q in doc["queries"]
+    ]
     print(
         f"\n100 trace3 queries at 20 q/s on {CLUSTER}, worker 1 SIGKILLed 3 s in: "
         f"{doc['submitted']} submitted, {doc['admitted']} admitted, {doc['rejected']} "
@@ -126,14 +136,15 @@ def test_overload_with_a_worker_killed_rejects_the_excess_and_keeps_the_slo(
         f"{doc['slo_s']:.1f} s, attainment of the admitted {100 * doc['slo_attainment']:.1f} %, "
         f"P95 {doc['latency_s']['p95']:.1f} s; coordinator counted {status.queries_rejected} "
         f"rejections; {wall:.1f} s wall, of which the host stood still "
-        f"{stalls.total_s:.2f} s ({len(stalls.intervals)} stalls)"
+        f"{stalls.total_s:.2f} s ({len(stalls.intervals)} stalls; with them taken off, "
+        f"{sum(met)} of {len(met)} within their SLO)"
     )
     assert doc["submitted"] == 100
     assert doc["completed"] + doc["rejected"] == 100
     assert doc["failed"] == 0 and doc["best_effort"] == 0
     assert doc["rejected"] > 0 and doc["completed"] >= 5
     assert doc["num_queries"] == doc["admitted"] == doc["completed"]
-    assert doc["slo_attainment"] >= 0.9
+    assert len(met) == doc["admitted"] and sum(met) >= 0.9 * len(met)
     assert status.queries_rejected == doc["rejected"] + 1  # the late one
     assert status.queries_running == 0
     code, report = check_state(REDIS_URL, "--prefix", mesh.prefix)
@@ -221,12 +232,12 @@ async def test_best_effort_admits_everything_and_keeps_the_slo_of_the_predicted(
     assert all(a.created for a in answers)
     assert all(i.state == cpb.QUERY_STATE_SUCCEEDED for i in normal)
     epoch = mesh.epoch_unix_s()
-
-    def stalled_s(i: cpb.QueryInfo) -> float:  # cluster seconds
-        wall = (epoch + i.arrival_s / scale, epoch + i.finished_s / scale)
-        return scale * stalls.lost_between(*wall)
-
-    latency = [i.finished_s - i.arrival_s - stalled_s(i) for i in normal]
+    latency = [
+        i.finished_s
+        - i.arrival_s
+        - stalls.lost_on_cluster_clock(epoch, scale, i.arrival_s, i.finished_s)
+        for i in normal
+    ]
     met = [lat <= i.slo_s for lat, i in zip(latency, normal, strict=True)]
     calls_done = sum(i.calls_done for i in best_then)
     calls_total = sum(i.calls_total for i in best_then)

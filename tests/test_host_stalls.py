@@ -30,3 +30,8 @@ def test_a_stopped_monitor_reports_the_stall_and_nothing_else() -> None:
     assert stalls.lost_between(before - 1, before - 0.5) == 0.0
     assert 0.1 < stalls.lost_between(start + 0.2, after + 1) < seconds
     assert stalls.total_s == seconds
+    # On a cluster clock at time scale 10 that started 1 s before the stall: 10x the stall.
+    epoch = before - 1
+    whole = stalls.lost_on_cluster_clock(epoch, 10.0, 0.0, 10 * (after + 1 - epoch))
+    assert whole == pytest.approx(10 * seconds)
+    assert stalls.lost_on_cluster_clock(epoch, 10.0, 0.0, 5.0) == 0.0
