@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from hexgen_api.v1 import coordinator_pb2
 from hexgen_client.client import CoordinatorClient
-from hexgen_client.convert import TERMINAL_EVENTS, TERMINAL_STATES
+from hexgen_client.convert import STATE_AFTER, TERMINAL_EVENTS, TERMINAL_STATES
 from hexgen_client.errors import (
     CoordinatorError,
     CoordinatorOverloadedError,
@@ -239,13 +239,6 @@ async def _await_end(
         await asyncio.sleep(_RETRY_PAUSE_S)
 
 
-_STATE_OF_EVENT = {
-    coordinator_pb2.QUERY_EVENT_KIND_SUCCEEDED: coordinator_pb2.QUERY_STATE_SUCCEEDED,
-    coordinator_pb2.QUERY_EVENT_KIND_FAILED: coordinator_pb2.QUERY_STATE_FAILED,
-    coordinator_pb2.QUERY_EVENT_KIND_CANCELLED: coordinator_pb2.QUERY_STATE_CANCELLED,
-}
-
-
 def _ended_as(
     admitted: coordinator_pb2.QueryInfo, terminal: coordinator_pb2.QueryEvent
 ) -> coordinator_pb2.QueryInfo:
@@ -253,7 +246,7 @@ def _ended_as(
     call counts stay as admitted; a failure's reason is in the coordinator's log only)."""
     info = coordinator_pb2.QueryInfo()
     info.CopyFrom(admitted)
-    info.state = _STATE_OF_EVENT[terminal.kind]
+    info.state = STATE_AFTER[terminal.kind]
     info.finished_s = terminal.time_s
     if info.state == coordinator_pb2.QUERY_STATE_SUCCEEDED:
         info.stages_done, info.calls_done = info.stages_total, info.calls_total

@@ -1,6 +1,6 @@
 """The SDK's conversions between the API's messages and the core's objects: pure functions
 (no I/O) for what a client submits (`submit_request`) and when a query's events end
-(`is_terminal`, `TERMINAL_EVENTS`, `TERMINAL_STATES`).
+(`is_terminal`, `TERMINAL_EVENTS`, `TERMINAL_STATES`, `STATE_AFTER`).
 
 A replay's metrics (`hexgen_launch.measure`) and the coordinator's cluster as the simulator
 builds it (`hexgen_service.status`) live outside the SDK: they need the simulator's numpy.
@@ -16,27 +16,24 @@ from hexgen_flow.workload import Query
 from hexgen_wire.convert import submit_from_query
 
 __all__ = [
+    "STATE_AFTER",
     "TERMINAL_EVENTS",
     "TERMINAL_STATES",
     "is_terminal",
     "submit_request",
 ]
 
-TERMINAL_EVENTS = frozenset(
-    {
-        coordinator_pb2.QUERY_EVENT_KIND_SUCCEEDED,
-        coordinator_pb2.QUERY_EVENT_KIND_CANCELLED,
-        coordinator_pb2.QUERY_EVENT_KIND_FAILED,
-    }
-)
+STATE_AFTER: dict[
+    coordinator_pb2.QueryEventKind.ValueType, coordinator_pb2.QueryState.ValueType
+] = {
+    coordinator_pb2.QUERY_EVENT_KIND_SUCCEEDED: coordinator_pb2.QUERY_STATE_SUCCEEDED,
+    coordinator_pb2.QUERY_EVENT_KIND_CANCELLED: coordinator_pb2.QUERY_STATE_CANCELLED,
+    coordinator_pb2.QUERY_EVENT_KIND_FAILED: coordinator_pb2.QUERY_STATE_FAILED,
+}
+"""The state a query is in after each of its terminal events."""
+TERMINAL_EVENTS = frozenset(STATE_AFTER)
 """Event kinds after which a query has no more events."""
-TERMINAL_STATES = frozenset(
-    {
-        coordinator_pb2.QUERY_STATE_SUCCEEDED,
-        coordinator_pb2.QUERY_STATE_CANCELLED,
-        coordinator_pb2.QUERY_STATE_FAILED,
-    }
-)
+TERMINAL_STATES = frozenset(STATE_AFTER.values())
 """Query states that do not change any more."""
 
 
