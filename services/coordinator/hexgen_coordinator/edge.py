@@ -6,8 +6,8 @@ status with a one-line message, never UNKNOWN with a traceback.
   ALREADY_EXISTS, `OverloadedError` -> RESOURCE_EXHAUSTED with the ``retry-after-s``
   trailer, Redis unreachable -> UNAVAILABLE, anything unexpected -> INTERNAL with an
   incident id only, logged here with its traceback under that id). A client that left
-  before its answer gets nothing and is no bug: gRPC refuses the send, and the handler
-  ends as cancelled with a debug line.
+  before its answer gets nothing and is no bug: gRPC refuses the send (ExecuteBatchError),
+  and the handler ends as cancelled with a debug line.
 - `add_services`: registers a servicer (hexgen_coordinator.service's
   `add_coordinator_services` registers the CoordinatorService and WorkerService with it)
   with request deserializers that answer undecodable bytes with INVALID_ARGUMENT (grpc's
@@ -69,12 +69,13 @@ _EXECUTE_BATCH_ERROR: type[Exception] | None = getattr(
     importlib.import_module("grpc._cython.cygrpc"), "ExecuteBatchError", None
 )
 _CLIENT_GONE: tuple[type[Exception], ...] = (
-    grpc.aio.UsageError,
-    *((_EXECUTE_BATCH_ERROR,) if _EXECUTE_BATCH_ERROR is not None else ()),
+    (_EXECUTE_BATCH_ERROR,) if _EXECUTE_BATCH_ERROR is not None else ()
 )
 """What gRPC raises on a send (a response, a status) to an RPC that is already over: the
 client cancelled, its deadline passed or its connection closed while the handler still ran
-(work shielded from cancellation, as the coordinator's Redis writes are)."""
+(work shielded from cancellation, as the coordinator's Redis writes are). Not `UsageError`:
+that is also what misuse of the API raises, which is a bug to log; a second send after a
+refused one, which raised it, no longer happens (the handler ends at the first)."""
 
 
 async def _abort(
