@@ -432,7 +432,10 @@ def _measure_all(
             info("profiling both vLLM servers at once (hexgen-flow profile) ...")
             profile_servers(urls, work / "profile.yaml", args.cluster)
         chosen = setting(args, queries, work)
-        cap = None if args.load is None else capacity(chosen, workload, args.slo_scale)
+        cap = None
+        if args.load is not None:
+            info("the servers' capacity: goodput searches in the simulator (~15 s) ...")
+            cap = capacity(chosen, workload, args.slo_scale)
         qps = arrival_rate(args, cap)
         if cap is not None:
             info(
