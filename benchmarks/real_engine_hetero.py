@@ -111,6 +111,7 @@ __all__ = [
     "slo_of",
     "summarise",
     "truth_cluster",
+    "with_slos",
     "within_20pct",
 ]
 
@@ -332,10 +333,12 @@ def setting(args: argparse.Namespace, queries: Sequence[Query], work: Path) -> S
     belief = parse_cluster(str(belief_file))
     truth = truth_cluster(belief, args.cluster, slow, work)
     model = belief.instances[0].latency
-    timed = tuple(
-        dataclasses.replace(q, slo_s=round(slo_of(q, model, args.slo_scale), 3)) for q in queries
-    )
-    return Setting(belief_file, belief, truth, timed)
+    return Setting(belief_file, belief, truth, with_slos(queries, model, args.slo_scale))
+
+
+def with_slos(queries: Sequence[Query], fast: LatencyModel, scale: float) -> tuple[Query, ...]:
+    """`queries`, each with its SLO: `slo_of` on the fast server, to the millisecond."""
+    return tuple(dataclasses.replace(q, slo_s=round(slo_of(q, fast, scale), 3)) for q in queries)
 
 
 # ------------------------------------------------------------------------------ capacity
@@ -376,10 +379,7 @@ def capacity(chosen: Setting, workload: Sequence[Query], slo_scale: float) -> Ca
     profiles and the simulator are (each run's prediction, printed beside the measurement,
     says how right that is)."""
     model = chosen.belief.instances[0].latency
-    queries = [
-        dataclasses.replace(q, slo_s=round(slo_of(q, model, slo_scale), 3))
-        for q in take_queries(workload, CAPACITY_WORKFLOWS)
-    ]
+    queries = with_slos(take_queries(workload, CAPACITY_WORKFLOWS), model, slo_scale)
     goodput = {}
     for router in CAPACITY_ROUTERS:
         preset = resolve_policy(POLICIES[router].preset)

@@ -7,7 +7,6 @@ benchmark's own `--predict-from` path."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -57,10 +56,7 @@ def _setting(work: Path, n: int) -> het.Setting:
 def _attainment(chosen: het.Setting, router: str, qps: float) -> float:
     """The search's own run: `router` at `qps` over `FEW` workflows with their SLOs."""
     model = chosen.belief.instances[0].latency
-    queries = [
-        dataclasses.replace(q, slo_s=round(het.slo_of(q, model, 4.0), 3))
-        for q in take_queries(load_trace(str(WORKLOAD)), FEW)
-    ]
+    queries = het.with_slos(take_queries(load_trace(str(WORKLOAD)), FEW), model, 4.0)
     config = SimConfig(qps, seed=het.CAPACITY_SEED, prefix_caching=False)
     preset = resolve_policy(het.POLICIES[router].preset)
     run = Simulation(queries, chosen.belief, preset, config, truth=chosen.truth).run()
