@@ -83,15 +83,16 @@ from hexgen_flow.learning import (
     read_cost_journal,
 )
 from hexgen_flow.metrics import json_safe, percentile
-from hexgen_flow.policies.presets import resolve_policy
-from hexgen_flow.sim.simulator import SimConfig, Simulation
+from hexgen_flow.sim.simulator import SimConfig
 from hexgen_flow.traces import load_trace, take_queries
-from hexgen_flow.workload import Query
+from hexgen_flow.workload import Query, Workflow
+from hexgen_service.eos_script import EosScript
 from real_engine_replay import (
     _check_setup,
     _positive,
     _work_dir,
     add_setup_options,
+    lengths_simulation,
     measure,
     predict,
 )
@@ -140,6 +141,13 @@ POLICIES = {
 
 DEFAULT_QPS = 0.12
 """The arrival rate without ``--qps`` or ``--load``, workflows per second."""
+
+DEFAULT_MAX_TOKENS = 32
+"""Every call's declared cap under ``--output-lengths learned``: the default workload's
+longest output (its lengths were scaled down and capped at 32 tokens)."""
+
+LENGTHS_FILE = "lengths.json"
+"""What a work folder's runs knew of output lengths (`Lengths`), kept beside the profiles."""
 
 
 # -------------------------------------------------------------------------- the clusters
@@ -237,6 +245,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="each workflow's SLO: X times its critical path alone on the fast server (default 4)",
     )
     p.add_argument(
+        "--output-lengths",
+        choices=("known", "learned"),
+        default="known",
+        help="what the mesh knows of each call's output length: known (each call declared "
+        "at its recorded length, which the servers generate; the default), or learned "
+        "(every call declared at --max-tokens, the servers stopping it at its recorded "
+        "length by the workers' --eos-script, and the coordinator learning lengths from "
+        "the calls that finished, as from an agent's max_tokens)",
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=_positive(int),
+        default=DEFAULT_MAX_TOKENS,
+        metavar="N",
+        help=f"with --output-lengths learned: every call's declared cap (default "
+        f"{DEFAULT_MAX_TOKENS}, the default workload's longest output)",
+    )
+    p.add_argument(
         "--policies",
         default=",".join(POLICIES),
         metavar="LIST",
@@ -319,12 +345,58 @@ class Setting:
     truth: Cluster
     """The belief's instances, instance 1 with the slow server's own profile."""
     queries: tuple[Query, ...]
-    """The replayed workflows, each with its SLO (`slo_of`)."""
+    """The replayed workflows, each with its SLO (`slo_of`) and its calls' recorded output
+    lengths, which the servers generate."""
+    lengths_cap: int | None = None
+    """None: the mesh knows every call's output length (declared at it). Else every call
+    is declared at this cap, the workers stop it at its length (`eos_script`) and the
+    coordinator learns lengths (``--output-lengths learned``)."""
+
+    @property
+    def lengths(self) -> dict[str, Any]:
+        """What the runs know of output lengths, as `LENGTHS_FILE` keeps it."""
+        if self.lengths_cap is None:
+            return {"output_lengths": "known"}
+        return {"output_lengths": "learned", "max_tokens": self.lengths_cap}
+
+    def declared(self) -> tuple[Query, ...]:
+        """The workflows as the mesh is given them: each call at its length, or at the cap."""
+        cap = self.lengths_cap
+        if cap is None:
+            return self.queries
+        return tuple(
+            dataclasses.replace(
+                q,
+                workflow=Workflow(
+                    tuple(
+                        dataclasses.replace(
+                            stage,
+                            calls=tuple(
+                                dataclasses.replace(c, output_tokens=cap) for c in stage.calls
+                            ),
+                        )
+                        for stage in q.workflow.stages
+                    )
+                ),
+            )
+            for q in self.queries
+        )
+
+    def eos_script(self) -> EosScript:
+        """Where each call's model stops: its recorded length, by the coordinator's call id
+        (query/stage.index)."""
+        return EosScript({
+            f"{q.query_id}/{k}.{i}": c.output_tokens
+            for q in self.queries
+            for k, stage in enumerate(q.workflow.stages)
+            for i, c in enumerate(stage.calls)
+        })  # fmt: skip
 
 
 def setting(args: argparse.Namespace, queries: Sequence[Query], work: Path) -> Setting:
     """The clusters and the SLOs from the profiles in `work` (profile.server0.yaml: the
-    fast server's; profile.server1.yaml: the slow one's)."""
+    fast server's; profile.server1.yaml: the slow one's), and what the runs know of output
+    lengths (``--output-lengths``)."""
     fast, slow = work / "profile.server0.yaml", work / "profile.server1.yaml"
     for path in (fast, slow):
         if not path.is_file():
@@ -333,7 +405,34 @@ def setting(args: argparse.Namespace, queries: Sequence[Query], work: Path) -> S
     belief = parse_cluster(str(belief_file))
     truth = truth_cluster(belief, args.cluster, slow, work)
     model = belief.instances[0].latency
-    return Setting(belief_file, belief, truth, with_slos(queries, model, args.slo_scale))
+    cap = None
+    if args.output_lengths == "learned":
+        cap = args.max_tokens
+        longest = max(
+            c.output_tokens for q in queries for st in q.workflow.stages for c in st.calls
+        )
+        if longest > cap:
+            raise SystemExit(
+                f"--max-tokens {cap}: below the workload's longest output ({longest} tokens); "
+                "a cap must let every call stop where it was recorded"
+            )
+    return Setting(belief_file, belief, truth, with_slos(queries, model, args.slo_scale), cap)
+
+
+def check_lengths(chosen: Setting, work: Path) -> None:
+    """Refuse a work folder whose runs knew output lengths otherwise than `chosen` does
+    (`LENGTHS_FILE`; a folder without one: known, as every run before it)."""
+    path = work / LENGTHS_FILE
+    kept = json.loads(path.read_text()) if path.is_file() else {"output_lengths": "known"}
+    if kept != chosen.lengths:
+
+        def said(doc: dict[str, Any]) -> str:
+            cap = f" --max-tokens {doc['max_tokens']}" if "max_tokens" in doc else ""
+            return f"--output-lengths {doc['output_lengths']}{cap}"
+
+        raise SystemExit(
+            f"{work}: its runs were measured with {said(kept)}, not {said(chosen.lengths)}"
+        )
 
 
 def with_slos(queries: Sequence[Query], fast: LatencyModel, scale: float) -> tuple[Query, ...]:
@@ -382,11 +481,13 @@ def capacity(chosen: Setting, workload: Sequence[Query], slo_scale: float) -> Ca
     queries = with_slos(take_queries(workload, CAPACITY_WORKFLOWS), model, slo_scale)
     goodput = {}
     for router in CAPACITY_ROUTERS:
-        preset = resolve_policy(POLICIES[router].preset)
+        preset = POLICIES[router].preset
 
-        def attainment(qps: float, preset: Any = preset) -> float:
+        def attainment(qps: float, preset: str = preset) -> float:
             config = SimConfig(qps, seed=CAPACITY_SEED, prefix_caching=False)
-            run = Simulation(queries, chosen.belief, preset, config, truth=chosen.truth)
+            run = lengths_simulation(
+                queries, chosen.belief, preset, config, chosen.truth, chosen.lengths_cap
+            )
             return run.run().slo_attainment
 
         goodput[router], _ = find_goodput(attainment, max_qps=2.0, resolution=0.001)
@@ -432,6 +533,9 @@ def _measure_all(
             info("profiling both vLLM servers at once (hexgen-flow profile) ...")
             profile_servers(urls, work / "profile.yaml", args.cluster)
         chosen = setting(args, queries, work)
+        if resumed:
+            check_lengths(chosen, work)
+        (work / LENGTHS_FILE).write_text(json.dumps(chosen.lengths))
         cap = None
         if args.load is not None:
             info("the servers' capacity: goodput searches in the simulator (~15 s) ...")
@@ -442,6 +546,12 @@ def _measure_all(
                 f"capacity (simulated from the profiles): {cap.qps:g} q/s ({cap.router}); "
                 f"--load {args.load:g}: {qps:g} q/s"
             )
+        if resumed:
+            check_kept_rates(runs, qps)
+        eos = None
+        if chosen.lengths_cap is not None:
+            eos = work / "eos-script.json"
+            chosen.eos_script().write(eos)
         pids = [p.pid for p in servers.procs if p.pid is not None]
         for (seed, folder), policy in _schedule(runs, policies):
             if resumed and (folder / f"measured-{policy.label}.json").is_file():
@@ -471,12 +581,13 @@ def _measure_all(
                 })  # fmt: skip
 
             result = measure(
-                urls, chosen.queries, qps, seed=seed, policy=policy.preset,
+                urls, chosen.declared(), qps, seed=seed, policy=policy.preset,
                 kv_cache_tokens=chosen.belief.instances[0].kv_cache_tokens,
                 log_dir=folder / f"mesh-{policy.label}", progress=not args.json,
                 server_pids=pids, cluster=str(chosen.belief_file),
                 learn_costs=policy.learn_costs, on_status=sample if policy.learn_costs else None,
-                cost_journal=journal,
+                cost_journal=journal, eos_script=eos,
+                output_lengths=None if eos is None else "learned",
             )  # fmt: skip
             # the samples first: a run counts as measured once its measurement is saved
             (folder / f"learning-{policy.label}.json").write_text(json.dumps(samples))
@@ -484,6 +595,19 @@ def _measure_all(
     finally:
         servers.close()
     return chosen, cap
+
+
+def check_kept_rates(runs: list[tuple[int, Path]], qps: float) -> None:
+    """Refuse, before any replay, to resume a work folder whose kept runs were measured at
+    another rate than `qps`: its figures would mix two loads."""
+    for _, folder in runs:
+        for path in sorted(folder.glob("measured-*.json")):
+            _, kept, _ = load_measured(path)
+            if kept != qps:
+                raise SystemExit(
+                    f"{path}: measured at {kept:g} q/s, but this run's rate is {qps:g} q/s "
+                    "(give the rate it was measured at, or another --out-dir)"
+                )
 
 
 def _schedule(
@@ -505,6 +629,7 @@ def _predict(
     return predict(
         chosen.queries, measured.arrivals, chosen.belief, qps=qps, seed=seed,
         policy=policy.preset, engine=None, truth=truth, learn_costs=policy.learn_costs,
+        lengths_cap=chosen.lengths_cap,
     )  # fmt: skip
 
 
@@ -646,6 +771,12 @@ def _print(doc: dict[str, Any]) -> None:
             f"that is {doc['load']:g} of the servers' capacity, {cap['qps']:g} q/s: the best "
             f"router's goodput in the simulator, from the profiles ({goodput} q/s)"
         )
+    if doc.get("output_lengths") == "learned":
+        print(
+            f"output lengths learned: every call declared at {doc['max_tokens']} tokens, the "
+            "servers stopping it at its recorded length; the coordinator (and the simulator) "
+            "learning lengths from the calls that finished"
+        )
     print(
         f"slow server / fast server, single-request time of the workload's calls: "
         f"{doc['true_slowdown']:.2f}x"
@@ -772,6 +903,7 @@ def _analyse(
         "qps": rates.pop(),
         "load": args.load,
         "capacity": None if cap is None else dataclasses.asdict(cap),
+        **chosen.lengths,
         "slow_share": args.slow_share,
         "slo_scale": args.slo_scale,
         "seed": seed,
@@ -872,6 +1004,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             chosen, cap = _measure_all(args, policies, queries, workload, work, runs)
         else:
             chosen = setting(args, queries, work)
+            check_lengths(chosen, work)
             cap = None if args.load is None else capacity(chosen, workload, args.slo_scale)
         docs = [_analyse(args, policies, chosen, folder, seed, cap) for seed, folder in runs]
     wall_s = time.perf_counter() - started

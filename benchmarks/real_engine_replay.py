@@ -48,6 +48,7 @@ import yaml
 from hexgen_api.v1 import coordinator_pb2 as cpb
 from hexgen_client.client import CoordinatorClient
 from hexgen_flow.cluster import Cluster, parse_cluster
+from hexgen_flow.lengths import OutputLengthPredictor, OutputLengths
 from hexgen_flow.metrics import json_safe
 from hexgen_flow.policies.presets import resolve_policy
 from hexgen_flow.protocol import Action, CallDone, Event
@@ -78,6 +79,7 @@ from real_engine_servers import (
 
 __all__ = [
     "add_setup_options",
+    "lengths_simulation",
     "main",
     "measure",
     "predict",
@@ -167,6 +169,8 @@ def measure(
     on_status: Callable[[float, cpb.ClusterStatusResponse], None] | None = None,
     status_every_s: float = 2.0,
     cost_journal: Path | None = None,
+    output_lengths: str | None = None,
+    eos_script: Path | None = None,
 ) -> RunResult:
     """Replay `queries` through a mesh of one openai worker per server URL (whose processes
     are `server_pids`, for the CPU account). The mesh's slots are `cluster` (a cluster
@@ -174,18 +178,24 @@ def measure(
     cluster's), learning each instance's costs with `learn_costs`; `on_status(t, status)`,
     when given, sees the coordinator's status every `status_every_s` seconds of the replay
     (`t`: seconds since it began) and once after it. With `learn_costs`, the coordinator
-    appends each call's measured cost to `cost_journal` (``--cost-journal``) when given."""
-    options = (
+    appends each call's measured cost to `cost_journal` (``--cost-journal``) when given.
+    `output_lengths` is the coordinator's ``--output-lengths`` (None: its default, known);
+    with `eos_script` (``--eos-script``, `hexgen_service.eos_script`) every worker stops
+    each call the script names where it says, at most the call's declared tokens."""
+    options: tuple[str, ...] = (
         "--openai-model", SERVED_MODEL,
         "--max-batch", str(MAX_BATCH),
         "--kv-cache-tokens", str(kv_cache_tokens),
         "--max-context-tokens", str(MAX_MODEL_LEN),
     )  # fmt: skip
+    if eos_script is not None:
+        options += ("--eos-script", str(eos_script))
     launches = tuple(WorkerLaunch("openai", ("--openai-url", url, *options)) for url in urls)
     config = LocalClusterConfig(
         cluster=",".join([MESH_GPU] * len(urls)) if cluster is None else cluster,
         calibration=calibration,
         learn_costs=learn_costs,
+        output_lengths=output_lengths,
         policy=policy,
         listen="127.0.0.1:0",
         tuner=False,  # nothing changes the policy during the run
@@ -257,6 +267,26 @@ def measure(
         return asyncio.run(run(mesh.coordinator_address, pids))
 
 
+def lengths_simulation(
+    queries: Sequence[Query],
+    cluster: Cluster,
+    policy: str,
+    config: SimConfig,
+    truth: Cluster | None,
+    lengths_cap: int | None,
+) -> Simulation:
+    """The simulation of `queries` whose scheduler knows their output lengths (`lengths_cap`
+    None) or, as a coordinator run with ``--output-lengths learned`` whose clients declare
+    every call at `lengths_cap` tokens, learns them from the calls that finished, cold from
+    its prior and never above the cap; the engines generate the queries' own lengths."""
+    if lengths_cap is not None:
+        config = dataclasses.replace(config, output_lengths=OutputLengths.LEARNED)
+    sim = Simulation(queries, cluster, resolve_policy(policy), config, truth=truth)
+    if lengths_cap is not None:  # the coordinator's belief: the cap is all it was declared
+        sim.core.lengths = OutputLengthPredictor(cap=lengths_cap)
+    return sim
+
+
 def sim_cluster(cluster_file: Path, instances: int, profile: Path, work_dir: Path) -> Cluster:
     """`instances` copies of the one instance of `cluster_file` (its gpus: entries kept),
     with latency from ``measured:profile``."""
@@ -281,17 +311,19 @@ def predict(
     engine: str | None,
     truth: Cluster | None = None,
     learn_costs: bool = False,
+    lengths_cap: int | None = None,
 ) -> RunResult:
     """The simulator's run of `queries` arriving at `arrivals` on `cluster` (what the
     scheduler believes; the engines run `truth`, default `cluster` itself), learning each
-    instance's costs with `learn_costs`."""
+    instance's costs with `learn_costs`, and with `lengths_cap` learning output lengths
+    (`lengths_simulation`)."""
     timed = [dataclasses.replace(q, arrival_s=arrivals[q.query_id]) for q in queries]
     # The servers run without prefix caching (above): so does the simulated engine.
     options: dict[str, Any] = {"prefix_caching": False, "learn_costs": learn_costs}
     if engine is not None:
         options["engine"] = engine
     config = SimConfig(qps, seed=seed, **options)
-    sim = Simulation(timed, cluster, resolve_policy(policy), config, truth=truth)
+    sim = lengths_simulation(timed, cluster, policy, config, truth, lengths_cap)
     calls: list[CallTimes] = []
 
     def record(event: Event, actions: tuple[Action, ...]) -> None:

@@ -65,6 +65,7 @@ NON_DEFAULT: dict[str, Any] = {
     "openai_api": "chat",
     "openai_priority": True,
     "ignore_eos": False,
+    "eos_script": "/runs/eos-script.json",
     "vllm_model": "/models/m",
     "vllm_engine_args": {"enforce_eager": True, "dtype": "bfloat16", "max_model_len": 4096},
     "log_level": "DEBUG",
@@ -156,7 +157,10 @@ def test_the_workers_own_parser_round_trips_too(tmp_path: Path) -> None:
     (rendered by no one: a command line is readable by every user)."""
     token = tmp_path / "token"
     token.write_text("t0ken\n")
-    config = WorkerConfig(**{**NON_DEFAULT, "api_keys_file": ""})  # the cli reads the file
+    script = tmp_path / "eos.json"  # read when the configuration is resolved
+    script.write_text('{"q/0.0": 3}')
+    # the cli reads the keys file
+    config = WorkerConfig(**{**NON_DEFAULT, "api_keys_file": "", "eos_script": str(script)})
     argv = [*worker_argv(config), "--worker-token-file", str(token)]
     parsed = config_from_args(build_parser().parse_args(argv))
     assert parsed == dataclasses.replace(config, worker_token="t0ken").resolved()

@@ -25,6 +25,7 @@ from hexgen_flow.runtime import CallTicket
 from hexgen_flow.workload import LLMCall
 from hexgen_service.clock import ClusterClock
 from hexgen_service.convert import dispatch_to_ticket
+from hexgen_service.eos_script import EosScript
 from hexgen_worker import DispatchOutcome, WelcomeSettings, WorkerConfig, WorkerState
 from hexgen_worker.convert import heartbeat_request, hello_request
 from hexgen_worker.engines import SimulatedEngine
@@ -38,8 +39,16 @@ SHARDS = ("10.0.0.1:50052", "10.0.0.2:50052")
 
 
 def ticket(
-    call_id: str, seq: int, *, deadline_s: float = 100.0, out: int = 50, released_s: float = 0.0
+    call_id: str,
+    seq: int,
+    *,
+    deadline_s: float = 100.0,
+    out: int = 50,
+    released_s: float = 0.0,
+    asked: int | None = None,
 ) -> CallTicket:
+    """`out`: the output tokens the queue plans with; `asked`: what the engine is asked for
+    (the declared cap; default `out`)."""
     return CallTicket.detached(
         seq=seq,
         call_id=call_id,
@@ -52,6 +61,7 @@ def ticket(
         deadline_s=deadline_s,
         query_deadline_s=500.0,
         remaining_after_s=0.0,
+        output_tokens=asked,
     )
 
 
@@ -63,7 +73,12 @@ def welcome(clock: ClusterClock, **overrides: Any) -> WelcomeSettings:
 class TwoShards:
     """A WorkerState with two links on a simulated engine, recording what each link sends."""
 
-    def __init__(self, coordinators: Sequence[str] = SHARDS, **config: Any) -> None:
+    def __init__(
+        self,
+        coordinators: Sequence[str] = SHARDS,
+        eos_script: EosScript | None = None,
+        **config: Any,
+    ) -> None:
         cfg = WorkerConfig(worker_id="w", gpu="A100", **config).resolved()
         self.config = cfg
         self.engine = SimulatedEngine(cfg.instance_spec(), "vllm-v1")
@@ -75,6 +90,7 @@ class TwoShards:
             kv_cache_tokens=cfg.kv_cache_tokens or 0,
             send=lambda link, report: self.sent.append((link, report)),
             coordinators=coordinators,
+            eos_script=eos_script,
         )
 
     def finished(self, link: int | None = None) -> list[CallFinished]:
@@ -151,6 +167,38 @@ def test_the_same_call_id_on_two_shards_is_two_calls() -> None:
         assert w.sent[-1][0] == 0
 
     run(w, body, *same_clock())
+
+
+def test_each_shards_engine_is_asked_for_the_cap_not_the_belief_the_queue_plans_with() -> None:
+    # Under learned output lengths a coordinator plans a call with less than its cap; the
+    # shared queue plans with that belief, but the engine must still be asked for the cap.
+    w = TwoShards()
+
+    async def body() -> None:
+        w.state.dispatch(ticket("a/0.0", 1, out=20, asked=60), link=0)
+        w.state.dispatch(ticket("b/0.0", 1, out=20, asked=70), link=1)
+        await w.until(lambda: len(w.finished()) == 2)
+
+    run(w, body, *same_clock())
+    assert [(f.call_id, f.output_tokens) for f in w.finished(0)] == [("a/0.0", 60)]
+    assert [(f.call_id, f.output_tokens) for f in w.finished(1)] == [("b/0.0", 70)]
+
+
+def test_an_eos_script_stops_each_shards_calls_where_it_says_never_past_the_cap() -> None:
+    w = TwoShards(eos_script=EosScript({"a/0.0": 7, "b/0.0": 90}))
+
+    async def body() -> None:
+        w.state.dispatch(ticket("a/0.0", 1, out=20, asked=60), link=0)
+        w.state.dispatch(ticket("b/0.0", 1, out=20, asked=60), link=1)
+        w.state.dispatch(ticket("c/0.0", 2, out=20, asked=60), link=1)  # not in the script
+        await w.until(lambda: len(w.finished()) == 3)
+
+    run(w, body, *same_clock())
+    assert [(f.call_id, f.output_tokens) for f in w.finished(0)] == [("a/0.0", 7)]
+    assert sorted((f.call_id, f.output_tokens) for f in w.finished(1)) == [
+        ("b/0.0", 60),
+        ("c/0.0", 60),
+    ]
 
 
 def test_cancel_and_deadline_update_touch_their_own_shard_only() -> None:

@@ -28,6 +28,7 @@ from hexgen_flow.hardware import GpuCatalogue
 from hexgen_flow.latency import latency_model, resolve_model
 from hexgen_flow.sim.engines import DEFAULT_ENGINE_MODEL, ENGINE_MODELS, prefix_caching_of
 from hexgen_service.auth import read_secret
+from hexgen_service.eos_script import EosScript
 from hexgen_service.exposure import refuse_open_metrics
 from hexgen_service.settings import (
     LOG_LEVELS,
@@ -159,6 +160,15 @@ class WorkerConfig:
         "model stop at end-of-sequence)",
     )
     """Real engines: generate exactly the call's output tokens (vLLM's ignore_eos)."""
+    eos_script: str | None = setting(
+        None,
+        "a JSON object of call id to the output tokens its model writes before stopping: "
+        "each named call is generated that long, at most its cap (a replay's stand-in for "
+        "a model's end of sequence; the coordinator is not told)",
+        metavar="FILE",
+    )
+    """A scripted end of sequence (``--eos-script``, `hexgen_service.eos_script`): each
+    named call generates its scripted tokens, at most its cap; None: every call its cap."""
     request_timeout_s: float = setting(600.0, code_only=True, check=_positive_finite)
     """openai engine: seconds one streaming request may take."""
     vllm_model: str = setting("", metavar="PATH")
@@ -270,6 +280,8 @@ class WorkerConfig:
         concurrency = max_batch if self.max_concurrency is None else self.max_concurrency
         if self.engine == "openai" and not self.openai_url:
             raise ConfigError("--engine openai needs --openai-url (e.g. http://localhost:8000)")
+        if self.eos_script is not None:
+            EosScript.read(self.eos_script)  # a bad file fails here, named
         if self.engine == "vllm" and not self.vllm_model:
             raise ConfigError("--engine vllm needs --vllm-model (a model name or local path)")
         return dataclasses.replace(

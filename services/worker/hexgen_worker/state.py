@@ -46,6 +46,7 @@ from hexgen_flow.runtime import CallTicket, ClusterLoad, PolicyContext
 from hexgen_flow.scheduler import InstanceScheduler
 from hexgen_service import genai
 from hexgen_service.clock import ClusterClock
+from hexgen_service.eos_script import EosScript
 from hexgen_service.telemetry import context_from_traceparent
 from hexgen_worker.engines.base import NO_OPTIONS, CallOptions, ChatMessage, Engine, translate_time
 from hexgen_worker.events import (
@@ -144,10 +145,13 @@ class WorkerState:
         catalogue: GpuCatalogue | None = None,
         tracer: trace.Tracer | None = None,
         metrics: WorkerMetrics | None = None,
+        eos_script: EosScript | None = None,
     ) -> None:
         """`send(link, report)` reports on link `link`; `coordinators` names the links (the
         coordinators' addresses, in link order: what errors and logs call them)."""
         self.engine = engine
+        self.eos_script = eos_script
+        """Where each call's model stops (``--eos-script``); None: at the call's cap."""
         self.metrics = metrics
         """The worker's Prometheus metrics, when it serves them."""
         self.gpu = gpu
@@ -433,6 +437,8 @@ class WorkerState:
                 "hexgen.engine": self.engine.kind,
             }
         )
+        if self.eos_script is not None:  # the model stops there: the engine is asked that
+            ticket.output_tokens = self.eos_script.tokens(call_id, ticket.output_tokens)
         work_s = 0.0
         if self.shards.links > 1:
             attributes["hexgen.coordinator"] = self.shards.names[link]
@@ -478,6 +484,7 @@ class WorkerState:
             remaining_after_s=ticket.remaining_after_s,
             attempt=ticket.attempt,
             weight=ticket.weight,
+            output_tokens=ticket.output_tokens,  # the engine's ask (`call` may hold a belief)
         )
 
     def fail(self, call_id: str, error: str, *, attempt: int = 0, link: int = 0) -> None:

@@ -22,6 +22,7 @@ import random
 
 from hexgen_flow.calibration import DEFAULT_CALIBRATION
 from hexgen_service.auth import Role
+from hexgen_service.eos_script import EosScript
 from hexgen_service.metrics_server import MetricsProtection, serve_metrics
 from hexgen_service.telemetry import setup_tracing
 from hexgen_worker.config import WorkerConfig
@@ -105,6 +106,7 @@ class Worker:
             coordinators=config.coordinators,
             tracer=tracer,
             metrics=metrics,
+            eos_script=None if config.eos_script is None else EosScript.read(config.eos_script),
         )
         self.state = state
         metrics_server = None
