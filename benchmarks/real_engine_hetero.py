@@ -533,7 +533,7 @@ def _measure_all(
             info("profiling both vLLM servers at once (hexgen-flow profile) ...")
             profile_servers(urls, work / "profile.yaml", args.cluster)
         chosen = setting(args, queries, work)
-        if resumed:
+        if kept_measurements(runs):  # (a folder of profiles alone takes any lengths)
             check_lengths(chosen, work)
         (work / LENGTHS_FILE).write_text(json.dumps(chosen.lengths))
         cap = None
@@ -597,17 +597,21 @@ def _measure_all(
     return chosen, cap
 
 
+def kept_measurements(runs: list[tuple[int, Path]]) -> list[Path]:
+    """The measured runs already in `runs`' folders (a run that stopped left them)."""
+    return [path for _, folder in runs for path in sorted(folder.glob("measured-*.json"))]
+
+
 def check_kept_rates(runs: list[tuple[int, Path]], qps: float) -> None:
     """Refuse, before any replay, to resume a work folder whose kept runs were measured at
     another rate than `qps`: its figures would mix two loads."""
-    for _, folder in runs:
-        for path in sorted(folder.glob("measured-*.json")):
-            _, kept, _ = load_measured(path)
-            if kept != qps:
-                raise SystemExit(
-                    f"{path}: measured at {kept:g} q/s, but this run's rate is {qps:g} q/s "
-                    "(give the rate it was measured at, or another --out-dir)"
-                )
+    for path in kept_measurements(runs):
+        _, kept, _ = load_measured(path)
+        if kept != qps:
+            raise SystemExit(
+                f"{path}: measured at {kept:g} q/s, but this run's rate is {qps:g} q/s "
+                "(give the rate it was measured at, or another --out-dir)"
+            )
 
 
 def _schedule(

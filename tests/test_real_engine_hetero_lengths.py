@@ -124,7 +124,9 @@ def test_a_kept_folder_is_refused_under_other_lengths_or_another_rate(
         chosen.queries, arrivals, chosen.belief, qps=qps, seed=0, policy="hexgen-flow",
         engine=None, truth=chosen.truth, lengths_cap=32,
     )  # fmt: skip
+    assert het.kept_measurements([(0, work)]) == []  # profiles alone: any lengths may follow
     save_measured(work / "measured-hexgen-flow.json", 2, qps, run)
+    assert het.kept_measurements([(0, work)]) == [work / "measured-hexgen-flow.json"]
     argv = ["--predict-from", str(work), "--num-queries", "6", "--policies", "hexgen-flow"]
     argv += ["--qps", str(qps)]
     assert het.main([*argv, "--output-lengths", "learned", "--json"]) == 0
