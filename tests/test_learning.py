@@ -295,6 +295,31 @@ def test_the_cost_meter_integrates_between_events() -> None:
     assert meter.finished(c, 8.0) is None and meter.held == 0
 
 
+def test_a_call_told_what_it_generated_leaves_the_meter_what_it_was_charged() -> None:
+    """A coordinator learning output lengths asks each engine for the declared cap and
+    sets a call's output tokens to what it generated when it comes back: the KV tokens the
+    meter charged the call when it was taken leave with it, or every call that stopped
+    before its cap would leave phantom KV tokens behind for the calls after it."""
+    meter = CostMeter(0)
+    run = QueryRun(Query("q", Workflow.chain([(LLMCall("a", 100, 32),)])), 0, 0.0, 1e9)
+    for k in range(50):  # one after another, each asked for 32 tokens and generating 2
+        ticket = CallTicket(k, run, 0, LLMCall("a", 100, 32), 0.0, 1e9)
+        meter.taken(ticket, 2.0 * k)
+        ticket.output_tokens = 2
+        cost = meter.finished(ticket, 2.0 * k + 1)
+        assert cost is not None and cost.output_tokens == 2
+        # alone, it held its own prompt and half the tokens asked of it: nothing left over
+        assert cost.mean_kv_tokens == pytest.approx(100 + 32 / 2), k
+    dropped = CallTicket(50, run, 0, LLMCall("a", 100, 32), 0.0, 1e9)
+    meter.taken(dropped, 100.0)
+    dropped.output_tokens = 1
+    meter.dropped(dropped, 100.5)
+    last = CallTicket(51, run, 0, LLMCall("a", 100, 8), 0.0, 1e9)
+    meter.taken(last, 101.0)
+    cost = meter.finished(last, 102.0)
+    assert cost is not None and cost.mean_kv_tokens == pytest.approx(104.0)
+
+
 def test_a_learner_carries_on_from_its_kept_state() -> None:
     cluster = parse_cluster("A100,L40S")
     first = CostLearner(cluster, SETTINGS)

@@ -762,9 +762,10 @@ class CostMeter:
         """Calls in the log that came back: when their first token came (0: not reported)
         and when they came back, to tell the calls taken after them whether their prompt
         was still ahead."""
-        self._started: dict[CallTicket, tuple[float, float, int, float, int]] = {}
-        """Per call held: the integrals when it was taken, its place in the log, when, and
-        how many calls the engine held then."""
+        self._started: dict[CallTicket, tuple[float, float, int, float, int, float]] = {}
+        """Per call held: the integrals when it was taken, its place in the log, when, how
+        many calls the engine held then, and the KV tokens it was charged (what leaves
+        `_kv` with it: its output tokens may be told anew when it comes back)."""
         self._backs = 0  # calls back so far
         self._cached_share = 0.0
         """The share of a prompt found cached, over the recent calls back (what a call still
@@ -784,6 +785,9 @@ class CostMeter:
 
     @staticmethod
     def _kv_of(ticket: CallTicket) -> float:
+        """A held call's KV tokens: its prompt and half the output its engine was asked for
+        (a driver that learns output lengths is told what it generated only when it comes
+        back, and then sets `CallTicket.output_tokens` to that)."""
         return ticket.call.input_tokens + ticket.output_tokens / 2
 
     def taken(self, ticket: CallTicket, now: float) -> None:
@@ -796,18 +800,20 @@ class CostMeter:
         self._advance(now)
         held_before = self._held
         self._held += 1
-        self._kv += self._kv_of(ticket)
+        kv = self._kv_of(ticket)
+        self._kv += kv
         self._log.append(ticket)
         self._log_s.append(now)
         position = self._log_base + len(self._log) - 1
-        self._started[ticket] = (self._area, self._kv_area, position, now, held_before)
+        self._started[ticket] = (self._area, self._kv_area, position, now, held_before, kv)
 
     def dropped(self, ticket: CallTicket, now: float) -> None:
         """`ticket` left the engine without a result worth learning from."""
         self._advance(now)
-        if self._started.pop(ticket, None) is not None:
+        started = self._started.pop(ticket, None)
+        if started is not None:
             self._held -= 1
-            self._kv -= self._kv_of(ticket)
+            self._kv -= started[5]
         self._trim()
 
     def finished(
@@ -827,8 +833,8 @@ class CostMeter:
         if started is None:
             return None
         self._held -= 1
-        self._kv -= self._kv_of(ticket)
-        area0, kv0, position, taken_s, held_before = started
+        area0, kv0, position, taken_s, held_before, kv = started
+        self._kv -= kv  # what it was charged: its output tokens may have been told anew
         start = ticket.scheduled_s if ticket.scheduled_s is not None else taken_s
         if service_s is None:
             service_s = now - start
@@ -867,7 +873,7 @@ class CostMeter:
             ticket.output_tokens,
             service_s,
             max((self._area - area0) / span, 1.0) if span > 0 else 1.0,
-            (self._kv_area - kv0) / span if span > 0 else self._kv_of(ticket),
+            (self._kv_area - kv0) / span if span > 0 else kv,
             ticket.cached_tokens,
             others,
             round(tokens),
