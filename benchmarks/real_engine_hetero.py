@@ -73,6 +73,7 @@ from typing import Any
 import yaml
 
 from hexgen_api.v1 import coordinator_pb2 as cpb
+from hexgen_coordinator.ledger import call_id_of
 from hexgen_flow.bench.tasks import find_goodput
 from hexgen_flow.cluster import Cluster, parse_cluster
 from hexgen_flow.latency import LatencyModel
@@ -147,7 +148,8 @@ DEFAULT_MAX_TOKENS = 32
 longest output (its lengths were scaled down and capped at 32 tokens)."""
 
 LENGTHS_FILE = "lengths.json"
-"""What a work folder's runs knew of output lengths (`Lengths`), kept beside the profiles."""
+"""What a work folder's runs knew of output lengths (`Setting.lengths`), kept beside the
+profiles."""
 
 
 # -------------------------------------------------------------------------- the clusters
@@ -386,7 +388,7 @@ class Setting:
         """Where each call's model stops: its recorded length, by the coordinator's call id
         (query/stage.index)."""
         return EosScript({
-            f"{q.query_id}/{k}.{i}": c.output_tokens
+            call_id_of(q.query_id, k, i): c.output_tokens
             for q in self.queries
             for k, stage in enumerate(q.workflow.stages)
             for i, c in enumerate(stage.calls)

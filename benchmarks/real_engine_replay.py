@@ -47,6 +47,7 @@ import yaml
 
 from hexgen_api.v1 import coordinator_pb2 as cpb
 from hexgen_client.client import CoordinatorClient
+from hexgen_coordinator.ledger import call_id_of
 from hexgen_flow.cluster import Cluster, parse_cluster
 from hexgen_flow.lengths import OutputLengthPredictor, OutputLengths
 from hexgen_flow.metrics import json_safe
@@ -333,7 +334,7 @@ def predict(
             return
         ticket, now = event.ticket, event.now
         started = ticket.admitted_s if ticket.admitted_s is not None else ticket.released_s
-        call_id = f"{ticket.query_id}/{ticket.stage}.{ticket.index}"  # the coordinator's ids
+        call_id = call_id_of(ticket.query_id, ticket.stage, ticket.index)  # the coordinator's
         calls.append(CallTimes(call_id, ticket.released_s, started, now))
 
     sim.core.observer = record
