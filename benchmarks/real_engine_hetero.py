@@ -83,10 +83,11 @@ from hexgen_flow.learning import (
     check_predictions,
     read_cost_journal,
 )
+from hexgen_flow.lengths import MaxTokensBelief, believed_query
 from hexgen_flow.metrics import json_safe, percentile
 from hexgen_flow.sim.simulator import SimConfig
 from hexgen_flow.traces import load_trace, take_queries
-from hexgen_flow.workload import Query, Workflow
+from hexgen_flow.workload import Query
 from hexgen_service.eos_script import EosScript
 from real_engine_replay import (
     _check_setup,
@@ -363,26 +364,10 @@ class Setting:
 
     def declared(self) -> tuple[Query, ...]:
         """The workflows as the mesh is given them: each call at its length, or at the cap."""
-        cap = self.lengths_cap
-        if cap is None:
+        if self.lengths_cap is None:
             return self.queries
-        return tuple(
-            dataclasses.replace(
-                q,
-                workflow=Workflow(
-                    tuple(
-                        dataclasses.replace(
-                            stage,
-                            calls=tuple(
-                                dataclasses.replace(c, output_tokens=cap) for c in stage.calls
-                            ),
-                        )
-                        for stage in q.workflow.stages
-                    )
-                ),
-            )
-            for q in self.queries
-        )
+        cap = MaxTokensBelief(self.lengths_cap)
+        return tuple(believed_query(q, cap) for q in self.queries)
 
     def eos_script(self) -> EosScript:
         """Where each call's model stops: its recorded length, by the coordinator's call id

@@ -49,7 +49,7 @@ from hexgen_api.v1 import coordinator_pb2 as cpb
 from hexgen_client.client import CoordinatorClient
 from hexgen_coordinator.ledger import call_id_of
 from hexgen_flow.cluster import Cluster, parse_cluster
-from hexgen_flow.lengths import OutputLengthPredictor, OutputLengths
+from hexgen_flow.lengths import OutputLengths
 from hexgen_flow.metrics import json_safe
 from hexgen_flow.policies.presets import resolve_policy
 from hexgen_flow.protocol import Action, CallDone, Event
@@ -280,12 +280,10 @@ def lengths_simulation(
     None) or, as a coordinator run with ``--output-lengths learned`` whose clients declare
     every call at `lengths_cap` tokens, learns them from the calls that finished, cold from
     its prior and never above the cap; the engines generate the queries' own lengths."""
-    if lengths_cap is not None:
-        config = dataclasses.replace(config, output_lengths=OutputLengths.LEARNED)
-    sim = Simulation(queries, cluster, resolve_policy(policy), config, truth=truth)
     if lengths_cap is not None:  # the coordinator's belief: the cap is all it was declared
-        sim.core.lengths = OutputLengthPredictor(cap=lengths_cap)
-    return sim
+        learned = OutputLengths.LEARNED
+        config = dataclasses.replace(config, output_lengths=learned, learned_cap=lengths_cap)
+    return Simulation(queries, cluster, resolve_policy(policy), config, truth=truth)
 
 
 def sim_cluster(cluster_file: Path, instances: int, profile: Path, work_dir: Path) -> Cluster:

@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from hexgen_coordinator.ledger import call_id_of
+from hexgen_flow.errors import ConfigError
 from hexgen_flow.lengths import OutputLengthPredictor
 from hexgen_flow.sim.simulator import SimConfig
 from hexgen_flow.traces import load_trace, take_queries
@@ -153,3 +154,8 @@ def test_a_folder_from_before_the_option_counts_as_known_lengths(tmp_path: Path)
     het.check_lengths(_setting(work, 6), work)
     with pytest.raises(SystemExit, match="measured with --output-lengths known"):
         het.check_lengths(_setting(work, 6, "--output-lengths", "learned"), work)
+
+
+def test_a_learned_cap_below_one_is_refused() -> None:
+    with pytest.raises(ConfigError, match="learned cap must be >= 1, got 0"):
+        SimConfig(0.1, learned_cap=0)

@@ -79,6 +79,10 @@ class SimConfig:
     `max_tokens` (max-tokens); the engines always generate the workload's."""
     max_tokens: int = DEFAULT_MAX_TOKENS
     """The cap every call is believed to have under ``max-tokens`` (a trace states none)."""
+    learned_cap: int | None = None
+    """Under ``learned``: the cap every call is declared at, as a coordinator's clients
+    declare their max_tokens, which the belief never exceeds; None: no cap (a trace's
+    declared lengths are what the engines generate, not caps)."""
     learn_costs: bool = False
     """Whether the scheduler learns each instance's latency model online from the calls it
     served (`hexgen_flow.learning`), with the calibration as its prior; off, it believes
@@ -91,6 +95,8 @@ class SimConfig:
             raise ConfigError(f"slo-scale must be > 0, got {self.slo_scale}")
         if not self.arrival_cv > 0:
             raise ConfigError(f"arrival-cv must be > 0, got {self.arrival_cv}")
+        if self.learned_cap is not None and self.learned_cap < 1:
+            raise ConfigError(f"learned cap must be >= 1, got {self.learned_cap}")
         caching = prefix_caching_of(self.engine, self.prefix_caching)
         object.__setattr__(self, "prefix_caching", caching)  # frozen: set once, here
 
@@ -150,7 +156,7 @@ class Simulation:
             for inst in self.truth.instances
         ]
         if config.output_lengths is OutputLengths.LEARNED:
-            self.core.lengths = OutputLengthPredictor()
+            self.core.lengths = OutputLengthPredictor(cap=config.learned_cap)
         elif config.output_lengths is OutputLengths.MAX_TOKENS:
             self.core.lengths = MaxTokensBelief(config.max_tokens)
         self._believed: dict[int, Query] = {}
