@@ -74,6 +74,7 @@ import yaml
 
 from hexgen_api.v1 import coordinator_pb2 as cpb
 from hexgen_coordinator.ledger import call_id_of
+from hexgen_flow.bench.plan import saturation
 from hexgen_flow.bench.tasks import find_goodput
 from hexgen_flow.cluster import Cluster, parse_cluster
 from hexgen_flow.latency import LatencyModel
@@ -430,9 +431,10 @@ def with_slos(queries: Sequence[Query], fast: LatencyModel, scale: float) -> tup
 # ------------------------------------------------------------------------------ capacity
 
 CAPACITY_ROUTERS = ("least-requests", "llm-d-predicted")
-"""The load-aware routers compared here: the best one's goodput is the servers' capacity,
-as `hexgen-flow bench`'s stable part defines a cluster's saturation rate (round-robin does
-not look at load, so it does not set it)."""
+"""The load-aware routers compared here (presets of `hexgen_flow.bench.plan.LOAD_AWARE`):
+the best one's goodput is the servers' capacity, the saturation rate of `hexgen-flow
+bench`'s stable part (`hexgen_flow.bench.plan.saturation`; round-robin does not look at
+load, so it does not set it)."""
 
 CAPACITY_WORKFLOWS = 240
 """Workflows in each simulated run of the capacity search: the workload cycled (ten rounds
@@ -479,13 +481,13 @@ def capacity(chosen: Setting, workload: Sequence[Query], slo_scale: float) -> Ca
 
         goodput[router], _ = find_goodput(attainment, max_qps=2.0, resolution=0.001)
     goodput = {router: round(qps, 4) for router, qps in goodput.items()}
-    best = max(CAPACITY_ROUTERS, key=lambda r: goodput[r])
-    if goodput[best] <= 0:
+    best, qps = saturation(goodput)
+    if qps <= 0:
         raise SystemExit(
             "capacity: no router keeps 95 % of the workflows within their SLO at any rate "
             "(raise --slo-scale, or give --qps)"
         )
-    return Capacity(goodput[best], best, goodput)
+    return Capacity(qps, best, goodput)
 
 
 def arrival_rate(args: argparse.Namespace, cap: Capacity | None) -> float:

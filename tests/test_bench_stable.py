@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from cli_runner import run_cli
-from hexgen_flow.bench.plan import BASELINE, FLAGSHIP, LOAD_AWARE
+from hexgen_flow.bench.plan import BASELINE, FLAGSHIP, LOAD_AWARE, saturation
 from hexgen_flow.bench.readme import readme_block
 from hexgen_flow.bench.stable import (
     CLAIRVOYANT,
@@ -74,6 +74,16 @@ def test_the_loads_are_fractions_of_the_best_routers_goodput(quick: dict[str, An
             assert cell["speedup_vs_best_router"] == pytest.approx(p95[best] / p95[FLAGSHIP])
             assert cell["speedup_vs_vllm"] == pytest.approx(p95[BASELINE] / p95[FLAGSHIP])
             assert all(math.isfinite(v) and v > 0 for v in p95.values())
+
+
+def test_the_saturation_rate_is_the_best_load_aware_routers_goodput() -> None:
+    # the flagship and round-robin never set it, however high their goodput
+    goodput = {FLAGSHIP: 0.9, BASELINE: 0.8, "least-requests": 0.4, "llm-d-predicted": 0.5}
+    assert saturation(goodput) == ("llm-d-predicted", 0.5)
+    # on a tie, the first router given
+    assert saturation({"autellix": 0.3, "least-requests": 0.3}) == ("autellix", 0.3)
+    with pytest.raises(ValueError, match="load-aware"):
+        saturation({FLAGSHIP: 0.9, BASELINE: 0.8})
 
 
 def test_the_bands_span_their_rows(quick: dict[str, Any]) -> None:

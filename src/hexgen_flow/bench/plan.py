@@ -4,6 +4,7 @@ list of pool tasks a plan expands to."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,7 @@ __all__ = [
     "BenchPlan",
     "Task",
     "plan_tasks",
+    "saturation",
 ]
 
 BASELINE = "vllm"
@@ -223,6 +225,19 @@ class Task:
     prefix_caching: bool = False
     goodput: tuple[float, float, float] = (0.95, 2.0, 0.005)
     """(target attainment, highest rate, resolution) of a goodput search."""
+
+
+def saturation(goodput: Mapping[str, float]) -> tuple[str, float]:
+    """A cluster's saturation rate for a workload: the highest goodput (q/s) among the
+    `LOAD_AWARE` routers of `goodput` (each searched preset's goodput), the rate past which
+    the routers people run stop keeping their SLOs, and the router that has it (on a tie,
+    the first in `goodput`). Loads are stated as fractions of it, where a rate in q/s would
+    mean another load on every cluster. ValueError if `goodput` has no load-aware router."""
+    routers = [p for p in goodput if p in LOAD_AWARE]
+    if not routers:
+        raise ValueError(f"no load-aware router among {sorted(goodput)}")
+    best = max(routers, key=goodput.__getitem__)
+    return best, goodput[best]
 
 
 def plan_tasks(plan: BenchPlan) -> list[Task]:

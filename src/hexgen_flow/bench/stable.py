@@ -9,7 +9,8 @@ part measures where a cluster is run on purpose, and under realistic information
 1. **Saturation.** For each (trace, information model) it searches every compared preset's
    goodput (`tasks.find_goodput`: the highest steady rate at which at least 95 % of the
    queries meet their SLO). The best load-aware router's goodput is that row's *saturation
-   rate* (the rate past which the routers people run stop keeping their SLOs).
+   rate* (`plan.saturation`: the rate past which the routers people run stop keeping their
+   SLOs).
 2. **Loads relative to it.** Every preset then runs at `StablePlan.loads` (50, 70, 90 %) of
    that rate; a row's speedup is the best router's P95 over ``hexgen-flow``'s (the best
    router of each load chosen again, the lowest P95 of `plan.LOAD_AWARE`), and over
@@ -33,7 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hexgen_flow.bench.plan import BASELINE, FLAGSHIP, LOAD_AWARE, Task
+from hexgen_flow.bench.plan import BASELINE, FLAGSHIP, LOAD_AWARE, Task, saturation
 from hexgen_flow.bench.run import run_tasks
 from hexgen_flow.calibration import DEFAULT_CALIBRATION
 from hexgen_flow.sim.engines import DEFAULT_ENGINE_MODEL
@@ -226,22 +227,23 @@ def run_stable(plan: StablePlan = STABLE_PLAN, *, workers: int = 2) -> dict[str,
         file=sys.stderr,
     )
     goodput = run_tasks(searches, workers)
-    saturation: dict[tuple[str, str], float] = {}
-    for info in plan.information:
-        for trace in plan.traces:
-            saturation[(info.name, trace)] = max(
-                goodput[("goodput", info.name, trace, p)]["goodput_qps"] for p in routers
-            )
-    if min(saturation.values()) <= 0:
+    rates = {
+        (info.name, trace): {
+            p: goodput[("goodput", info.name, trace, p)]["goodput_qps"] for p in plan.presets
+        }
+        for info in plan.information
+        for trace in plan.traces
+    }
+    saturated = {row: saturation(rates[row]) for row in rates}
+    saturation_qps = {row: qps for row, (_, qps) in saturated.items()}
+    if min(saturation_qps.values()) <= 0:
         raise ValueError("a row has no router that keeps its SLO at any rate: raise slo_scale")
-    runs = run_tasks(stable_tasks(plan, saturation), workers)
+    runs = run_tasks(stable_tasks(plan, saturation_qps), workers)
     rows = []
     for info in plan.information:
         for trace in plan.traces:
-            rates = {
-                p: goodput[("goodput", info.name, trace, p)]["goodput_qps"] for p in plan.presets
-            }
-            router = max(routers, key=lambda p: (rates[p], -plan.presets.index(p)))
+            row = rates[(info.name, trace)]
+            router = saturated[(info.name, trace)][0]
             loads = []
             for load in plan.loads:
                 cells = {p: runs[("run", info.name, trace, load, p)] for p in plan.presets}
@@ -249,7 +251,7 @@ def run_stable(plan: StablePlan = STABLE_PLAN, *, workers: int = 2) -> dict[str,
                 best = min(routers, key=lambda p: (p95[p], plan.presets.index(p)))
                 loads.append({
                     "load": load,
-                    "qps": round(load * saturation[(info.name, trace)], 6),
+                    "qps": round(load * saturation_qps[(info.name, trace)], 6),
                     "p95_s": p95,
                     "slo_attainment": {p: cells[p]["slo_attainment"] for p in plan.presets},
                     "alpha": cells[FLAGSHIP]["alpha"],
@@ -263,12 +265,12 @@ def run_stable(plan: StablePlan = STABLE_PLAN, *, workers: int = 2) -> dict[str,
                 "information": info.name,
                 "realistic": info.realistic,
                 "trace": trace,
-                "saturation_qps": saturation[(info.name, trace)],
-                "goodput_qps": rates,
+                "saturation_qps": saturation_qps[(info.name, trace)],
+                "goodput_qps": row,
                 "best_goodput_router": router,
-                "goodput_ratio_vs_best_router": _ratio(rates[FLAGSHIP], rates[router]),
+                "goodput_ratio_vs_best_router": _ratio(row[FLAGSHIP], row[router]),
                 "goodput_ratio_vs_vllm": (
-                    _ratio(rates[FLAGSHIP], rates[BASELINE]) if BASELINE in rates else None
+                    _ratio(row[FLAGSHIP], row[BASELINE]) if BASELINE in row else None
                 ),
                 "loads": loads,
             })  # fmt: skip
