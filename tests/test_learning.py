@@ -28,6 +28,7 @@ from hexgen_flow.learning import (
     read_cost_journal,
     within_after,
 )
+from hexgen_flow.lengths import OutputLengths
 from hexgen_flow.policies.dispatch import MarginalLatencyDispatcher
 from hexgen_flow.policies.presets import PRESETS
 from hexgen_flow.roofline import prefill_floor_s
@@ -175,6 +176,49 @@ def test_the_metered_engine_measures_what_a_worker_can() -> None:
     assert two.others_calls == 0
     assert 1.0 < one.mean_batch < 2.0 and 1.0 < two.mean_batch <= 2.0
     assert engine.take_cost(first) is None  # once
+
+
+def test_the_simulator_meters_a_call_at_what_its_engine_was_asked_for() -> None:
+    """While a call runs, its driver knows only what the engine was asked to generate: a
+    coordinator learning output lengths asks each worker for the declared cap and hears
+    what a call generated when it is back. The simulator's meter charges the same, not the
+    length its engine model runs (the workload's), or it would learn from a KV load no
+    worker can see."""
+    call = LLMCall("a", 1000, 4)  # generates 4 tokens, declared at 64
+    run = QueryRun(Query("q", Workflow.chain([(call,)])), 0, 0.0, 1e9)
+    means = {}
+    for declared in (None, 64):
+        engine = MeteredEngine(BatchingEngineModel(L40S), 0, declared)
+        ticket = CallTicket(0, run, 0, call, 0.0, 1e9)
+        engine.admit(ticket, 0.0)
+        finished: list[CallTicket] = []
+        while not finished:
+            finished = engine.advance(engine.next_event_s())
+        cost = engine.take_cost(ticket)
+        assert cost is not None and cost.output_tokens == 4  # what it generated
+        means[declared] = cost.mean_kv_tokens
+    assert means == {None: pytest.approx(1000 + 4 / 2), 64: pytest.approx(1000 + 64 / 2)}
+    # the coordinator's meter, told the call generated 4 of the 64 asked, charges the same
+    meter = CostMeter(0)
+    asked = CallTicket(0, run, 0, dataclasses.replace(call, output_tokens=64), 0.0, 1e9)
+    meter.taken(asked, 0.0)
+    asked.output_tokens = 4
+    cost = meter.finished(asked, 1.0)
+    assert cost is not None and cost.mean_kv_tokens == pytest.approx(means[64])
+    # and each information model sets the simulator's meters to what its engines are asked
+    queries = take_queries(load_trace("trace1"), 2)
+    for lengths, cap, expected in (
+        (OutputLengths.KNOWN, None, None),
+        (OutputLengths.LEARNED, None, None),
+        (OutputLengths.LEARNED, 32, 32),
+        (OutputLengths.MAX_TOKENS, None, 512),
+    ):
+        config = SimConfig(
+            qps=0.2, learn_costs=True, output_lengths=lengths, learned_cap=cap, max_tokens=512
+        )
+        sim = Simulation(queries, CLUSTER, PRESETS["hexgen-flow"].with_alpha(0.5), config)
+        assert sim._metered is not None
+        assert {m.declared for m in sim._metered} == {expected}, (lengths, cap)
 
 
 def test_the_scheduler_follows_what_it_learned() -> None:

@@ -783,15 +783,12 @@ class CostMeter:
             self._kv_area += self._kv * dt
             self._t = now
 
-    @staticmethod
-    def _kv_of(ticket: CallTicket) -> float:
-        """A held call's KV tokens: its prompt and half the output its engine was asked for
-        (a driver that learns output lengths is told what it generated only when it comes
-        back, and then sets `CallTicket.output_tokens` to that)."""
-        return ticket.call.input_tokens + ticket.output_tokens / 2
-
-    def taken(self, ticket: CallTicket, now: float) -> None:
-        """The engine took `ticket` at `now` (a call taken again is taken anew)."""
+    def taken(self, ticket: CallTicket, now: float, asked: int | None = None) -> None:
+        """The engine took `ticket` at `now` (a call taken again is taken anew). Until it
+        is back it holds its prompt and half the output its engine was asked for: `asked`
+        tokens, by default `CallTicket.output_tokens` (a driver that learns output lengths
+        asks for the declared cap, and is told what the call generated only when it comes
+        back)."""
         started = self._started
         if ticket in started:
             self.dropped(ticket, now)
@@ -800,7 +797,7 @@ class CostMeter:
         self._advance(now)
         held_before = self._held
         self._held += 1
-        kv = self._kv_of(ticket)
+        kv = ticket.call.input_tokens + (ticket.output_tokens if asked is None else asked) / 2
         self._kv += kv
         self._log.append(ticket)
         self._log_s.append(now)

@@ -21,8 +21,13 @@ __all__ = ["MeteredEngine"]
 class MeteredEngine:
     """An engine model whose calls a `CostMeter` measures (see the module)."""
 
-    def __init__(self, engine: EngineModel, instance: int) -> None:
+    def __init__(self, engine: EngineModel, instance: int, declared: int | None = None) -> None:
         self.engine = engine
+        self.declared = declared
+        """The output tokens every call is declared at, which a worker's engine is asked
+        for while the call is held (a coordinator learning output lengths asks for its
+        clients' cap and hears what a call generated only when it is back); None: each
+        call's own, as when the lengths are known."""
         self.kv_capacity = engine.kv_capacity
         self.max_batch = engine.max_batch
         # The engine's chunked-prefill budget per step, where it has one.
@@ -57,7 +62,7 @@ class MeteredEngine:
 
     def admit(self, ticket: CallTicket, now: float) -> None:
         self.engine.admit(ticket, now)
-        self.meter.taken(ticket, now)
+        self.meter.taken(ticket, now, self.declared)
 
     def abort(self, ticket: CallTicket, now: float) -> bool:
         self.meter.dropped(ticket, now)

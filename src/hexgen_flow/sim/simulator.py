@@ -155,16 +155,19 @@ class Simulation:
             create_engine_model(config.engine, inst, prefix_caching=config.prefix_caching)
             for inst in self.truth.instances
         ]
+        declared: int | None = None  # the output tokens a call's engine is asked for
         if config.output_lengths is OutputLengths.LEARNED:
             self.core.lengths = OutputLengthPredictor(cap=config.learned_cap)
+            declared = config.learned_cap
         elif config.output_lengths is OutputLengths.MAX_TOKENS:
             self.core.lengths = MaxTokensBelief(config.max_tokens)
+            declared = config.max_tokens
         self._believed: dict[int, Query] = {}
         """Each arrived query as the scheduler believes it (`planned`)."""
         self._metered: list[MeteredEngine] | None = None
         if config.learn_costs:
             self.scheduler.learn_costs()
-            self._metered = [MeteredEngine(e, i) for i, e in enumerate(self.engines)]
+            self._metered = [MeteredEngine(e, i, declared) for i, e in enumerate(self.engines)]
             self.engines = list(self._metered)
         self.instances = [
             InstanceScheduler(self.scheduler.make_queue(inst.index), engine)
