@@ -1,19 +1,26 @@
 """A scripted end of sequence (`hexgen_service.eos_script`, a worker's ``--eos-script``):
 the file's checks, and a real mesh (coordinator, workers and Redis as processes) whose
 coordinator learns output lengths under the caps its client declares while the workers stop
-each call where the script says, as a model would stop at its end of sequence."""
+each call where the script says, as a model would stop at its end of sequence; and the
+same mesh with a worker and then the coordinator SIGKILLed mid-run."""
 
 from __future__ import annotations
 
 import asyncio
 import subprocess
+import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
+import redis
 
 from hexgen_api.v1 import coordinator_pb2 as cpb
 from hexgen_client.client import CoordinatorClient
+from hexgen_coordinator.ledger import call_id_of
 from hexgen_flow.errors import ConfigError
+from hexgen_flow.lengths import MaxTokensBelief, believed_query
+from hexgen_flow.traces import load_trace, take_queries
 from hexgen_flow.workload import LLMCall, Query, Workflow
 from hexgen_launch.cluster import LocalCluster, LocalClusterConfig, WorkerLaunch
 from hexgen_launch.replay import replay
@@ -123,3 +130,83 @@ def test_a_mesh_learns_the_lengths_its_workers_stop_at_while_its_client_declares
     with LocalCluster(config) as mesh:
         generated = asyncio.run(run(mesh.coordinator_address))
     assert generated == script | {"eos-9/1.0": CAP}
+
+
+@needs_redis_server
+def test_killed_workers_and_coordinators_lose_nothing_and_stop_each_call_where_scripted(
+    tmp_path: Path,
+) -> None:
+    """The same setting under faults: 160 queries of trace3, every call declared at the
+    trace's longest output and stopped by the script at its recorded length. A worker is
+    SIGKILLed with calls in flight (and started again), then the coordinator is SIGKILLed
+    and restarted. Every query completes, every call completes exactly once (the Redis
+    `completions` stream), and every call, the ones moved to another worker included,
+    generated what the script says: a call id names the same end on whichever worker runs
+    it, after the coordinator that dispatched it is gone."""
+    queries = take_queries(load_trace("trace3"), 160)
+    calls = {
+        call_id_of(q.query_id, k, i): c.output_tokens
+        for q in queries
+        for k, stage in enumerate(q.workflow.stages)
+        for i, c in enumerate(stage.calls)
+    }
+    cap = max(calls.values())
+    assert len(set(calls.values())) > 10  # the script says many different ends
+    declared = [believed_query(q, MaxTokensBelief(cap)) for q in queries]
+    path = tmp_path / "eos.json"
+    EosScript(calls).write(path)
+    worker = WorkerLaunch("simulated", ("--eos-script", str(path)))
+    config = LocalClusterConfig(
+        cluster="A100,A100,A6000,L40S",
+        policy="hexgen-flow",
+        output_lengths="learned",
+        listen="127.0.0.1:0",
+        tuner=False,
+        time_scale=50.0,
+        start_timeout_s=30,
+        admission="off",
+        log_dir=tmp_path / "logs",
+        workers=(worker,) * 4,
+    )
+    killed = 1
+
+    def disturb(mesh: LocalCluster) -> None:
+        assert mesh.status().instances[killed].in_flight > 0, "nothing to lose yet"
+        mesh.kill_worker(killed)
+        time.sleep(1.0)
+        mesh.start_worker(killed)
+        time.sleep(1.0)
+        mesh.restart_coordinator()
+
+    async def run(mesh: LocalCluster) -> tuple[dict[str, int], int]:
+        async with CoordinatorClient(mesh.coordinator_address) as client:
+            replaying = asyncio.create_task(replay(client, declared, 0.5, seed=0, retry_s=60))
+            await asyncio.sleep(4.0)
+            assert not replaying.done(), "the run ended before it could be disturbed"
+            await asyncio.to_thread(disturb, mesh)
+            metrics = await replaying
+        assert metrics.completed == len(queries)
+        async with CoordinatorClient(mesh.coordinator_address) as client:
+            generated, moved = {}, 0
+            for query in queries:
+                reply = await client.get(query.query_id)
+                for event in reply.events:
+                    if event.kind == cpb.QueryEventKind.QUERY_EVENT_KIND_CALL_FINISHED:
+                        generated[event.call_id] = event.output_tokens
+                    elif event.kind == cpb.QueryEventKind.QUERY_EVENT_KIND_CALL_REDISPATCHED:
+                        moved += 1
+        return generated, moved
+
+    with LocalCluster(config) as mesh:
+        generated, moved = asyncio.run(run(mesh))
+        assert mesh.redis_url is not None
+        store = redis.Redis.from_url(mesh.redis_url)
+        try:
+            entries = store.xrange(f"{mesh.config.redis_prefix}completions")
+        finally:
+            store.close()
+    done = Counter(fields[b"call_id"].decode() for _, fields in entries)
+    assert set(done) == set(calls), "calls lost or unknown calls completed"
+    assert [c for c, n in done.items() if n != 1] == [], "completed more than once"
+    assert moved > 0  # the kill took calls in flight with it
+    assert generated == calls
