@@ -11,6 +11,7 @@ import subprocess
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -83,6 +84,27 @@ def test_a_bad_script_stops_the_worker_at_start_naming_the_file(
     assert str(path) in str(caught.value) and says in str(caught.value)
 
 
+def _scripted_mesh(
+    tmp_path: Path, script: dict[str, int], cluster: str, **options: Any
+) -> LocalClusterConfig:
+    """A local mesh learning output lengths on `cluster`, one simulated worker per
+    instance, each stopping calls where `script` (written under `tmp_path`) says."""
+    path = tmp_path / "eos.json"
+    EosScript(script).write(path)
+    worker = WorkerLaunch("simulated", ("--eos-script", str(path)))
+    return LocalClusterConfig(
+        cluster=cluster,
+        policy="hexgen-flow",
+        output_lengths="learned",
+        listen="127.0.0.1:0",
+        tuner=False,
+        time_scale=50.0,
+        log_dir=tmp_path / "logs",
+        workers=(worker,) * len(cluster.split(",")),
+        **options,
+    )
+
+
 @needs_redis_server
 def test_a_mesh_learns_the_lengths_its_workers_stop_at_while_its_client_declares_caps(
     tmp_path: Path,
@@ -102,19 +124,7 @@ def test_a_mesh_learns_the_lengths_its_workers_stop_at_while_its_client_declares
         for i in range(10)
     ]
     script = {f"eos-{i}/0.0": 5 for i in range(10)} | {f"eos-{i}/1.0": 12 for i in range(9)}
-    path = tmp_path / "eos.json"
-    EosScript(script).write(path)
-    worker = WorkerLaunch("simulated", ("--eos-script", str(path)))
-    config = LocalClusterConfig(
-        cluster="A100,A6000",
-        policy="hexgen-flow",
-        output_lengths="learned",
-        listen="127.0.0.1:0",
-        tuner=False,
-        time_scale=50.0,
-        log_dir=tmp_path / "logs",
-        workers=(worker, worker),
-    )
+    config = _scripted_mesh(tmp_path, script, "A100,A6000")
 
     async def run(address: str) -> dict[str, int]:
         async with CoordinatorClient(address) as client:
@@ -153,20 +163,8 @@ def test_killed_workers_and_coordinators_lose_nothing_and_stop_each_call_where_s
     cap = max(calls.values())
     assert len(set(calls.values())) > 10  # the script says many different ends
     declared = [believed_query(q, MaxTokensBelief(cap)) for q in queries]
-    path = tmp_path / "eos.json"
-    EosScript(calls).write(path)
-    worker = WorkerLaunch("simulated", ("--eos-script", str(path)))
-    config = LocalClusterConfig(
-        cluster="A100,A100,A6000,L40S",
-        policy="hexgen-flow",
-        output_lengths="learned",
-        listen="127.0.0.1:0",
-        tuner=False,
-        time_scale=50.0,
-        start_timeout_s=30,
-        admission="off",
-        log_dir=tmp_path / "logs",
-        workers=(worker,) * 4,
+    config = _scripted_mesh(
+        tmp_path, calls, "A100,A100,A6000,L40S", start_timeout_s=30, admission="off"
     )
     killed = 1
 
